@@ -1,0 +1,105 @@
+"""Discover: walk an ImageFolder tree into a sorted list of (source, label).
+
+Labels are the sorted class-folder names, 0..K-1, as torchvision's ImageFolder gives
+them, except that hidden folders (``.ipynb_checkpoints``) are never classes. A folder
+with images and no class folders is *unlabeled* (label -1).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from dsc.errors import CompileError
+
+IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".bmp", ".gif", ".webp",
+                              ".tif", ".tiff", ".ppm", ".pgm", ".pbm", ".pnm"})
+
+
+@dataclass
+class Discovery:
+    """What `discover` found: sources relative to `root`, '/'-separated, sorted by (label, path)."""
+
+    root: Path
+    sources: list[str]
+    labels: np.ndarray
+    classes: list[str]
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    empty_classes: list[str] = field(default_factory=list)
+
+    @property
+    def labeled(self) -> bool:
+        return bool(self.classes)
+
+
+def is_image_name(name: str) -> bool:
+    return not name.startswith(".") and os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
+
+
+def _walk(top: Path, rel: str, seen: set[tuple[int, int]], found: list[str],
+          skipped: list[tuple[str, str]]) -> None:
+    """Collect image files below `top` recursively, following symlinks but never a loop."""
+    try:
+        st = top.stat()
+        if (st.st_dev, st.st_ino) in seen:
+            return
+        seen.add((st.st_dev, st.st_ino))
+        entries = sorted(os.scandir(top), key=lambda e: e.name)
+    except OSError as e:
+        skipped.append((rel or ".", f"cannot list folder: {e.strerror or e}"))
+        return
+    for entry in entries:
+        if entry.name.startswith("."):
+            continue
+        child = f"{rel}/{entry.name}" if rel else entry.name
+        try:
+            is_dir = entry.is_dir()
+            is_file = entry.is_file()
+        except OSError as e:
+            skipped.append((child, f"cannot stat: {e.strerror or e}"))
+            continue
+        if is_dir:
+            _walk(Path(entry.path), child, seen, found, skipped)
+        elif is_image_name(entry.name):
+            if is_file:
+                found.append(child)
+            elif entry.is_symlink():
+                skipped.append((child, "broken symbolic link (its target does not exist)"))
+
+
+def discover(root: str | os.PathLike) -> Discovery:
+    """List every image under `root`; raise CompileError when there is nothing to compile."""
+    root = Path(root)
+    if not root.exists():
+        raise CompileError(f"source folder {root} does not exist")
+    if not root.is_dir():
+        raise CompileError(f"source {root} is not a folder")
+    try:
+        top = sorted(os.scandir(root), key=lambda e: e.name)
+    except OSError as e:
+        raise CompileError(f"cannot list source folder {root}: {e.strerror or e}") from e
+    classes = [e.name for e in top if not e.name.startswith(".") and e.is_dir()]
+    sources: list[str] = []
+    labels: list[int] = []
+    skipped: list[tuple[str, str]] = []
+    empty: list[str] = []
+    seen = {(root.stat().st_dev, root.stat().st_ino)}
+    if classes:
+        for label, name in enumerate(classes):
+            found: list[str] = []
+            _walk(root / name, name, seen, found, skipped)
+            if not found:
+                empty.append(name)
+            sources += found
+            labels += [label] * len(found)
+        skipped += [(e.name, "not inside a class folder") for e in top if e.is_file() and is_image_name(e.name)]
+    else:
+        _walk(root, "", set(), sources, skipped)
+        labels = [-1] * len(sources)
+    if not sources:
+        raise CompileError(f"no images found in {root} (looked for {', '.join(sorted(IMAGE_EXTENSIONS))}, "
+                           "in class sub-folders or directly in the folder)")
+    return Discovery(root, sources, np.asarray(labels, dtype=np.int64), classes, skipped, empty)

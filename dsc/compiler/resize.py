@@ -1,0 +1,107 @@
+"""Resize: an upright RGB array → exactly (height, width) by one of three fit policies.
+
+- ``center-crop``: the largest centred box of the target's aspect ratio, resized to the target.
+- ``stretch``: the whole image, resized to the target, aspect ratio not kept.
+- ``pad``: the whole image scaled to fit inside the target, centred on a black (0) canvas.
+
+Resizing is antialiased bilinear (torch's uint8 kernel, which matches Pillow's
+``BILINEAR`` to within rounding and is ~3x faster on one core).
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from dsc.errors import CompileError
+
+FITS = ("center-crop", "stretch", "pad")
+PAD_VALUE = 0
+INTERPOLATION = "bilinear-antialias"
+MAX_TARGET_SIDE = 8192
+
+# Pillow hands out read-only arrays; the resize only reads its source, so torch's warning is moot.
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+
+
+@dataclass(frozen=True)
+class Target:
+    """The record size and fit policy every source is brought to."""
+
+    height: int
+    width: int
+    fit: str = "center-crop"
+
+    def __post_init__(self) -> None:
+        if self.fit not in FITS:
+            raise CompileError(f"unknown fit {self.fit!r}; choose one of {', '.join(FITS)}")
+        if not (1 <= self.height <= MAX_TARGET_SIDE and 1 <= self.width <= MAX_TARGET_SIDE):
+            raise CompileError(f"size {self.height}x{self.width} must be between 1 and {MAX_TARGET_SIDE} per side")
+
+
+def parse_size(text: str | int | tuple[int, int]) -> tuple[int, int]:
+    """'224' → (224, 224); '192x256' (height x width) → (192, 256)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return (text, text)
+    if isinstance(text, tuple) and len(text) == 2 and all(isinstance(v, int) for v in text):
+        return text
+    match = re.fullmatch(r"\s*(\d+)\s*(?:[xX×]\s*(\d+))?\s*", str(text))
+    if not match:
+        raise CompileError(f"size {text!r} is not N or HxW (for example 224 or 192x256)")
+    height = int(match.group(1))
+    width = int(match.group(2)) if match.group(2) else height
+    if not (1 <= height <= MAX_TARGET_SIDE and 1 <= width <= MAX_TARGET_SIDE):
+        raise CompileError(f"size {text!r} must be between 1 and {MAX_TARGET_SIDE} per side")
+    return (height, width)
+
+
+def pad_content_size(h: int, w: int, target: Target) -> tuple[int, int]:
+    """The size the whole image is scaled to inside the pad canvas."""
+    k = min(target.height / h, target.width / w)
+    return (min(target.height, max(1, round(h * k))), min(target.width, max(1, round(w * k))))
+
+
+def needed_size(h: int, w: int, target: Target) -> tuple[int, int]:
+    """How large the upright decode must be so that the resize only ever shrinks it or upsamples a small source."""
+    if target.fit == "pad":
+        return pad_content_size(h, w, target)
+    return (min(h, target.height), min(w, target.width))
+
+
+def crop_box(h: int, w: int, target: Target) -> tuple[int, int, int, int]:
+    """(top, left, height, width) of the centred box with the target's aspect ratio."""
+    if w * target.height > h * target.width:  # wider than the target: keep full height
+        bw = max(1, min(w, round(h * target.width / target.height)))
+        return (0, (w - bw) // 2, h, bw)
+    bh = max(1, min(h, round(w * target.height / target.width)))
+    return ((h - bh) // 2, 0, bh, w)
+
+
+def _resample(rgb: np.ndarray, height: int, width: int) -> torch.Tensor:
+    """Antialiased bilinear resize of an HWC uint8 array; returns an HWC uint8 tensor."""
+    src = torch.from_numpy(np.ascontiguousarray(rgb)).permute(2, 0, 1).unsqueeze(0)
+    if src.shape[2:] == (height, width):
+        return src[0].permute(1, 2, 0)
+    out = F.interpolate(src, size=(height, width), mode="bilinear", antialias=True, align_corners=False)
+    return out[0].permute(1, 2, 0)
+
+
+def resize_into(rgb: np.ndarray, target: Target, out: np.ndarray) -> None:
+    """Write `rgb` resized by `target`'s policy into `out` ([H, W, 3] uint8, e.g. a record of a shard)."""
+    h, w = rgb.shape[:2]
+    dst = torch.from_numpy(out)
+    if target.fit == "stretch":
+        dst.copy_(_resample(rgb, target.height, target.width))
+    elif target.fit == "center-crop":
+        top, left, bh, bw = crop_box(h, w, target)
+        dst.copy_(_resample(rgb[top:top + bh, left:left + bw], target.height, target.width))
+    else:
+        ch, cw = pad_content_size(h, w, target)
+        top, left = (target.height - ch) // 2, (target.width - cw) // 2
+        out.fill(PAD_VALUE)
+        dst[top:top + ch, left:left + cw].copy_(_resample(rgb, ch, cw))

@@ -1,0 +1,173 @@
+"""Write: decode + resize every source straight into its record slot of the shard memory maps.
+
+Record slot `i` belongs to source `order[i]`, fixed before any work starts, so the bytes
+do not depend on how many workers there are or which finishes first. Workers are
+processes (decoding is CPU-bound and partly holds the GIL); each maps the shard files
+itself, so no pixel ever crosses a pipe: only (slot, size or reason) comes back.
+Slots of skipped sources are closed up afterwards by `compact`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dsc import format as fmt
+from dsc.compiler.decode import decode, probe
+from dsc.compiler.resize import Target, needed_size, resize_into
+from dsc.errors import CompileError, ImageError
+
+CHUNK = 16  # sources per task: small enough to keep every worker busy to the end
+
+
+@dataclass(frozen=True)
+class WriteJob:
+    """All a worker needs to fill slots; small and picklable."""
+
+    src_root: str
+    stage: str
+    count: int
+    records_per_shard: int
+    target: Target
+    max_pixels: int
+
+
+@dataclass(frozen=True)
+class SlotResult:
+    slot: int
+    height: int = 0  # original, upright
+    width: int = 0
+    reason: str = ""  # why the source was skipped; empty when it was written
+
+    @property
+    def ok(self) -> bool:
+        return not self.reason
+
+
+def compile_image(path: str, target: Target, out: np.ndarray, max_pixels: int) -> tuple[int, int]:
+    """Decode one file into `out`; return its upright (height, width) or raise ImageError."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ImageError(f"cannot read file: {e.strerror or e}") from e
+    try:
+        p = probe(data, max_pixels)
+        height, width = p.oriented_size
+        resize_into(decode(data, p, *needed_size(height, width, target)), target, out)
+    except ImageError:
+        raise
+    except Exception as e:  # one odd file must not end a compile of millions; report it instead
+        raise ImageError(f"cannot decode ({type(e).__name__}: {e})") from e
+    return height, width
+
+
+class SlotWriter:
+    """Fills slots of one staging folder; one per worker process."""
+
+    def __init__(self, job: WriteJob):
+        import torch
+
+        torch.set_num_threads(1)  # parallelism comes from the workers, not from inside a resize
+        self.job = job
+        self.shards: dict[int, np.memmap] = {}
+
+    def _record(self, slot: int) -> np.ndarray:
+        shard, pos = fmt.locate(slot, self.job.records_per_shard)
+        if shard not in self.shards:
+            records = fmt.shard_records(self.job.count, self.job.records_per_shard)[shard]
+            shape = (self.job.target.height, self.job.target.width, fmt.CHANNELS)
+            self.shards[shard] = fmt.open_shard(Path(self.job.stage) / fmt.shard_file(shard), records, shape, "r+")
+        return self.shards[shard][pos]
+
+    def write(self, tasks: list[tuple[int, str]]) -> list[SlotResult]:
+        results = []
+        for slot, source in tasks:
+            try:
+                path = os.path.join(self.job.src_root, source)
+                h, w = compile_image(path, self.job.target, self._record(slot), self.job.max_pixels)
+                results.append(SlotResult(slot, h, w))
+            except ImageError as e:
+                results.append(SlotResult(slot, reason=str(e)))
+        return results
+
+
+_WRITER: SlotWriter | None = None
+
+
+def _init_worker(job: WriteJob) -> None:
+    global _WRITER
+    _WRITER = SlotWriter(job)
+
+
+def _work(tasks: list[tuple[int, str]]) -> list[SlotResult]:
+    assert _WRITER is not None, "worker used before _init_worker"
+    return _WRITER.write(tasks)
+
+
+def fill_slots(job: WriteJob, sources: list[str], workers: int,
+               on_result: Callable[[SlotResult], None]) -> None:
+    """Fill slot i with `sources[i]` for every i, calling `on_result` in the caller's thread.
+
+    `on_result` may raise (e.g. for --strict) to stop the remaining work at once.
+    """
+    tasks = [(slot, source) for slot, source in enumerate(sources)]
+    chunks: Iterator[list[tuple[int, str]]] = (tasks[i:i + CHUNK] for i in range(0, len(tasks), CHUNK))
+    if workers <= 1:
+        writer = SlotWriter(job)
+        for chunk in chunks:
+            for result in writer.write(chunk):
+                on_result(result)
+        return
+    pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (job,))
+    try:
+        for results in pool.imap_unordered(_work, chunks):
+            for result in results:
+                on_result(result)
+        pool.close()
+    finally:
+        pool.terminate()
+        pool.join()
+
+
+def compact(stage: Path, ok: np.ndarray, job: WriteJob) -> int:
+    """Close up the slots of skipped sources, keeping the order of the rest; return the kept count."""
+    kept = int(ok.sum())
+    if kept == len(ok):
+        return kept
+    shape = (job.target.height, job.target.width, fmt.CHANNELS)
+    records = fmt.shard_records(job.count, job.records_per_shard)
+    shards = [fmt.open_shard(stage / fmt.shard_file(i), n, shape, "r+") for i, n in enumerate(records)]
+    # Runs of consecutive kept slots: each moves down by the number of skipped slots before it.
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], ok.astype(np.int8), [0]))))
+    dst = 0
+    for start, stop in zip(edges[::2], edges[1::2]):
+        if start != dst:
+            fmt.move_records(shards, int(start), dst, int(stop - start), job.records_per_shard)
+        dst += int(stop - start)
+    for shard in shards:
+        shard.flush()
+    return kept
+
+
+def fsync_files(paths: list[Path]) -> None:
+    """Make the workers' writes through their maps durable before the dataset is published."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def check_workers(workers: int | None) -> int:
+    if workers is None:
+        return os.cpu_count() or 1
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise CompileError(f"workers must be a positive integer, got {workers!r}")
+    return workers

@@ -1,0 +1,25 @@
+"""One exception family for everything dsc reports, so callers can catch `DscError`."""
+
+
+class DscError(Exception):
+    """Base of every error dsc raises on purpose."""
+
+
+class DatasetError(DscError, ValueError):
+    """A dataset folder is missing, damaged, or not what its manifest claims."""
+
+
+class UnsupportedVersionError(DatasetError):
+    """The dataset was written in a format version this dsc cannot read."""
+
+
+class ChecksumError(DatasetError):
+    """A file's bytes do not match the checksum recorded in the manifest."""
+
+
+class CompileError(DscError):
+    """A compile cannot start or cannot finish (bad options, bad SRC/OUT, --strict failure)."""
+
+
+class ImageError(DscError):
+    """One source image cannot be decoded; the compiler skips it or, with strict, fails."""

@@ -1,0 +1,471 @@
+"""The dsc dataset format, version 1: the only module that knows the on-disk layout.
+
+The contract is ``formats.md`` at the repository root; this module uses the same
+names for the same things. In short::
+
+    OUT/
+      manifest.json         written last: its presence means the dataset is complete
+      shards/00000.bin ...  raw uint8 records [n, H, W, 3] back to back, no header
+      labels.bin            int64 LE  [count]
+      sizes.bin             uint32 LE [count, 2]  original (height, width), EXIF-oriented
+      source_offsets.bin    uint64 LE [count + 1] byte ranges of each record's path in sources.bin
+      sources.bin           source paths relative to SRC, '/'-separated, as the file system's bytes
+
+Readers validate before they trust (`open_dataset`): the manifest's size, keys and
+types, its version, every count against every real file size, and every path
+confined to the dataset folder — only then are the files memory-mapped.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dsc.errors import ChecksumError, DatasetError, UnsupportedVersionError
+
+FORMAT_NAME = "dsc"
+FORMAT_VERSION = "1.0"  # MAJOR.MINOR: a reader refuses another MAJOR; MINOR only adds keys.
+MANIFEST_FILE = "manifest.json"
+SHARD_DIR = "shards"
+LABELS_FILE = "labels.bin"
+SIZES_FILE = "sizes.bin"
+SOURCE_OFFSETS_FILE = "source_offsets.bin"
+SOURCES_FILE = "sources.bin"
+INDEX_FILES = {"labels": LABELS_FILE, "sizes": SIZES_FILE,
+               "source_offsets": SOURCE_OFFSETS_FILE, "sources": SOURCES_FILE}
+
+CHANNELS = 3  # records are RGB
+RECORD_DTYPE = np.dtype(np.uint8)
+LABEL_DTYPE = np.dtype("<i8")
+SIZE_DTYPE = np.dtype("<u4")
+OFFSET_DTYPE = np.dtype("<u8")
+UNLABELED = -1  # the label of every record of a folder without class sub-folders
+MAX_MANIFEST_BYTES = 64 << 20  # refuse to parse more: a manifest is small, even with many skips
+MAX_SIDE = 1 << 16  # records are thumbnails for training, not posters
+HASH_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """A file of the dataset, with its exact size and SHA-256."""
+
+    file: str
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class ShardEntry(FileEntry):
+    """A shard file: `records` records of `record_bytes` each, nothing else."""
+
+    records: int = 0
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything `manifest.json` says (see formats.md, "manifest.json")."""
+
+    height: int
+    width: int
+    count: int
+    records_per_shard: int
+    classes: tuple[str, ...]
+    shards: tuple[ShardEntry, ...]
+    index: dict[str, FileEntry]
+    skipped: tuple[dict[str, str], ...] = ()
+    compile: dict[str, Any] = field(default_factory=dict)
+    version: str = FORMAT_VERSION
+
+    @property
+    def record_shape(self) -> tuple[int, int, int]:
+        return (self.height, self.width, CHANNELS)
+
+    @property
+    def record_bytes(self) -> int:
+        return self.height * self.width * CHANNELS
+
+    @property
+    def labeled(self) -> bool:
+        return bool(self.classes)
+
+    def to_json(self) -> str:
+        doc = {
+            "format": FORMAT_NAME,
+            "version": self.version,
+            "record": {"shape": list(self.record_shape), "dtype": "uint8", "layout": "HWC",
+                       "color": "RGB", "bytes": self.record_bytes},
+            "count": self.count,
+            "records_per_shard": self.records_per_shard,
+            "classes": list(self.classes),
+            "shards": [asdict(s) for s in self.shards],
+            "index": {k: asdict(v) for k, v in self.index.items()},
+            "skipped": [dict(s) for s in self.skipped],
+            "compile": self.compile,
+        }
+        return json.dumps(doc, indent=1, ensure_ascii=True) + "\n"
+
+
+# ----------------------------------------------------------------------------- layout helpers
+
+def shard_file(shard: int) -> str:
+    """The relative path the writer gives shard number `shard`."""
+    return f"{SHARD_DIR}/{shard:05d}.bin"
+
+
+def shard_count(count: int, records_per_shard: int) -> int:
+    return -(-count // records_per_shard)
+
+
+def shard_records(count: int, records_per_shard: int) -> list[int]:
+    """Records in each shard: `records_per_shard` each, the last one the remainder."""
+    full, rest = divmod(count, records_per_shard)
+    return [records_per_shard] * full + ([rest] if rest else [])
+
+
+def shard_segments(start: int, stop: int, records_per_shard: int) -> Iterator[tuple[int, int, int]]:
+    """Split records [start, stop) into (shard, first, last) pieces, one per shard touched."""
+    while start < stop:
+        shard, first = divmod(start, records_per_shard)
+        n = min(stop - start, records_per_shard - first)
+        yield shard, first, first + n
+        start += n
+
+
+def locate(record: int, records_per_shard: int) -> tuple[int, int]:
+    """(shard, position in shard) of a record."""
+    return divmod(record, records_per_shard)
+
+
+def move_records(shards: list[np.ndarray], src: int, dst: int, n: int, records_per_shard: int,
+                 piece: int = 256) -> None:
+    """Copy records [src, src + n) to [dst, dst + n), dst <= src, across shard boundaries."""
+    done = 0
+    while done < n:
+        (ss, so), (ds, do) = locate(src + done, records_per_shard), locate(dst + done, records_per_shard)
+        k = min(n - done, piece, records_per_shard - so, records_per_shard - do)
+        shards[ds][do:do + k] = shards[ss][so:so + k]
+        done += k
+
+
+def open_shard(path: Path, records: int, record_shape: tuple[int, int, int], mode: str = "r") -> np.memmap:
+    """Map one shard as a uint8 array [records, H, W, 3]."""
+    return np.memmap(path, dtype=RECORD_DTYPE, mode=mode, shape=(records, *record_shape))
+
+
+def allocate_shards(root: Path, count: int, records_per_shard: int, record_bytes: int) -> list[Path]:
+    """Create sparse, zero-filled shard files for `count` records; return their paths."""
+    (root / SHARD_DIR).mkdir(parents=True, exist_ok=True)
+    paths = []
+    for shard, records in enumerate(shard_records(count, records_per_shard)):
+        path = root / shard_file(shard)
+        with open(path, "wb") as f:
+            reserve(f.fileno(), records * record_bytes)
+        paths.append(path)
+    return paths
+
+
+def reserve(fd: int, size: int) -> None:
+    """Give a file its final size with its disk blocks allocated now: a full disk fails here,
+    with ENOSPC, instead of as SIGBUS when a worker later writes through the map."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+        os.ftruncate(fd, size)  # the file system cannot reserve: fall back to a sparse file
+
+
+def trim_shards(root: Path, count: int, records_per_shard: int, record_bytes: int) -> None:
+    """Cut the shard files down to `count` records after skipped sources were compacted away."""
+    records = shard_records(count, records_per_shard)
+    for path in sorted((root / SHARD_DIR).glob("*.bin")):
+        shard = int(path.stem)
+        if shard < len(records):
+            os.truncate(path, records[shard] * record_bytes)
+        else:
+            path.unlink()
+
+
+def encode_sources(sources: list[str]) -> tuple[np.ndarray, bytes]:
+    """Source paths → (offsets [n + 1], concatenated bytes), keeping undecodable names exact."""
+    blobs = [os.fsencode(s) for s in sources]
+    offsets = np.zeros(len(blobs) + 1, dtype=OFFSET_DTYPE)
+    np.cumsum([len(b) for b in blobs], out=offsets[1:])
+    return offsets, b"".join(blobs)
+
+
+def write_index(root: Path, labels: np.ndarray, sizes: np.ndarray, sources: list[str]) -> dict[str, FileEntry]:
+    """Write the per-record index files and return their manifest entries."""
+    offsets, blob = encode_sources(sources)
+    payloads = {"labels": np.ascontiguousarray(labels, LABEL_DTYPE).tobytes(),
+                "sizes": np.ascontiguousarray(sizes, SIZE_DTYPE).tobytes(),
+                "source_offsets": offsets.tobytes(), "sources": blob}
+    entries = {}
+    for key, payload in payloads.items():
+        name = INDEX_FILES[key]
+        write_durably(root / name, payload)
+        entries[key] = FileEntry(name, len(payload), hashlib.sha256(payload).hexdigest())
+    return entries
+
+
+def write_durably(path: Path, payload: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(payload)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_manifest(root: Path, manifest: Manifest) -> None:
+    """Write manifest.json last: until it exists, the folder is not a dataset."""
+    write_durably(root / MANIFEST_FILE, manifest.to_json().encode("ascii"))
+
+
+def sha256_file(path: Path) -> str:
+    """SHA-256 of a file, read in chunks (hashlib releases the GIL, so threads help)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def shard_entries(root: Path, count: int, records_per_shard: int, record_bytes: int,
+                  hasher=sha256_file, map_fn=map) -> tuple[ShardEntry, ...]:
+    """Manifest entries of the finished shards; `map_fn` may be a thread pool's map."""
+    records = shard_records(count, records_per_shard)
+    names = [shard_file(i) for i in range(len(records))]
+    digests = list(map_fn(hasher, [root / n for n in names]))
+    return tuple(ShardEntry(n, r * record_bytes, d, r) for n, r, d in zip(names, records, digests))
+
+
+# ----------------------------------------------------------------------------- validation
+
+_MANIFEST_KEYS = {"format", "version", "record", "count", "records_per_shard", "classes",
+                  "shards", "index", "skipped", "compile"}
+_RECORD_KEYS = {"shape", "dtype", "layout", "color", "bytes"}
+_FILE_KEYS = {"file", "bytes", "sha256"}
+
+
+def _fail(root: Path, what: str) -> DatasetError:
+    return DatasetError(f"{root / MANIFEST_FILE}: {what}")
+
+
+def _expect(root: Path, doc: dict, key: str, kind: type | tuple[type, ...], where: str = "") -> Any:
+    value = doc[key]
+    if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
+        names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise _fail(root, f"{where}{key!r} must be {names}, found {type(value).__name__} {value!r:.60}")
+    return value
+
+
+def _expect_int(root: Path, doc: dict, key: str, low: int, high: int, where: str = "") -> int:
+    value = _expect(root, doc, key, int, where)
+    if not low <= value <= high:
+        raise _fail(root, f"{where}{key!r} = {value} is outside [{low}, {high}]")
+    return value
+
+
+def _expect_keys(root: Path, doc: Any, required: set[str], where: str, extra_ok: bool) -> None:
+    if not isinstance(doc, dict):
+        raise _fail(root, f"{where or 'the manifest'} must be a JSON object, found {type(doc).__name__}")
+    missing = required - doc.keys()
+    if missing:
+        raise _fail(root, f"{where}missing key(s) {sorted(missing)}")
+    unknown = doc.keys() - required
+    if unknown and not extra_ok:
+        raise _fail(root, f"{where}unknown key(s) {sorted(unknown)} for version {FORMAT_VERSION}")
+
+
+def _check_version(root: Path, doc: dict) -> bool:
+    """Return whether the minor version is newer than ours (extra keys are then allowed)."""
+    if doc.get("format") != FORMAT_NAME:
+        raise _fail(root, f"'format' must be {FORMAT_NAME!r}, found {doc.get('format')!r:.60}")
+    version = doc.get("version")
+    parts = version.split(".") if isinstance(version, str) else []
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        raise _fail(root, f"'version' must be 'MAJOR.MINOR', found {version!r:.60}")
+    major, minor = (int(p) for p in parts)
+    ours_major, ours_minor = (int(p) for p in FORMAT_VERSION.split("."))
+    if major != ours_major:
+        raise UnsupportedVersionError(
+            f"{root}: dataset format version {version} is not supported by this dsc, which reads "
+            f"{ours_major}.x; recompile the dataset or use a dsc that reads version {major}.x")
+    return minor > ours_minor
+
+
+def _confined(root: Path, name: Any, where: str) -> Path:
+    """The path `name` inside the dataset folder, refusing anything that could escape it."""
+    if not isinstance(name, str) or not name or name.startswith("/") or "\\" in name or "\0" in name:
+        raise _fail(root, f"{where} has an invalid file name {name!r:.80}")
+    if any(part in ("", ".", "..") for part in name.split("/")):
+        raise _fail(root, f"{where} file name {name!r:.80} must be a plain relative path without '.' or '..'")
+    path = root / name
+    try:
+        real = path.resolve(strict=True)
+    except FileNotFoundError as e:
+        raise DatasetError(f"{path}: missing ({where} in the manifest)") from e
+    except (OSError, RuntimeError) as e:
+        raise DatasetError(f"{path}: cannot be resolved ({e})") from e
+    if not real.is_relative_to(root.resolve()) or not real.is_file():
+        raise DatasetError(f"{path}: {where} must be a regular file inside the dataset folder")
+    return path
+
+
+def _file_entry(root: Path, doc: Any, where: str, expected_bytes: int | None, extra_ok: bool,
+                entry_keys: set[str] = _FILE_KEYS) -> tuple[Path, dict]:
+    _expect_keys(root, doc, entry_keys, f"{where}: ", extra_ok)
+    path = _confined(root, doc["file"], where)
+    size = _expect_int(root, doc, "bytes", 0, 1 << 50, f"{where}: ")
+    sha = _expect(root, doc, "sha256", str, f"{where}: ")
+    if len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
+        raise _fail(root, f"{where}: 'sha256' must be 64 lowercase hex digits")
+    if expected_bytes is not None and size != expected_bytes:
+        raise _fail(root, f"{where}: declares {size} bytes, but its record count needs {expected_bytes}")
+    actual = path.stat().st_size
+    if actual != size:
+        raise DatasetError(f"{path}: file is {actual} bytes, the manifest says {size} "
+                           f"({'truncated' if actual < size else 'extended'}); the dataset is damaged")
+    return path, doc
+
+
+def parse_manifest(root: Path) -> Manifest:
+    """Read and validate manifest.json and the sizes of every file it names."""
+    path = root / MANIFEST_FILE
+    if not root.is_dir():
+        raise DatasetError(f"{root}: not a directory (expected a compiled dsc dataset)")
+    if not path.is_file():
+        raise DatasetError(f"{root}: no {MANIFEST_FILE}; not a dsc dataset, or its compile never finished")
+    size = path.stat().st_size
+    if size > MAX_MANIFEST_BYTES:
+        raise _fail(root, f"{size} bytes is more than the {MAX_MANIFEST_BYTES} a manifest may have")
+    try:
+        doc = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise _fail(root, f"not valid JSON ({e})") from e
+    if not isinstance(doc, dict):
+        raise _fail(root, f"must be a JSON object, found {type(doc).__name__}")
+    newer = _check_version(root, doc)
+    _expect_keys(root, doc, _MANIFEST_KEYS, "", newer)
+
+    record = doc["record"]
+    _expect_keys(root, record, _RECORD_KEYS, "record: ", newer)
+    shape = _expect(root, record, "shape", list, "record: ")
+    if len(shape) != 3 or any(isinstance(s, bool) or not isinstance(s, int) for s in shape) \
+            or shape[2] != CHANNELS or not all(1 <= s <= MAX_SIDE for s in shape[:2]):
+        raise _fail(root, f"record: 'shape' must be [H, W, {CHANNELS}] with 1 <= H, W <= {MAX_SIDE}, "
+                          f"found {shape!r:.60}")
+    for key, want in (("dtype", "uint8"), ("layout", "HWC"), ("color", "RGB")):
+        if record[key] != want:
+            raise _fail(root, f"record: {key!r} must be {want!r}, found {record[key]!r:.60}")
+    height, width = shape[0], shape[1]
+    record_bytes = height * width * CHANNELS
+    if record["bytes"] != record_bytes:
+        raise _fail(root, f"record: 'bytes' = {record['bytes']!r:.30} but shape {shape} needs {record_bytes}")
+
+    count = _expect_int(root, doc, "count", 1, 1 << 40)
+    per_shard = _expect_int(root, doc, "records_per_shard", 1, 1 << 40)
+    classes = _expect(root, doc, "classes", list)
+    if not all(isinstance(c, str) and c for c in classes) or len(set(classes)) != len(classes):
+        raise _fail(root, "'classes' must be a list of distinct, non-empty strings")
+
+    shards_doc = _expect(root, doc, "shards", list)
+    expected_records = shard_records(count, per_shard)
+    if len(shards_doc) != len(expected_records):
+        raise _fail(root, f"'shards' lists {len(shards_doc)} shard(s), but {count} records at "
+                          f"{per_shard} per shard need {len(expected_records)}")
+    shards, seen = [], set()
+    for i, (entry, records) in enumerate(zip(shards_doc, expected_records)):
+        where = f"shards[{i}]"
+        _file_entry(root, entry, where, records * record_bytes, newer, _FILE_KEYS | {"records"})
+        if _expect_int(root, entry, "records", 1, 1 << 40, f"{where}: ") != records:
+            raise _fail(root, f"{where}: 'records' = {entry['records']}, expected {records}")
+        if entry["file"] in seen:
+            raise _fail(root, f"{where}: file {entry['file']!r} is listed twice")
+        seen.add(entry["file"])
+        shards.append(ShardEntry(entry["file"], entry["bytes"], entry["sha256"], records))
+
+    index_doc = doc["index"]
+    _expect_keys(root, index_doc, set(INDEX_FILES), "index: ", newer)
+    index_bytes = {"labels": count * LABEL_DTYPE.itemsize, "sizes": count * 2 * SIZE_DTYPE.itemsize,
+                   "source_offsets": (count + 1) * OFFSET_DTYPE.itemsize, "sources": None}
+    index = {}
+    for key in INDEX_FILES:
+        _, entry = _file_entry(root, index_doc[key], f"index.{key}", index_bytes[key], newer)
+        if entry["file"] in seen:
+            raise _fail(root, f"index.{key}: file {entry['file']!r} is also used elsewhere")
+        seen.add(entry["file"])
+        index[key] = FileEntry(entry["file"], entry["bytes"], entry["sha256"])
+
+    skipped = _expect(root, doc, "skipped", list)
+    if not all(isinstance(s, dict) and set(s) == {"source", "reason"}
+               and all(isinstance(v, str) for v in s.values()) for s in skipped):
+        raise _fail(root, "'skipped' must be a list of {\"source\": str, \"reason\": str} objects")
+    return Manifest(height=height, width=width, count=count, records_per_shard=per_shard,
+                    classes=tuple(classes), shards=tuple(shards), index=index,
+                    skipped=tuple(skipped), compile=_expect(root, doc, "compile", dict),
+                    version=doc["version"])
+
+
+@dataclass(frozen=True)
+class OpenedDataset:
+    """A validated dataset: its manifest and read-only memory maps of every file."""
+
+    root: Path
+    manifest: Manifest
+    shards: tuple[np.memmap, ...]
+    labels: np.ndarray
+    sizes: np.ndarray
+    source_offsets: np.ndarray
+    sources: np.ndarray
+
+    def source(self, i: int) -> str:
+        """Record `i`'s source path, relative to the compiled SRC folder."""
+        start, stop = int(self.source_offsets[i]), int(self.source_offsets[i + 1])
+        return os.fsdecode(self.sources[start:stop].tobytes())
+
+    def shard_paths(self) -> list[Path]:
+        return [self.root / s.file for s in self.manifest.shards]
+
+
+def _map(path: Path, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    if 0 in shape:  # numpy cannot map an empty file
+        return np.zeros(shape, dtype)
+    return np.memmap(path, dtype=dtype, mode="r", shape=shape)
+
+
+def open_dataset(root: str | os.PathLike) -> OpenedDataset:
+    """Validate a dataset folder, then map its files read-only (no data is read yet)."""
+    root = Path(root)
+    manifest = parse_manifest(root)
+    n, k = manifest.count, len(manifest.classes)
+    labels = _map(root / manifest.index["labels"].file, LABEL_DTYPE, (n,))
+    sizes = _map(root / manifest.index["sizes"].file, SIZE_DTYPE, (n, 2))
+    offsets = _map(root / manifest.index["source_offsets"].file, OFFSET_DTYPE, (n + 1,))
+    sources = _map(root / manifest.index["sources"].file, np.dtype(np.uint8), (manifest.index["sources"].bytes,))
+    low, high = (0, k - 1) if k else (UNLABELED, UNLABELED)
+    if labels.size and (labels.min() < low or labels.max() > high):
+        raise DatasetError(f"{root / LABELS_FILE}: labels must lie in [{low}, {high}] for {k} classes, "
+                           f"found [{labels.min()}, {labels.max()}]")
+    if offsets[0] != 0 or offsets[-1] != sources.size or np.any(offsets[1:] < offsets[:-1]):
+        raise DatasetError(f"{root / SOURCE_OFFSETS_FILE}: offsets must rise from 0 to the size of "
+                           f"{SOURCES_FILE} ({sources.size})")
+    shards = tuple(open_shard(root / s.file, s.records, manifest.record_shape) for s in manifest.shards)
+    return OpenedDataset(root, manifest, shards, labels, sizes, offsets, sources)
+
+
+def verify_checksums(root: str | os.PathLike, manifest: Manifest, map_fn=map) -> None:
+    """Recompute every file's SHA-256; raise ChecksumError naming the first bad file."""
+    root = Path(root)
+    entries = list(manifest.shards) + list(manifest.index.values())
+    for entry, digest in zip(entries, map_fn(sha256_file, [root / e.file for e in entries])):
+        if digest != entry.sha256:
+            raise ChecksumError(f"{root / entry.file}: SHA-256 is {digest}, the manifest says "
+                                f"{entry.sha256}; the file is damaged")
