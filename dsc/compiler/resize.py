@@ -11,7 +11,6 @@ Resizing is antialiased bilinear (torch's uint8 kernel, which matches Pillow's
 from __future__ import annotations
 
 import re
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,9 +23,6 @@ FITS = ("center-crop", "stretch", "pad")
 PAD_VALUE = 0
 INTERPOLATION = "bilinear-antialias"
 MAX_TARGET_SIDE = 8192
-
-# Pillow hands out read-only arrays; the resize only reads its source, so torch's warning is moot.
-warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
 
 
 @dataclass(frozen=True)
@@ -84,24 +80,32 @@ def crop_box(h: int, w: int, target: Target) -> tuple[int, int, int, int]:
 
 def _resample(rgb: np.ndarray, height: int, width: int) -> torch.Tensor:
     """Antialiased bilinear resize of an HWC uint8 array; returns an HWC uint8 tensor."""
-    src = torch.from_numpy(np.ascontiguousarray(rgb)).permute(2, 0, 1).unsqueeze(0)
+    contiguous = np.require(rgb, requirements=("C", "W"))  # torch refuses read-only arrays
+    src = torch.from_numpy(contiguous).permute(2, 0, 1).unsqueeze(0)
     if src.shape[2:] == (height, width):
         return src[0].permute(1, 2, 0)
     out = F.interpolate(src, size=(height, width), mode="bilinear", antialias=True, align_corners=False)
     return out[0].permute(1, 2, 0)
 
 
-def resize_into(rgb: np.ndarray, target: Target, out: np.ndarray) -> None:
-    """Write `rgb` resized by `target`'s policy into `out` ([H, W, 3] uint8, e.g. a record of a shard)."""
+def resize_into(rgb: np.ndarray, target: Target, out: np.ndarray, original: tuple[int, int] | None = None) -> None:
+    """Write `rgb` resized by `target`'s policy into `out` ([H, W, 3] uint8, e.g. a record of a shard).
+
+    `original` is the upright (height, width) before any DCT-domain downscale: the geometry
+    (crop box, pad content size) is computed on it, so it does not depend on the decode scale.
+    """
     h, w = rgb.shape[:2]
+    oh, ow = original or (h, w)
     dst = torch.from_numpy(out)
     if target.fit == "stretch":
         dst.copy_(_resample(rgb, target.height, target.width))
     elif target.fit == "center-crop":
-        top, left, bh, bw = crop_box(h, w, target)
-        dst.copy_(_resample(rgb[top:top + bh, left:left + bw], target.height, target.width))
+        top, left, bh, bw = crop_box(oh, ow, target)
+        sy, sx = h / oh, w / ow
+        top, left, bottom, right = round(top * sy), round(left * sx), round((top + bh) * sy), round((left + bw) * sx)
+        dst.copy_(_resample(rgb[top:max(bottom, top + 1), left:max(right, left + 1)], target.height, target.width))
     else:
-        ch, cw = pad_content_size(h, w, target)
+        ch, cw = pad_content_size(oh, ow, target)
         top, left = (target.height - ch) // 2, (target.width - cw) // 2
         out.fill(PAD_VALUE)
         dst[top:top + ch, left:left + cw].copy_(_resample(rgb, ch, cw))

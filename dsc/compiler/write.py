@@ -59,7 +59,7 @@ def compile_image(path: str, target: Target, out: np.ndarray, max_pixels: int) -
     try:
         p = probe(data, max_pixels)
         height, width = p.oriented_size
-        resize_into(decode(data, p, *needed_size(height, width, target)), target, out)
+        resize_into(decode(data, p, *needed_size(height, width, target)), target, out, (height, width))
     except ImageError:
         raise
     except Exception as e:  # one odd file must not end a compile of millions; report it instead

@@ -1,0 +1,208 @@
+"""`MemmapDataset`: a compiled dsc dataset as a torch map-style dataset, backed by memory maps.
+
+Everything about the files comes from `dsc.format.open_dataset`, which validates the whole
+folder before anything is mapped: a damaged dataset fails in the constructor, never later.
+
+Shard maps are copy-on-write (`MAP_PRIVATE`, like tensordict's ``mode="r"``), so `ds[i]` can
+be a zero-copy tensor view of the page cache; an in-place write into such a view changes this
+process's private copy of that page, never the file. Clone before editing images in place.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, get_worker_info
+
+from dsc import format as fmt
+from dsc.errors import DatasetError
+from dsc.reader.gather import check_indices, fill
+
+
+class Sample(NamedTuple):
+    """One record, as torchvision datasets return it: `image, label = ds[i]`."""
+
+    image: torch.Tensor  # uint8 [3, H, W], a view of the map
+    label: int
+
+
+class GatheredBatch(Sequence):
+    """What `__getitems__` returns: a whole batch already copied into two tensors.
+
+    It is a sequence of `Sample`s for generic code; torch's default collate hands over its
+    tensors as ``[images, labels]`` without touching the records again (see `_collate`).
+    """
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, indices: np.ndarray) -> None:
+        self.images, self.labels, self.indices = images, labels, indices
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        return Sample(self.images[i], int(self.labels[i]))
+
+
+def _collate(batch, *, collate_fn_map=None) -> list[torch.Tensor]:
+    """Default-collate rule for `Sample`: a gathered batch passes through, loose samples are stacked."""
+    if isinstance(batch, GatheredBatch):
+        return [batch.images, batch.labels]
+    images = torch.stack([s.image for s in batch]).contiguous(memory_format=torch.channels_last)
+    return [images, torch.tensor([s.label for s in batch], dtype=torch.int64)]
+
+
+def _register_collate() -> None:
+    # torch documents extending default_collate by editing this map in place (see
+    # torch.utils.data._utils.collate.collate); without it, collate still works, item by item.
+    try:
+        from torch.utils.data._utils.collate import default_collate_fn_map
+    except ImportError:
+        return
+    default_collate_fn_map[Sample] = _collate
+
+
+_register_collate()
+
+
+def _open(root: Path) -> fmt.OpenedDataset:
+    """Validate and map the dataset; shards are re-mapped copy-on-write (see the module docstring)."""
+    opened = fmt.open_dataset(root)
+    m = opened.manifest
+    shards = tuple(fmt.open_shard(p, s.records, m.record_shape, mode="c").view(np.ndarray)
+                   for p, s in zip(opened.shard_paths(), m.shards))
+    return replace(opened, shards=shards)
+
+
+def batch_buffer(batch: int, record_shape: tuple[int, int, int], shared: bool) -> torch.Tensor:
+    """A fresh uint8 [batch, H, W, 3] tensor; in shared memory when it will cross processes."""
+    shape = (batch, *record_shape)
+    if not shared:
+        return torch.empty(shape, dtype=torch.uint8)
+    storage = torch.UntypedStorage._new_shared(int(np.prod(shape)))  # what default_collate does in workers
+    return torch.empty(0, dtype=torch.uint8).set_(storage).view(shape)
+
+
+class MemmapDataset(Dataset):
+    """A compiled dsc dataset: `len`, `ds[i]`, batched `__getitems__`, `loader(...)`.
+
+    Picklable by path: a copy (e.g. in a DataLoader worker) re-opens the maps on first use,
+    so no process ever copies the records.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self._data: fmt.OpenedDataset | None = _open(self.path)  # validates now, fails here
+        self._tensors: tuple[torch.Tensor, ...] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": str(self.path)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.path = Path(state["path"])
+        self._data, self._tensors = None, None
+
+    @property
+    def opened(self) -> fmt.OpenedDataset:
+        """The validated, mapped dataset (mapped again lazily after unpickling)."""
+        if self._data is None:
+            self._data = _open(self.path)
+        return self._data
+
+    @property
+    def manifest(self) -> fmt.Manifest:
+        return self.opened.manifest
+
+    @property
+    def record_shape(self) -> tuple[int, int, int]:
+        return self.manifest.record_shape
+
+    def __len__(self) -> int:
+        return self.manifest.count
+
+    def __repr__(self) -> str:
+        m = self.manifest
+        return f"MemmapDataset({str(self.path)!r}, count={m.count}, shape={list(m.record_shape)})"
+
+    @property
+    def classes(self) -> list[str]:
+        return list(self.manifest.classes)
+
+    @property
+    def class_to_idx(self) -> dict[str, int]:
+        return {name: i for i, name in enumerate(self.manifest.classes)}
+
+    @property
+    def labels(self) -> np.ndarray:
+        """All labels, int64 [N], read-only (-1 everywhere for an unlabeled dataset)."""
+        return self.opened.labels
+
+    def source(self, i: int) -> Path:
+        """The original image file of record `i` (under the folder it was compiled from)."""
+        i = int(check_indices([i], len(self))[0])
+        root = self.manifest.compile.get("source_root")
+        if not isinstance(root, str):
+            raise DatasetError(f"{self.path / fmt.MANIFEST_FILE}: 'compile' has no 'source_root' string")
+        return Path(root) / self.opened.source(i)
+
+    def _shard_tensors(self) -> tuple[torch.Tensor, ...]:
+        if self._tensors is None:
+            self._tensors = tuple(torch.from_numpy(s) for s in self.opened.shards)
+        return self._tensors
+
+    def __getitem__(self, i: int) -> Sample:
+        """Record `i`: a uint8 [3, H, W] view of the map (no copy) and its label."""
+        i = int(check_indices([i], len(self))[0])
+        shard, pos = fmt.locate(i, self.manifest.records_per_shard)
+        image = self._shard_tensors()[shard][pos].permute(2, 0, 1)
+        return Sample(image, int(self.opened.labels[i]))
+
+    def __getitems__(self, indices: Sequence[int]) -> GatheredBatch:
+        """A whole batch with one copy per run or per shard (what DataLoader calls per batch)."""
+        idx = check_indices(indices, len(self))
+        d = self.opened
+        buf = batch_buffer(len(idx), self.record_shape, shared=get_worker_info() is not None)
+        per_shard = self.manifest.records_per_shard
+        shard = idx // per_shard
+        if np.count_nonzero(shard[1:] != shard[:-1]) < 2 * len(d.shards):  # few pieces: copy into place
+            fill(buf.numpy(), d.shards, idx, per_shard)
+        else:  # shards interleave: gather in sorted order (few pieces), then put rows back in place
+            order = np.argsort(idx, kind="stable")
+            tmp = np.empty_like(buf.numpy())
+            fill(tmp, d.shards, idx[order], per_shard)
+            np.take(tmp, np.argsort(order), axis=0, out=buf.numpy(), mode="clip")
+        labels = torch.from_numpy(np.take(d.labels, idx))
+        return GatheredBatch(buf.permute(0, 3, 1, 2), labels, idx)
+
+    def as_tensordict(self):
+        """The records as MemoryMappedTensors over the same files (zero copy), images [n, H, W, 3].
+
+        One shard: a TensorDict with batch size [N]. Several shards (files cannot be mapped as one
+        array): a LazyStackedTensorDict of one TensorDict per shard, batch size [shards, -1];
+        ``td[s][j]`` is record ``s * records_per_shard + j``.
+        """
+        from tensordict import LazyStackedTensorDict, MemoryMappedTensor, TensorDict
+
+        d, m = self.opened, self.manifest
+        labels = MemoryMappedTensor.from_filename(d.root / m.index["labels"].file, torch.int64, (m.count,),
+                                                  mode="r")
+        parts = []
+        for s, (path, entry) in enumerate(zip(d.shard_paths(), m.shards)):
+            image = MemoryMappedTensor.from_filename(path, torch.uint8, (entry.records, *m.record_shape), mode="r")
+            first = s * m.records_per_shard
+            parts.append(TensorDict(image=image, label=labels[first:first + entry.records],
+                                    batch_size=[entry.records]))
+        return parts[0] if len(parts) == 1 else LazyStackedTensorDict(*parts, stack_dim=0)
+
+    def loader(self, batch_size: int, **options):
+        """Batches as TensorDicts, fast; see `dsc.reader.loader.Loader` for the options."""
+        from dsc.reader.loader import Loader
+
+        return Loader(self, batch_size, **options)

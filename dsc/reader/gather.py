@@ -1,0 +1,84 @@
+"""Batch copies out of the shard maps: one slice copy per run, or one gather per shard.
+
+A batch is an index array. `fill` splits it into pieces that each come from one shard and
+copies every piece with a single numpy call, so the Python cost is per run or per shard,
+never per record:
+
+- when the batch is made of long runs of consecutive records (sequential and block
+  orders), each run is one `np.copyto` of a slice of the map (the fastest copy measured);
+- otherwise (random order) each stretch of same-shard records is one
+  `np.take(shard, local, axis=0, out=..., mode="clip")`, the fastest gather measured.
+
+`fill_parallel` cuts the batch into equal record ranges, one per thread; numpy releases the
+GIL while copying, so the threads copy at the same time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Executor
+
+import numpy as np
+
+MIN_RUN = 4  # batches whose runs average fewer records than this are gathered, not sliced
+
+
+def check_indices(indices, count: int) -> np.ndarray:
+    """Indices as int64, negatives counted from the end; IndexError when any is out of range.
+
+    Checked once per batch here, so the copies below may use `mode="clip"` (no per-record check).
+    """
+    idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+    if idx.size == 0:
+        return idx
+    if idx.min() < 0:
+        idx = np.where(idx < 0, idx + count, idx)
+    low, high = int(idx.min()), int(idx.max())
+    if low < 0 or high >= count:
+        bad = low if low < 0 else high
+        raise IndexError(f"record index {bad} is out of range for a dataset of {count} records")
+    return idx
+
+
+def _bounds(starts: np.ndarray, n: int) -> list[tuple[int, int]]:
+    edges = [0, *starts.tolist(), n]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def fill(dst: np.ndarray, shards: Sequence[np.ndarray], idx: np.ndarray, per_shard: int) -> None:
+    """Copy records `idx` (checked, any order) into `dst[:len(idx)]`; sorted `idx` is fastest."""
+    n = len(idx)
+    if n == 0:
+        return
+    shard = idx // per_shard
+    local = idx - shard * per_shard
+    shard_change = shard[1:] != shard[:-1]
+    run_starts = np.flatnonzero(shard_change | (local[1:] != local[:-1] + 1)) + 1
+    if (len(run_starts) + 1) * MIN_RUN <= n:
+        for a, b in _bounds(run_starts, n):
+            lo = int(local[a])
+            np.copyto(dst[a:b], shards[int(shard[a])][lo:lo + b - a])
+    else:
+        for a, b in _bounds(np.flatnonzero(shard_change) + 1, n):
+            np.take(shards[int(shard[a])], local[a:b], axis=0, out=dst[a:b], mode="clip")
+
+
+def split(n: int, parts: int) -> list[tuple[int, int]]:
+    """[0, n) cut into at most `parts` contiguous, nearly equal, non-empty ranges."""
+    parts = max(1, min(parts, n))
+    edges = [n * k // parts for k in range(parts + 1)]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def fill_parallel(dst: np.ndarray, shards: Sequence[np.ndarray], idx: np.ndarray, per_shard: int,
+                  pool: Executor | None, threads: int) -> None:
+    """`fill`, with the batch's record ranges shared between the caller and `threads - 1` pool threads."""
+    ranges = split(len(idx), threads if pool is not None else 1)
+    futures = [pool.submit(fill, dst[a:b], shards, idx[a:b], per_shard) for a, b in ranges[1:]]
+    try:
+        if ranges:
+            a, b = ranges[0]
+            fill(dst[a:b], shards, idx[a:b], per_shard)
+    finally:
+        for f in futures:
+            f.result()  # re-raises a copy thread's error here, in the caller
