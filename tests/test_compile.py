@@ -12,11 +12,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 
-from conftest import make_folder, pattern, pillow_reference, save
 from dsc import CompileError, compile_folder
 from dsc import format as fmt
 from dsc.compiler.publish import staging_path
+
+from conftest import make_folder, pattern, pillow_reference, save
 
 # Mean absolute difference per channel value against the Pillow reference (full decode,
 # BILINEAR, the same integer crop box), as measured here:
@@ -55,10 +57,10 @@ def test_round_trip_matches_an_independent_pillow_reference(tmp_path: Path, fit:
         assert ds.labels[i] == int(source.split("/")[0][-1])
         want = pillow_reference(folder / source, *size, fit)
         diffs.append(np.abs(recs[i].astype(int) - want).mean())
-        from PIL import Image
         assert tuple(ds.sizes[i]) == Image.open(folder / source).size[::-1]
     mean_limit, worst_limit = LIMITS[case]
-    assert np.mean(diffs) < mean_limit and max(diffs) < worst_limit, f"mean {np.mean(diffs):.2f}, worst {max(diffs):.2f}"
+    figures = f"mean {np.mean(diffs):.2f}, worst {max(diffs):.2f}"
+    assert np.mean(diffs) < mean_limit and max(diffs) < worst_limit, figures
 
 
 def test_output_is_byte_identical_for_any_worker_count_and_run(folder: Path, tmp_path: Path) -> None:

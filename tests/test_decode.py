@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from PIL import Image, ImageOps
 
-from conftest import pattern, save
 from dsc.compiler import decode as dec
 from dsc.errors import ImageError
+
+from conftest import pattern, save
 
 
 def encode(array: np.ndarray, fmt: str = "JPEG", **kw) -> bytes:
