@@ -1,0 +1,221 @@
+"""The format contract: golden bytes, a reader without dsc, and validate-before-trust attacks."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dsc import ChecksumError, DatasetError, UnsupportedVersionError, compile_folder
+from dsc import format as fmt
+
+from conftest import make_folder
+
+SCRIPT = Path(__file__).parent / "scripts" / "read_without_dsc.py"
+RECORD_SHAPE = (2, 3, 3)
+TINY_SOURCES = ["a/0.jpg", "a/1.jpg", "b/ünï cödé.png", "a/3.jpg", "b/4.gif"]
+
+
+def write_tiny(root: Path) -> fmt.Manifest:
+    """A 5-record dataset of known bytes, written through the format module only."""
+    root.mkdir()
+    record_bytes = int(np.prod(RECORD_SHAPE))
+    fmt.allocate_shards(root, 5, 2, record_bytes)
+    pixels = np.arange(5 * record_bytes, dtype=np.uint8).reshape(5, *RECORD_SHAPE)
+    for shard, records in enumerate(fmt.shard_records(5, 2)):
+        out = fmt.open_shard(root / fmt.shard_file(shard), records, RECORD_SHAPE, "r+")
+        out[:] = pixels[shard * 2: shard * 2 + records]
+        out.flush()
+    index = fmt.write_index(root, np.array([0, 0, 1, 0, 1]), np.array([[10, 20], [11, 21], [12, 22], [13, 23],
+                                                                        [14, 24]]), TINY_SOURCES)
+    manifest = fmt.Manifest(height=2, width=3, count=5, records_per_shard=2, classes=("a", "b"),
+                            shards=fmt.shard_entries(root, 5, 2, record_bytes), index=index,
+                            skipped=({"source": "b/bad.jpg", "reason": "empty file (0 bytes)"},),
+                            compile={"size": [2, 3], "fit": "center-crop"})
+    fmt.write_manifest(root, manifest)
+    return manifest
+
+
+# The bytes of every file of the tiny dataset, pinned: a change here is a format change,
+# which needs a new version in formats.md, not a new pin.
+GOLDEN = {
+    "labels.bin": "e767c3048cadc9f414dfb85f7706ab1f32ecc03c54f37168b4f708590881ae72",
+    "manifest.json": "4a1301d9fa462a874250d998dd46f94cfde2d0c05381dabdefbced8ce0ea34ff",
+    "shards/00000.bin": "5d7e2d9b1dcbc85e7c890036a2cf2f9fe7b66554f2df08cec6aa9c0a25c99c21",
+    "shards/00001.bin": "b6bda3532894fe14e260b28b68309d9947fee600de07ed4353412be70dc13b21",
+    "shards/00002.bin": "c24577e1b2548f2402de01e22fc3465503b21a5cf00b6b1b76525776b206d81a",
+    "sizes.bin": "5cdc1b78b8ee634e6e9c86894f6268a4831da2f379adfbf09277a90e51dbdeb4",
+    "source_offsets.bin": "483522e75ed72d00fac2f6e3a20ded926f889cb8cff3d4d766c79f9183936270",
+    "sources.bin": "9194c5e233d3775ab5854e88eac9c23da5133244e6470ce8c13ff5b49de11ec0",
+}
+
+
+def digests(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def tiny(tmp_path: Path) -> Path:
+    write_tiny(tmp_path / "tiny")
+    return tmp_path / "tiny"
+
+
+def test_golden_bytes(tiny: Path) -> None:
+    assert digests(tiny) == GOLDEN
+    # ...and the bytes are the ones formats.md describes, spelled out independently:
+    assert (tiny / "labels.bin").read_bytes() == b"".join(v.to_bytes(8, "little", signed=True) for v in [0, 0, 1, 0, 1])
+    assert (tiny / "sizes.bin").read_bytes()[:8] == (10).to_bytes(4, "little") + (20).to_bytes(4, "little")
+    assert (tiny / "sources.bin").read_bytes() == "".join(TINY_SOURCES).encode()
+    assert (tiny / "shards/00002.bin").read_bytes() == bytes(range(72, 90))
+    manifest = json.loads((tiny / "manifest.json").read_text())
+    assert manifest["record"] == {"shape": [2, 3, 3], "dtype": "uint8", "layout": "HWC", "color": "RGB", "bytes": 18}
+
+
+def test_golden_dataset_reads_back(tiny: Path) -> None:
+    ds = fmt.open_dataset(tiny)
+    assert [s.records for s in ds.manifest.shards] == [2, 2, 1]
+    assert ds.shards[2][0, 1, 2].tolist() == [87, 88, 89]  # record 4, row 1, column 2
+    assert [ds.source(i) for i in range(5)] == TINY_SOURCES
+    assert ds.labels.tolist() == [0, 0, 1, 0, 1] and ds.sizes[4].tolist() == [14, 24]
+
+
+def test_a_numpy_script_reads_records_without_dsc(tmp_path: Path) -> None:
+    src = make_folder(tmp_path / "src", classes=2, per_class=4)
+    compile_folder(src, tmp_path / "out", size=(12, 10), records_per_shard=3, workers=1)
+    run = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "out"), "8"], capture_output=True,
+                         text=True, check=True)
+    ds = fmt.open_dataset(tmp_path / "out")
+    for line in run.stdout.splitlines():
+        i, label, source, shape, sha = json.loads(line)
+        shard, pos = fmt.locate(i, 3)
+        assert (label, source, shape) == (int(ds.labels[i]), ds.source(i), [12, 10, 3])
+        assert sha == hashlib.sha256(np.asarray(ds.shards[shard][pos]).tobytes()).hexdigest()
+    assert len(run.stdout.splitlines()) == 8
+
+
+def edit_manifest(root: Path, change) -> None:
+    path = root / fmt.MANIFEST_FILE
+    doc = json.loads(path.read_text())
+    change(doc)
+    path.write_text(json.dumps(doc))
+
+
+def set_key(*keys_and_value):
+    *keys, value = keys_and_value
+
+    def change(doc):
+        for key in keys[:-1]:
+            doc = doc[key]
+        doc[keys[-1]] = value
+    return change
+
+
+@pytest.mark.parametrize(("change", "error", "match"), [
+    (set_key("version", "2.0"), UnsupportedVersionError, r"version 2.0 is not supported .* reads 1.x"),
+    (set_key("version", "one"), DatasetError, "'version' must be 'MAJOR.MINOR'"),
+    (set_key("format", "ffcv"), DatasetError, "'format' must be 'dsc'"),
+    (set_key("extra", 1), DatasetError, r"unknown key\(s\) \['extra'\]"),
+    (lambda d: d.pop("classes"), DatasetError, r"missing key\(s\) \['classes'\]"),
+    (set_key("count", 6), DatasetError, r"shards\[2\]: declares 18 bytes, but its record count needs 36"),
+    (set_key("count", -1), DatasetError, r"'count' = -1 is outside"),
+    (set_key("count", "5"), DatasetError, "'count' must be int, found str"),
+    (set_key("count", True), DatasetError, "'count' must be int, found bool"),
+    (set_key("records_per_shard", 5), DatasetError, "lists 3 shard"),
+    (set_key("record", "shape", [2, 3, 4]), DatasetError, r"'shape' must be \[H, W, 3\]"),
+    (set_key("record", "shape", [2, 1 << 40, 3]), DatasetError, r"'shape' must be"),
+    (set_key("record", "dtype", "float32"), DatasetError, "'dtype' must be 'uint8'"),
+    (set_key("record", "bytes", 17), DatasetError, "'bytes' = 17 but shape"),
+    (set_key("shards", 0, "file", "../tiny/shards/00000.bin"), DatasetError, "without '.' or '..'"),
+    (set_key("shards", 0, "file", "/etc/passwd"), DatasetError, "invalid file name"),
+    (set_key("shards", 1, "file", "shards/00000.bin"), DatasetError, "listed twice"),
+    (set_key("shards", 0, "file", "shards/missing.bin"), DatasetError, "missing"),
+    (set_key("shards", 0, "records", 1), DatasetError, "declares 18 bytes|'records' = 1"),
+    (set_key("shards", 0, "sha256", "xyz"), DatasetError, "64 lowercase hex"),
+    (set_key("index", "labels", "bytes", 8), DatasetError, "declares 8 bytes"),
+    (set_key("index", "sizes", "file", "labels.bin"), DatasetError, "declares 40 bytes|also used"),
+    (set_key("classes", ["a", "a"]), DatasetError, "distinct"),
+    (set_key("skipped", ["x"]), DatasetError, "'skipped' must be a list of"),
+    (set_key("compile", []), DatasetError, "'compile' must be dict"),
+])
+def test_a_lying_manifest_is_refused_before_mapping(tiny: Path, change, error, match) -> None:
+    edit_manifest(tiny, change)
+    with pytest.raises(error, match=match):
+        fmt.open_dataset(tiny)
+
+
+def test_a_newer_minor_version_may_add_keys(tiny: Path) -> None:
+    edit_manifest(tiny, set_key("version", "1.7"))
+    edit_manifest(tiny, set_key("future_key", {"anything": 1}))
+    assert fmt.open_dataset(tiny).manifest.count == 5
+
+
+@pytest.mark.parametrize(("size_change", "word"), [(-1, "truncated"), (1, "extended")])
+def test_a_truncated_or_extended_shard_is_refused(tiny: Path, size_change: int, word: str) -> None:
+    shard = tiny / fmt.shard_file(1)
+    os.truncate(shard, shard.stat().st_size + size_change)
+    with pytest.raises(DatasetError, match=rf"00001.bin: file is \d+ bytes, the manifest says 36 \({word}\)"):
+        fmt.open_dataset(tiny)
+
+
+def test_a_symlink_out_of_the_folder_is_refused(tiny: Path, tmp_path: Path) -> None:
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes((tiny / fmt.shard_file(0)).read_bytes())
+    (tiny / fmt.shard_file(0)).unlink()
+    (tiny / fmt.shard_file(0)).symlink_to(outside)
+    with pytest.raises(DatasetError, match="must be a regular file inside the dataset folder"):
+        fmt.open_dataset(tiny)
+
+
+@pytest.mark.parametrize(("content", "match"), [(b"{not json", "not valid JSON"), (b"[1, 2]", "JSON object"),
+                                                (b"\xff\xfe", "not valid JSON")])
+def test_a_broken_manifest_is_refused(tiny: Path, content: bytes, match: str) -> None:
+    (tiny / fmt.MANIFEST_FILE).write_bytes(content)
+    with pytest.raises(DatasetError, match=match):
+        fmt.open_dataset(tiny)
+
+
+def test_an_oversized_manifest_is_not_parsed(tiny: Path) -> None:
+    with open(tiny / fmt.MANIFEST_FILE, "r+b") as f:
+        f.truncate(fmt.MAX_MANIFEST_BYTES + 1)
+    with pytest.raises(DatasetError, match="more than the .* a manifest may have"):
+        fmt.open_dataset(tiny)
+
+
+def test_missing_manifest_and_missing_folder(tmp_path: Path) -> None:
+    with pytest.raises(DatasetError, match="not a directory"):
+        fmt.open_dataset(tmp_path / "nothing")
+    (tmp_path / "half").mkdir()
+    with pytest.raises(DatasetError, match="no manifest.json; not a dsc dataset, or its compile never finished"):
+        fmt.open_dataset(tmp_path / "half")
+
+
+def test_labels_out_of_range_and_bad_offsets_are_refused(tiny: Path) -> None:
+    labels = np.memmap(tiny / fmt.LABELS_FILE, "<i8", "r+")
+    labels[3] = 7
+    labels.flush()
+    with pytest.raises(DatasetError, match=r"labels must lie in \[0, 1\] for 2 classes, found \[0, 7\]"):
+        fmt.open_dataset(tiny)
+    labels[3] = 0
+    labels.flush()
+    offsets = np.memmap(tiny / fmt.SOURCE_OFFSETS_FILE, "<u8", "r+")
+    offsets[2] = 10**6
+    offsets.flush()
+    with pytest.raises(DatasetError, match="offsets must rise from 0"):
+        fmt.open_dataset(tiny)
+
+
+def test_verify_checksums_names_the_damaged_file(tiny: Path) -> None:
+    manifest = fmt.open_dataset(tiny).manifest
+    fmt.verify_checksums(tiny, manifest)
+    with open(tiny / fmt.shard_file(2), "r+b") as f:
+        f.seek(5)
+        f.write(b"\x00")
+    with pytest.raises(ChecksumError, match=r"shards/00002.bin: SHA-256 is [0-9a-f]{64}, the manifest says"):
+        fmt.verify_checksums(tiny, manifest)
