@@ -1,0 +1,25 @@
+"""The plain reference loader: single-threaded, one `ds[i]` per record, no buffers to reason about.
+
+It defines what the fast `Loader` must serve (tests compare them batch by batch) and is the
+first thing to read when the fast path is in doubt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from dsc.reader import order as orders
+
+
+def reference_batches(dataset, batch_size: int, *, order: str = "block", seed: int = 0, epoch: int = 0,
+                      drop_last: bool = False, rank: int = 0, world_size: int = 1) -> Iterator[dict]:
+    """Yield {image [B,3,H,W], label [B], index [B]} for one epoch, exactly as `Loader` should."""
+    share = orders.epoch_share(len(dataset), order, seed, epoch, rank, world_size, batch_size, drop_last)
+    for b in range(orders.batch_count(len(share), batch_size)):
+        index = orders.batch_indices(share, b, batch_size)
+        samples = [dataset[int(i)] for i in index]
+        yield {"image": torch.stack([s.image for s in samples]),
+               "label": torch.tensor([s.label for s in samples], dtype=torch.int64),
+               "index": torch.from_numpy(index)}

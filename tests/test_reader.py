@@ -1,0 +1,278 @@
+"""MemmapDataset: contents, zero-copy views, pickling, DataLoader drop-in, tensordict, damaged folders."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader
+
+import dsc
+from dsc import format as fmt
+from dsc.errors import DatasetError, UnsupportedVersionError
+from dsc.reader import GatheredBatch, MemmapDataset
+
+SIZE = (16, 20)
+
+
+def make_images(root: Path, classes: int = 3, per_class: int = 7, seed: int = 0) -> Path:
+    """Tiny real JPEG/PNG files of random sizes in class folders."""
+    rng = np.random.default_rng(seed)
+    for c in range(classes):
+        (root / f"c{c}").mkdir(parents=True)
+        for i in range(per_class):
+            h, w = (int(v) for v in rng.integers(40, 90, size=2))
+            img = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+            img.save(root / f"c{c}" / f"{i}.{'png' if i % 3 == 0 else 'jpg'}")
+    return root
+
+
+def compile_tiny(root: Path, records_per_shard: int | None = 5) -> Path:
+    src = make_images(root / "src")
+    out = root / "ds"
+    dsc.compile_folder(src, out, size=SIZE, records_per_shard=records_per_shard, workers=1, seed=0)
+    return out
+
+
+def make_synthetic(root: Path, count: int, shape: tuple[int, int, int], per_shard: int) -> Path:
+    """A dataset written with dsc.format directly (fast at any size): record i is filled with i % 251."""
+    record_bytes = int(np.prod(shape))
+    for path, records, first in zip(fmt.allocate_shards(root, count, per_shard, record_bytes),
+                                    fmt.shard_records(count, per_shard), range(0, count, per_shard)):
+        shard = fmt.open_shard(path, records, shape, mode="r+")
+        shard[:] = (np.arange(first, first + records) % 251).astype(np.uint8)[:, None, None, None]
+        shard.flush()
+        del shard
+    labels = np.arange(count) % 2
+    index = fmt.write_index(root, labels, np.tile([shape[0], shape[1]], (count, 1)),
+                            [f"c{k}/{i}.jpg" for i, k in enumerate(labels)])
+    shards = fmt.shard_entries(root, count, per_shard, record_bytes)
+    fmt.write_manifest(root, fmt.Manifest(height=shape[0], width=shape[1], count=count, records_per_shard=per_shard,
+                                          classes=("c0", "c1"), shards=shards, index=index,
+                                          compile={"source_root": "/nowhere"}))
+    return root
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    """21 records in shards of 5 (the last one holds 1)."""
+    return compile_tiny(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def ds(tiny: Path) -> MemmapDataset:
+    return MemmapDataset(tiny)
+
+
+def raw_records(path: Path) -> np.ndarray:
+    """All records read with plain numpy from the files, independently of the reader."""
+    opened = fmt.open_dataset(path)
+    return np.concatenate([np.asarray(s) for s in opened.shards])
+
+
+def test_basic_properties(ds: MemmapDataset, tiny: Path) -> None:
+    assert len(ds) == 21
+    assert len(ds.opened.shards) == 5 and len(ds.opened.shards[-1]) == 1
+    assert ds.classes == ["c0", "c1", "c2"]
+    assert ds.class_to_idx == {"c0": 0, "c1": 1, "c2": 2}
+    assert ds.labels.dtype == np.int64 and len(ds.labels) == 21
+    assert np.bincount(ds.labels).tolist() == [7, 7, 7]
+    for i in range(len(ds)):  # each record's source is a real file of its class folder
+        src = ds.source(i)
+        assert src.is_file() and src.parent.name == ds.classes[ds.labels[i]]
+    assert sorted(str(ds.source(i)) for i in range(21)) == sorted(
+        str(p) for p in (tiny.parent / "src").rglob("*") if p.is_file())
+
+
+def test_getitem_is_a_zero_copy_view(ds: MemmapDataset, tiny: Path) -> None:
+    raw = raw_records(tiny)
+    for i in [0, 4, 5, 19, 20, -1, -21]:
+        image, label = ds[i]
+        assert image.shape == (3, *SIZE) and image.dtype == torch.uint8
+        assert np.array_equal(image.permute(1, 2, 0).numpy(), raw[i])
+        assert label == ds.labels[i]
+    a, b = ds[7].image, ds[7].image
+    assert a.data_ptr() == b.data_ptr()  # both views of the same mapped page, nothing copied
+    for bad in [21, -22, 1000]:
+        with pytest.raises(IndexError, match="out of range"):
+            ds[bad]
+
+
+@pytest.mark.parametrize("indices", [[0, 1, 2, 3], [3, 4, 5, 6, 7, 20], [20, 0, 13, 7, 7, 2, 19, 5],
+                                     list(range(21))[::-1], [9], [], [-1, 0]])
+def test_getitems_equals_getitem(ds: MemmapDataset, indices: list[int]) -> None:
+    batch = ds.__getitems__(indices)
+    assert isinstance(batch, GatheredBatch) and len(batch) == len(indices)
+    assert batch.images.shape == (len(indices), 3, *SIZE)
+    for k, i in enumerate(indices):
+        assert torch.equal(batch.images[k], ds[i].image)
+        assert batch.labels[k].item() == ds[i].label == batch[k].label
+
+
+def test_pickle_by_path_reopens_lazily(ds: MemmapDataset) -> None:
+    blob = pickle.dumps(ds)
+    assert len(blob) < 500  # the path, not the data
+    copy = pickle.loads(blob)
+    assert copy._data is None
+    assert torch.equal(copy[11].image, ds[11].image) and len(copy) == len(ds)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_dataloader_drop_in(ds: MemmapDataset, workers: int) -> None:
+    order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(0)).tolist()
+    loader = DataLoader(ds, batch_size=4, sampler=order, num_workers=workers)
+    seen = []
+    for images, labels in loader:
+        assert images.shape[1:] == (3, *SIZE) and images.dtype == torch.uint8 and labels.dtype == torch.int64
+        seen.append((images, labels))
+    images = torch.cat([im for im, _ in seen])
+    labels = torch.cat([lb for _, lb in seen])
+    assert len(labels) == 21
+    expected = torch.stack([ds[i].image for i in order])
+    assert torch.equal(images, expected)
+    assert labels.tolist() == [ds[i].label for i in order]
+
+
+def test_default_collate_stacks_loose_samples(ds: MemmapDataset) -> None:
+    subset = torch.utils.data.ConcatDataset([ds])  # no __getitems__: samples come one by one
+    images, labels = next(iter(DataLoader(subset, batch_size=5)))
+    assert torch.equal(images, torch.stack([ds[i].image for i in range(5)]))
+    assert labels.tolist() == [ds[i].label for i in range(5)]
+
+
+def test_as_tensordict_maps_the_same_files(ds: MemmapDataset, tiny: Path) -> None:
+    from tensordict import MemoryMappedTensor
+
+    td = ds.as_tensordict()
+    raw = raw_records(tiny)
+    assert td.batch_size[0] == 5
+    for s in range(5):
+        part = td[s]
+        assert isinstance(part["image"], MemoryMappedTensor)
+        lo = s * 5
+        assert torch.equal(part["image"], torch.from_numpy(raw[lo:lo + len(part)]))
+        assert part["label"].tolist() == ds.labels[lo:lo + len(part)].tolist()
+
+
+def test_as_tensordict_single_shard(tmp_path: Path) -> None:
+    from tensordict import MemoryMappedTensor
+
+    path = make_synthetic(tmp_path / "one", 12, (4, 6, 3), per_shard=100)
+    td = MemmapDataset(path).as_tensordict()
+    assert td.batch_size == (12,) and isinstance(td["image"], MemoryMappedTensor)
+    assert td["image"][:, 0, 0, 0].tolist() == list(range(12))
+
+
+def _rss_kb() -> dict[str, int]:
+    fields = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("RssAnon", "RssFile"):
+            fields[key] = int(value.split()[0])
+    return fields
+
+
+def _worker_rss(batch):
+    """collate_fn run in the worker: the batch's checksum and the worker's RSS after gathering it."""
+    images, labels = batch.images, batch.labels
+    return images[:, 0, 0, 0].to(torch.int64), labels, torch.tensor([_rss_kb()["RssAnon"]])
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
+def test_no_copies_of_the_data(tmp_path: Path) -> None:
+    """~96 MB of records read through workers and the loader; anonymous memory stays small."""
+    path = make_synthetic(tmp_path / "big", 2000, (128, 128, 3), per_shard=700)
+    ds = MemmapDataset(path)
+    rss = []
+    for first, labels, anon in DataLoader(ds, batch_size=32, num_workers=2, collate_fn=_worker_rss):
+        assert first.tolist() == [i % 251 for i in range(len(rss) * 32, len(rss) * 32 + len(labels))]
+        rss.append(anon.item())
+    worker_growth_mb = (max(rss[-4:]) - min(rss[:4])) / 1024
+    assert worker_growth_mb < 24, f"a worker's anonymous memory grew by {worker_growth_mb:.0f} MB"
+    before = _rss_kb()
+    for batch in ds.loader(32, order="random", num_threads=2):
+        del batch
+    after = _rss_kb()
+    assert (after["RssAnon"] - before["RssAnon"]) / 1024 < 24
+    assert (after["RssFile"] - before["RssFile"]) / 1024 > 50 or before["RssFile"] / 1024 > 90  # the map was read
+
+
+# ----------------------------------------------------------------------------- damaged datasets
+
+def _manifest(path: Path) -> dict:
+    return json.loads((path / fmt.MANIFEST_FILE).read_text())
+
+
+def _rewrite(path: Path, edit) -> None:
+    doc = _manifest(path)
+    edit(doc)
+    (path / fmt.MANIFEST_FILE).write_text(json.dumps(doc))
+
+
+def _resize(path: Path, delta: int) -> None:
+    os.truncate(path, path.stat().st_size + delta)
+
+
+def _symlink_out(ds: Path) -> None:
+    outside = ds.parent / "outside.bin"
+    shutil.copy(ds / "shards/00001.bin", outside)
+    (ds / "shards/00001.bin").unlink()
+    (ds / "shards/00001.bin").symlink_to(outside)
+
+
+def _bad_labels(ds: Path) -> None:
+    labels = np.fromfile(ds / fmt.LABELS_FILE, dtype="<i8")
+    labels[3] = 7
+    labels.tofile(ds / fmt.LABELS_FILE)
+
+
+DAMAGE = {
+    "truncated shard": (lambda p: _resize(p / "shards/00002.bin", -1), DatasetError, r"00002\.bin.*truncated"),
+    "extended shard": (lambda p: _resize(p / "shards/00000.bin", 1), DatasetError, r"00000\.bin.*extended"),
+    "truncated last shard": (lambda p: _resize(p / "shards/00004.bin", -1), DatasetError, "truncated"),
+    "missing shard": (lambda p: (p / "shards/00003.bin").unlink(), DatasetError, r"00003\.bin: missing"),
+    "unknown major version": (lambda p: _rewrite(p, lambda d: d.update(version="2.0")),
+                              UnsupportedVersionError, r"version 2\.0 is not supported"),
+    "dotdot path": (lambda p: _rewrite(p, lambda d: d["shards"][1].update(file="../x")), DatasetError,
+                    r"'\.\./x' must be a plain relative path"),
+    "absolute path": (lambda p: _rewrite(p, lambda d: d["shards"][1].update(file="/etc/passwd")), DatasetError,
+                      "invalid file name"),
+    "duplicated shard": (lambda p: _rewrite(p, lambda d: d["shards"][1].update(file=d["shards"][0]["file"])),
+                         DatasetError, "listed twice"),
+    "count lies": (lambda p: _rewrite(p, lambda d: d.update(count=40)), DatasetError,
+                   r"lists 5 shard\(s\), but 40 records"),
+    "shard bytes lie": (lambda p: _rewrite(p, lambda d: d["shards"][0].update(bytes=1)), DatasetError,
+                        "declares 1 bytes"),
+    "shard records lie": (lambda p: _rewrite(p, lambda d: d["shards"][0].update(records=4)), DatasetError,
+                          r"'records' = 4, expected 5"),
+    "record shape lies": (lambda p: _rewrite(p, lambda d: d["record"].update(shape=[16, 21, 3])), DatasetError,
+                          "'bytes' = 960"),
+    "unknown key": (lambda p: _rewrite(p, lambda d: d.update(extra=1)), DatasetError, r"unknown key\(s\) \['extra'\]"),
+    "not json": (lambda p: (p / fmt.MANIFEST_FILE).write_text("{"), DatasetError, "not valid JSON"),
+    "no manifest": (lambda p: (p / fmt.MANIFEST_FILE).unlink(), DatasetError, "no manifest.json"),
+    "symlink out of the folder": (_symlink_out, DatasetError, "inside the dataset folder"),
+    "labels out of range": (_bad_labels, DatasetError, r"labels must lie in \[0, 2\]"),
+    "truncated labels": (lambda p: _resize(p / fmt.LABELS_FILE, -8), DatasetError, r"labels\.bin.*truncated"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGE))
+def test_damaged_dataset_fails_at_construction(tiny: Path, tmp_path: Path, case: str) -> None:
+    damaged = tmp_path / "ds"
+    shutil.copytree(tiny, damaged)
+    damage, error, match = DAMAGE[case]
+    damage(damaged)
+    with pytest.raises(error, match=match):
+        MemmapDataset(damaged)
+
+
+def test_not_a_dataset(tmp_path: Path) -> None:
+    with pytest.raises(DatasetError, match="not a directory"):
+        MemmapDataset(tmp_path / "nothing")
