@@ -49,8 +49,9 @@ def _human_bytes(n: float) -> str:
 
 @app.command("compile")
 def compile_command(
-    src: Path = typer.Argument(..., help="Image folder: one sub-folder per class (or images directly)."),
-    out: Path = typer.Argument(..., help="Dataset folder to create (built aside, then renamed into place)."),
+    src: Path = typer.Argument(..., metavar="SRC", help="Image folder: one sub-folder per class (or images directly)."),
+    out: Path = typer.Argument(..., metavar="OUT",
+                               help="Dataset folder to create (built aside, then renamed into place)."),
     size: str = typer.Option("224", "--size", callback=_size_option,
                              help="Record size: N for N x N, or HxW (height x width)."),
     fit: str = typer.Option("center-crop", "--fit", help=f"How to reach the size: {', '.join(FITS)}."),

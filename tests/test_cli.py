@@ -1,0 +1,70 @@
+"""`dsc compile` on the command line: output, exit codes, one clear line per error."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from dsc import format as fmt
+from dsc.cli import app
+
+runner = CliRunner(env={"COLUMNS": "250", "TERMINAL_WIDTH": "250", "NO_COLOR": "1"})
+
+
+def test_compile_prints_a_summary(folder: Path, tmp_path: Path) -> None:
+    (folder / "class_0" / "bad.jpg").write_bytes(b"oops")
+    result = runner.invoke(app, ["compile", str(folder), str(tmp_path / "out"), "--size", "24x32", "-j", "2",
+                                 "--fit", "pad", "--seed", "3"])
+    assert result.exit_code == 0, result.stderr
+    assert "12 records of 24x32x3 uint8 in 1 shard(s), 3 classes, 1 skipped" in result.stdout
+    assert "skipped class_0/bad.jpg: not a recognised image file" in result.stderr
+    manifest = fmt.open_dataset(tmp_path / "out").manifest
+    assert manifest.compile["fit"] == "pad" and manifest.compile["seed"] == 3
+
+
+@pytest.mark.parametrize(("args", "code", "message"), [
+    (["--size", "big"], 2, "is not N or HxW"),
+    (["--fit", "zoom"], 2, "'zoom' is not one of center-crop, stretch, pad"),
+    (["--workers", "0"], 2, r"Invalid value for '--workers'.*greater than or equal to 1"),
+    (["--strict"], 1, "error: .*bad.jpg: not a recognised image file .*--strict"),
+])
+def test_bad_options_and_strict(folder: Path, tmp_path: Path, args: list[str], code: int, message: str) -> None:
+    (folder / "class_2" / "bad.jpg").write_bytes(b"oops")
+    result = runner.invoke(app, ["compile", str(folder), str(tmp_path / "out"), *args])
+    assert result.exit_code == code
+    assert re.search(message, result.stderr.replace("\n", " "))
+    assert "Traceback" not in result.stderr + result.stdout
+    assert not (tmp_path / "out").exists()
+
+
+def test_runtime_errors_are_one_line(folder: Path, tmp_path: Path) -> None:
+    missing = runner.invoke(app, ["compile", str(tmp_path / "nope"), str(tmp_path / "out")])
+    assert missing.exit_code == 1
+    assert missing.stderr.strip().splitlines() == [f"error: source folder {tmp_path / 'nope'} does not exist"]
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "mine.txt").write_text("keep")
+    exists = runner.invoke(app, ["compile", str(folder), str(tmp_path / "out")])
+    assert exists.exit_code == 1 and "already exists; pass --force" in exists.stderr
+    assert (tmp_path / "out" / "mine.txt").read_text() == "keep"
+
+
+def test_help_lists_every_option() -> None:
+    result = runner.invoke(app, ["compile", "--help"])
+    assert result.exit_code == 0
+    for option in ("--size", "--fit", "--seed", "--no-shuffle", "--workers", "--strict", "--force",
+                   "--records-per-shard", "--max-pixels"):
+        assert option in result.stdout
+
+
+def test_the_console_script_runs_without_the_system_libjpeg_turbo(folder: Path, tmp_path: Path) -> None:
+    env = {"DSC_JPEG_DECODER": "pillow", "PATH": "/usr/bin:/bin"}
+    run = subprocess.run([sys.executable, "-m", "dsc.cli", "compile", str(folder), str(tmp_path / "out"),
+                          "--size", "16", "-j", "1"], capture_output=True, text=True, env=env)
+    assert run.returncode == 0, run.stderr
+    assert run.stderr.count("libturbojpeg.so.0 not found") == 1
+    assert "Pillow" in fmt.open_dataset(tmp_path / "out").manifest.compile["jpeg_decoder"]
