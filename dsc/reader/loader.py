@@ -162,7 +162,7 @@ class Loader:
         self.rank, self.world_size = resolve_world(rank, world_size)
         self.device = torch.device(device) if device is not None else None
         self.epoch, self._served, self._start = 0, 0, 0
-        self._buffers = HostBuffers(dataset.record_shape, keep=self.prefetch + 2)
+        self._buffers = HostBuffers(dataset.record_shape, keep=self.prefetch + 3)  # queued, in hand, being filled, held
         self._feeder = None
 
     def __len__(self) -> int:
@@ -182,7 +182,10 @@ class Loader:
 
     def state_dict(self) -> dict[str, Any]:
         """Where the consumer is: epoch and batches already yielded in it, plus the settings that fix the order."""
-        return {"epoch": self.epoch, "batch": self._served, **self._config()}
+        epoch, served = self.epoch, self._served
+        if served >= len(self):  # every batch was taken: what comes next is the next epoch's first
+            epoch, served = epoch + 1, 0
+        return {"epoch": epoch, "batch": served, **self._config()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         wrong = {k: (state.get(k), v) for k, v in self._config().items() if state.get(k) != v}
@@ -190,6 +193,8 @@ class Loader:
             raise ValueError(f"state_dict was saved with other settings (saved, ours): {wrong}")
         self.epoch, self._served = _check_int("epoch", state["epoch"], 0), 0
         self._start = _check_int("batch", state["batch"], 0)
+        if self._start >= len(self):
+            self.epoch, self._start = self.epoch + 1, 0
 
     def __iter__(self) -> Iterator[TensorDict]:
         start, self._start = self._start, 0

@@ -1,0 +1,281 @@
+"""Orders, distributed splits, the fast Loader against the reference loader, resume, lifetime, errors."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from PIL import Image
+
+import dsc
+from dsc.reader import MemmapDataset
+from dsc.reader import loader as loader_module
+from dsc.reader import order as orders
+from dsc.reader.gather import fill, split
+from dsc.reader.loader import LoaderError
+from dsc.reader.reference import reference_batches
+
+SIZE = (16, 20)
+COUNT = 21
+
+
+@pytest.fixture(scope="module")
+def ds(tmp_path_factory) -> MemmapDataset:
+    """21 real compiled records in shards of 5 (the last holds 1)."""
+    root = tmp_path_factory.mktemp("loader")
+    rng = np.random.default_rng(1)
+    for c in range(3):
+        (root / "src" / f"c{c}").mkdir(parents=True)
+        for i in range(7):
+            h, w = (int(v) for v in rng.integers(40, 90, size=2))
+            Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(root / "src" / f"c{c}" / f"{i}.png")
+    dsc.compile_folder(root / "src", root / "ds", size=SIZE, records_per_shard=5, workers=1, seed=0)
+    return MemmapDataset(root / "ds")
+
+
+def served(loader) -> list[np.ndarray]:
+    return [b["index"].numpy().copy() for b in loader]
+
+
+def check_batch(ds: MemmapDataset, batch) -> None:
+    """Every served record equals ds[i] for its `index`, label included."""
+    for k, i in enumerate(batch["index"].tolist()):
+        image, label = ds[i]
+        assert torch.equal(batch["image"][k].cpu(), image)
+        assert batch["label"][k].item() == label
+
+
+# ----------------------------------------------------------------------------- orders (pure functions)
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 700), seed=st.integers(0, 2**32), epoch=st.integers(0, 50),
+       order=st.sampled_from(orders.ORDERS))
+def test_every_order_is_a_permutation(n: int, seed: int, epoch: int, order: str) -> None:
+    idx = orders.epoch_order(n, order, seed, epoch)
+    assert idx.dtype == np.int64
+    assert np.array_equal(np.sort(idx), np.arange(n))
+    assert np.array_equal(idx, orders.epoch_order(n, order, seed, epoch))  # deterministic
+
+
+@pytest.mark.parametrize("order", ["block", "random"])
+def test_orders_change_with_epoch_and_seed(order: str) -> None:
+    n = 5000
+    base = orders.epoch_order(n, order, 3, 0)
+    assert not np.array_equal(base, orders.epoch_order(n, order, 3, 1))
+    assert not np.array_equal(base, orders.epoch_order(n, order, 4, 0))
+    assert not np.array_equal(base, np.arange(n))
+
+
+def test_block_order_keeps_runs_and_locality() -> None:
+    n = 10_000
+    idx = orders.block(n, seed=0, epoch=0)
+    runs = np.count_nonzero(np.diff(idx) != 1) + 1
+    assert runs <= n / orders.RUN_RECORDS + 2 * n / orders.BLOCK_RECORDS  # runs of RUN_RECORDS, cut at block edges
+    window = orders.BLOCK_RECORDS * orders.WINDOW_BLOCKS
+    for start in range(0, n - window, window):
+        # a stretch of one window's length overlaps at most two windows of shifted blocks, and a shifted
+        # block straddles two aligned ones: at most 4 * WINDOW_BLOCKS aligned blocks (random order: ~all 157)
+        blocks = np.unique(idx[start:start + window] // orders.BLOCK_RECORDS)
+        assert len(blocks) <= 4 * orders.WINDOW_BLOCKS
+    first = idx[:window]
+    assert not np.array_equal(np.sort(first), np.arange(first.min(), first.min() + window))  # blocks were moved
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("n,batch", [(21, 4), (21, 1), (100, 7), (3, 2), (64, 16)])
+def test_rank_shares(world: int, drop_last: bool, n: int, batch: int) -> None:
+    order = orders.epoch_order(n, "random", 0, 0)
+    shares = [orders.rank_share(order, r, world, batch, drop_last) for r in range(world)]
+    lengths = {len(s) for s in shares}
+    assert len(lengths) == 1  # every rank the same length, so the same number of batches
+    per_rank = lengths.pop()
+    assert per_rank == orders.share_length(n, world, batch, drop_last)
+    joined = np.concatenate(shares)
+    if drop_last:
+        assert per_rank % batch == 0 and per_rank * world > n - world * batch
+        assert len(np.unique(joined)) == len(joined)  # disjoint
+    else:
+        assert set(joined.tolist()) == set(range(n))  # the union covers the dataset
+        assert len(joined) - n == per_rank * world - n < world  # padding, like DistributedSampler
+        assert np.array_equal(joined[:n], order)  # contiguous shares of one epoch order
+
+
+def test_gather_fill_and_split() -> None:
+    shards = [np.arange(k * 10, k * 10 + n).reshape(n, 1, 1, 1).astype(np.uint8) for k, n in enumerate([10, 10, 3])]
+    for idx in [np.arange(23), np.arange(23)[::-1].copy(), np.array([22, 0, 5, 5, 13, 9, 10]), np.array([4])]:
+        dst = np.zeros((len(idx), 1, 1, 1), np.uint8)
+        fill(dst, shards, idx, 10)
+        assert dst.reshape(-1).tolist() == idx.tolist()
+    assert split(10, 3) == [(0, 3), (3, 6), (6, 10)] and split(2, 4) == [(0, 1), (1, 2)]
+
+
+# ----------------------------------------------------------------------------- the loader
+
+@pytest.mark.parametrize("order", orders.ORDERS)
+@pytest.mark.parametrize("batch_size,drop_last,threads", [(4, False, 2), (4, True, 1), (1, False, 3),
+                                                          (21, False, 2), (32, False, 2), (6, True, 3)])
+def test_loader_equals_reference(ds: MemmapDataset, order: str, batch_size: int, drop_last: bool,
+                                 threads: int) -> None:
+    loader = ds.loader(batch_size, order=order, seed=5, drop_last=drop_last, num_threads=threads)
+    for epoch in range(2):
+        ref = list(reference_batches(ds, batch_size, order=order, seed=5, epoch=epoch, drop_last=drop_last))
+        got = list(loader)
+        assert len(got) == len(ref) == len(loader)
+        for b, r in zip(got, ref):
+            assert b["image"].shape == r["image"].shape and b["image"].dtype == torch.uint8
+            assert b["image"].is_contiguous(memory_format=torch.channels_last)
+            assert torch.equal(b["image"], r["image"])
+            assert torch.equal(b["label"], r["label"]) and torch.equal(b["index"], r["index"])
+            check_batch(ds, b)
+
+
+@pytest.mark.parametrize("order", orders.ORDERS)
+def test_epoch_covers_each_index_once(ds: MemmapDataset, order: str) -> None:
+    loader = ds.loader(4, order=order, seed=1)
+    epochs = [np.concatenate(served(loader)) for _ in range(3)]
+    for idx in epochs:
+        assert np.array_equal(np.sort(idx), np.arange(COUNT))
+    assert loader.epoch == 3
+    if order != "sequential":
+        assert not np.array_equal(epochs[0], epochs[1])
+        again = ds.loader(4, order=order, seed=1)
+        again.set_epoch(1)
+        assert np.array_equal(np.concatenate(served(again)), epochs[1])  # same (seed, epoch), same order
+
+
+@pytest.mark.parametrize("order", orders.ORDERS)
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_distributed_loaders(ds: MemmapDataset, order: str, world: int, drop_last: bool) -> None:
+    loaders = [ds.loader(3, order=order, seed=2, drop_last=drop_last, rank=r, world_size=world) for r in range(world)]
+    per_rank = [served(ld) for ld in loaders]
+    assert len({len(batches) for batches in per_rank}) == 1  # equal batch counts
+    assert all(len(b) == len(ld) for b, ld in zip(per_rank, loaders))
+    joined = np.concatenate([np.concatenate(b) if b else np.zeros(0, np.int64) for b in per_rank])
+    if drop_last:
+        assert all(len(x) == 3 for b in per_rank for x in b)
+        assert len(np.unique(joined)) == len(joined)
+    else:
+        assert set(joined.tolist()) == set(range(COUNT)) and len(joined) - COUNT < world
+
+
+def test_distributed_from_torch_distributed(ds: MemmapDataset, tmp_path: Path) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        loader = ds.loader(4)
+        assert (loader.rank, loader.world_size) == (0, 1)
+    finally:
+        dist.destroy_process_group()
+    with pytest.raises(ValueError, match="both rank and world_size"):
+        ds.loader(4, rank=1)
+    with pytest.raises(ValueError, match="rank < world_size"):
+        ds.loader(4, rank=2, world_size=2)
+
+
+@pytest.mark.parametrize("order", orders.ORDERS)
+def test_resume_mid_epoch(ds: MemmapDataset, order: str) -> None:
+    full = [served(ds.loader(4, order=order, seed=9, world_size=2, rank=1)) for _ in range(1)][0]
+    uninterrupted = ds.loader(4, order=order, seed=9, world_size=2, rank=1)
+    epoch0, epoch1 = served(uninterrupted), served(uninterrupted)
+    assert all(np.array_equal(a, b) for a, b in zip(full, epoch0))
+    for k in range(len(epoch0) + 1):
+        first = ds.loader(4, order=order, seed=9, world_size=2, rank=1)
+        it = iter(first)
+        for _ in range(k):
+            next(it)
+        state = first.state_dict()
+        del it
+        resumed = ds.loader(4, order=order, seed=9, world_size=2, rank=1)
+        resumed.load_state_dict(state)
+        rest = served(resumed)
+        expected = epoch0[k:] if k < len(epoch0) else epoch1
+        assert len(rest) == len(expected) and all(np.array_equal(a, b) for a, b in zip(rest, expected))
+    with pytest.raises(ValueError, match="other settings"):
+        ds.loader(4, order=order, seed=10).load_state_dict(state)
+
+
+def test_batches_kept_stay_valid(ds: MemmapDataset) -> None:
+    loader = ds.loader(2, order="random", prefetch=1, num_threads=2)
+    kept = [b for _ in range(3) for b in loader]
+    pieces = [b["image"][0] for b in loader]  # only a view of each batch survives
+    for batch in kept:
+        check_batch(ds, batch)
+    assert len({b["image"].data_ptr() for b in kept}) == len(kept)
+    for piece, index in zip(pieces, [b["index"][0].item() for b in reference_batches(ds, 2, order="random",
+                                                                                     epoch=3)]):
+        assert torch.equal(piece, ds[index].image)
+
+
+def test_dropped_batches_are_recycled(ds: MemmapDataset) -> None:
+    loader = ds.loader(2, order="sequential", prefetch=1, num_threads=1)
+    pointers = set()
+    for batch in loader:
+        pointers.add(batch["image"].data_ptr())
+        check_batch(ds, batch)
+        del batch
+    assert len(pointers) <= loader.prefetch + 4  # the pool and the short last batch, not one per batch
+
+
+def test_worker_error_reaches_consumer(ds: MemmapDataset, monkeypatch) -> None:
+    real = loader_module.fill_parallel
+    calls = []
+
+    def failing(dst, shards, idx, *args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError("disk on fire")
+        return real(dst, shards, idx, *args)
+
+    monkeypatch.setattr(loader_module, "fill_parallel", failing)
+    got = []
+    with pytest.raises(LoaderError, match=r"batch 2 of epoch 0 \(rank 0/1\) failed: OSError\('disk on fire'\)") as e:
+        for b in ds.loader(4, order="sequential"):
+            got.append(b)
+    assert isinstance(e.value.__cause__, OSError) and len(got) == 2
+
+
+def test_early_break_stops_the_producer(ds: MemmapDataset) -> None:
+    before = threading.active_count()
+    loader = ds.loader(1, order="random", prefetch=1, num_threads=3)
+    for _k, _batch in zip(range(2), loader):
+        pass
+    assert threading.active_count() == before
+    assert loader.state_dict()["batch"] == 2 and loader.epoch == 0
+    assert len(served(loader)) == COUNT  # a new iteration starts the epoch again
+
+
+def test_bad_arguments(ds: MemmapDataset) -> None:
+    with pytest.raises(ValueError, match="order must be one of"):
+        ds.loader(4, order="shuffled")
+    for kwargs in [{"batch_size": 0}, {"batch_size": 2, "prefetch": 0}, {"batch_size": 2, "num_threads": 0},
+                   {"batch_size": 2, "seed": -1}]:
+        with pytest.raises(ValueError, match="must be an integer"):
+            ds.loader(**kwargs)
+
+
+def test_cpu_device_and_batch_layout(ds: MemmapDataset) -> None:
+    batch = next(iter(ds.loader(5, device="cpu", order="sequential")))
+    assert batch.batch_size == (5,) and batch["image"].shape == (5, 3, *SIZE)
+    assert batch["label"].dtype == torch.int64 and batch["index"].tolist() == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("order", orders.ORDERS)
+def test_cuda_path_equals_reference(ds: MemmapDataset, order: str) -> None:
+    loader = ds.loader(4, order=order, device="cuda", prefetch=2)
+    for _epoch in range(2):
+        ref = list(reference_batches(ds, 4, order=order, epoch=loader.epoch))
+        kept = list(loader)  # kept across ring wrap-arounds: must all stay valid
+        torch.cuda.synchronize()
+        for b, r in zip(kept, ref):
+            assert b["image"].device.type == "cuda"
+            assert torch.equal(b["image"].cpu(), r["image"]) and torch.equal(b["index"].cpu(), r["index"])
+            assert torch.equal(b["label"].cpu(), r["label"])
