@@ -157,3 +157,24 @@ def test_float_tiff_is_refused_not_garbled() -> None:
     Image.fromarray(np.ones((4, 4), np.float32)).save(buf, "TIFF")
     with pytest.raises(ImageError, match="unsupported pixel mode F"):
         decode_bytes(buf.getvalue())
+
+
+def _jpegs(tmp_path: Path) -> list[bytes]:
+    out = []
+    for i, (h, w, kw) in enumerate([(33, 47, {}), (64, 64, {"progressive": True}), (20, 90, {"subsampling": 0}),
+                                    (50, 30, {"restart_marker_blocks": 1})]):
+        for orientation in (1, 6, 8):
+            out.append(save(tmp_path / f"{i}_{orientation}.jpg", pattern(h, w), orientation=orientation,
+                            **kw).read_bytes())
+    out.append(encode(pattern(20, 20)[..., 0]))
+    return out
+
+
+def test_the_jpeg_marker_probe_agrees_with_pillow(tmp_path: Path) -> None:
+    for data in _jpegs(tmp_path):
+        assert dec._probe_jpeg(data) == dec._probe_pillow(data)
+    cmyk = io.BytesIO()
+    Image.fromarray(pattern(8, 8)).convert("CMYK").save(cmyk, "JPEG")
+    assert dec._probe_jpeg(cmyk.getvalue()) is None  # left to Pillow
+    assert dec._probe_jpeg(b"\xff\xd8\xff\xe1\x00") is None
+    assert dec._probe_jpeg(encode(pattern(8, 8), "PNG")) is None

@@ -2,8 +2,9 @@
 
 Record slot `i` belongs to source `order[i]`, fixed before any work starts, so the bytes
 do not depend on how many workers there are or which finishes first. Workers are
-processes (decoding is CPU-bound and partly holds the GIL); each maps the shard files
-itself, so no pixel ever crosses a pipe: only (slot, size or reason) comes back.
+processes (decoding is CPU-bound and partly holds the GIL); each writes its records straight
+into the shard files at their offsets, so no pixel ever crosses a pipe: only (slot, size or
+reason) comes back.
 Slots of skipped sources are closed up afterwards by `compact`.
 """
 
@@ -23,6 +24,9 @@ from dsc.compiler.resize import Target, needed_size, resize_into
 from dsc.errors import CompileError, ImageError
 
 CHUNK = 16  # sources per task: small enough to keep every worker busy to the end
+# fork starts a worker in milliseconds; spawn re-imports torch in each (~1.3 s here). The
+# workers use no threads of the parent (torch is set to one thread before any work).
+START_METHOD = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
 
 
 @dataclass(frozen=True)
@@ -68,33 +72,46 @@ def compile_image(path: str, target: Target, out: np.ndarray, max_pixels: int) -
 
 
 class SlotWriter:
-    """Fills slots of one staging folder; one per worker process."""
+    """Fills slots of one staging folder; one per worker process.
+
+    Each record is resized into one reused buffer and written to its slot with one `pwrite`:
+    measured here, writing through a map of a freshly allocated shard costs 0.3-0.5 ms of page
+    faults per 150 KB record, `pwrite` 0.07 ms.
+    """
 
     def __init__(self, job: WriteJob):
         import torch
 
         torch.set_num_threads(1)  # parallelism comes from the workers, not from inside a resize
         self.job = job
-        self.shards: dict[int, np.memmap] = {}
+        self.buffer = np.empty((job.target.height, job.target.width, fmt.CHANNELS), np.uint8)
+        self.files: dict[int, int] = {}
 
-    def _record(self, slot: int) -> np.ndarray:
+    def _store(self, slot: int) -> None:
         shard, pos = fmt.locate(slot, self.job.records_per_shard)
-        if shard not in self.shards:
-            records = fmt.shard_records(self.job.count, self.job.records_per_shard)[shard]
-            shape = (self.job.target.height, self.job.target.width, fmt.CHANNELS)
-            self.shards[shard] = fmt.open_shard(Path(self.job.stage) / fmt.shard_file(shard), records, shape, "r+")
-        return self.shards[shard][pos]
+        if shard not in self.files:
+            self.files[shard] = os.open(Path(self.job.stage) / fmt.shard_file(shard), os.O_WRONLY)
+        data, offset = memoryview(self.buffer).cast("B"), pos * self.buffer.nbytes
+        while data:
+            written = os.pwrite(self.files[shard], data, offset)
+            data, offset = data[written:], offset + written
 
     def write(self, tasks: list[tuple[int, str]]) -> list[SlotResult]:
         results = []
         for slot, source in tasks:
             try:
                 path = os.path.join(self.job.src_root, source)
-                h, w = compile_image(path, self.job.target, self._record(slot), self.job.max_pixels)
+                h, w = compile_image(path, self.job.target, self.buffer, self.job.max_pixels)
+                self._store(slot)
                 results.append(SlotResult(slot, h, w))
             except ImageError as e:
                 results.append(SlotResult(slot, reason=str(e)))
         return results
+
+    def close(self) -> None:
+        for fd in self.files.values():
+            os.close(fd)
+        self.files.clear()
 
 
 _WRITER: SlotWriter | None = None
@@ -120,11 +137,14 @@ def fill_slots(job: WriteJob, sources: list[str], workers: int,
     chunks: Iterator[list[tuple[int, str]]] = (tasks[i:i + CHUNK] for i in range(0, len(tasks), CHUNK))
     if workers <= 1:
         writer = SlotWriter(job)
-        for chunk in chunks:
-            for result in writer.write(chunk):
-                on_result(result)
+        try:
+            for chunk in chunks:
+                for result in writer.write(chunk):
+                    on_result(result)
+        finally:
+            writer.close()
         return
-    pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (job,))
+    pool = multiprocessing.get_context(START_METHOD).Pool(workers, _init_worker, (job,))
     try:
         for results in pool.imap_unordered(_work, chunks):
             for result in results:
