@@ -4,9 +4,10 @@
 
 CORPUS is an ImageFolder tree (e.g. `sh ../shared/corpus/build.sh /tmp/corpus 2000` → /tmp/corpus/realistic).
 Runs, after reading every file once to warm the page cache:
-  dsc `compile_folder` with workers=1 (in-process) and workers=os.cpu_count() (spawned processes),
+  dsc `compile_folder` with workers=1 (in-process) and workers=os.cpu_count() (worker processes),
   baseline Pillow `open → convert('RGB') → resize((S, S), BILINEAR)` (no draft/DCT scaling) in one process
-  and in a spawn Pool of one process per core. Baseline pixels go into a numpy array that is then discarded.
+  and in a Pool of one process per core, started like dsc's workers. Baseline pixels go into a numpy
+  array that is then discarded.
 dsc times are end to end (discover, workers' start-up, decode/resize, fsync, index, publish); the baseline
 pool is timed with and without its start-up. Only module-level imports here are stdlib, numpy and Pillow,
 so the baseline's workers do not pay for importing torch.
@@ -70,16 +71,11 @@ def _wait(barrier) -> None:
     barrier.wait()
 
 
-def _import_dsc(barrier) -> None:
-    """What a dsc worker imports at start-up (torch included), then wait for the others."""
-    import dsc.compiler.write  # noqa: F401
-
-    barrier.wait()
-
-
 def start_pool(n: int, init=_wait) -> tuple[Pool, float]:
-    """A spawn Pool of n processes, returned once all have started and run `init`; and how long that took."""
-    ctx = mp.get_context("spawn")
+    """A Pool of n processes started like dsc's workers, returned once all run `init`; and how long that took."""
+    from dsc.compiler.write import START_METHOD
+
+    ctx = mp.get_context(START_METHOD)
     barrier = ctx.Barrier(n + 1)
     t0 = time.perf_counter()
     pool = ctx.Pool(n, init, (barrier,))
@@ -169,23 +165,17 @@ def main() -> None:
         bd = breakdown(paths[:: max(1, len(paths) // 200)], args.size)  # also imports torch/jpeg4py here
         runs = []
         for _ in range(args.repeat):
-            probe_pool, dsc_startup = start_pool(cores, _import_dsc)
-            probe_pool.terminate()
-            probe_pool.join()
             runs.append((run_baseline(paths, args.size, 1)[0], run_dsc(src, work / "out1", args.size, 1),
-                         *run_baseline(paths, args.size, cores), run_dsc(src, work / "outN", args.size, cores),
-                         dsc_startup))
-        b1, d1, bn, bn_work, dn, dsc_startup = np.min(runs, axis=0)
+                         *run_baseline(paths, args.size, cores), run_dsc(src, work / "outN", args.size, cores)))
+        b1, d1, bn, bn_work, dn = np.min(runs, axis=0)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     rate = {k: len(paths) / s for k, s in
-            {"b1": b1, "d1": d1, "bn": bn, "bn_work": bn_work, "dn": dn, "dn_work": dn - dsc_startup}.items()}
+            {"b1": b1, "d1": d1, "bn": bn, "bn_work": bn_work, "dn": dn}.items()}
     rows = [("dsc compile_folder, workers=1 (in-process, end to end)", 1, d1, rate["d1"]),
-            (f"dsc compile_folder, workers={cores} (incl. spawn start-up)", cores, dn, rate["dn"]),
-            (f"  same, minus est. start-up of {cores} workers ({dsc_startup:.2f} s)", cores, dn - dsc_startup,
-             rate["dn_work"]),
+            (f"dsc compile_folder, workers={cores} (end to end, incl. start-up)", cores, dn, rate["dn"]),
             ("baseline Pillow, 1 process", 1, b1, rate["b1"]),
-            (f"baseline Pillow, Pool({cores}) incl. spawn start-up", cores, bn, rate["bn"]),
+            (f"baseline Pillow, Pool({cores}) incl. start-up", cores, bn, rate["bn"]),
             (f"baseline Pillow, Pool({cores}) without start-up", cores, bn_work, rate["bn_work"])]
     print(f"load average after: {os.getloadavg()[0]:.2f} (other processes on the machine skew the figures)")
     print(f"\n{'run':<62} {'procs':>5} {'seconds':>8} {'img/s':>8} {'img/s/proc':>10}")
@@ -194,10 +184,9 @@ def main() -> None:
     print("\nratios (target)")
     print(f"  dsc 1 worker / baseline 1 process              {rate['d1'] / rate['b1']:6.2f}x  (>= 2)")
     print(f"  dsc {cores} workers / ({cores} x dsc 1 worker)            "
-          f"{rate['dn'] / (cores * rate['d1']):6.2f}   (>= 0.9; {rate['dn_work'] / (cores * rate['d1']):.2f} "
-          f"without start-up)")
+          f"{rate['dn'] / (cores * rate['d1']):6.2f}   (>= 0.9)")
     print(f"  dsc {cores} workers / baseline {cores} processes            {rate['dn'] / rate['bn']:6.2f}x  "
-          f"(both incl. start-up; {rate['dn_work'] / rate['bn_work']:.2f}x both without)")
+          f"(both incl. start-up)")
     print(f"\nper-image breakdown, one process, {len(paths[:: max(1, len(paths) // 200)])} files "
           f"(mean source {bd['src MP']:.3f} MP, dsc decodes {bd['decoded MP']:.3f} MP after DCT scaling), ms:")
     print("  dsc:      " + "  ".join(f"{k} {bd[k]:.2f}" for k in ("read", "probe", "decode", "resize")) +
