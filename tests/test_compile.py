@@ -146,7 +146,8 @@ def test_discovery_rules(tmp_path: Path) -> None:
     (src / "c").mkdir()
     (src / "b" / "loop").symlink_to(src / "b")
     (src / "a" / "gone.jpg").symlink_to(tmp_path / "missing.jpg")
-    summary = compile_folder(src, tmp_path / "out", size=8, workers=1, shuffle=False)
+    with pytest.warns(UserWarning, match="skipped"):
+        summary = compile_folder(src, tmp_path / "out", size=8, workers=1, shuffle=False)
     ds = fmt.open_dataset(tmp_path / "out")
     assert ds.manifest.classes == ("a", "b", "c") and summary.empty_classes == ["c"]
     assert [ds.source(i) for i in range(ds.manifest.count)] == ["a/y.PnG", "b/deep/er/x.JPG"]
