@@ -164,13 +164,15 @@ def test_discovery_rules(tmp_path: Path) -> None:
     ({"size": 0}, "between 1 and"),
     ({"fit": "zoom"}, "unknown fit"),
     ({"workers": 0}, "workers must be a positive integer"),
+    ({"out": "src/class_0/out"}, "must not be inside the source folder"),
 ])
 def test_bad_arguments_are_clear_errors(folder: Path, tmp_path: Path, kwargs: dict, message: str) -> None:
     (tmp_path / "empty").mkdir()
     src = tmp_path / kwargs.pop("src") if "src" in kwargs else folder
+    out = tmp_path / kwargs.pop("out", "out")
     with pytest.raises(CompileError, match=message):
-        compile_folder(src, tmp_path / "out", **kwargs)
-    assert not (tmp_path / "out").exists()
+        compile_folder(src, out, **kwargs)
+    assert not out.exists()
 
 
 def test_existing_out_needs_force_and_force_only_replaces_datasets(folder: Path, tmp_path: Path) -> None:

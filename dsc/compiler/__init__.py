@@ -92,6 +92,8 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
     if isinstance(max_pixels, bool) or not isinstance(max_pixels, int) or max_pixels < 1:
         raise CompileError(f"max_pixels must be a positive integer, got {max_pixels!r}")
     src, out = Path(src).absolute(), Path(out).absolute()
+    if out.resolve() == src.resolve() or src.resolve() in out.resolve().parents:
+        raise CompileError(f"output {out} must not be inside the source folder {src}")
     found = discover(src)
     on_skip = on_skip or _warn_skip
     for source, reason in found.skipped:
