@@ -82,37 +82,41 @@ class HostBuffers:
 
 
 class _Producer:
-    """Runs `make(b)` for each batch number on a background thread into a bounded queue."""
+    """Runs `make(b)` for each batch number on a background thread, at most `prefetch` batches ahead.
+
+    A semaphore, released when the consumer takes a batch, bounds the batches made but not yet
+    taken, so the producer never holds a finished batch while waiting: fewer host buffers in
+    flight (and a smaller, cache-warmer set of them).
+    """
 
     _END = object()
 
     def __init__(self, make: Callable[[int], Any], batches: Iterable[int], prefetch: int,
                  describe: Callable[[int], str]) -> None:
         self._make, self._batches, self._describe = make, batches, describe
-        self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # bounded by _ahead
+        self._ahead = threading.Semaphore(prefetch)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dsc-loader", daemon=True)
         self._thread.start()
 
-    def _put(self, item: Any) -> bool:
+    def _acquire(self) -> bool:
         while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=POLL_S)
+            if self._ahead.acquire(timeout=POLL_S):
                 return True
-            except queue.Full:
-                continue
         return False
 
     def _run(self) -> None:
         b = -1
         try:
             for b in self._batches:
-                if not self._put((b, self._make(b), None)):
+                if not self._acquire():
                     return
+                self._queue.put((b, self._make(b), None))
         except BaseException as e:  # handed to the consumer, which re-raises it with the batch named
-            self._put((b, None, e))
+            self._queue.put((b, None, e))
             return
-        self._put(self._END)
+        self._queue.put(self._END)
 
     def _get(self) -> Any:
         while True:
@@ -124,6 +128,7 @@ class _Producer:
 
     def __iter__(self) -> Iterator[tuple[int, Any]]:
         while (item := self._get()) is not self._END:
+            self._ahead.release()
             b, value, error = item
             if error is not None:
                 raise LoaderError(f"{self._describe(b)} failed: {error!r}") from error
@@ -162,7 +167,7 @@ class Loader:
         self.rank, self.world_size = resolve_world(rank, world_size)
         self.device = torch.device(device) if device is not None else None
         self.epoch, self._served, self._start = 0, 0, 0
-        self._buffers = HostBuffers(dataset.record_shape, keep=self.prefetch + 3)  # queued, in hand, being filled, held
+        self._buffers = HostBuffers(dataset.record_shape, keep=self.prefetch + 2)  # ahead, held, being let go
         self._feeder = None
 
     def __len__(self) -> int:
