@@ -9,8 +9,10 @@ from dsc.errors import (  # noqa: E402
     DatasetError,
     DscError,
     ImageError,
+    LoaderError,
     UnsupportedVersionError,
 )
+from dsc.reader import MemmapDataset  # noqa: E402
 
-__all__ = ["compile_folder", "CompileSummary", "DscError", "DatasetError", "CompileError",
-           "ImageError", "ChecksumError", "UnsupportedVersionError", "__version__"]
+__all__ = ["compile_folder", "CompileSummary", "MemmapDataset", "DscError", "DatasetError", "CompileError",
+           "ImageError", "LoaderError", "ChecksumError", "UnsupportedVersionError", "__version__"]

@@ -23,3 +23,7 @@ class CompileError(DscError):
 
 class ImageError(DscError):
     """One source image cannot be decoded; the compiler skips it or, with strict, fails."""
+
+
+class LoaderError(DscError, RuntimeError):
+    """A batch could not be produced; the message names the batch, the cause is chained."""

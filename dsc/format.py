@@ -139,8 +139,8 @@ def shard_segments(start: int, stop: int, records_per_shard: int) -> Iterator[tu
         start += n
 
 
-def locate(record: int, records_per_shard: int) -> tuple[int, int]:
-    """(shard, position in shard) of a record."""
+def locate(record, records_per_shard: int):
+    """(shard, position in shard) of a record, or of each record of an index array."""
     return divmod(record, records_per_shard)
 
 
@@ -441,8 +441,14 @@ def _map(path: Path, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r", shape=shape)
 
 
-def open_dataset(root: str | os.PathLike) -> OpenedDataset:
-    """Validate a dataset folder, then map its files read-only (no data is read yet)."""
+def open_dataset(root: str | os.PathLike, shard_mode: str = "r") -> OpenedDataset:
+    """Validate a dataset folder, then map its files (no data is read yet).
+
+    Index files are mapped read-only; shards with `shard_mode`: "r" (read-only) or "c"
+    (copy-on-write: writable views whose writes never reach the file).
+    """
+    if shard_mode not in ("r", "c"):
+        raise ValueError(f"shard_mode must be 'r' or 'c', got {shard_mode!r}")
     root = Path(root)
     manifest = parse_manifest(root)
     n, k = manifest.count, len(manifest.classes)
@@ -457,7 +463,7 @@ def open_dataset(root: str | os.PathLike) -> OpenedDataset:
     if offsets[0] != 0 or offsets[-1] != sources.size or np.any(offsets[1:] < offsets[:-1]):
         raise DatasetError(f"{root / SOURCE_OFFSETS_FILE}: offsets must rise from 0 to the size of "
                            f"{SOURCES_FILE} ({sources.size})")
-    shards = tuple(open_shard(root / s.file, s.records, manifest.record_shape) for s in manifest.shards)
+    shards = tuple(open_shard(root / s.file, s.records, manifest.record_shape, shard_mode) for s in manifest.shards)
     return OpenedDataset(root, manifest, shards, labels, sizes, offsets, sources)
 
 

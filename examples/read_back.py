@@ -11,7 +11,7 @@ from collections import Counter
 
 import torch
 
-from dsc.reader import MemmapDataset
+from dsc import MemmapDataset
 
 
 def main(path: str, epochs: int = 3) -> None:

@@ -73,12 +73,9 @@ _register_collate()
 
 
 def _open(root: Path) -> fmt.OpenedDataset:
-    """Validate and map the dataset; shards are re-mapped copy-on-write (see the module docstring)."""
-    opened = fmt.open_dataset(root)
-    m = opened.manifest
-    shards = tuple(fmt.open_shard(p, s.records, m.record_shape, mode="c").view(np.ndarray)
-                   for p, s in zip(opened.shard_paths(), m.shards))
-    return replace(opened, shards=shards)
+    """Validate and map the dataset; shards copy-on-write (see the module docstring), as plain arrays."""
+    opened = fmt.open_dataset(root, shard_mode="c")
+    return replace(opened, shards=tuple(s.view(np.ndarray) for s in opened.shards))
 
 
 def batch_buffer(batch: int, record_shape: tuple[int, int, int], shared: bool) -> torch.Tensor:
@@ -170,7 +167,7 @@ class MemmapDataset(Dataset):
         d = self.opened
         buf = batch_buffer(len(idx), self.record_shape, shared=get_worker_info() is not None)
         per_shard = self.manifest.records_per_shard
-        shard = idx // per_shard
+        shard, _ = fmt.locate(idx, per_shard)
         if np.count_nonzero(shard[1:] != shard[:-1]) < 2 * len(d.shards):  # few pieces: copy into place
             fill(buf.numpy(), d.shards, idx, per_shard)
         else:  # shards interleave: gather in sorted order (few pieces), then put rows back in place

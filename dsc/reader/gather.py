@@ -20,6 +20,8 @@ from concurrent.futures import Executor
 
 import numpy as np
 
+from dsc import format as fmt
+
 MIN_RUN = 4  # batches whose runs average fewer records than this are gathered, not sliced
 
 
@@ -50,8 +52,7 @@ def fill(dst: np.ndarray, shards: Sequence[np.ndarray], idx: np.ndarray, per_sha
     n = len(idx)
     if n == 0:
         return
-    shard = idx // per_shard
-    local = idx - shard * per_shard
+    shard, local = fmt.locate(idx, per_shard)
     shard_change = shard[1:] != shard[:-1]
     run_starts = np.flatnonzero(shard_change | (local[1:] != local[:-1] + 1)) + 1
     if (len(run_starts) + 1) * MIN_RUN <= n:

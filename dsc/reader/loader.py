@@ -21,17 +21,13 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from dsc.errors import DscError
+from dsc.errors import LoaderError
 from dsc.reader import order as orders
 from dsc.reader.gather import fill_parallel
 
 POLL_S = 0.1  # how often blocked queue waits look at the stop event / the producer's health
 JOIN_S = 30.0  # how long closing waits for a producer that is mid-copy
 MAX_DEFAULT_THREADS = 4  # copies saturate memory bandwidth with a few threads
-
-
-class LoaderError(DscError, RuntimeError):
-    """A batch could not be produced; the message names the batch, the cause is chained."""
 
 
 def default_threads() -> int:
