@@ -6,6 +6,7 @@ Exit codes: 0 success, 1 a data or runtime error (one line on stderr), 2 a usage
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
@@ -31,6 +32,10 @@ def _fail(message: str, code: int = 1) -> None:
     raise typer.Exit(code)
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def _size_option(value: str) -> str:
     try:
         parse_size(value)
@@ -40,11 +45,12 @@ def _size_option(value: str) -> str:
 
 
 def _human_bytes(n: float) -> str:
+    unit = "B"
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+            break
         n /= 1000
-    return f"{n} B"
+    return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
 
 
 @app.command("compile")
@@ -55,7 +61,7 @@ def compile_command(
     size: str = typer.Option("224", "--size", callback=_size_option,
                              help="Record size: N for N x N, or HxW (height x width)."),
     fit: str = typer.Option("center-crop", "--fit", help=f"How to reach the size: {', '.join(FITS)}."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the record order."),
+    seed: int = typer.Option(0, "--seed", min=0, help="Seed of the record order."),
     shuffle: bool = typer.Option(True, "--shuffle/--no-shuffle",
                                  help="Store records in a seeded random order (default) or in sorted order."),
     workers: int = typer.Option(None, "--workers", "-j", min=1, help="Worker processes [default: all cores]."),
@@ -72,6 +78,7 @@ def compile_command(
     if turbojpeg_library() is None:
         typer.echo("note: libturbojpeg.so.0 not found, so JPEGs are decoded by Pillow's bundled libjpeg-turbo "
                    "(same pixels, slower). Install it with: apt-get install libturbojpeg0", err=True)
+    signal.signal(signal.SIGTERM, _interrupt)  # `timeout`, `docker stop`, schedulers: clean up as for Ctrl-C
     bar = tqdm(unit="img", desc="compiling", disable=None, file=sys.stderr, dynamic_ncols=True)
 
     def on_skip(source: str, reason: str) -> None:

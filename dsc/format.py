@@ -348,7 +348,7 @@ def parse_manifest(root: Path) -> Manifest:
         raise _fail(root, f"{size} bytes is more than the {MAX_MANIFEST_BYTES} a manifest may have")
     try:
         doc = json.loads(path.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, or a 5000-digit number
         raise _fail(root, f"not valid JSON ({e})") from e
     if not isinstance(doc, dict):
         raise _fail(root, f"must be a JSON object, found {type(doc).__name__}")
@@ -377,10 +377,10 @@ def parse_manifest(root: Path) -> Manifest:
         raise _fail(root, "'classes' must be a list of distinct, non-empty strings")
 
     shards_doc = _expect(root, doc, "shards", list)
-    expected_records = shard_records(count, per_shard)
-    if len(shards_doc) != len(expected_records):
+    if len(shards_doc) != shard_count(count, per_shard):  # compared before any per-shard list is built
         raise _fail(root, f"'shards' lists {len(shards_doc)} shard(s), but {count} records at "
-                          f"{per_shard} per shard need {len(expected_records)}")
+                          f"{per_shard} per shard need {shard_count(count, per_shard)}")
+    expected_records = shard_records(count, per_shard)
     shards, seen = [], set()
     for i, (entry, records) in enumerate(zip(shards_doc, expected_records)):
         where = f"shards[{i}]"
@@ -405,12 +405,13 @@ def parse_manifest(root: Path) -> Manifest:
         index[key] = FileEntry(entry["file"], entry["bytes"], entry["sha256"])
 
     skipped = _expect(root, doc, "skipped", list)
-    if not all(isinstance(s, dict) and set(s) == {"source", "reason"}
-               and all(isinstance(v, str) for v in s.values()) for s in skipped):
+    if not all(isinstance(s, dict) and (set(s) >= {"source", "reason"} if newer else set(s) == {"source", "reason"})
+               and isinstance(s["source"], str) and isinstance(s["reason"], str) for s in skipped):
         raise _fail(root, "'skipped' must be a list of {\"source\": str, \"reason\": str} objects")
     return Manifest(height=height, width=width, count=count, records_per_shard=per_shard,
                     classes=tuple(classes), shards=tuple(shards), index=index,
-                    skipped=tuple(skipped), compile=_expect(root, doc, "compile", dict),
+                    skipped=tuple({"source": s["source"], "reason": s["reason"]} for s in skipped),
+                    compile=_expect(root, doc, "compile", dict),
                     version=doc["version"])
 
 

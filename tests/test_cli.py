@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,9 @@ from typer.testing import CliRunner
 
 from dsc import format as fmt
 from dsc.cli import app
+from dsc.compiler.publish import staging_path
+
+from conftest import pattern, save
 
 runner = CliRunner(env={"COLUMNS": "250", "TERMINAL_WIDTH": "250", "NO_COLOR": "1"})
 
@@ -31,6 +37,7 @@ def test_compile_prints_a_summary(folder: Path, tmp_path: Path) -> None:
     (["--size", "big"], 2, "is not N or HxW"),
     (["--fit", "zoom"], 2, "'zoom' is not one of center-crop, stretch, pad"),
     (["--workers", "0"], 2, r"Invalid value for '--workers'.*greater than or equal to 1"),
+    (["--seed", "-1"], 2, r"Invalid value for '--seed'.*greater than or equal to 0"),
     (["--strict"], 1, "error: .*bad.jpg: not a recognised image file .*--strict"),
 ])
 def test_bad_options_and_strict(folder: Path, tmp_path: Path, args: list[str], code: int, message: str) -> None:
@@ -51,6 +58,10 @@ def test_runtime_errors_are_one_line(folder: Path, tmp_path: Path) -> None:
     exists = runner.invoke(app, ["compile", str(folder), str(tmp_path / "out")])
     assert exists.exit_code == 1 and "already exists; pass --force" in exists.stderr
     assert (tmp_path / "out" / "mine.txt").read_text() == "keep"
+    orphan = runner.invoke(app, ["compile", str(folder), str(tmp_path / "no" / "such" / "out")])
+    assert orphan.exit_code == 1
+    assert orphan.stderr.strip().splitlines() == [f"error: the folder {tmp_path / 'no' / 'such'} that should "
+                                                  "hold out does not exist"]
 
 
 def test_help_lists_every_option() -> None:
@@ -68,3 +79,24 @@ def test_the_console_script_runs_without_the_system_libjpeg_turbo(folder: Path, 
     assert run.returncode == 0, run.stderr
     assert run.stderr.count("libturbojpeg.so.0 not found") == 1
     assert "Pillow" in fmt.open_dataset(tmp_path / "out").manifest.compile["jpeg_decoder"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupted_cli_compile_with_workers_cleans_up(tmp_path: Path, sig: int) -> None:
+    image = pattern(600, 800)
+    for i in range(120):
+        save(tmp_path / "big" / f"c{i % 2}" / f"{i}.png", image, "PNG", compress_level=1)
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "dsc.cli", "compile", str(tmp_path / "big"), str(out),
+                             "--size", "64", "-j", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not (staging_path(out) / "shards").exists():
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.2)  # workers are busy decoding
+    os.killpg(proc.pid, sig)  # as a terminal's Ctrl-C (or a scheduler) signals the whole group
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert stderr.strip().splitlines() == [f"error: interrupted; {out} was not written"]  # nothing from workers
+    assert not out.exists() and not staging_path(out).exists()

@@ -64,10 +64,11 @@ def test_round_trip_matches_an_independent_pillow_reference(tmp_path: Path, fit:
 
 
 def test_output_is_byte_identical_for_any_worker_count_and_run(folder: Path, tmp_path: Path) -> None:
+    (folder / "class_1" / "junk.jpg").write_text("not an image")  # skip reasons must be reproducible too
     outs = []
     for i, workers in enumerate([1, 2, 3, 1]):
         out = tmp_path / f"out{i}"
-        compile_folder(folder, out, size=24, workers=workers, records_per_shard=4)
+        compile_folder(folder, out, size=24, workers=workers, records_per_shard=4, on_skip=lambda s, r: None)
         outs.append(file_bytes(out))
     manifests = [json.loads(o.pop("manifest.json")) for o in outs]
     assert all(o == outs[0] for o in outs[1:])
@@ -226,3 +227,86 @@ def test_an_interrupted_compile_leaves_no_dataset_at_out(big_folder: Path, tmp_p
         assert staging_path(out).exists()
         with pytest.raises(CompileError, match="partial build"):
             compile_folder(big_folder, out, size=64, workers=1)
+
+
+def test_a_worker_that_dies_fails_the_compile_instead_of_hanging(tmp_path: Path) -> None:
+    folder = make_folder(tmp_path / "src", per_class=12)  # 36 images: several tasks, so real workers
+    code = f"""
+import os, dsc, dsc.compiler.write as w
+real = w.compile_image
+def dying(path, *a, **k):
+    if path.endswith("img_2.jpg"):
+        os.kill(os.getpid(), 9)
+    return real(path, *a, **k)
+w.compile_image = dying
+try:
+    dsc.compile_folder({str(folder)!r}, {str(tmp_path / "out")!r}, size=8, workers=2)
+except dsc.CompileError as e:
+    print("CompileError:", e)
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "CompileError: a worker process died" in run.stdout, run.stderr
+    assert not (tmp_path / "out").exists() and not staging_path(tmp_path / "out").exists()
+
+
+def test_a_file_too_large_for_max_pixels_is_skipped_unread(folder: Path, tmp_path: Path) -> None:
+    with open(folder / "class_0" / "huge.png", "wb") as f:
+        f.truncate(32 << 20)  # sparse: 32 MiB of nothing
+    summary = compile_folder(folder, tmp_path / "out", size=8, workers=1, max_pixels=10_000,
+                             on_skip=lambda s, r: None)
+    assert "more than any image within --max-pixels (10000) can need" in dict(summary.skipped)["class_0/huge.png"]
+
+
+def test_shared_folders_linked_from_two_classes_count_in_both(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    save(src / "a" / "x.jpg", pattern(20, 20))
+    save(tmp_path / "shared" / "y.jpg", pattern(20, 20))
+    (src / "a" / "common").symlink_to(tmp_path / "shared")
+    (src / "b").mkdir()
+    (src / "b" / "common").symlink_to(tmp_path / "shared")
+    (src / "c").symlink_to(src / "a")
+    compile_folder(src, tmp_path / "out", size=8, workers=1, shuffle=False)
+    ds = fmt.open_dataset(tmp_path / "out")
+    assert [ds.source(i) for i in range(ds.manifest.count)] == [
+        "a/common/y.jpg", "a/x.jpg", "b/common/y.jpg", "c/common/y.jpg", "c/x.jpg"]
+
+
+def test_file_names_that_are_not_utf8_round_trip(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    save(src / "a" / "ok.jpg", pattern(20, 20))
+    odd = os.fsdecode(b"caf\xe9 \xff.jpg")
+    save(src / "a" / odd, pattern(20, 20))
+    (src / "a" / os.fsdecode(b"bad\xfe.png")).write_bytes(b"")
+    compile_folder(src, tmp_path / "out", size=8, workers=1, shuffle=False, on_skip=lambda s, r: None)
+    ds = fmt.open_dataset(tmp_path / "out")
+    assert [ds.source(i) for i in range(2)] == [f"a/{odd}", "a/ok.jpg"]
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_bytes().decode("utf-8", "strict"))
+    assert manifest["skipped"] == [{"source": "a/bad\\xfe.png", "reason": "empty file (0 bytes)"}]
+    (src / os.fsdecode(b"cl\xe4ss")).mkdir()
+    with pytest.raises(CompileError, match="not valid UTF-8; rename it"):
+        compile_folder(src, tmp_path / "out2", size=8, workers=1)
+
+
+def test_force_puts_the_old_dataset_back_if_the_swap_fails(folder: Path, tmp_path: Path, monkeypatch) -> None:
+    out = tmp_path / "out"
+    compile_folder(folder, out, size=8, workers=1)
+    before = file_bytes(out)
+    real_rename = os.rename
+
+    def failing_rename(a, b):
+        if str(a).endswith(".dsc-partial"):
+            raise OSError(28, "No space left on device")
+        real_rename(a, b)
+
+    monkeypatch.setattr("dsc.compiler.publish.os.rename", failing_rename)
+    with pytest.raises(CompileError, match="No space left on device"):
+        compile_folder(folder, out, size=12, workers=1, force=True)
+    assert file_bytes(out) == before and not staging_path(out).exists()
+    assert not list(tmp_path.glob(".out.dsc-old-*"))
+
+
+def test_source_inside_out_is_refused_even_with_force(tmp_path: Path) -> None:
+    src = make_folder(tmp_path / "ds" / "images")
+    with pytest.raises(CompileError, match="must not be inside the output"):
+        compile_folder(src, tmp_path / "ds", size=8, workers=1, force=True)
+    assert src.is_dir()

@@ -178,3 +178,24 @@ def test_the_jpeg_marker_probe_agrees_with_pillow(tmp_path: Path) -> None:
     assert dec._probe_jpeg(cmyk.getvalue()) is None  # left to Pillow
     assert dec._probe_jpeg(b"\xff\xd8\xff\xe1\x00") is None
     assert dec._probe_jpeg(encode(pattern(8, 8), "PNG")) is None
+
+
+def test_colour_key_transparency_is_composited_onto_black() -> None:
+    rgb = np.full((4, 4, 3), (10, 20, 30), np.uint8)
+    rgb[0, 0] = (200, 100, 50)
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, "PNG", transparency=(10, 20, 30))
+    got = decode_bytes(buf.getvalue())
+    assert got[0, 0].tolist() == [200, 100, 50] and (got[1:] == 0).all()
+
+
+def test_exif_after_the_frame_header_is_still_found(tmp_path: Path) -> None:
+    data = save(tmp_path / "o.jpg", pattern(30, 50), orientation=6).read_bytes()
+    app1_at = data.index(b"\xff\xe1")
+    app1 = data[app1_at:app1_at + 2 + int.from_bytes(data[app1_at + 2:app1_at + 4], "big")]
+    without = data.replace(app1, b"")
+    sof_at = without.index(b"\xff\xc0")
+    sof_end = sof_at + 2 + int.from_bytes(without[sof_at + 2:sof_at + 4], "big")
+    moved = without[:sof_end] + app1 + without[sof_end:]
+    assert dec._probe_pillow(moved).orientation == 6
+    assert dec._probe_jpeg(moved) == dec._probe_pillow(moved)

@@ -143,6 +143,9 @@ def set_key(*keys_and_value):
     (set_key("classes", ["a", "a"]), DatasetError, "distinct"),
     (set_key("skipped", ["x"]), DatasetError, "'skipped' must be a list of"),
     (set_key("compile", []), DatasetError, "'compile' must be dict"),
+    (set_key("count", 2**33), DatasetError, r"'shards' lists 3 shard\(s\), but 8589934592 records"),
+    (set_key("records_per_shard", 2**40 + 1), DatasetError, "'records_per_shard' = .* is outside"),
+    (set_key("skipped", [{"source": "x", "reason": "y", "extra": 1}]), DatasetError, "'skipped' must be"),
 ])
 def test_a_lying_manifest_is_refused_before_mapping(tiny: Path, change, error, match) -> None:
     edit_manifest(tiny, change)
@@ -153,7 +156,16 @@ def test_a_lying_manifest_is_refused_before_mapping(tiny: Path, change, error, m
 def test_a_newer_minor_version_may_add_keys(tiny: Path) -> None:
     edit_manifest(tiny, set_key("version", "1.7"))
     edit_manifest(tiny, set_key("future_key", {"anything": 1}))
-    assert fmt.open_dataset(tiny).manifest.count == 5
+    edit_manifest(tiny, set_key("skipped", [{"source": "x", "reason": "y", "stage": "decode"}]))
+    manifest = fmt.open_dataset(tiny).manifest
+    assert manifest.count == 5 and manifest.skipped == ({"source": "x", "reason": "y"},)
+
+
+def test_a_number_too_long_to_parse_is_a_dataset_error(tiny: Path) -> None:
+    text = (tiny / fmt.MANIFEST_FILE).read_text().replace('"count": 5', '"count": ' + "9" * 5000)
+    (tiny / fmt.MANIFEST_FILE).write_text(text)
+    with pytest.raises(DatasetError, match="not valid JSON"):
+        fmt.open_dataset(tiny)
 
 
 @pytest.mark.parametrize(("size_change", "word"), [(-1, "truncated"), (1, "extended")])

@@ -66,12 +66,80 @@ def source_order(n: int, seed: int, shuffle: bool) -> np.ndarray:
     return np.random.default_rng(seed).permutation(n)
 
 
-def _manifest(target: Target, kept: int, per_shard: int, classes: list[str], shards, index,
-              skipped: list[tuple[str, str]], options: dict) -> fmt.Manifest:
-    return fmt.Manifest(height=target.height, width=target.width, count=kept,
-                        records_per_shard=per_shard, classes=tuple(classes), shards=shards,
-                        index=index, skipped=tuple({"source": s, "reason": r} for s, r in skipped),
-                        compile=options)
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise CompileError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def _check_paths(src: Path, out: Path) -> None:
+    """OUT and SRC must not contain each other: a compile must never read or replace its sources."""
+    s, o = src.resolve(), out.resolve()
+    if o == s or s in o.parents:
+        raise CompileError(f"output {out} must not be inside the source folder {src}")
+    if o in s.parents:
+        raise CompileError(f"the source folder {src} must not be inside the output {out}")
+
+
+def _printable(source: str) -> str:
+    """A source path as valid UTF-8 text for the manifest (undecodable bytes as \\xNN)."""
+    return os.fsencode(source).decode("utf-8", "backslashreplace")
+
+
+def _decode_all(job: WriteJob, sources: list[str], workers: int, strict: bool,
+                on_skip: Callable[[str, str], None], progress: Callable[[int], None] | None):
+    """Fill every slot; return (ok mask, upright sizes, skipped (source, reason) list)."""
+    ok = np.zeros(len(sources), dtype=bool)
+    sizes = np.zeros((len(sources), 2), dtype=np.int64)
+    failed: list[tuple[str, str]] = []
+
+    def collect(result: SlotResult) -> None:
+        if result.ok:
+            ok[result.slot] = True
+            sizes[result.slot] = (result.height, result.width)
+        elif strict:
+            raise CompileError(f"{Path(job.src_root) / sources[result.slot]}: {result.reason} "
+                               "(--strict: nothing written)")
+        else:
+            failed.append((sources[result.slot], result.reason))
+            on_skip(sources[result.slot], result.reason)
+        if progress:
+            progress(1)
+
+    fill_slots(job, sources, workers, collect)
+    return ok, sizes, failed
+
+
+def _options(target: Target, seed: int, shuffle: bool, max_pixels: int, src: Path, found: int) -> dict:
+    """How the pixels were made, recorded in the manifest (formats.md, "compile")."""
+    return {"dsc_version": __version__, "size": [target.height, target.width], "fit": target.fit,
+            "interpolation": INTERPOLATION, "pad_value": PAD_VALUE, "alpha": "composited onto black",
+            "exif_orientation": "applied", "jpeg_decoder": decoder_name(),
+            "dct_scaling": "1/2, 1/4 or 1/8 when the source is at least that many times the target",
+            "shuffle": shuffle, "seed": seed, "max_pixels": max_pixels, "source_root": str(src),
+            "source_order": "by label, then depth-first with folder entries sorted by name",
+            "sources_found": found}
+
+
+def _finish(stage: Path, job: WriteJob, ok: np.ndarray, sizes: np.ndarray, labels: np.ndarray,
+            sources: list[str], classes: list[str], skipped: list[tuple[str, str]], options: dict,
+            threads: int) -> fmt.Manifest:
+    """Close up skipped slots, make the shards durable, write index and manifest (last)."""
+    kept = compact(stage, ok, job)
+    if kept == 0:
+        raise CompileError(f"none of the {len(sources)} images in {job.src_root} could be decoded; nothing written")
+    target, per_shard = job.target, job.records_per_shard
+    record_bytes = target.height * target.width * fmt.CHANNELS
+    fmt.trim_shards(stage, kept, per_shard, record_bytes)
+    fsync_files([stage / fmt.shard_file(i) for i in range(fmt.shard_count(kept, per_shard))])
+    with ThreadPoolExecutor(threads) as pool:
+        shards = fmt.shard_entries(stage, kept, per_shard, record_bytes, map_fn=pool.map)
+    index = fmt.write_index(stage, labels[ok], sizes[ok], [s for s, k in zip(sources, ok) if k])
+    manifest = fmt.Manifest(height=target.height, width=target.width, count=kept, records_per_shard=per_shard,
+                            classes=tuple(classes), shards=shards, index=index, compile=options,
+                            skipped=tuple({"source": _printable(s), "reason": r} for s, r in skipped))
+    fmt.write_manifest(stage, manifest)
+    return manifest
 
 
 def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int | str | tuple[int, int] = 224,
@@ -87,60 +155,27 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
     started = time.perf_counter()
     target = Target(*parse_size(size), fit=fit)
     workers = check_workers(workers)
-    if records_per_shard is not None and (not isinstance(records_per_shard, int) or records_per_shard < 1):
-        raise CompileError(f"records_per_shard must be a positive integer, got {records_per_shard!r}")
-    if isinstance(max_pixels, bool) or not isinstance(max_pixels, int) or max_pixels < 1:
-        raise CompileError(f"max_pixels must be a positive integer, got {max_pixels!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise CompileError(f"seed must be a non-negative integer, got {seed!r}")
+    record_bytes = target.height * target.width * fmt.CHANNELS
+    per_shard = _positive_int("records_per_shard", records_per_shard or max(1, SHARD_TARGET_BYTES // record_bytes))
+    max_pixels = _positive_int("max_pixels", max_pixels)
     src, out = Path(src).absolute(), Path(out).absolute()
-    if out.resolve() == src.resolve() or src.resolve() in out.resolve().parents:
-        raise CompileError(f"output {out} must not be inside the source folder {src}")
+    _check_paths(src, out)
     found = discover(src)
     on_skip = on_skip or _warn_skip
     for source, reason in found.skipped:
         on_skip(source, reason)
-    record_bytes = target.height * target.width * fmt.CHANNELS
-    per_shard = records_per_shard or max(1, SHARD_TARGET_BYTES // record_bytes)
     order = source_order(len(found.sources), seed, shuffle)
     sources = [found.sources[i] for i in order]
     stage = publish.prepare(out, force)
     try:
         fmt.allocate_shards(stage, len(sources), per_shard, record_bytes)
         job = WriteJob(str(src), str(stage), len(sources), per_shard, target, max_pixels)
-        sizes = np.zeros((len(sources), 2), dtype=np.int64)
-        ok = np.zeros(len(sources), dtype=bool)
-        failed: list[tuple[str, str]] = []
-
-        def collect(result: SlotResult) -> None:
-            if result.ok:
-                ok[result.slot] = True
-                sizes[result.slot] = (result.height, result.width)
-            elif strict:
-                raise CompileError(f"{src / sources[result.slot]}: {result.reason} (--strict: nothing written)")
-            else:
-                failed.append((sources[result.slot], result.reason))
-                on_skip(sources[result.slot], result.reason)
-            if progress:
-                progress(1)
-
-        fill_slots(job, sources, workers, collect)
-        kept = compact(stage, ok, job)
-        if kept == 0:
-            raise CompileError(f"none of the {len(sources)} images in {src} could be decoded; nothing written")
-        fmt.trim_shards(stage, kept, per_shard, record_bytes)
-        shard_paths = [stage / fmt.shard_file(i) for i in range(fmt.shard_count(kept, per_shard))]
-        fsync_files(shard_paths)
-        with ThreadPoolExecutor(min(4, workers)) as pool:
-            shards = fmt.shard_entries(stage, kept, per_shard, record_bytes, map_fn=pool.map)
-        index = fmt.write_index(stage, found.labels[order][ok], sizes[ok], [s for s, k in zip(sources, ok) if k])
-        skipped = sorted(found.skipped + failed)
-        options = {"dsc_version": __version__, "size": [target.height, target.width], "fit": target.fit,
-                   "interpolation": INTERPOLATION, "pad_value": PAD_VALUE, "alpha": "composited onto black",
-                   "exif_orientation": "applied", "jpeg_decoder": decoder_name(),
-                   "dct_scaling": "1/2, 1/4 or 1/8 when the source is at least that many times the target",
-                   "shuffle": shuffle, "seed": seed, "max_pixels": max_pixels, "source_root": str(src),
-                   "source_order": "by label, then depth-first with folder entries sorted by name",
-                   "sources_found": len(found.sources)}
-        fmt.write_manifest(stage, _manifest(target, kept, per_shard, found.classes, shards, index, skipped, options))
+        ok, sizes, failed = _decode_all(job, sources, workers, strict, on_skip, progress)
+        manifest = _finish(stage, job, ok, sizes, found.labels[order], sources, found.classes,
+                           sorted(found.skipped + failed), _options(target, seed, shuffle, max_pixels, src,
+                                                                     len(sources)), min(4, workers))
         publish.publish(stage, out)
     except OSError as e:  # a full disk, a vanished folder: say so, leave OUT as it was
         publish.discard(stage)
@@ -149,9 +184,6 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
         publish.discard(stage)
         raise
     size_on_disk = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    return CompileSummary(out, kept, skipped, found.classes, found.empty_classes, len(shards),
-                          size_on_disk, time.perf_counter() - started, decoder_name(), target_shape(target))
-
-
-def target_shape(target: Target) -> tuple[int, int, int]:
-    return (target.height, target.width, fmt.CHANNELS)
+    return CompileSummary(out, manifest.count, sorted(found.skipped + failed), found.classes, found.empty_classes,
+                          len(manifest.shards), size_on_disk, time.perf_counter() - started, decoder_name(),
+                          manifest.record_shape)

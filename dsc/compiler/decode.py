@@ -88,7 +88,9 @@ def open_image(data: bytes) -> Image.Image:
             return Image.open(io.BytesIO(data))
         except Image.DecompressionBombError as e:
             raise ImageError(f"decompression bomb refused by Pillow: {e}") from e
-        except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
+        except UnidentifiedImageError as e:  # its message holds an object address: keep reasons reproducible
+            raise ImageError("not a recognised image file (no known format's signature)") from e
+        except (OSError, ValueError, SyntaxError) as e:
             raise ImageError(f"not a recognised image file ({e})") from e
 
 
@@ -109,22 +111,23 @@ def _exif_orientation(tiff: bytes) -> int:
 def _probe_jpeg(data: bytes) -> Probe | None:
     """Size, mode and orientation of a plain (grey or YCbCr) JPEG from its markers, without
     Pillow (0.2 ms per image saved); None for anything else, which Pillow then examines."""
-    pos, orientation = 2, 1
+    pos, orientation, frame = 2, 1, None
     while data[:2] == b"\xff\xd8" and pos + 4 <= len(data) and data[pos] == 0xFF:
         marker = data[pos + 1]
         if marker == 0xFF:  # fill byte
             pos += 1
             continue
+        if marker == 0xDA:  # start of scan: every header segment has been seen (EXIF may follow SOF)
+            mode = {1: "L", 3: "RGB"}.get(frame[2]) if frame else None
+            return Probe("JPEG", mode, frame[1], frame[0], orientation) if mode and all(frame[:2]) else None
         length = int.from_bytes(data[pos + 2:pos + 4], "big")
         segment = data[pos + 4:pos + 2 + length]
-        if length < 2 or len(segment) != length - 2 or marker == 0xDA:  # damaged, or scan before frame
+        if length < 2 or len(segment) != length - 2:
             return None
-        if marker == 0xE1 and segment[:6] == b"Exif\0\0":
+        if marker == 0xE1 and segment[:6] == b"Exif\0\0" and orientation == 1:
             orientation = _exif_orientation(segment[6:])
-        elif marker in _SOF_MARKERS and len(segment) >= 6:
-            height, width = int.from_bytes(segment[1:3], "big"), int.from_bytes(segment[3:5], "big")
-            mode = {1: "L", 3: "RGB"}.get(segment[5])
-            return Probe("JPEG", mode, width, height, orientation) if mode and width and height else None
+        elif marker in _SOF_MARKERS and len(segment) >= 6 and frame is None:
+            frame = (int.from_bytes(segment[1:3], "big"), int.from_bytes(segment[3:5], "big"), segment[5])
         pos += 2 + length
     return None
 
@@ -171,8 +174,10 @@ def _decode_turbo(data: bytes, p: Probe, scale: int) -> np.ndarray:
 def _to_rgb(img: Image.Image) -> np.ndarray:
     """Any Pillow mode → RGB uint8, alpha composited onto black, 16-bit → high byte."""
     mode = img.mode
-    if mode == "P":
-        img = img.convert("RGBA" if "transparency" in img.info else "RGB")
+    if "transparency" in img.info and mode in ("P", "L", "RGB"):  # palette or colour-key transparency
+        img = img.convert("RGBA")
+    elif mode == "P":
+        img = img.convert("RGB")
     elif mode.startswith("I;16") or mode == "I":
         a = np.asarray(img).astype(np.uint32)
         a = (a >> 8) if mode.startswith("I;16") or a.max(initial=0) > 255 else a

@@ -39,14 +39,18 @@ def is_image_name(name: str) -> bool:
     return not name.startswith(".") and os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
 
 
-def _walk(top: Path, rel: str, seen: set[tuple[int, int]], found: list[str],
+def _walk(top: Path, rel: str, ancestors: frozenset[tuple[int, int]], found: list[str],
           skipped: list[tuple[str, str]]) -> None:
-    """Collect image files below `top` recursively, following symlinks but never a loop."""
+    """Collect image files below `top` recursively, following symlinks but never a loop.
+
+    Only a folder that is its own ancestor is a loop: a folder reached twice by different
+    paths (two classes linking one shared folder) is listed under both, as ImageFolder does.
+    """
     try:
         st = top.stat()
-        if (st.st_dev, st.st_ino) in seen:
+        if (st.st_dev, st.st_ino) in ancestors:
             return
-        seen.add((st.st_dev, st.st_ino))
+        ancestors = ancestors | {(st.st_dev, st.st_ino)}
         entries = sorted(os.scandir(top), key=lambda e: e.name)
     except OSError as e:
         skipped.append((rel or ".", f"cannot list folder: {e.strerror or e}"))
@@ -62,12 +66,14 @@ def _walk(top: Path, rel: str, seen: set[tuple[int, int]], found: list[str],
             skipped.append((child, f"cannot stat: {e.strerror or e}"))
             continue
         if is_dir:
-            _walk(Path(entry.path), child, seen, found, skipped)
+            _walk(Path(entry.path), child, ancestors, found, skipped)
         elif is_image_name(entry.name):
             if is_file:
                 found.append(child)
-            elif entry.is_symlink():
+            elif entry.is_symlink() and not os.path.exists(entry.path):
                 skipped.append((child, "broken symbolic link (its target does not exist)"))
+            else:
+                skipped.append((child, "not a regular file (a device, pipe or socket)"))
 
 
 def discover(root: str | os.PathLike) -> Discovery:
@@ -82,22 +88,25 @@ def discover(root: str | os.PathLike) -> Discovery:
     except OSError as e:
         raise CompileError(f"cannot list source folder {root}: {e.strerror or e}") from e
     classes = [e.name for e in top if not e.name.startswith(".") and e.is_dir()]
+    for name in classes:
+        if not name.isprintable() or os.fsencode(name) != name.encode("utf-8", "surrogateescape"):
+            raise CompileError(f"class folder {os.fsencode(name)!r} in {root} has a name that is not valid "
+                               "UTF-8; rename it (class names are stored as text)")
     sources: list[str] = []
     labels: list[int] = []
     skipped: list[tuple[str, str]] = []
     empty: list[str] = []
-    seen = {(root.stat().st_dev, root.stat().st_ino)}
     if classes:
         for label, name in enumerate(classes):
             found: list[str] = []
-            _walk(root / name, name, seen, found, skipped)
+            _walk(root / name, name, frozenset(), found, skipped)
             if not found:
                 empty.append(name)
             sources += found
             labels += [label] * len(found)
         skipped += [(e.name, "not inside a class folder") for e in top if e.is_file() and is_image_name(e.name)]
     else:
-        _walk(root, "", set(), sources, skipped)
+        _walk(root, "", frozenset(), sources, skipped)
         labels = [-1] * len(sources)
     if not sources:
         raise CompileError(f"no images found in {root} (looked for {', '.join(sorted(IMAGE_EXTENSIONS))}, "

@@ -61,7 +61,12 @@ def publish(stage: Path, out: Path) -> None:
     if out.exists():
         old = out.parent / f".{out.name}.dsc-old-{os.getpid()}"
         os.rename(out, old)
-    os.rename(stage, out)
+    try:
+        os.rename(stage, out)
+    except BaseException:  # never leave OUT empty: put the previous dataset back
+        if old is not None:
+            os.rename(old, out)
+        raise
     fd = os.open(out.parent, os.O_RDONLY)
     try:
         os.fsync(fd)

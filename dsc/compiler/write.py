@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 
 from dsc import format as fmt
 from dsc.compiler.decode import decode, probe
@@ -57,6 +61,10 @@ def compile_image(path: str, target: Target, out: np.ndarray, max_pixels: int) -
     """Decode one file into `out`; return its upright (height, width) or raise ImageError."""
     try:
         with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > max_file_bytes(max_pixels):
+                raise ImageError(f"file is {size} bytes, more than any image within --max-pixels "
+                                 f"({max_pixels}) can need; not read")
             data = f.read()
     except OSError as e:
         raise ImageError(f"cannot read file: {e.strerror or e}") from e
@@ -66,9 +74,16 @@ def compile_image(path: str, target: Target, out: np.ndarray, max_pixels: int) -
         resize_into(decode(data, p, *needed_size(height, width, target)), target, out, (height, width))
     except ImageError:
         raise
+    except MemoryError as e:
+        raise ImageError("out of memory while decoding") from e
     except Exception as e:  # one odd file must not end a compile of millions; report it instead
         raise ImageError(f"cannot decode ({type(e).__name__}: {e})") from e
     return height, width
+
+
+def max_file_bytes(max_pixels: int) -> int:
+    """The largest file worth reading: uncompressed 16-bit RGBA (8 bytes a pixel) plus 16 MiB of metadata."""
+    return max_pixels * 8 + (16 << 20)
 
 
 class SlotWriter:
@@ -86,6 +101,9 @@ class SlotWriter:
         self.job = job
         self.buffer = np.empty((job.target.height, job.target.width, fmt.CHANNELS), np.uint8)
         self.files: dict[int, int] = {}
+        # probe() refuses images over --max-pixels from the header; Pillow's own, lower limit
+        # would otherwise overrule a larger --max-pixels. Restored by close().
+        self._pillow_limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
 
     def _store(self, slot: int) -> None:
         shard, pos = fmt.locate(slot, self.job.records_per_shard)
@@ -112,6 +130,7 @@ class SlotWriter:
         for fd in self.files.values():
             os.close(fd)
         self.files.clear()
+        Image.MAX_IMAGE_PIXELS = self._pillow_limit
 
 
 _WRITER: SlotWriter | None = None
@@ -119,6 +138,7 @@ _WRITER: SlotWriter | None = None
 
 def _init_worker(job: WriteJob) -> None:
     global _WRITER
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops us
     _WRITER = SlotWriter(job)
 
 
@@ -135,6 +155,7 @@ def fill_slots(job: WriteJob, sources: list[str], workers: int,
     """
     tasks = [(slot, source) for slot, source in enumerate(sources)]
     chunks: Iterator[list[tuple[int, str]]] = (tasks[i:i + CHUNK] for i in range(0, len(tasks), CHUNK))
+    workers = min(workers, -(-len(tasks) // CHUNK))
     if workers <= 1:
         writer = SlotWriter(job)
         try:
@@ -144,15 +165,29 @@ def fill_slots(job: WriteJob, sources: list[str], workers: int,
         finally:
             writer.close()
         return
-    pool = multiprocessing.get_context(START_METHOD).Pool(workers, _init_worker, (job,))
+    _fill_in_processes(job, chunks, workers, on_result)
+
+
+def _fill_in_processes(job: WriteJob, chunks: Iterator[list[tuple[int, str]]], workers: int,
+                       on_result: Callable[[SlotResult], None]) -> None:
+    """`fill_slots` on worker processes; a worker that dies (OOM killer, a crash in a decoder)
+    fails the compile at once instead of hanging it, and any failure stops every worker."""
+    before = set(multiprocessing.active_children())
+    executor = ProcessPoolExecutor(workers, multiprocessing.get_context(START_METHOD), _init_worker, (job,))
+    finished = False
     try:
-        for results in pool.imap_unordered(_work, chunks):
-            for result in results:
+        for future in as_completed([executor.submit(_work, chunk) for chunk in chunks]):
+            for result in future.result():
                 on_result(result)
-        pool.close()
+        finished = True
+    except BrokenProcessPool as e:
+        raise CompileError("a worker process died (killed by a signal, or out of memory?); nothing was "
+                           "written to the output") from e
     finally:
-        pool.terminate()
-        pool.join()
+        executor.shutdown(wait=finished, cancel_futures=not finished)
+        for process in set(multiprocessing.active_children()) - before:
+            process.terminate()
+            process.join(timeout=10)
 
 
 def compact(stage: Path, ok: np.ndarray, job: WriteJob) -> int:
@@ -185,9 +220,14 @@ def fsync_files(paths: list[Path]) -> None:
             os.close(fd)
 
 
+def available_cores() -> int:
+    """Cores this process may run on (CPU affinity, e.g. under a batch scheduler), not all cores."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def check_workers(workers: int | None) -> int:
     if workers is None:
-        return os.cpu_count() or 1
+        return available_cores()
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise CompileError(f"workers must be a positive integer, got {workers!r}")
     return workers
