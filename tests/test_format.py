@@ -17,7 +17,6 @@ from dsc import format as fmt
 
 from conftest import make_folder
 
-SCRIPT = Path(__file__).parent / "scripts" / "read_without_dsc.py"
 RECORD_SHAPE = (2, 3, 3)
 TINY_SOURCES = ["a/0.jpg", "a/1.jpg", "b/ünï cödé.png", "a/3.jpg", "b/4.gif"]
 
@@ -86,18 +85,30 @@ def test_golden_dataset_reads_back(tiny: Path) -> None:
     assert ds.labels.tolist() == [0, 0, 1, 0, 1] and ds.sizes[4].tolist() == [14, 24]
 
 
-def test_a_numpy_script_reads_records_without_dsc(tmp_path: Path) -> None:
+def formats_md_script() -> str:
+    """The numpy script of formats.md, "Reading a record without dsc", exactly as published."""
+    text = (Path(__file__).parent.parent / "formats.md").read_text()
+    section = text[text.index("## Reading a record without dsc"):]
+    return section[section.index("```python\n") + 10:section.index("\n```", section.index("```python"))]
+
+
+def test_the_numpy_script_of_formats_md_reads_records_without_dsc(tmp_path: Path) -> None:
     src = make_folder(tmp_path / "src", classes=2, per_class=4)
     compile_folder(src, tmp_path / "out", size=(12, 10), records_per_shard=3, workers=1)
-    run = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "out"), "8"], capture_output=True,
-                         text=True, check=True)
+    script = formats_md_script()
+    assert len(script.splitlines()) <= 30 and "dsc" not in script.replace('"dsc"', "").replace("dsc 1.x", "")
+    probe = ("import sys, hashlib\nroot, i = sys.argv[1], int(sys.argv[2])\n" + script.replace('root, i = "out", 5', "")
+             + "\nprint(json.dumps([label, source, name, list(image.shape),"
+               " hashlib.sha256(image.tobytes()).hexdigest()]))\nassert 'dsc' not in sys.modules\n")
     ds = fmt.open_dataset(tmp_path / "out")
-    for line in run.stdout.splitlines():
-        i, label, source, shape, sha = json.loads(line)
+    for i in range(8):
+        run = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "out"), str(i)], capture_output=True,
+                             text=True, check=True)
+        label, source, name, shape, sha = json.loads(run.stdout)
         shard, pos = fmt.locate(i, 3)
         assert (label, source, shape) == (int(ds.labels[i]), ds.source(i), [12, 10, 3])
+        assert name == ds.manifest.classes[label]
         assert sha == hashlib.sha256(np.asarray(ds.shards[shard][pos]).tobytes()).hexdigest()
-    assert len(run.stdout.splitlines()) == 8
 
 
 def edit_manifest(root: Path, change) -> None:
