@@ -42,6 +42,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 import dsc
+from dsc import format as fmt
 from dsc.reader import MemmapDataset
 from dsc.reader.gather import split
 
@@ -123,10 +124,10 @@ def limit_gather(ds: MemmapDataset, batch: int, threads: int) -> Callable[[], in
     perm = np.random.default_rng(0).permutation(len(ds))
 
     def take(idx: np.ndarray, dst: np.ndarray) -> None:
-        shard = idx // per_shard
+        shard, local = fmt.locate(idx, per_shard)
         edges = [0, *(np.flatnonzero(np.diff(shard)) + 1).tolist(), len(idx)]
         for a, b in zip(edges[:-1], edges[1:]):
-            np.take(shards[shard[a]], idx[a:b] - shard[a] * per_shard, axis=0, out=dst[a:b], mode="clip")
+            np.take(shards[shard[a]], local[a:b], axis=0, out=dst[a:b], mode="clip")
 
     def epoch() -> int:
         for lo in range(0, len(perm), batch):
@@ -177,8 +178,7 @@ class PillowFolder(Dataset):
 
 def rows(ds: MemmapDataset, corpus: Path, batch: int) -> dict[str, Callable[[], int]]:
     shuffle = dict(shuffle=True, generator=torch.Generator().manual_seed(0))
-    td0 = ds.as_tensordict()
-    td0 = td0 if len(td0.batch_size) == 1 else td0[0]  # one shard's TensorDict: a plain [n] batch
+    td0 = ds.as_tensordict()["shards", "0"]  # shard 0's TensorDict {image, label}, batch size [n]
     files = sorted(p for p in corpus.rglob("*") if p.is_file())
     files = [files[i] for i in np.random.default_rng(0).permutation(len(files))[:batch * 4]]
     folder = PillowFolder(files, {c: i for i, c in enumerate(sorted({f.parent.name for f in files}))})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ import dsc
 from dsc.reader import MemmapDataset
 from dsc.reader import loader as loader_module
 from dsc.reader import order as orders
-from dsc.reader.gather import fill, split
+from dsc.reader.gather import fill, fill_parallel, split
 from dsc.reader.loader import LoaderError
 from dsc.reader.reference import reference_batches
 
@@ -115,6 +116,26 @@ def test_gather_fill_and_split() -> None:
     assert split(10, 3) == [(0, 3), (3, 6), (6, 10)] and split(2, 4) == [(0, 1), (1, 2)]
 
 
+def test_fill_copies_interleaved_shards_in_sorted_pieces(monkeypatch) -> None:
+    """Indices hopping between shards (a DataLoader sampler's batch) cost a few copies, not one per hop."""
+    shards = [np.arange(k * 10, k * 10 + n).reshape(n, 1, 1, 1).astype(np.uint8) for k, n in enumerate([10, 10, 3])]
+    idx = np.array([0, 10, 20, 1, 11, 21, 2, 12, 22, 3, 13, 4, 14, 5, 15, 6, 16, 7, 17, 8, 18, 9, 19])
+    calls = []
+    for name in ("take", "copyto"):
+        real = getattr(np, name)
+        monkeypatch.setattr(np, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
+    dst = np.zeros((len(idx), 1, 1, 1), np.uint8)
+    fill(dst, shards, idx, 10)
+    monkeypatch.undo()
+    assert dst.reshape(-1).tolist() == idx.tolist()
+    assert len(calls) <= len(shards) + 1, calls  # one copy per shard (sorted), one take back into order
+    for threads in (1, 3):  # the loader's threaded fill takes any order too
+        dst[:] = 0
+        with ThreadPoolExecutor(2) as pool:
+            fill_parallel(dst, shards, idx[::-1].copy(), 10, pool, threads)
+        assert dst.reshape(-1).tolist() == idx[::-1].tolist()
+
+
 # ----------------------------------------------------------------------------- the loader
 
 @pytest.mark.parametrize("order", orders.ORDERS)
@@ -200,6 +221,56 @@ def test_resume_mid_epoch(ds: MemmapDataset, order: str) -> None:
         assert len(rest) == len(expected) and all(np.array_equal(a, b) for a, b in zip(rest, expected))
     with pytest.raises(ValueError, match="other settings"):
         ds.loader(4, order=order, seed=10).load_state_dict(state)
+
+
+def training_loop(loader, epochs: range) -> list[np.ndarray]:
+    """The README's loop: set_epoch at the top of every epoch, then iterate."""
+    batches = []
+    for epoch in epochs:
+        loader.set_epoch(epoch)
+        batches += served(loader)
+    return batches
+
+
+@pytest.mark.parametrize("order", orders.ORDERS)
+def test_resume_in_a_set_epoch_training_loop(ds: MemmapDataset, order: str) -> None:
+    per_epoch = len(ds.loader(2))
+    uninterrupted = training_loop(ds.loader(2, order=order, seed=4), range(4))
+    first = ds.loader(2, order=order, seed=4)
+    first.set_epoch(2)
+    it = iter(first)
+    for _ in range(5):
+        next(it)
+    state = first.state_dict()
+    del it
+    assert (state["epoch"], state["batch"]) == (2, 5)
+    resumed = ds.loader(2, order=order, seed=4)
+    resumed.load_state_dict(state)
+    rest = training_loop(resumed, range(state["epoch"], 4))  # set_epoch(2) must keep batch 5 pending
+    expected = uninterrupted[2 * per_epoch + 5:]
+    assert len(rest) == len(expected) == 2 * per_epoch - 5
+    assert all(np.array_equal(a, b) for a, b in zip(rest, expected))
+    other = ds.loader(2, order=order, seed=4)
+    other.load_state_dict(state)
+    other.set_epoch(3)  # another epoch: the pending position is dropped, epoch 3 starts at its first batch
+    assert other.state_dict()["batch"] == 0
+    assert all(np.array_equal(a, b) for a, b in zip(served(other), uninterrupted[3 * per_epoch:]))
+
+
+def test_state_dict_right_after_load_reports_the_loaded_position(ds: MemmapDataset) -> None:
+    first = ds.loader(2, order="random", seed=4)
+    for _k, _batch in zip(range(3), first):
+        pass
+    state = first.state_dict()
+    assert (state["epoch"], state["batch"]) == (0, 3)
+    resumed = ds.loader(2, order="random", seed=4)
+    resumed.load_state_dict(state)
+    assert resumed.state_dict() == state  # not batch 0: saving again before iterating must not lose the place
+    resumed.set_epoch(0)
+    assert resumed.state_dict() == state
+    done = dict(state, batch=len(resumed))  # every batch taken: the next epoch's first batch comes next
+    resumed.load_state_dict(done)
+    assert (resumed.state_dict()["epoch"], resumed.state_dict()["batch"]) == (1, 0)
 
 
 def test_batches_kept_stay_valid(ds: MemmapDataset) -> None:

@@ -166,37 +166,37 @@ class MemmapDataset(Dataset):
         idx = check_indices(indices, len(self))
         d = self.opened
         buf = batch_buffer(len(idx), self.record_shape, shared=get_worker_info() is not None)
-        per_shard = self.manifest.records_per_shard
-        shard, _ = fmt.locate(idx, per_shard)
-        if np.count_nonzero(shard[1:] != shard[:-1]) < 2 * len(d.shards):  # few pieces: copy into place
-            fill(buf.numpy(), d.shards, idx, per_shard)
-        else:  # shards interleave: gather in sorted order (few pieces), then put rows back in place
-            order = np.argsort(idx, kind="stable")
-            tmp = np.empty_like(buf.numpy())
-            fill(tmp, d.shards, idx[order], per_shard)
-            np.take(tmp, np.argsort(order), axis=0, out=buf.numpy(), mode="clip")
+        fill(buf.numpy(), d.shards, idx, self.manifest.records_per_shard)
         labels = torch.from_numpy(np.take(d.labels, idx))
         return GatheredBatch(buf.permute(0, 3, 1, 2), labels, idx)
 
     def as_tensordict(self):
-        """The records as MemoryMappedTensors over the same files (zero copy), images [n, H, W, 3].
+        """The dataset as MemoryMappedTensors over its own files (zero copy), keyed per shard.
 
-        One shard: a TensorDict with batch size [N]. Several shards (files cannot be mapped as one
-        array): a LazyStackedTensorDict of one TensorDict per shard, batch size [shards, -1];
-        ``td[s][j]`` is record ``s * records_per_shard + j``.
+        Shards are separate files, which cannot be mapped as one array, so the records are not
+        one ``[N]`` tensor. The TensorDict (batch size ``[]``) holds:
+
+        - ``"label"``: int64 ``[N]`` over labels.bin, indexed by record;
+        - ``"shards"``: a TensorDict with one entry per shard, keyed ``str(s)``: a TensorDict of
+          batch size ``[n_s]`` with ``"image"`` (uint8 ``[n_s, H, W, 3]`` as stored, mapping the
+          shard file) and ``"label"`` (its slice of labels.bin).
+
+        Record ``i`` is ``td["shards", str(s)][j]`` with ``s, j = dsc.format.locate(i, records_per_shard)``.
+        Indexing by record at the top (``td[i]``) raises (its batch size is empty), and so does
+        ``td["image"]`` (no such key): neither can silently pick the wrong record.
+        Maps are copy-on-write, like `ds[i]`: writes stay in this process.
         """
-        from tensordict import LazyStackedTensorDict, MemoryMappedTensor, TensorDict
+        from tensordict import MemoryMappedTensor, TensorDict
 
         d, m = self.opened, self.manifest
         labels = MemoryMappedTensor.from_filename(d.root / m.index["labels"].file, torch.int64, (m.count,),
                                                   mode="r")
-        parts = []
-        for s, (path, entry) in enumerate(zip(d.shard_paths(), m.shards)):
-            image = MemoryMappedTensor.from_filename(path, torch.uint8, (entry.records, *m.record_shape), mode="r")
-            first = s * m.records_per_shard
-            parts.append(TensorDict(image=image, label=labels[first:first + entry.records],
-                                    batch_size=[entry.records]))
-        return parts[0] if len(parts) == 1 else LazyStackedTensorDict(*parts, stack_dim=0)
+        shards, first = {}, 0
+        for s, (path, records) in enumerate(zip(d.shard_paths(), fmt.shard_records(m.count, m.records_per_shard))):
+            image = MemoryMappedTensor.from_filename(path, torch.uint8, (records, *m.record_shape), mode="r")
+            shards[str(s)] = TensorDict(image=image, label=labels[first:first + records], batch_size=[records])
+            first += records
+        return TensorDict(label=labels, shards=TensorDict(shards, batch_size=[]), batch_size=[])
 
     def loader(self, batch_size: int, **options):
         """Batches as TensorDicts, fast; see `dsc.reader.loader.Loader` for the options."""

@@ -7,7 +7,12 @@ never per record:
 - when the batch is made of long runs of consecutive records (sequential and block
   orders), each run is one `np.copyto` of a slice of the map (the fastest copy measured);
 - otherwise (random order) each stretch of same-shard records is one
-  `np.take(shard, local, axis=0, out=..., mode="clip")`, the fastest gather measured.
+  `np.take(shard, local, axis=0, out=..., mode="clip")`, the fastest gather measured;
+- a batch whose records hop between shards many times (unsorted indices, e.g. from a
+  DataLoader sampler) is copied in sorted order into a scratch buffer, a few pieces, then put
+  back in the caller's order with one `np.take`.
+
+The loader's batches are sorted, so they always take one of the first two paths.
 
 `fill_parallel` cuts the batch into equal record ranges, one per thread; numpy releases the
 GIL while copying, so the threads copy at the same time.
@@ -23,6 +28,7 @@ import numpy as np
 from dsc import format as fmt
 
 MIN_RUN = 4  # batches whose runs average fewer records than this are gathered, not sliced
+INTERLEAVED = 2  # a batch with this many shard changes per shard or more is copied in sorted order
 
 
 def check_indices(indices, count: int) -> np.ndarray:
@@ -48,11 +54,23 @@ def _bounds(starts: np.ndarray, n: int) -> list[tuple[int, int]]:
 
 
 def fill(dst: np.ndarray, shards: Sequence[np.ndarray], idx: np.ndarray, per_shard: int) -> None:
-    """Copy records `idx` (checked, any order) into `dst[:len(idx)]`; sorted `idx` is fastest."""
+    """Copy records `idx` (checked, in any order) into `dst[:len(idx)]`, a few numpy calls in all."""
     n = len(idx)
     if n == 0:
         return
     shard, local = fmt.locate(idx, per_shard)
+    if np.count_nonzero(shard[1:] != shard[:-1]) < INTERLEAVED * len(shards):
+        _copy_pieces(dst, shards, shard, local)
+        return
+    order = np.argsort(idx, kind="stable")  # shards interleave: sorted, the batch is a few pieces
+    scratch = np.empty_like(dst[:n])
+    _copy_pieces(scratch, shards, shard[order], local[order])
+    np.take(scratch, np.argsort(order), axis=0, out=dst[:n], mode="clip")
+
+
+def _copy_pieces(dst: np.ndarray, shards: Sequence[np.ndarray], shard: np.ndarray, local: np.ndarray) -> None:
+    """One slice copy per run of consecutive records, or one gather per stretch of one shard."""
+    n = len(shard)
     shard_change = shard[1:] != shard[:-1]
     run_starts = np.flatnonzero(shard_change | (local[1:] != local[:-1] + 1)) + 1
     if (len(run_starts) + 1) * MIN_RUN <= n:

@@ -146,7 +146,8 @@ class Loader:
 
     The epoch advances by itself after a complete pass; `set_epoch(e)` picks one (as with
     DistributedSampler). `state_dict()` after k batches + `load_state_dict()` on a new loader
-    makes its next iteration start with batch k + 1 of the same epoch, exactly.
+    makes its next iteration start with batch k + 1 of the same epoch, exactly, also when the
+    training loop calls `set_epoch` with that epoch first.
     Batches stay valid as long as you keep them (see `HostBuffers` and `device.DeviceFeeder`).
     """
 
@@ -175,7 +176,12 @@ class Loader:
                                   self.world_size, self.batch_size, self.drop_last)
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch, self._served, self._start = _check_int("epoch", epoch, 0), 0, 0
+        """Make the next iteration serve `epoch` from its start, or from where `load_state_dict`
+        left it when `epoch` is the epoch being resumed (so a loop that calls set_epoch at the
+        top of every epoch resumes mid-epoch, not from its start)."""
+        epoch = _check_int("epoch", epoch, 0)
+        if epoch != self.epoch or not self._start:
+            self.epoch, self._served, self._start = epoch, 0, 0
 
     def _config(self) -> dict[str, Any]:
         return {"order": self.order, "seed": self.seed, "batch_size": self.batch_size, "drop_last": self.drop_last,
@@ -192,10 +198,10 @@ class Loader:
         wrong = {k: (state.get(k), v) for k, v in self._config().items() if state.get(k) != v}
         if wrong:
             raise ValueError(f"state_dict was saved with other settings (saved, ours): {wrong}")
-        self.epoch, self._served = _check_int("epoch", state["epoch"], 0), 0
-        self._start = _check_int("batch", state["batch"], 0)
-        if self._start >= len(self):
-            self.epoch, self._start = self.epoch + 1, 0
+        epoch, start = _check_int("epoch", state["epoch"], 0), _check_int("batch", state["batch"], 0)
+        if start >= len(self):
+            epoch, start = epoch + 1, 0
+        self.epoch, self._served, self._start = epoch, start, start  # state_dict() reports it until we run
 
     def __iter__(self) -> Iterator[TensorDict]:
         start, self._start = self._start, 0
