@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from dsc.compiler import compile_folder
 from dsc.compiler.decode import DEFAULT_MAX_PIXELS, turbojpeg_library
-from dsc.compiler.resize import FITS, parse_size
+from dsc.compiler.resize import FITS, Target, parse_size
 from dsc.errors import CompileError, DscError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -38,7 +38,7 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def _size_option(value: str) -> str:
     try:
-        parse_size(value)
+        Target(*parse_size(value))
     except CompileError as e:
         raise typer.BadParameter(str(e)) from e
     return value

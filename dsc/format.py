@@ -144,6 +144,12 @@ def locate(record, records_per_shard: int):
     return divmod(record, records_per_shard)
 
 
+def record_offset(record: int, records_per_shard: int, record_bytes: int) -> tuple[int, int]:
+    """(shard, byte offset in the shard file) of a record: records are back to back, no header."""
+    shard, pos = locate(record, records_per_shard)
+    return shard, pos * record_bytes
+
+
 def move_records(shards: list[np.ndarray], src: int, dst: int, n: int, records_per_shard: int,
                  piece: int = 256) -> None:
     """Copy records [src, src + n) to [dst, dst + n), dst <= src, across shard boundaries."""

@@ -50,10 +50,7 @@ def parse_size(text: str | int | tuple[int, int]) -> tuple[int, int]:
     if not match:
         raise CompileError(f"size {text!r} is not N or HxW (for example 224 or 192x256)")
     height = int(match.group(1))
-    width = int(match.group(2)) if match.group(2) else height
-    if not (1 <= height <= MAX_TARGET_SIDE and 1 <= width <= MAX_TARGET_SIDE):
-        raise CompileError(f"size {text!r} must be between 1 and {MAX_TARGET_SIDE} per side")
-    return (height, width)
+    return (height, int(match.group(2)) if match.group(2) else height)
 
 
 def pad_content_size(h: int, w: int, target: Target) -> tuple[int, int]:

@@ -106,10 +106,10 @@ class SlotWriter:
         self._pillow_limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
 
     def _store(self, slot: int) -> None:
-        shard, pos = fmt.locate(slot, self.job.records_per_shard)
+        shard, offset = fmt.record_offset(slot, self.job.records_per_shard, self.buffer.nbytes)
         if shard not in self.files:
             self.files[shard] = os.open(Path(self.job.stage) / fmt.shard_file(shard), os.O_WRONLY)
-        data, offset = memoryview(self.buffer).cast("B"), pos * self.buffer.nbytes
+        data = memoryview(self.buffer).cast("B")
         while data:
             written = os.pwrite(self.files[shard], data, offset)
             data, offset = data[written:], offset + written
@@ -138,7 +138,10 @@ _WRITER: SlotWriter | None = None
 
 def _init_worker(job: WriteJob) -> None:
     global _WRITER
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops us
+    # Ctrl-C and SIGTERM sent to the whole process group are the parent's to handle: it cleans up
+    # and then kills us. A worker that died of them first would read as a crash.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _WRITER = SlotWriter(job)
 
 
@@ -186,7 +189,7 @@ def _fill_in_processes(job: WriteJob, chunks: Iterator[list[tuple[int, str]]], w
     finally:
         executor.shutdown(wait=finished, cancel_futures=not finished)
         for process in set(multiprocessing.active_children()) - before:
-            process.terminate()
+            process.kill()  # SIGKILL: the workers ignore SIGINT and SIGTERM
             process.join(timeout=10)
 
 
