@@ -6,17 +6,26 @@ Exit codes: 0 success, 1 a data or runtime error (one line on stderr), 2 a usage
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 from pathlib import Path
 
+import torch
 import typer
 from tqdm import tqdm
 
+from dsc.bench import run as run_bench
 from dsc.compiler import compile_folder
 from dsc.compiler.decode import DEFAULT_MAX_PIXELS, turbojpeg_library
 from dsc.compiler.resize import FITS, Target, parse_size
 from dsc.errors import CompileError, DscError
+from dsc.format import open_dataset, verify_checksums
+from dsc.inspect_dataset import check_against_sources, summary
+from dsc.sheet import pick_records, save_sheet
+
+SHOW_SKIPPED = 20  # skipped files listed by `dsc info` before "... and N more"
+DECODE_MEAN_LIMIT = 1.0  # `verify --decode`: the same pipeline gives identical pixels; allow other builds' rounding
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="dsc: compile image folders into memory-mappable uint8 shards, and read them fast.")
@@ -108,3 +117,115 @@ def compile_command(
 
 if __name__ == "__main__":
     app()
+
+
+def _dataset_argument() -> Path:
+    return typer.Argument(..., metavar="DATASET", help="A compiled dsc dataset folder.")
+
+
+@app.command("info")
+def info_command(
+    dataset: Path = _dataset_argument(),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
+) -> None:
+    """Summarise a dataset: records, shape, classes, skipped files, size, shards, compile options."""
+    try:
+        s = summary(dataset)
+    except DscError as e:
+        _fail(str(e))
+    if as_json:
+        typer.echo(json.dumps(s, indent=1))
+        return
+    h, w, c = s["record_shape"]
+    typer.echo(f"{s['path']}: dsc format {s['format_version']}, {s['records']} records of {h}x{w}x{c} uint8, "
+               f"{s['shards']} shard(s) of up to {s['records_per_shard']}, {_human_bytes(s['bytes_on_disk'])} on disk")
+    if s["labeled"]:
+        typer.echo(f"{len(s['classes'])} classes: " + ", ".join(f"{k} ({n})" for k, n in s["classes"].items()))
+    else:
+        typer.echo("unlabeled (every label is -1)")
+    options = {k: v for k, v in s["compile"].items() if k not in ("source_root", "jpeg_decoder", "source_order")}
+    typer.echo("compiled with: " + ", ".join(f"{k}={v}" for k, v in options.items()))
+    typer.echo(f"from: {s['compile'].get('source_root')}; JPEG decoder: {s['jpeg_decoder']}")
+    typer.echo(f"{len(s['skipped'])} skipped" + (":" if s["skipped"] else ""))
+    for item in s["skipped"][:SHOW_SKIPPED]:
+        typer.echo(f"  {item['source']}: {item['reason']}")
+    if len(s["skipped"]) > SHOW_SKIPPED:
+        typer.echo(f"  ... and {len(s['skipped']) - SHOW_SKIPPED} more (dsc info --json lists them all)")
+
+
+@app.command("verify")
+def verify_command(
+    dataset: Path = _dataset_argument(),
+    decode: int = typer.Option(0, "--decode", min=0, metavar="N",
+                               help="Also re-decode N random records from their source files and compare."),
+    seed: int = typer.Option(0, "--seed", min=0, help="Seed of the records --decode picks."),
+) -> None:
+    """Check a dataset: the manifest, every file size and checksum, and optionally records against sources."""
+    try:
+        manifest = open_dataset(dataset).manifest
+        total = sum(e.bytes for e in [*manifest.shards, *manifest.index.values()])
+        with tqdm(total=total, unit="B", unit_scale=True, desc="checksums", disable=None, file=sys.stderr) as bar:
+            verify_checksums(dataset, manifest, progress=bar.update)
+    except DscError as e:
+        _fail(str(e).replace("\n", "\nerror: "))
+    typer.echo(f"ok: manifest, {len(manifest.shards)} shard(s) and index files match ({_human_bytes(total)})")
+    if decode:
+        check = check_against_sources(dataset, decode, seed)
+        for line in check.missing:
+            typer.echo(f"not checked: {line}", err=True)
+        if check.worst_record is None:
+            _fail(f"none of the {decode} records could be checked: their sources are gone or unreadable")
+        typer.echo(f"decoded {check.checked} record(s) again: worst difference record {check.worst_record} "
+                   f"({check.worst_source}): max {check.worst_max_abs}, mean {check.worst_mean_abs:.3f}")
+        if check.worst_mean_abs > DECODE_MEAN_LIMIT:
+            _fail(f"record {check.worst_record} differs from its source {check.worst_source} "
+                  f"(mean abs difference {check.worst_mean_abs:.2f} > {DECODE_MEAN_LIMIT})")
+
+
+@app.command("show")
+def show_command(
+    dataset: Path = _dataset_argument(),
+    output: Path = typer.Option(..., "--output", "-o", help="Image file to write (PNG, JPEG, ...)."),
+    n: int = typer.Option(36, "--n", min=1, help="How many random records to show."),
+    indices: str = typer.Option(None, "--indices", help="Comma-separated record indices instead (e.g. 0,5,9)."),
+    class_name: str = typer.Option(None, "--class", help="Only records of this class."),
+    seed: int = typer.Option(0, "--seed", min=0, help="Seed of the random pick."),
+    columns: int = typer.Option(None, "--columns", min=1, help="Tiles per row [default: a square grid]."),
+) -> None:
+    """Draw a contact sheet of records with their index and label, to check a compile by eye."""
+    try:
+        picked = [int(v) for v in indices.split(",") if v.strip()] if indices else None
+    except ValueError:
+        raise typer.BadParameter(f"{indices!r} is not a comma-separated list of integers",
+                                 param_hint="--indices") from None
+    try:
+        records = pick_records(open_dataset(dataset), n, picked, class_name, seed)
+        width, height = save_sheet(dataset, output, records, columns)
+    except DscError as e:
+        _fail(str(e))
+    typer.echo(f"wrote {output}: {len(records)} records, {width}x{height} pixels")
+
+
+@app.command("bench")
+def bench_command(
+    dataset: Path = _dataset_argument(),
+    batch_size: int = typer.Option(256, "--batch-size", "-b", min=1, help="Records per batch."),
+    seconds: float = typer.Option(5.0, "--seconds", min=0.1, help="Time budget per measurement."),
+    threads: int = typer.Option(None, "--threads", min=1, help="Copy threads [default: up to 4 cores]."),
+    cold: bool = typer.Option(True, "--cold/--no-cold", help="Also measure from a cold page cache."),
+    device: str = typer.Option(None, "--device", help="Add the host→device path, e.g. cuda (if present)."),
+) -> None:
+    """Measure read throughput of this dataset here, next to this machine's copy limit; name the bottleneck."""
+    if device is not None and torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise typer.BadParameter("no CUDA device is available here", param_hint="--device")
+    try:
+        report = run_bench(dataset, batch_size, threads, seconds, cold, device,
+                           log=lambda line: typer.echo(f"measuring: {line}", err=True))
+    except DscError as e:
+        _fail(str(e))
+    typer.echo(f"{'row':<44} {'samples/s':>10} {'GB/s':>7} {'x limit':>8}")
+    for rate in [report.limit, *report.warm, *report.cold, *report.device]:
+        ratio = rate.samples_per_s / report.limit.samples_per_s if report.limit.samples_per_s else 0.0
+        typer.echo(f"{rate.name:<44} {rate.samples_per_s:>10,.0f} {rate.gb_per_s:>7.2f} {ratio:>8.2f}")
+    for note in report.notes:
+        typer.echo(f"- {note}")

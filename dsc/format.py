@@ -22,7 +22,7 @@ import errno
 import hashlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -234,12 +234,15 @@ def write_manifest(root: Path, manifest: Manifest) -> None:
     write_durably(root / MANIFEST_FILE, manifest.to_json().encode("ascii"))
 
 
-def sha256_file(path: Path) -> str:
-    """SHA-256 of a file, read in chunks (hashlib releases the GIL, so threads help)."""
+def sha256_file(path: Path, progress: Callable[[int], None] | None = None) -> str:
+    """SHA-256 of a file, read in chunks (hashlib releases the GIL, so threads help);
+    `progress(n)` is told of every n bytes hashed."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(HASH_CHUNK):
             digest.update(chunk)
+            if progress:
+                progress(len(chunk))
     return digest.hexdigest()
 
 
@@ -474,11 +477,12 @@ def open_dataset(root: str | os.PathLike, shard_mode: str = "r") -> OpenedDatase
     return OpenedDataset(root, manifest, shards, labels, sizes, offsets, sources)
 
 
-def verify_checksums(root: str | os.PathLike, manifest: Manifest, map_fn=map) -> None:
-    """Recompute every file's SHA-256; raise ChecksumError naming the first bad file."""
+def verify_checksums(root: str | os.PathLike, manifest: Manifest,
+                     progress: Callable[[int], None] | None = None) -> None:
+    """Recompute every file's SHA-256; raise ChecksumError naming every damaged file."""
     root = Path(root)
-    entries = list(manifest.shards) + list(manifest.index.values())
-    for entry, digest in zip(entries, map_fn(sha256_file, [root / e.file for e in entries])):
-        if digest != entry.sha256:
-            raise ChecksumError(f"{root / entry.file}: SHA-256 is {digest}, the manifest says "
-                                f"{entry.sha256}; the file is damaged")
+    bad = [f"{root / e.file}: SHA-256 is {digest}, the manifest says {e.sha256}; the file is damaged"
+           for e in [*manifest.shards, *manifest.index.values()]
+           if (digest := sha256_file(root / e.file, progress)) != e.sha256]
+    if bad:
+        raise ChecksumError("\n".join(bad))

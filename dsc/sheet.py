@@ -1,0 +1,72 @@
+"""Contact sheets (`dsc show`): a grid of records with their index and label, to check a compile by eye.
+
+People look at data: a sheet shows at once whether the crop, the rotation and the colours are
+what was meant.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw, ImageFont
+
+from dsc import format as fmt
+from dsc.errors import DscError
+
+CAPTION_HEIGHT = 14  # pixels under each tile for "#index label"
+MAX_TILES = 1024
+
+
+def pick_records(d: fmt.OpenedDataset, n: int, indices: Sequence[int] | None = None,
+                 class_name: str | None = None, seed: int = 0) -> list[int]:
+    """Which records to show: the given indices, else `n` seeded random ones (of one class if asked)."""
+    m = d.manifest
+    if indices:
+        bad = [i for i in indices if not 0 <= i < m.count]
+        if bad:
+            raise DscError(f"record index {bad[0]} is out of range for a dataset of {m.count} records")
+        return list(indices)[:MAX_TILES]
+    pool = np.arange(m.count)
+    if class_name is not None:
+        if class_name not in m.classes:
+            raise DscError(f"no class {class_name!r}; the classes are {', '.join(m.classes) or '(none: unlabeled)'}")
+        pool = np.flatnonzero(d.labels == m.classes.index(class_name))
+    if n < 1:
+        raise DscError(f"the number of records to show must be at least 1, got {n}")
+    rng = np.random.default_rng(seed)
+    return sorted(int(i) for i in rng.choice(pool, size=min(n, len(pool), MAX_TILES), replace=False))
+
+
+def contact_sheet(path: str | os.PathLike, records: Sequence[int], columns: int | None = None) -> Image.Image:
+    """A grid of the given records, each captioned with its index and label name."""
+    d = fmt.open_dataset(path)
+    m = d.manifest
+    columns = columns or max(1, math.ceil(math.sqrt(len(records))))
+    rows = max(1, math.ceil(len(records) / columns))
+    tile_h = m.height + CAPTION_HEIGHT
+    sheet = Image.new("RGB", (columns * m.width, rows * tile_h), (255, 255, 255))
+    draw = ImageDraw.Draw(sheet)
+    font = ImageFont.load_default()
+    for k, i in enumerate(records):
+        x, y = (k % columns) * m.width, (k // columns) * tile_h
+        shard, pos = fmt.locate(i, m.records_per_shard)
+        sheet.paste(Image.fromarray(np.asarray(d.shards[shard][pos])), (x, y))
+        label = int(d.labels[i])
+        caption = f"#{i} {m.classes[label] if label >= 0 else 'unlabeled'}"
+        draw.text((x + 2, y + m.height + 1), caption, fill=(0, 0, 0), font=font)
+    return sheet
+
+
+def save_sheet(path: str | os.PathLike, output: str | os.PathLike, records: Sequence[int],
+               columns: int | None = None) -> tuple[int, int]:
+    """Write the sheet as an image file (format from the suffix); return its (width, height)."""
+    sheet = contact_sheet(path, records, columns)
+    try:
+        sheet.save(Path(output))
+    except (OSError, ValueError) as e:
+        raise DscError(f"cannot write {output}: {e}") from e
+    return sheet.size
