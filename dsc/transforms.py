@@ -1,0 +1,345 @@
+"""Batch transforms that run where the batch is: uint8 NCHW batches on the CPU or the GPU.
+
+The loader yields ``image`` uint8 [B, 3, H, W] in channels_last; copy that to the GPU (four
+times fewer bytes than float32) and augment there. Every transform takes a whole batch, returns
+a batch on the same device in the same memory format, and never loops over samples in Python.
+
+Randomness. A random transform splits into ``draw(shape, generator)``, which makes all of a
+batch's random numbers on the CPU from a seeded ``torch.Generator``, and ``apply(batch, params)``,
+which is deterministic and runs on the batch's device. So a seed gives the same crops and flips
+on CPU and CUDA, and tests check ``apply`` against a per-sample reference with the same params.
+The generator is given at construction or at call time (the call's wins); with neither, a random
+transform raises ValueError rather than use torch's global generator, which nobody seeded.
+
+Dtypes. Crops and flips keep the input dtype. `RandomResizedCrop` resamples in float32 and
+returns the input dtype, rounding to nearest for uint8, so a pipeline stays uint8 (small, fast to
+move) until `Normalize`, the step that leaves uint8: put it last.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+ATTEMPTS = 10  # boxes RandomResizedCrop tries per sample before its centre-crop fallback, as torchvision
+
+
+class CropParams(NamedTuple):
+    """Per-sample top-left corner of a fixed-size crop, in padded-image pixels (int64 [B], CPU)."""
+
+    top: torch.Tensor
+    left: torch.Tensor
+
+
+class FlipParams(NamedTuple):
+    """Which samples are flipped (bool [B], CPU)."""
+
+    flip: torch.Tensor
+
+
+class BoxParams(NamedTuple):
+    """Per-sample crop box in input pixels (int64 [B] each, CPU): rows top..top+height-1."""
+
+    top: torch.Tensor
+    left: torch.Tensor
+    height: torch.Tensor
+    width: torch.Tensor
+
+
+def _check_batch(batch: object, who: str) -> torch.Tensor:
+    if not isinstance(batch, torch.Tensor) or batch.dim() != 4:
+        found = tuple(batch.shape) if isinstance(batch, torch.Tensor) else type(batch).__name__
+        raise ValueError(f"{who} expects a batch tensor [B, C, H, W], got {found}")
+    return batch
+
+
+def _check_shape(shape: Sequence[int], who: str) -> tuple[int, int, int, int]:
+    if len(shape) != 4 or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in shape):
+        raise ValueError(f"{who}.draw expects a batch shape (B, C, H, W), got {tuple(shape)!r}")
+    return tuple(shape)
+
+
+def _check_params(params: tuple, batch: torch.Tensor, who: str) -> None:
+    if any(len(p) != batch.shape[0] for p in params):
+        raise ValueError(f"{who}: params were drawn for {len(params[0])} samples, the batch has {batch.shape[0]}")
+
+
+def _memory_format(x: torch.Tensor) -> torch.memory_format:
+    """The layout to give outputs: the input's, so a channels_last batch stays channels_last."""
+    return torch.channels_last if x.is_contiguous(memory_format=torch.channels_last) else torch.contiguous_format
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _size(value: int | Sequence[int], who: str) -> tuple[int, int]:
+    """An output size: one positive int for a square, or (height, width)."""
+    pair = (value, value) if _is_int(value) else tuple(value) if isinstance(value, Sequence) else ()
+    if len(pair) != 2 or not all(_is_int(v) and v > 0 for v in pair):
+        raise ValueError(f"{who} size must be a positive int or (height, width) of positive ints, got {value!r}")
+    return pair
+
+
+def _padding(value: int | Sequence[int] | None) -> tuple[int, int, int, int]:
+    """torchvision's forms: all sides, (left/right, top/bottom) or (left, top, right, bottom)."""
+    if value is None:
+        return (0, 0, 0, 0)
+    sides = (value,) * 4 if _is_int(value) else tuple(value) if isinstance(value, Sequence) else ()
+    sides = sides * 2 if len(sides) == 2 else sides
+    if len(sides) != 4 or not all(_is_int(v) and v >= 0 for v in sides):
+        raise ValueError(f"RandomCrop padding must be a non-negative int or 2 or 4 of them, got {value!r}")
+    return sides
+
+
+def _range(value: Sequence[float], name: str) -> tuple[float, float]:
+    """A (low, high) pair of finite positive numbers with low <= high."""
+    pair = tuple(value) if isinstance(value, Sequence) else ()
+    ok = len(pair) == 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in pair)
+    if not ok or not all(math.isfinite(v) and v > 0 for v in pair) or pair[0] > pair[1]:
+        raise ValueError(f"RandomResizedCrop {name} must be (low, high) with 0 < low <= high, got {value!r}")
+    return float(pair[0]), float(pair[1])
+
+
+def _channel_values(value: Sequence[float], name: str) -> torch.Tensor:
+    values = torch.as_tensor(value, dtype=torch.float64).flatten() if value is not None else torch.empty(0)
+    if values.numel() != 3 or not torch.isfinite(values).all():
+        raise ValueError(f"Normalize {name} must be 3 finite numbers (one per RGB channel, 0..1 units), got {value!r}")
+    return values
+
+
+def _check_generator(generator: torch.Generator | None) -> torch.Generator | None:
+    if generator is None:
+        return None
+    if not isinstance(generator, torch.Generator) or generator.device.type != "cpu":
+        raise ValueError(f"generator must be a CPU torch.Generator (draws happen on the CPU so every device "
+                         f"gets the same ones), got {generator!r}")
+    return generator
+
+
+class Transform:
+    """A batch -> batch callable; all take `generator` so `Compose` can hand one on."""
+
+    def __call__(self, batch: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._describe})"
+
+    _describe = ""
+
+
+class RandomTransform(Transform):
+    """``draw`` random params on the CPU, then ``apply`` them on the batch's device."""
+
+    def __init__(self, generator: torch.Generator | None) -> None:
+        self.generator = _check_generator(generator)
+
+    def _generator(self, generator: torch.Generator | None) -> torch.Generator:
+        chosen = _check_generator(generator) if generator is not None else self.generator
+        if chosen is None:
+            raise ValueError(f"{type(self).__name__} needs a seeded torch.Generator, at construction or call "
+                             f"(e.g. generator=torch.Generator().manual_seed(0)), so runs are reproducible")
+        return chosen
+
+    def draw(self, shape: Sequence[int], generator: torch.Generator | None = None) -> tuple:
+        raise NotImplementedError
+
+    def apply(self, batch: torch.Tensor, params: tuple) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __call__(self, batch: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        batch = _check_batch(batch, type(self).__name__)
+        return self.apply(batch, self.draw(batch.shape, generator))
+
+
+class Normalize(Transform):
+    """uint8 [0, 255] -> ``(x / 255 - mean) / std`` in `dtype`, as one fused multiply-add.
+
+    mean and std are in 0..1 units, like torchvision's. The arithmetic is float32 whatever the
+    output dtype, rounded once when written, and the output keeps the input's memory format.
+    """
+
+    def __init__(self, mean: Sequence[float], std: Sequence[float], dtype: torch.dtype = torch.float32) -> None:
+        mean, std = _channel_values(mean, "mean"), _channel_values(std, "std")
+        if not (std > 0).all():
+            raise ValueError(f"Normalize std must be > 0 for every channel, got {std.tolist()}")
+        if dtype not in FLOAT_DTYPES:
+            raise ValueError(f"Normalize dtype must be one of {FLOAT_DTYPES}, got {dtype!r}")
+        self.mean, self.std, self.dtype = tuple(mean.tolist()), tuple(std.tolist()), dtype
+        # x * scale + shift == (x / 255 - mean) / std; folded in float64, used in float32
+        self._scale = (1.0 / (255.0 * std)).float().view(1, 3, 1, 1)
+        self._shift = (-mean / std).float().view(1, 3, 1, 1)
+        self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._describe = f"mean={self.mean}, std={self.std}, dtype={dtype}"
+
+    def __call__(self, batch: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        batch = _check_batch(batch, "Normalize")
+        if batch.dtype != torch.uint8 or batch.shape[1] != 3:
+            raise ValueError(f"Normalize expects uint8 [B, 3, H, W], got {batch.dtype} {tuple(batch.shape)}")
+        if batch.device not in self._on:  # constants copied to each device once
+            self._on[batch.device] = (self._scale.to(batch.device), self._shift.to(batch.device))
+        scale, shift = self._on[batch.device]
+        out = torch.empty_like(batch, dtype=self.dtype)  # preserve_format: channels_last stays
+        return torch.addcmul(shift, batch, scale, out=out)
+
+
+def _crop(batch: torch.Tensor, top: torch.Tensor, left: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """Per-sample crops at (top[b], left[b]) of one size, by one advanced-indexing gather."""
+    device = batch.device
+    rows = top.to(device)[:, None] + torch.arange(height, device=device)
+    cols = left.to(device)[:, None] + torch.arange(width, device=device)
+    samples = torch.arange(batch.shape[0], device=device)[:, None, None]
+    picked = batch[samples, :, rows[:, :, None], cols[:, None, :]]  # [B, h, w, C]: channels last
+    return picked.permute(0, 3, 1, 2)
+
+
+class RandomCrop(RandomTransform):
+    """Crop each sample at its own random place to `size`, after zero `padding` (torchvision's forms).
+
+    The offsets are drawn uniformly over every position where the crop fits in the padded image.
+    """
+
+    def __init__(self, size: int | Sequence[int], padding: int | Sequence[int] | None = None, *,
+                 generator: torch.Generator | None = None) -> None:
+        super().__init__(generator)
+        self.size, self.padding = _size(size, "RandomCrop"), _padding(padding)
+        self._describe = f"size={self.size}, padding={self.padding}"
+
+    def draw(self, shape: Sequence[int], generator: torch.Generator | None = None) -> CropParams:
+        b, _, h, w = _check_shape(shape, "RandomCrop")
+        left, top, right, bottom = self.padding
+        room_h, room_w = h + top + bottom - self.size[0], w + left + right - self.size[1]
+        if room_h < 0 or room_w < 0:
+            raise ValueError(f"RandomCrop size {self.size} is larger than the padded image "
+                             f"({h + top + bottom}, {w + left + right})")
+        g = self._generator(generator)
+        return CropParams(torch.randint(0, room_h + 1, (b,), generator=g),
+                          torch.randint(0, room_w + 1, (b,), generator=g))
+
+    def apply(self, batch: torch.Tensor, params: CropParams) -> torch.Tensor:
+        _check_params(params, batch, "RandomCrop")
+        layout = _memory_format(batch)
+        left, top, right, bottom = self.padding
+        padded = F.pad(batch, (left, right, top, bottom)) if any(self.padding) else batch
+        return _crop(padded, params.top, params.left, *self.size).contiguous(memory_format=layout)
+
+
+class RandomHorizontalFlip(RandomTransform):
+    """Mirror each sample left-right with probability `p`, independently."""
+
+    def __init__(self, p: float = 0.5, *, generator: torch.Generator | None = None) -> None:
+        super().__init__(generator)
+        ok = isinstance(p, (int, float)) and not isinstance(p, bool) and 0.0 <= p <= 1.0
+        if not ok:
+            raise ValueError(f"RandomHorizontalFlip p must be a probability in [0, 1], got {p!r}")
+        self.p = float(p)
+        self._describe = f"p={self.p}"
+
+    def draw(self, shape: Sequence[int], generator: torch.Generator | None = None) -> FlipParams:
+        b = _check_shape(shape, "RandomHorizontalFlip")[0]
+        return FlipParams(torch.rand(b, generator=self._generator(generator)) < self.p)
+
+    def apply(self, batch: torch.Tensor, params: FlipParams) -> torch.Tensor:
+        _check_params(params, batch, "RandomHorizontalFlip")
+        flip = params.flip.to(batch.device).view(-1, 1, 1, 1)
+        return torch.where(flip, batch.flip(-1), batch)  # no host sync: no boolean-mask indexing
+
+
+def _box_sides(b: int, height: int, width: int, scale: tuple[float, float], ratio: tuple[float, float],
+               g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """torchvision's box search for all samples at once: the first of ATTEMPTS boxes that fits,
+    else the whole image cropped to the nearest allowed ratio (its fallback)."""
+    area = torch.empty(b, ATTEMPTS, dtype=torch.float64).uniform_(*scale, generator=g) * (height * width)
+    log_ratio = torch.empty(b, ATTEMPTS, dtype=torch.float64).uniform_(*map(math.log, ratio), generator=g)
+    w = torch.round(torch.sqrt(area * torch.exp(log_ratio))).long()
+    h = torch.round(torch.sqrt(area / torch.exp(log_ratio))).long()
+    fits = (w > 0) & (w <= width) & (h > 0) & (h <= height)
+    first = fits.long().argmax(dim=1, keepdim=True)  # argmax returns the first maximum
+    if width / height < ratio[0]:
+        fall_h, fall_w = int(round(width / ratio[0])), width
+    elif width / height > ratio[1]:
+        fall_h, fall_w = height, int(round(height * ratio[1]))
+    else:
+        fall_h, fall_w = height, width
+    found = fits.any(dim=1)
+    h = torch.where(found, h.gather(1, first)[:, 0], fall_h)
+    w = torch.where(found, w.gather(1, first)[:, 0], fall_w)
+    return h, w, found
+
+
+def _grid_axis(start: torch.Tensor, length: torch.Tensor, out: int, size: int) -> torch.Tensor:
+    """Normalised grid_sample coordinates [B, out] that resample [start, start + length) to `out`
+    pixels the way F.interpolate(bilinear, align_corners=False) resizes a crop: pixel centres, and
+    positions clamped to the box so no pixel from outside it leaks in at the edges."""
+    centres = torch.arange(out, device=start.device, dtype=start.dtype) + 0.5
+    src = start[:, None] + centres * (length / out)[:, None] - 0.5
+    src = src.clamp(min=start[:, None], max=(start + length - 1)[:, None])
+    return (2 * src + 1) / size - 1
+
+
+class RandomResizedCrop(RandomTransform):
+    """Crop each sample to its own random box and resize all boxes to `size` in one grid_sample.
+
+    Boxes are drawn like torchvision's (area fraction in `scale`, aspect ratio log-uniform in
+    `ratio`, ten tries, then a centre crop) and are whole pixels. Resampling is bilinear without
+    antialiasing (torchvision's ``antialias=False``), in float32 (float64 input stays float64);
+    the output has the input's dtype, uint8 rounded to nearest.
+    """
+
+    def __init__(self, size: int | Sequence[int], scale: Sequence[float] = (0.08, 1.0),
+                 ratio: Sequence[float] = (3 / 4, 4 / 3), *, generator: torch.Generator | None = None) -> None:
+        super().__init__(generator)
+        self.size = _size(size, "RandomResizedCrop")
+        self.scale, self.ratio = _range(scale, "scale"), _range(ratio, "ratio")
+        self._describe = f"size={self.size}, scale={self.scale}, ratio={self.ratio}"
+
+    def draw(self, shape: Sequence[int], generator: torch.Generator | None = None) -> BoxParams:
+        b, _, height, width = _check_shape(shape, "RandomResizedCrop")
+        if height == 0 or width == 0:
+            raise ValueError(f"RandomResizedCrop needs images of at least 1x1 pixels, got {height}x{width}")
+        g = self._generator(generator)
+        h, w, found = _box_sides(b, height, width, self.scale, self.ratio, g)
+        u = torch.rand(b, 2, dtype=torch.float64, generator=g)  # for every sample: a fixed number of draws
+        top = torch.minimum(torch.floor(u[:, 0] * (height - h + 1)).long(), height - h)
+        left = torch.minimum(torch.floor(u[:, 1] * (width - w + 1)).long(), width - w)
+        top = torch.where(found, top, (height - h) // 2)  # the fallback box is centred
+        left = torch.where(found, left, (width - w) // 2)
+        return BoxParams(top, left, h, w)
+
+    def apply(self, batch: torch.Tensor, params: BoxParams) -> torch.Tensor:
+        _check_params(params, batch, "RandomResizedCrop")
+        work = torch.float64 if batch.dtype == torch.float64 else torch.float32
+        top, left, h, w = (p.to(batch.device, work) for p in params)
+        ys = _grid_axis(top, h, self.size[0], batch.shape[2])
+        xs = _grid_axis(left, w, self.size[1], batch.shape[3])
+        grid = torch.empty(*ys.shape, xs.shape[1], 2, device=batch.device, dtype=work)  # [B, h, w, (x, y)]
+        grid[..., 0], grid[..., 1] = xs[:, None, :], ys[:, :, None]
+        out = F.grid_sample(batch.to(work), grid, mode="bilinear", padding_mode="border", align_corners=False)
+        if not batch.is_floating_point():
+            info = torch.iinfo(batch.dtype)
+            out = out.round_().clamp_(info.min, info.max)
+        result = torch.empty(out.shape, dtype=batch.dtype, device=batch.device, memory_format=_memory_format(batch))
+        return result.copy_(out)  # cast and layout change in one pass
+
+
+class Compose(Transform):
+    """Run transforms in order; a `generator` given here or at call time is handed to each one."""
+
+    def __init__(self, transforms: Sequence[Callable], *, generator: torch.Generator | None = None) -> None:
+        self.transforms = list(transforms)
+        if not all(callable(t) for t in self.transforms):
+            raise ValueError(f"Compose expects callables, got {[type(t).__name__ for t in self.transforms]}")
+        self.generator = _check_generator(generator)
+        self._describe = ", ".join(map(repr, self.transforms))
+
+    def __call__(self, batch: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        g = _check_generator(generator) if generator is not None else self.generator
+        for t in self.transforms:
+            batch = t(batch, generator=g) if isinstance(t, Transform) else t(batch)
+        return batch
