@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -166,3 +168,13 @@ def test_diagnosis_names_the_bottleneck() -> None:
     assert [n.split(":")[0] for n in notes] == ["page cache too small", "disk", "copy bandwidth", "host→device"]
     slow = diagnose(BenchReport(10**9, 24 * 10**9, limit, [Rate("dsc loader, random", 300, 1.0, 150_000)]))
     assert slow[0].startswith("loader overhead: warm, the fastest order reaches only 30%")
+
+
+def test_the_training_example_trains(tmp_path: Path) -> None:
+    example = Path(__file__).parent.parent / "examples" / "train.py"
+    run = subprocess.run([sys.executable, str(example), "--steps", "10", "--batch-size", "4",
+                          "--data", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert (tmp_path / "out" / "manifest.json").exists()
+    last = run.stdout.strip().splitlines()[-1].split()
+    assert last[:2] == ["step", "10"] and last[4] == "loss" and 0 < float(last[5]) < 10
