@@ -1,0 +1,322 @@
+"""Helpers for round-trip tests in your own CI, the same ones dsc's test-suite uses.
+
+- `make_image_folder` writes a small ImageFolder of real encoded files (varied sizes, a
+  grayscale JPEG, an EXIF-rotated JPEG, a PNG with alpha), byte for byte the same for a seed.
+- `pillow_reference` is an independent implementation of each fit policy of formats.md
+  ("compile"): a full Pillow decode, EXIF transpose, alpha onto black, then Pillow's resize.
+- `assert_roundtrip` compiles a folder (or takes a compiled one) and checks every record's
+  label, original size and pixels against that reference, naming the worst offender.
+
+Nothing here imports pytest: a failed check is a plain AssertionError, so the helpers work
+under any test runner.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image, ImageOps
+
+from dsc import format as fmt
+from dsc.compiler import compile_folder
+from dsc.compiler.discover import is_image_name
+from dsc.compiler.publish import is_dataset
+from dsc.errors import ChecksumError
+from dsc.reader import MemmapDataset
+
+__all__ = ["make_image_folder", "pillow_reference", "assert_roundtrip", "RoundTrip", "DEFAULT_MAX_MEAN_ABS_DIFF"]
+
+# The per-record limit on the mean absolute difference (over all H·W·3 channel values, 0-255)
+# between a record and `pillow_reference`. Measured by tests/test_compile.py: sources up to
+# 2x the target agree with Pillow to < 0.1; sources 2-8x the target are first downscaled by
+# libjpeg-turbo in the DCT domain, a box-like filter unlike Pillow's full-size bilinear, which
+# costs up to ~5 on small synthetic images (3.9 at the 99th percentile of a photo corpus at
+# 224x224). Real errors give far more (measured on make_image_folder's pictures, 24-224 px
+# records): another image's pixels > 21, a missed EXIF rotation > 49, swapped R and B > 25
+# (> 14 under pad, whose black border agrees anyway); test_compile.py: a wrong crop > 20.
+# 10 sits between: twice the worst honest difference, below the smallest error. It assumes
+# records of about 24 px a side or more: a 16 or 8 px record made from sources 4-8x larger
+# holds a few DCT blocks' worth of pixels, and honest differences then reach 12-20 (measured
+# on make_image_folder's pictures); raise the limit for such sizes.
+DEFAULT_MAX_MEAN_ABS_DIFF = 10.0
+EXTENSIONS = {"jpeg": ".jpg", "png": ".png", "bmp": ".bmp", "tiff": ".tif", "webp": ".webp"}
+_ALPHA_MODES = frozenset({"RGBA", "LA", "PA", "La", "RGBa"})
+_FITS = ("center-crop", "stretch", "pad")
+
+
+# ----------------------------------------------------------------------------- image folders
+
+def _pattern(h: int, w: int, seed: int = 0) -> np.ndarray:
+    """A smooth, asymmetric RGB picture (gradients + blobs): JPEG-friendly, orientation-revealing."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+    out = np.empty((h, w, 3), np.float32)
+    for c in range(3):
+        fx, fy, phase = rng.uniform(0.5, 3.0), rng.uniform(0.5, 3.0), rng.uniform(0, 6.28)
+        out[..., c] = 127 + 90 * np.sin(fx * x / w * 6.28 + phase) * np.cos(fy * y / h * 3.14)
+    out[: h // 4, : w // 3] = (250, 30, 30)  # a red corner marks the top-left
+    return out.clip(0, 255).astype(np.uint8)
+
+
+def _save(path: Path, array: np.ndarray, fmt: str = "JPEG", orientation: int = 1, **kw) -> Path:
+    """Encode `array` (HxW gray, HxWx3 RGB or HxWx4 RGBA) to `path`; JPEGs get an EXIF orientation."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    img = Image.fromarray(array)
+    if fmt == "JPEG":
+        kw.setdefault("quality", 92)
+        if orientation != 1:
+            exif = Image.Exif()
+            exif[0x0112] = orientation
+            kw["exif"] = exif.tobytes()
+    img.save(path, fmt, **kw)
+    return path
+
+
+def _check_folder_options(classes: int, per_class: int, size: Any, formats: Any) -> None:
+    for name, value in (("classes", classes), ("per_class", per_class)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if (not isinstance(size, (tuple, list)) or len(size) != 2
+            or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in size)):
+        raise ValueError(f"size must be (height, width), two positive integers, got {size!r}")
+    if isinstance(formats, str) or not formats or any(f not in EXTENSIONS for f in formats):
+        raise ValueError(f"formats must be a non-empty tuple drawn from {sorted(EXTENSIONS)}, got {formats!r}")
+
+
+def _kind(k: int, n: int, formats: tuple[str, ...]) -> tuple[str, str]:
+    """File k's (format, kind): the special files first, then formats in turn."""
+    if "jpeg" in formats and k == 0:
+        return "jpeg", "gray"
+    if "jpeg" in formats and k == n - 1:
+        return "jpeg", "rotated"
+    first_png = next((j for j in range(1, n - 1) if formats[j % len(formats)] == "png"), None)
+    return formats[k % len(formats)], "alpha" if k == first_png else "plain"
+
+
+def _picture(kind: str, h: int, w: int, seed: int, orientation: int) -> np.ndarray:
+    """The array to encode: upright (h, w), except a rotated file, which is stored sideways."""
+    image = _pattern(h, w, seed)
+    if kind == "gray":
+        return image[..., 0]
+    if kind == "alpha":  # opaque at the left edge, a quarter opaque at the right
+        alpha = np.broadcast_to(np.linspace(255, 64, w).round().astype(np.uint8), (h, w))
+        return np.dstack([image, alpha])
+    if kind == "rotated":  # orientation 6 means "turn 90° clockwise to view": store it turned back
+        return np.ascontiguousarray(np.rot90(image, 1 if orientation == 6 else -1))
+    return image
+
+
+def make_image_folder(path: str | os.PathLike, classes: int = 3, per_class: int = 4,
+                      size: tuple[int, int] = (48, 64), formats: tuple[str, ...] = ("jpeg", "png"),
+                      seed: int = 0) -> Path:
+    """Write a small ImageFolder of real encoded images under `path` and return `path`.
+
+    Class folders are `class_0`, `class_1`, ... (zero-padded beyond ten classes, so that
+    label == folder number), each with `per_class` files `img_<i>[_<kind>].<ext>`. Every
+    upright image is about `size` (height, width): each side drawn from [3/4, 3/2] of it, so
+    the aspect ratio varies both ways. File k (class k // per_class) is in
+    `formats[k % len(formats)]` (from "jpeg", "png", "bmp", "tiff", "webp"), except that when
+    "jpeg" is among the formats the first file is a grayscale JPEG (`_gray`) and the last
+    (with two or more files) a JPEG stored sideways with EXIF orientation 6 or 8
+    (`_exif6`/`_exif8`); the first PNG that is neither the first nor the last file has an
+    alpha channel (`_alpha`). The same arguments write the same bytes (with the same Pillow).
+    """
+    _check_folder_options(classes, per_class, size, formats)
+    formats = tuple(formats)
+    root = Path(path)
+    rng = np.random.default_rng(seed)
+    n, digits = classes * per_class, len(str(classes - 1))
+    for k in range(n):
+        c, i = divmod(k, per_class)
+        h, w = (int(rng.integers(max(1, s * 3 // 4), s * 3 // 2 + 1)) for s in size)
+        picture_seed, orientation = int(rng.integers(2**32)), int(rng.choice((6, 8)))
+        form, kind = _kind(k, n, formats)
+        suffix = {"plain": "", "rotated": f"_exif{orientation}"}.get(kind, f"_{kind}")
+        target = root / f"class_{c:0{digits}d}" / f"img_{i}{suffix}{EXTENSIONS[form]}"
+        _save(target, _picture(kind, h, w, picture_seed, orientation), form.upper(),
+              orientation if kind == "rotated" else 1)
+    return root
+
+
+# ----------------------------------------------------------------------------- the reference
+
+def _upright_rgb(path: Path) -> Image.Image:
+    """A full Pillow decode, EXIF transpose and colour rules of formats.md → an RGB image."""
+    with Image.open(path) as img:
+        img = ImageOps.exif_transpose(img)
+    mode = img.mode
+    if mode.startswith("I;16") or mode == "I":  # 16-bit samples keep their high byte
+        a = np.asarray(img).astype(np.int64)
+        if mode != "I" or a.max(initial=0) > 255:
+            a = a >> 8
+        return Image.fromarray(a.clip(0, 255).astype(np.uint8)).convert("RGB")
+    if mode in _ALPHA_MODES or "transparency" in img.info:  # alpha onto black, premultiplied
+        rgba = np.asarray(img.convert("RGBA")).astype(np.uint16)
+        return Image.fromarray(((rgba[..., :3] * rgba[..., 3:] + 127) // 255).astype(np.uint8))
+    return img.convert("RGB")
+
+
+def _fit(img: Image.Image, height: int, width: int, fit: str) -> np.ndarray:
+    """One fit policy of formats.md, in Pillow (BILINEAR, which antialiases when shrinking)."""
+    w, h = img.size
+    if fit == "stretch":
+        return np.asarray(img.resize((width, height), Image.BILINEAR))
+    if fit == "pad":
+        k = min(height / h, width / w)
+        ch, cw = min(height, max(1, round(h * k))), min(width, max(1, round(w * k)))
+        canvas = Image.new("RGB", (width, height))
+        canvas.paste(img.resize((cw, ch), Image.BILINEAR), ((width - cw) // 2, (height - ch) // 2))
+        return np.asarray(canvas)
+    if fit != "center-crop":
+        raise ValueError(f"unknown fit {fit!r}; choose one of {', '.join(_FITS)}")
+    if w * height > h * width:  # the centred box of the target's aspect, sides rounded
+        bw, bh = max(1, min(w, round(h * width / height))), h
+    else:
+        bw, bh = w, max(1, min(h, round(w * height / width)))
+    box = ((w - bw) // 2, (h - bh) // 2, (w - bw) // 2 + bw, (h - bh) // 2 + bh)
+    return np.asarray(img.resize((width, height), Image.BILINEAR, box=box))
+
+
+def pillow_reference(path: str | os.PathLike, height: int, width: int, fit: str = "center-crop") -> np.ndarray:
+    """What a record of `path` should hold, made by Pillow alone: an (height, width, 3) uint8 array.
+
+    It shares no code with the compiler: a full decode (no DCT scaling), `ImageOps.exif_transpose`,
+    the colour rules of formats.md (alpha and colour keys premultiplied onto black, 16-bit →
+    high byte, anything else through Pillow's RGB conversion), then `fit` with Pillow's BILINEAR.
+    """
+    return _fit(_upright_rgb(Path(path)), height, width, fit)
+
+
+# ----------------------------------------------------------------------------- the round trip
+
+@dataclass(frozen=True)
+class RoundTrip:
+    """What a passing `assert_roundtrip` measured, for logs: pixel differences are mean
+    absolute differences per channel value against `pillow_reference`."""
+
+    records: int
+    mean_abs_diff: float
+    worst_abs_diff: float
+    worst_record: int
+    worst_source: str
+
+
+def _expected_label(source: str, classes: tuple[str, ...]) -> int | None:
+    """The label a source's class folder gives it (-1 when unlabeled); None for no class."""
+    if not classes:
+        return fmt.UNLABELED
+    folder = source.split("/")[0] if "/" in source else None
+    return classes.index(folder) if folder in classes else None
+
+
+def _check_record(src: Path, ds: MemmapDataset, i: int, fit: str) -> tuple[list[str], float]:
+    """Record i's label and size problems, and its pixels' mean abs diff from the reference."""
+    opened, (height, width, _) = ds.opened, ds.record_shape
+    source, problems = opened.source(i), []
+    image, label = ds[i]
+    want = _expected_label(source, ds.manifest.classes)
+    if label != want:
+        named = [f"{k} ({ds.classes[k]!r})" if k is not None and 0 <= k < len(ds.classes) else str(k)
+                 for k in (label, want)]
+        problems.append(f"record {i} ({source}): label {named[0]}, but its folder gives {named[1]}")
+    try:
+        upright = _upright_rgb(src / source)
+    except OSError as e:  # missing, unreadable, or not an image to Pillow
+        return problems + [f"record {i} ({source}): no reference, Pillow cannot open the source: {e}"], np.inf
+    if tuple(opened.sizes[i]) != upright.size[::-1]:
+        problems.append(f"record {i} ({source}): recorded size {tuple(map(int, opened.sizes[i]))}, "
+                        f"but the upright source is {upright.size[::-1]} (height, width)")
+    got = image.permute(1, 2, 0).numpy().astype(np.int16)
+    return problems, float(np.abs(got - _fit(upright, height, width, fit)).mean())
+
+
+def _uncovered_sources(src: Path, ds: MemmapDataset) -> list[str]:
+    """Image files under `src` (none of the path hidden) that are neither a record nor listed as skipped."""
+    covered = {ds.opened.source(i) for i in range(len(ds))}
+    skipped = {s["source"] for s in ds.manifest.skipped}  # undecodable name bytes written as \xNN
+    found = [p.relative_to(src).as_posix() for p in src.rglob("*") if p.is_file()]
+    images = [s for s in found if is_image_name(s.rsplit("/", 1)[-1]) and "/." not in f"/{s}"]
+    return sorted(s for s in images
+                  if s not in covered and os.fsencode(s).decode("utf-8", "backslashreplace") not in skipped)
+
+
+def _recorded_policy(ds: MemmapDataset) -> tuple[str, list[str]]:
+    """The fit policy the manifest records, and any disagreement with the record shape."""
+    compiled, (height, width, _) = ds.manifest.compile, ds.record_shape
+    fit, size = compiled.get("fit"), compiled.get("size")
+    problems = []
+    if fit not in _FITS:
+        problems.append(f"manifest 'compile' records fit {fit!r}, not one of {', '.join(_FITS)}")
+    if size != [height, width]:
+        problems.append(f"manifest 'compile' records size {size!r}, but records are {height}x{width}")
+    return (fit if fit in _FITS else "center-crop"), problems
+
+
+def _check_dataset(src: Path, out: Path, limit: float) -> RoundTrip:
+    ds = MemmapDataset(out)
+    fit, problems = _recorded_policy(ds)
+    diffs = np.zeros(len(ds))
+    for i in range(len(ds)):
+        record_problems, diffs[i] = _check_record(src, ds, i, fit)
+        problems += record_problems
+    worst = int(np.argmax(diffs))
+    over = int(np.sum(diffs > limit))
+    if over:
+        problems.append(f"{over} of {len(ds)} records differ from pillow_reference by more than the limit; worst: "
+                        f"record {worst} ({ds.opened.source(worst)}), mean abs diff {diffs[worst]:.2f} "
+                        f"> max_mean_abs_diff {limit}")
+    sources = [ds.opened.source(i) for i in range(len(ds))]
+    if len(set(sources)) != len(sources):
+        problems.append(f"{len(sources) - len(set(sources))} sources are compiled more than once")
+    problems += [f"{s}: found in {src} but neither a record nor listed in 'skipped'"
+                 for s in _uncovered_sources(src, ds)]
+    try:
+        fmt.verify_checksums(out, ds.manifest)
+    except ChecksumError as e:
+        problems.append(str(e))
+    if problems:
+        h, w, _ = ds.record_shape
+        raise AssertionError(f"dsc round trip {src} -> {out} ({len(ds)} records, {fit} to {h}x{w}) failed:\n- "
+                             + "\n- ".join(problems))
+    return RoundTrip(len(ds), float(diffs.mean()), float(diffs[worst]), worst, ds.opened.source(worst))
+
+
+def assert_roundtrip(src: str | os.PathLike, out: str | os.PathLike | None = None, *,
+                     max_mean_abs_diff: float = DEFAULT_MAX_MEAN_ABS_DIFF, **compile_options: Any) -> RoundTrip:
+    """Compile `src` into `out` (unless `out` already holds a dataset) and check it record by record.
+
+    With `out=None` the dataset goes to a temporary folder, removed afterwards. `compile_options`
+    are `dsc.compile_folder`'s (size, fit, seed, workers, force, ...); giving any for an `out`
+    that is already compiled is a ValueError, unless `force=True` asks to compile it again.
+
+    Checked, against the sources in `src` (each record's source path is relative to it):
+    every record's label is its class folder's index in `classes` (-1 when unlabeled); its
+    recorded size is the source's upright (height, width); its pixels are within
+    `max_mean_abs_diff` mean absolute difference per channel value (0-255) of
+    `pillow_reference` with the size and fit the manifest records. The default, 10, is twice
+    the worst difference libjpeg-turbo's DCT-domain downscaling honestly causes (~5 on small
+    synthetic images with sources 2-8x the target; < 0.1 without it) and below what a wrong
+    crop, a missed rotation, swapped colours or another image's pixels cause (> 14); for records
+    under ~24 px a side from much larger sources, raise it (see DEFAULT_MAX_MEAN_ABS_DIFF). Also:
+    every image file under `src` (outside hidden folders) is a record or listed in the
+    manifest's "skipped", no source is compiled twice, and every file matches its checksum.
+
+    Raises AssertionError listing every failed check, naming the worst pixel offender (record,
+    source, its difference and the limit); a dataset that cannot be opened at all raises
+    dsc.DatasetError. Returns a `RoundTrip` with the measured differences.
+    """
+    if out is None:
+        with tempfile.TemporaryDirectory(prefix="dsc-roundtrip-") as tmp:
+            return assert_roundtrip(src, Path(tmp) / "out", max_mean_abs_diff=max_mean_abs_diff, **compile_options)
+    src, out = Path(src), Path(out)
+    if compile_options.get("force") or not is_dataset(out):
+        compile_folder(src, out, **compile_options)
+    elif compile_options:
+        raise ValueError(f"{out} is already compiled, so compile options {sorted(compile_options)} would be "
+                         "ignored: pass force=True to compile it again, or no options to check it as it is")
+    return _check_dataset(src, out, max_mean_abs_diff)
