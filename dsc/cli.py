@@ -18,6 +18,7 @@ from tqdm import tqdm
 from dsc.bench import run as run_bench
 from dsc.compiler import compile_folder
 from dsc.compiler.decode import DEFAULT_MAX_PIXELS, turbojpeg_library
+from dsc.compiler.publish import staging_path
 from dsc.compiler.resize import FITS, Target, parse_size
 from dsc.errors import CompileError, DscError
 from dsc.format import open_dataset, verify_checksums
@@ -75,7 +76,9 @@ def compile_command(
                                  help="Store records in a seeded random order (default) or in sorted order."),
     workers: int = typer.Option(None, "--workers", "-j", min=1, help="Worker processes [default: all cores]."),
     strict: bool = typer.Option(False, "--strict", help="Fail on the first bad image instead of skipping it."),
-    force: bool = typer.Option(False, "--force", help="Replace an existing dataset at OUT."),
+    force: bool = typer.Option(False, "--force",
+                               help="Replace an existing dataset at OUT (and discard a partial build)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the partial build an interrupted compile left."),
     records_per_shard: int = typer.Option(None, "--records-per-shard", min=1,
                                           help="Records per shard file [default: as many as fit in 1 GiB]."),
     max_pixels: int = typer.Option(DEFAULT_MAX_PIXELS, "--max-pixels", min=1,
@@ -96,13 +99,15 @@ def compile_command(
     try:
         summary = compile_folder(src, out, size=size, fit=fit, seed=seed, shuffle=shuffle, workers=workers,
                                  strict=strict, force=force, records_per_shard=records_per_shard,
-                                 max_pixels=max_pixels, progress=bar.update, on_skip=on_skip)
+                                 max_pixels=max_pixels, resume=resume, progress=bar.update, on_skip=on_skip)
     except DscError as e:
         bar.close()
         _fail(str(e))
     except KeyboardInterrupt:
         bar.close()
-        _fail(f"interrupted; {out} was not written", 130)
+        partial = staging_path(out.absolute())
+        kept = f"; the work so far is kept in {partial}: add --resume to continue" if partial.exists() else ""
+        _fail(f"interrupted; {out} was not written{kept}", 130)
     bar.close()
     if not summary.labeled:
         typer.echo(f"note: {src} has no class sub-folders, so the dataset is unlabeled (label -1)", err=True)

@@ -22,6 +22,7 @@ import errno
 import hashlib
 import json
 import os
+import stat
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -167,13 +168,19 @@ def open_shard(path: Path, records: int, record_shape: tuple[int, int, int], mod
 
 
 def allocate_shards(root: Path, count: int, records_per_shard: int, record_bytes: int) -> list[Path]:
-    """Create sparse, zero-filled shard files for `count` records; return their paths."""
+    """Give every shard file its full size for `count` records, keeping bytes already written
+    (a resumed build) and zero-filling the rest; return their paths."""
     (root / SHARD_DIR).mkdir(parents=True, exist_ok=True)
     paths = []
     for shard, records in enumerate(shard_records(count, records_per_shard)):
         path = root / shard_file(shard)
-        with open(path, "wb") as f:
-            reserve(f.fileno(), records * record_bytes)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            reserve(fd, records * record_bytes)
+            if os.fstat(fd).st_size > records * record_bytes:
+                os.ftruncate(fd, records * record_bytes)
+        finally:
+            os.close(fd)
         paths.append(path)
     return paths
 
@@ -310,57 +317,102 @@ def _check_version(root: Path, doc: dict) -> bool:
     return minor > ours_minor
 
 
-def _confined(root: Path, name: Any, where: str) -> Path:
-    """The path `name` inside the dataset folder, refusing anything that could escape it."""
-    if not isinstance(name, str) or not name or name.startswith("/") or "\\" in name or "\0" in name:
-        raise _fail(root, f"{where} has an invalid file name {name!r:.80}")
-    if any(part in ("", ".", "..") for part in name.split("/")):
-        raise _fail(root, f"{where} file name {name!r:.80} must be a plain relative path without '.' or '..'")
-    path = root / name
-    try:
-        real = path.resolve(strict=True)
-    except FileNotFoundError as e:
-        raise DatasetError(f"{path}: missing ({where} in the manifest)") from e
-    except (OSError, RuntimeError) as e:
-        raise DatasetError(f"{path}: cannot be resolved ({e})") from e
-    if not real.is_relative_to(root.resolve()) or not real.is_file():
-        raise DatasetError(f"{path}: {where} must be a regular file inside the dataset folder")
-    return path
+class _Folder:
+    """A dataset folder held open by a descriptor. Every file is opened relative to it, never
+    through a symbolic link: a dataset swapped for another while it is opened (`dsc compile
+    --force`) cannot mix their files, and no name can reach outside the folder."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        try:
+            self.fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as e:
+            raise DatasetError(f"{root}: not a directory (expected a compiled dsc dataset)") from e
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def open(self, name: Any, where: str) -> int:
+        """A read-only descriptor of the regular file `name` (relative, '/'-separated) in the folder."""
+        if not isinstance(name, str) or not name or name.startswith("/") or "\\" in name or "\0" in name:
+            raise _fail(self.root, f"{where} has an invalid file name {name!r:.80}")
+        parts = name.split("/")
+        if any(part in ("", ".", "..") for part in parts):
+            raise _fail(self.root, f"{where} file name {name!r:.80} must be a plain relative path without '.' or '..'")
+        path, dirs = self.root / name, []
+        try:
+            for part in parts[:-1]:
+                dirs.append(os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=(dirs or [self.fd])[-1]))
+            fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW, dir_fd=(dirs or [self.fd])[-1])
+        except FileNotFoundError as e:
+            raise DatasetError(f"{path}: missing ({where} in the manifest)") from e
+        except OSError as e:
+            raise DatasetError(f"{path}: {where} must be a regular file inside the dataset folder, "
+                               f"not a symbolic link or special file ({e.strerror})") from e
+        finally:
+            for d in dirs:
+                os.close(d)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise DatasetError(f"{path}: {where} must be a regular file inside the dataset folder")
+        return fd
+
+    def size(self, name: Any, where: str) -> int:
+        fd = self.open(name, where)
+        try:
+            return os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+
+    def read(self, name: str, limit: int) -> bytes:
+        with os.fdopen(self.open(name, name), "rb") as f:
+            return f.read(limit)
+
+    def map(self, name: str, dtype: np.dtype, shape: tuple[int, ...], mode: str = "r") -> np.ndarray:
+        if 0 in shape:  # numpy cannot map an empty file
+            return np.zeros(shape, dtype)
+        with os.fdopen(self.open(name, name), "rb") as f:
+            return np.memmap(f, dtype=dtype, mode=mode, shape=shape)
 
 
-def _file_entry(root: Path, doc: Any, where: str, expected_bytes: int | None, extra_ok: bool,
-                entry_keys: set[str] = _FILE_KEYS) -> tuple[Path, dict]:
+def _file_entry(folder: _Folder, doc: Any, where: str, expected_bytes: int | None, extra_ok: bool,
+                entry_keys: set[str] = _FILE_KEYS) -> dict:
+    root = folder.root
     _expect_keys(root, doc, entry_keys, f"{where}: ", extra_ok)
-    path = _confined(root, doc["file"], where)
+    actual = folder.size(doc["file"], where)
     size = _expect_int(root, doc, "bytes", 0, 1 << 50, f"{where}: ")
     sha = _expect(root, doc, "sha256", str, f"{where}: ")
     if len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
         raise _fail(root, f"{where}: 'sha256' must be 64 lowercase hex digits")
     if expected_bytes is not None and size != expected_bytes:
         raise _fail(root, f"{where}: declares {size} bytes, but its record count needs {expected_bytes}")
-    actual = path.stat().st_size
     if actual != size:
-        raise DatasetError(f"{path}: file is {actual} bytes, the manifest says {size} "
+        raise DatasetError(f"{root / doc['file']}: file is {actual} bytes, the manifest says {size} "
                            f"({'truncated' if actual < size else 'extended'}); the dataset is damaged")
-    return path, doc
+    return doc
 
 
-def parse_manifest(root: Path) -> Manifest:
-    """Read and validate manifest.json and the sizes of every file it names."""
-    path = root / MANIFEST_FILE
-    if not root.is_dir():
-        raise DatasetError(f"{root}: not a directory (expected a compiled dsc dataset)")
-    if not path.is_file():
-        raise DatasetError(f"{root}: no {MANIFEST_FILE}; not a dsc dataset, or its compile never finished")
-    size = path.stat().st_size
-    if size > MAX_MANIFEST_BYTES:
-        raise _fail(root, f"{size} bytes is more than the {MAX_MANIFEST_BYTES} a manifest may have")
+def _read_manifest(folder: _Folder) -> dict:
+    root = folder.root
     try:
-        doc = json.loads(path.read_bytes())
+        text = folder.read(MANIFEST_FILE, MAX_MANIFEST_BYTES + 1)
+    except DatasetError as e:
+        raise DatasetError(f"{root}: no {MANIFEST_FILE}; not a dsc dataset, or its compile never finished") from e
+    if len(text) > MAX_MANIFEST_BYTES:
+        raise _fail(root, f"more than the {MAX_MANIFEST_BYTES} bytes a manifest may have")
+    try:
+        doc = json.loads(text)
     except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, or a 5000-digit number
         raise _fail(root, f"not valid JSON ({e})") from e
     if not isinstance(doc, dict):
         raise _fail(root, f"must be a JSON object, found {type(doc).__name__}")
+    return doc
+
+
+def parse_manifest(root: str | os.PathLike, folder: _Folder | None = None) -> Manifest:
+    """Read and validate manifest.json and the sizes of every file it names."""
+    folder = folder or _Folder(Path(root))
+    root, doc = folder.root, _read_manifest(folder)
     newer = _check_version(root, doc)
     _expect_keys(root, doc, _MANIFEST_KEYS, "", newer)
 
@@ -393,7 +445,7 @@ def parse_manifest(root: Path) -> Manifest:
     shards, seen = [], set()
     for i, (entry, records) in enumerate(zip(shards_doc, expected_records)):
         where = f"shards[{i}]"
-        _file_entry(root, entry, where, records * record_bytes, newer, _FILE_KEYS | {"records"})
+        _file_entry(folder, entry, where, records * record_bytes, newer, _FILE_KEYS | {"records"})
         if _expect_int(root, entry, "records", 1, 1 << 40, f"{where}: ") != records:
             raise _fail(root, f"{where}: 'records' = {entry['records']}, expected {records}")
         if entry["file"] in seen:
@@ -407,7 +459,7 @@ def parse_manifest(root: Path) -> Manifest:
                    "source_offsets": (count + 1) * OFFSET_DTYPE.itemsize, "sources": None}
     index = {}
     for key in INDEX_FILES:
-        _, entry = _file_entry(root, index_doc[key], f"index.{key}", index_bytes[key], newer)
+        entry = _file_entry(folder, index_doc[key], f"index.{key}", index_bytes[key], newer)
         if entry["file"] in seen:
             raise _fail(root, f"index.{key}: file {entry['file']!r} is also used elsewhere")
         seen.add(entry["file"])
@@ -445,12 +497,6 @@ class OpenedDataset:
         return [self.root / s.file for s in self.manifest.shards]
 
 
-def _map(path: Path, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
-    if 0 in shape:  # numpy cannot map an empty file
-        return np.zeros(shape, dtype)
-    return np.memmap(path, dtype=dtype, mode="r", shape=shape)
-
-
 def open_dataset(root: str | os.PathLike, shard_mode: str = "r") -> OpenedDataset:
     """Validate a dataset folder, then map its files (no data is read yet).
 
@@ -459,22 +505,32 @@ def open_dataset(root: str | os.PathLike, shard_mode: str = "r") -> OpenedDatase
     """
     if shard_mode not in ("r", "c"):
         raise ValueError(f"shard_mode must be 'r' or 'c', got {shard_mode!r}")
-    root = Path(root)
-    manifest = parse_manifest(root)
-    n, k = manifest.count, len(manifest.classes)
-    labels = _map(root / manifest.index["labels"].file, LABEL_DTYPE, (n,))
-    sizes = _map(root / manifest.index["sizes"].file, SIZE_DTYPE, (n, 2))
-    offsets = _map(root / manifest.index["source_offsets"].file, OFFSET_DTYPE, (n + 1,))
-    sources = _map(root / manifest.index["sources"].file, np.dtype(np.uint8), (manifest.index["sources"].bytes,))
+    folder = _Folder(Path(root))
+    try:
+        manifest = parse_manifest(root, folder)
+        n, index = manifest.count, manifest.index
+        labels = folder.map(index["labels"].file, LABEL_DTYPE, (n,))
+        sizes = folder.map(index["sizes"].file, SIZE_DTYPE, (n, 2))
+        offsets = folder.map(index["source_offsets"].file, OFFSET_DTYPE, (n + 1,))
+        sources = folder.map(index["sources"].file, np.dtype(np.uint8), (index["sources"].bytes,))
+        _check_index(folder.root, manifest, labels, offsets, sources)
+        shards = tuple(folder.map(s.file, RECORD_DTYPE, (s.records, *manifest.record_shape), shard_mode)
+                       for s in manifest.shards)
+    finally:
+        folder.close()
+    return OpenedDataset(folder.root, manifest, shards, labels, sizes, offsets, sources)
+
+
+def _check_index(root: Path, manifest: Manifest, labels: np.ndarray, offsets: np.ndarray,
+                 sources: np.ndarray) -> None:
+    k = len(manifest.classes)
     low, high = (0, k - 1) if k else (UNLABELED, UNLABELED)
     if labels.size and (labels.min() < low or labels.max() > high):
-        raise DatasetError(f"{root / LABELS_FILE}: labels must lie in [{low}, {high}] for {k} classes, "
-                           f"found [{labels.min()}, {labels.max()}]")
+        raise DatasetError(f"{root / manifest.index['labels'].file}: labels must lie in [{low}, {high}] for {k} "
+                           f"classes, found [{labels.min()}, {labels.max()}]")
     if offsets[0] != 0 or offsets[-1] != sources.size or np.any(offsets[1:] < offsets[:-1]):
-        raise DatasetError(f"{root / SOURCE_OFFSETS_FILE}: offsets must rise from 0 to the size of "
-                           f"{SOURCES_FILE} ({sources.size})")
-    shards = tuple(open_shard(root / s.file, s.records, manifest.record_shape, shard_mode) for s in manifest.shards)
-    return OpenedDataset(root, manifest, shards, labels, sizes, offsets, sources)
+        raise DatasetError(f"{root / manifest.index['source_offsets'].file}: offsets must rise from 0 to the "
+                           f"size of {manifest.index['sources'].file} ({sources.size})")
 
 
 def verify_checksums(root: str | os.PathLike, manifest: Manifest,

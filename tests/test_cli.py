@@ -98,5 +98,9 @@ def test_an_interrupted_cli_compile_with_workers_cleans_up(tmp_path: Path, sig: 
     os.killpg(proc.pid, sig)  # as a terminal's Ctrl-C (or a scheduler) signals the whole group
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130
-    assert stderr.strip().splitlines() == [f"error: interrupted; {out} was not written"]  # nothing from workers
-    assert not out.exists() and not staging_path(out).exists()
+    assert stderr.strip().splitlines() == [  # one line, nothing from the workers
+        f"error: interrupted; {out} was not written; the work so far is kept in {staging_path(out)}: "
+        "add --resume to continue"]
+    assert not out.exists() and staging_path(out).exists()
+    resumed = runner.invoke(app, ["compile", str(tmp_path / "big"), str(out), "--size", "64", "--resume"])
+    assert resumed.exit_code == 0 and "120 records" in resumed.stdout

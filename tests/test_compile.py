@@ -191,42 +191,105 @@ def test_existing_out_needs_force_and_force_only_replaces_datasets(folder: Path,
     assert (precious / "thesis.tex").read_text() == "years of work"
 
 
-def _start_compile(src: Path, out: Path) -> subprocess.Popen:
-    code = f"import dsc; dsc.compile_folder({str(src)!r}, {str(out)!r}, size=64, workers=1)"
+def _start_compile(src: Path, out: Path, resume: bool = False) -> subprocess.Popen:
+    code = (f"import dsc; dsc.compile_folder({str(src)!r}, {str(out)!r}, size=64, workers=2, "
+            f"records_per_shard=16, resume={resume}, on_skip=lambda s, r: None)")
     return subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE)
 
 
-def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not (path / fmt.SHARD_DIR).exists():
-        assert proc.poll() is None, "the compile ended before it could be interrupted"
-        assert time.monotonic() < deadline, "the compile never started writing"
-        time.sleep(0.01)
+def _journal_lines(stage: Path) -> int:
+    try:
+        return (stage / "journal.jsonl").read_bytes().count(b"\n")
+    except FileNotFoundError:
+        return 0
 
 
-@pytest.fixture
-def big_folder(tmp_path: Path) -> Path:
-    """Enough work (~2 s on one core) to interrupt a compile in the middle."""
-    image = pattern(600, 800)
-    for i in range(160):
-        save(tmp_path / "big" / f"c{i % 2}" / f"{i}.png", image, "PNG", compress_level=1)
-    return tmp_path / "big"
+@pytest.fixture(scope="module")
+def big_folder(tmp_path_factory) -> Path:
+    """Enough work (~2 s on two cores) to kill a compile in the middle, and bad files to close up."""
+    root = tmp_path_factory.mktemp("big") / "src"
+    for i in range(120):
+        save(root / f"c{i % 3}" / f"{i}.png", pattern(400, 500, seed=i % 7), "PNG", compress_level=1)
+    for i in range(3):
+        (root / f"c{i}" / f"bad{i}.jpg").write_bytes(b"\xff\xd8 not really")
+    return root
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
-def test_an_interrupted_compile_leaves_no_dataset_at_out(big_folder: Path, tmp_path: Path, sig: int) -> None:
+@pytest.fixture(scope="module")
+def uninterrupted(big_folder: Path, tmp_path_factory) -> dict[str, bytes]:
+    out = tmp_path_factory.mktemp("whole") / "out"
+    compile_folder(big_folder, out, size=64, workers=2, records_per_shard=16, on_skip=lambda s, r: None)
+    return file_bytes(out)
+
+
+@pytest.mark.parametrize(("sig", "after_lines"), [(signal.SIGKILL, 20), (signal.SIGKILL, 80),
+                                                  (signal.SIGKILL, 123), (signal.SIGINT, 40)])
+def test_a_killed_compile_resumes_to_identical_bytes(big_folder: Path, uninterrupted: dict, tmp_path: Path,
+                                                     sig: int, after_lines: int) -> None:
+    """kill -9 after N finished images, or once all are done (finalize), or Ctrl-C: OUT stays absent,
+    the partial build stays beside it, and --resume finishes it byte for byte as if never stopped."""
     out = tmp_path / "out"
     proc = _start_compile(big_folder, out)
-    _wait_for(staging_path(out), proc)
+    deadline = time.monotonic() + 120
+    while _journal_lines(staging_path(out)) < after_lines and proc.poll() is None:
+        assert time.monotonic() < deadline, "the compile never got that far"
+        time.sleep(0.002)
     os.kill(proc.pid, sig)
     proc.wait(timeout=60)
-    assert proc.returncode != 0 and not out.exists()
-    if sig == signal.SIGINT:  # a clean interrupt also removes its partial build
-        assert not staging_path(out).exists()
-    else:  # kill -9 cannot clean up: the next compile says so instead of mixing
-        assert staging_path(out).exists()
-        with pytest.raises(CompileError, match="partial build"):
-            compile_folder(big_folder, out, size=64, workers=1)
+    if proc.returncode == 0:  # it finished first (possible for the finalize kill point): nothing to resume
+        assert file_bytes(out) == uninterrupted
+        return
+    assert not out.exists() and staging_path(out).exists()
+    with pytest.raises(CompileError, match="partial build .* --resume to continue it"):
+        compile_folder(big_folder, out, size=64, workers=2, records_per_shard=16)
+    compile_folder(big_folder, out, size=64, workers=2, records_per_shard=16, resume=True,
+                   on_skip=lambda s, r: None)
+    assert file_bytes(out) == uninterrupted
+    assert not staging_path(out).exists()
+
+
+def test_resume_refuses_other_settings_or_a_changed_source(big_folder: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = _start_compile(big_folder, out)
+    while _journal_lines(staging_path(out)) < 10 and proc.poll() is None:
+        time.sleep(0.002)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    with pytest.raises(CompileError, match=r"cannot resume .* size \[64, 64\] \(now \[48, 48\]\)"):
+        compile_folder(big_folder, out, size=48, workers=1, records_per_shard=16, resume=True)
+    with pytest.raises(CompileError, match=r"seed 0 \(now 5\)"):
+        compile_folder(big_folder, out, size=64, seed=5, workers=1, records_per_shard=16, resume=True)
+    extra = big_folder / "c0" / "zz_new.png"
+    save(extra, pattern(30, 30), "PNG")
+    try:
+        with pytest.raises(CompileError, match="the source listing"):
+            compile_folder(big_folder, out, size=64, workers=1, records_per_shard=16, resume=True)
+    finally:
+        extra.unlink()
+    compile_folder(big_folder, out, size=64, workers=2, records_per_shard=16, force=True,
+                   on_skip=lambda s, r: None)  # --force starts over
+    assert fmt.open_dataset(out).manifest.count == 120
+
+
+def test_a_full_disk_keeps_the_work_for_resume(big_folder: Path, uninterrupted: dict, tmp_path: Path,
+                                               monkeypatch) -> None:
+    out = tmp_path / "out"
+
+    real_write = fmt.write_durably
+
+    def full(path, payload):  # the disk fills up once every image is decoded, as the index is written
+        if path.name == "plan.json":
+            return real_write(path, payload)
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr("dsc.format.write_durably", full)
+    with pytest.raises(CompileError, match="No space left on device.*--resume to continue"):
+        compile_folder(big_folder, out, size=64, workers=2, records_per_shard=16, on_skip=lambda s, r: None)
+    assert not out.exists() and staging_path(out).exists()
+    monkeypatch.undo()
+    compile_folder(big_folder, out, size=64, workers=2, records_per_shard=16, resume=True,
+                   on_skip=lambda s, r: None)
+    assert file_bytes(out) == uninterrupted
 
 
 def test_a_worker_that_dies_fails_the_compile_instead_of_hanging(tmp_path: Path) -> None:
@@ -245,8 +308,10 @@ except dsc.CompileError as e:
     print("CompileError:", e)
 """
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert "CompileError: a worker process died" in run.stdout, run.stderr
-    assert not (tmp_path / "out").exists() and not staging_path(tmp_path / "out").exists()
+    assert "CompileError: a worker process died" in run.stdout and "--resume" in run.stdout, run.stderr
+    assert not (tmp_path / "out").exists() and staging_path(tmp_path / "out").exists()
+    summary = compile_folder(folder, tmp_path / "out", size=8, workers=2, resume=True)
+    assert summary.kept == 36
 
 
 def test_a_file_too_large_for_max_pixels_is_skipped_unread(folder: Path, tmp_path: Path) -> None:
@@ -299,10 +364,23 @@ def test_force_puts_the_old_dataset_back_if_the_swap_fails(folder: Path, tmp_pat
         real_rename(a, b)
 
     monkeypatch.setattr("dsc.compiler.publish.os.rename", failing_rename)
+    monkeypatch.setattr("dsc.compiler.publish._exchange", lambda a, b: False)  # a system without renameat2
     with pytest.raises(CompileError, match="No space left on device"):
         compile_folder(folder, out, size=12, workers=1, force=True)
-    assert file_bytes(out) == before and not staging_path(out).exists()
+    assert file_bytes(out) == before and staging_path(out).exists()  # the new build waits for --resume
     assert not list(tmp_path.glob(".out.dsc-old-*"))
+
+
+def test_force_swaps_datasets_atomically(folder: Path, tmp_path: Path, monkeypatch) -> None:
+    out = tmp_path / "out"
+    compile_folder(folder, out, size=8, workers=1)
+    old_manifest = (out / "manifest.json").read_bytes()
+    renames = []
+    monkeypatch.setattr("dsc.compiler.publish.os.rename", lambda a, b: renames.append((a, b)))
+    compile_folder(folder, out, size=12, workers=1, force=True)
+    assert renames == []  # one renameat2(RENAME_EXCHANGE): OUT never missing, never mixed
+    assert fmt.open_dataset(out).manifest.height == 12 and (out / "manifest.json").read_bytes() != old_manifest
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
 
 
 def test_source_inside_out_is_refused_even_with_force(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ import numpy as np
 
 from dsc import __version__
 from dsc import format as fmt
-from dsc.compiler import publish
+from dsc.compiler import journal, publish
 from dsc.compiler.decode import DEFAULT_MAX_PIXELS, decoder_name
 from dsc.compiler.discover import discover
 from dsc.compiler.resize import INTERPOLATION, PAD_VALUE, Target, parse_size
@@ -86,27 +86,39 @@ def _printable(source: str) -> str:
     return os.fsencode(source).decode("utf-8", "backslashreplace")
 
 
-def _decode_all(job: WriteJob, sources: list[str], workers: int, strict: bool,
-                on_skip: Callable[[str, str], None], progress: Callable[[int], None] | None):
-    """Fill every slot; return (ok mask, upright sizes, skipped (source, reason) list)."""
+class StrictFailure(CompileError):
+    """A --strict compile met a source it could not decode: the build is discarded."""
+
+
+class NothingDecoded(CompileError):
+    """No source could be decoded: the build is discarded."""
+
+
+def _decode_all(job: WriteJob, sources: list[str], workers: int, strict: bool, done: dict[int, SlotResult],
+                log: journal.Journal, on_skip: Callable[[str, str], None],
+                progress: Callable[[int], None] | None):
+    """Fill every slot not `done` already; return (ok mask, upright sizes, skipped (source, reason) list)."""
     ok = np.zeros(len(sources), dtype=bool)
     sizes = np.zeros((len(sources), 2), dtype=np.int64)
     failed: list[tuple[str, str]] = []
 
-    def collect(result: SlotResult) -> None:
-        if result.ok:
-            ok[result.slot] = True
-            sizes[result.slot] = (result.height, result.width)
-        elif strict:
-            raise CompileError(f"{Path(job.src_root) / sources[result.slot]}: {result.reason} "
-                               "(--strict: nothing written)")
-        else:
-            failed.append((sources[result.slot], result.reason))
-            on_skip(sources[result.slot], result.reason)
+    def collect(results: list[SlotResult]) -> None:
+        for result in results:
+            if result.ok:
+                ok[result.slot] = True
+                sizes[result.slot] = (result.height, result.width)
+            elif strict:
+                raise StrictFailure(f"{Path(job.src_root) / sources[result.slot]}: {result.reason} "
+                                    "(--strict: nothing written)")
+            else:
+                failed.append((sources[result.slot], result.reason))
+                on_skip(sources[result.slot], result.reason)
         if progress:
-            progress(1)
+            progress(len(results))
 
-    fill_slots(job, sources, workers, collect)
+    collect(list(done.values()))
+    tasks = [(slot, source) for slot, source in enumerate(sources) if slot not in done]
+    fill_slots(job, tasks, workers, lambda results: (log.append(results), collect(results)))
     return ok, sizes, failed
 
 
@@ -127,7 +139,7 @@ def _finish(stage: Path, job: WriteJob, ok: np.ndarray, sizes: np.ndarray, label
     """Close up skipped slots, make the shards durable, write index and manifest (last)."""
     kept = compact(stage, ok, job)
     if kept == 0:
-        raise CompileError(f"none of the {len(sources)} images in {job.src_root} could be decoded; nothing written")
+        raise NothingDecoded(f"none of the {len(sources)} images in {job.src_root} could be decoded; nothing written")
     target, per_shard = job.target, job.records_per_shard
     record_bytes = target.height * target.width * fmt.CHANNELS
     fmt.trim_shards(stage, kept, per_shard, record_bytes)
@@ -145,12 +157,14 @@ def _finish(stage: Path, job: WriteJob, ok: np.ndarray, sizes: np.ndarray, label
 def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int | str | tuple[int, int] = 224,
                    fit: str = "center-crop", seed: int = 0, shuffle: bool = True, workers: int | None = None,
                    strict: bool = False, force: bool = False, records_per_shard: int | None = None,
-                   max_pixels: int = DEFAULT_MAX_PIXELS, progress: Callable[[int], None] | None = None,
+                   max_pixels: int = DEFAULT_MAX_PIXELS, resume: bool = False,
+                   progress: Callable[[int], None] | None = None,
                    on_skip: Callable[[str, str], None] | None = None) -> CompileSummary:
     """Compile an image folder into a dsc dataset at `out`; see `dsc compile --help` for the options.
 
     `progress(n)` is called as n more sources are done; `on_skip(source, reason)` for each
     skipped source (default: a SkippedImageWarning). Raises CompileError; OUT is then untouched.
+    An interrupted compile leaves its partial build beside OUT; `resume=True` continues it.
     """
     started = time.perf_counter()
     target = Target(*parse_size(size), fit=fit)
@@ -168,21 +182,34 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
         on_skip(source, reason)
     order = source_order(len(found.sources), seed, shuffle)
     sources = [found.sources[i] for i in order]
-    stage = publish.prepare(out, force)
+    plan = {"dsc_version": __version__, "size": [target.height, target.width], "fit": target.fit, "seed": seed,
+            "shuffle": shuffle, "max_pixels": max_pixels, "records_per_shard": per_shard, "count": len(sources),
+            "sources": journal.source_fingerprint(src, sources, found.labels[order], found.classes)}
+    stage, lock_fd, resumed = publish.prepare(out, force, resume)
+    log = None
     try:
+        journal.check_plan(stage, plan) if resumed else journal.write_plan(stage, plan)
         fmt.allocate_shards(stage, len(sources), per_shard, record_bytes)
         job = WriteJob(str(src), str(stage), len(sources), per_shard, target, max_pixels)
-        ok, sizes, failed = _decode_all(job, sources, workers, strict, on_skip, progress)
+        done = journal.reusable(stage, job) if resumed else {}
+        log = journal.Journal(stage)
+        ok, sizes, failed = _decode_all(job, sources, workers, strict, done, log, on_skip, progress)
+        log.close()
         manifest = _finish(stage, job, ok, sizes, found.labels[order], sources, found.classes,
                            sorted(found.skipped + failed), _options(target, seed, shuffle, max_pixels, src,
                                                                      len(sources)), min(4, workers))
+        journal.remove(stage)
         publish.publish(stage, out)
-    except OSError as e:  # a full disk, a vanished folder: say so, leave OUT as it was
-        publish.discard(stage)
-        raise CompileError(f"writing the dataset in {stage} failed: {e}") from e
-    except BaseException:
+    except (StrictFailure, NothingDecoded):  # a verdict on the data: nothing worth resuming
         publish.discard(stage)
         raise
+    except OSError as e:  # a full disk, a vanished folder: say so, keep the work for --resume
+        raise CompileError(f"writing the dataset in {stage} failed: {e}; fix the cause and run the same "
+                           "command with --resume to continue") from e
+    finally:
+        if log is not None:
+            log.close()
+        os.close(lock_fd)
     size_on_disk = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     return CompileSummary(out, manifest.count, sorted(found.skipped + failed), found.classes, found.empty_classes,
                           len(manifest.shards), size_on_disk, time.perf_counter() - started, decoder_name(),

@@ -1,14 +1,29 @@
-"""Publish: build beside OUT, then rename into place, so OUT is only ever absent or complete."""
+"""Publish: build beside OUT, then swap it into place, so OUT is only ever absent or complete.
+
+The build lives in `.OUT.dsc-partial` next to OUT, locked (`flock`) while a compile uses it,
+and survives an interrupted compile so that `--resume` can continue it. Publishing exchanges
+the finished folder with the previous dataset in one atomic `renameat2(RENAME_EXCHANGE)` where
+the system has it: readers see the old dataset or the new one, never no dataset.
+"""
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import fcntl
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 from dsc import format as fmt
 from dsc.errors import CompileError
+
+LOCK_FILE = ".lock"
+LOCK_WAIT_S = 5.0
+RENAME_EXCHANGE = 2  # linux/fs.h
+AT_FDCWD = -100
 
 
 def staging_path(out: Path) -> Path:
@@ -25,52 +40,95 @@ def is_dataset(path: Path) -> bool:
         return False
 
 
-def prepare(out: Path, force: bool) -> Path:
-    """Check OUT and its parent, create a fresh staging folder and return it."""
+def _check_out(out: Path, force: bool) -> None:
     if out.exists() or out.is_symlink():
         if not force:
             raise CompileError(f"output {out} already exists; pass --force to replace it")
         if not out.is_dir() or not (is_dataset(out) or not any(out.iterdir())):
             raise CompileError(f"output {out} exists and is not a dsc dataset; refusing to replace it, "
                                "even with --force")
-    parent = out.parent
-    if not parent.is_dir():
-        raise CompileError(f"the folder {parent} that should hold {out.name} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise CompileError(f"cannot write in {parent} (permission denied)")
+    if not out.parent.is_dir():
+        raise CompileError(f"the folder {out.parent} that should hold {out.name} does not exist")
+    if not os.access(out.parent, os.W_OK | os.X_OK):
+        raise CompileError(f"cannot write in {out.parent} (permission denied)")
+
+
+def lock(stage: Path, wait_s: float = LOCK_WAIT_S) -> int:
+    """Hold the staging folder's lock for this compile; one compile per partial build at a time.
+
+    Waits a few seconds first: the workers of a compile killed a moment ago may still be exiting.
+    """
+    fd = os.open(stage / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                raise CompileError(f"another dsc compile is using {stage} right now; wait for it to finish") from e
+            time.sleep(0.05)
+
+
+def prepare(out: Path, force: bool, resume: bool) -> tuple[Path, int, bool]:
+    """Check OUT, then give (staging folder, its lock, whether it holds earlier work to resume)."""
+    _check_out(out, force)
     stage = staging_path(out)
     if stage.exists():
+        fd = lock(stage)
+        if resume:
+            return stage, fd, True
+        os.close(fd)
         if not force:
-            raise CompileError(f"an interrupted compile left a partial build at {stage}; delete it, "
-                               "or pass --force to discard it")
+            raise CompileError(f"an interrupted compile left a partial build at {stage}: run the same command "
+                               "with --resume to continue it, or pass --force to discard it")
         shutil.rmtree(stage)
     try:
         stage.mkdir()
     except OSError as e:
         raise CompileError(f"cannot create {stage}: {e.strerror or e}") from e
-    return stage
+    return stage, lock(stage), False
 
 
 def discard(stage: Path) -> None:
     shutil.rmtree(stage, ignore_errors=True)
 
 
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux renameat2); False where the system cannot."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    if renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return True
+    if ctypes.get_errno() in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), str(a))
+
+
 def publish(stage: Path, out: Path) -> None:
     """Move the finished build to OUT, replacing a previous dataset there (--force)."""
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.dsc-old-{os.getpid()}"
-        os.rename(out, old)
-    try:
-        os.rename(stage, out)
-    except BaseException:  # never leave OUT empty: put the previous dataset back
+    (stage / LOCK_FILE).unlink(missing_ok=True)
+    if out.exists() and _exchange(stage, out):
+        shutil.rmtree(stage, ignore_errors=True)  # now the previous dataset; open maps keep it readable
+    else:
+        old = None
+        if out.exists():  # no atomic exchange here: a moment without OUT, never a mixed OUT
+            old = out.parent / f".{out.name}.dsc-old-{os.getpid()}"
+            os.rename(out, old)
+        try:
+            os.rename(stage, out)
+        except BaseException:  # never leave OUT empty: put the previous dataset back
+            if old is not None:
+                os.rename(old, out)
+            raise
         if old is not None:
-            os.rename(old, out)
-        raise
+            shutil.rmtree(old, ignore_errors=True)
     fd = os.open(out.parent, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

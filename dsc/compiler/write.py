@@ -10,9 +10,11 @@ Slots of skipped sources are closed up afterwards by `compact`.
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
 import signal
+import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
@@ -28,6 +30,7 @@ from dsc.compiler.resize import Target, needed_size, resize_into
 from dsc.errors import CompileError, ImageError
 
 CHUNK = 16  # sources per task: small enough to keep every worker busy to the end
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # fork starts a worker in milliseconds; spawn re-imports torch in each (~1.3 s here). The
 # workers use no threads of the parent (torch is set to one thread before any work).
 START_METHOD = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
@@ -51,6 +54,7 @@ class SlotResult:
     height: int = 0  # original, upright
     width: int = 0
     reason: str = ""  # why the source was skipped; empty when it was written
+    crc: int = 0  # CRC-32 of the record's bytes, so a resume can check what it reuses
 
     @property
     def ok(self) -> bool:
@@ -121,7 +125,7 @@ class SlotWriter:
                 path = os.path.join(self.job.src_root, source)
                 h, w = compile_image(path, self.job.target, self.buffer, self.job.max_pixels)
                 self._store(slot)
-                results.append(SlotResult(slot, h, w))
+                results.append(SlotResult(slot, h, w, crc=zlib.crc32(self.buffer)))
             except ImageError as e:
                 results.append(SlotResult(slot, reason=str(e)))
         return results
@@ -136,8 +140,20 @@ class SlotWriter:
 _WRITER: SlotWriter | None = None
 
 
-def _init_worker(job: WriteJob) -> None:
+def _die_with_parent(parent: int) -> None:
+    """Linux: have the kernel kill this worker when the compile process dies (kill -9 included),
+    so no orphan goes on writing into a partial build that a resumed compile now owns."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before the request was made
+        os._exit(1)
+
+
+def _init_worker(job: WriteJob, parent: int) -> None:
     global _WRITER
+    _die_with_parent(parent)
     # Ctrl-C and SIGTERM sent to the whole process group are the parent's to handle: it cleans up
     # and then kills us. A worker that died of them first would read as a crash.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -150,42 +166,40 @@ def _work(tasks: list[tuple[int, str]]) -> list[SlotResult]:
     return _WRITER.write(tasks)
 
 
-def fill_slots(job: WriteJob, sources: list[str], workers: int,
-               on_result: Callable[[SlotResult], None]) -> None:
-    """Fill slot i with `sources[i]` for every i, calling `on_result` in the caller's thread.
+def fill_slots(job: WriteJob, tasks: list[tuple[int, str]], workers: int,
+               on_results: Callable[[list[SlotResult]], None]) -> None:
+    """Fill each (slot, source) of `tasks`, calling `on_results` in the caller's thread per chunk.
 
-    `on_result` may raise (e.g. for --strict) to stop the remaining work at once.
+    `on_results` may raise (e.g. for --strict) to stop the remaining work at once.
     """
-    tasks = [(slot, source) for slot, source in enumerate(sources)]
     chunks: Iterator[list[tuple[int, str]]] = (tasks[i:i + CHUNK] for i in range(0, len(tasks), CHUNK))
     workers = min(workers, -(-len(tasks) // CHUNK))
     if workers <= 1:
         writer = SlotWriter(job)
         try:
             for chunk in chunks:
-                for result in writer.write(chunk):
-                    on_result(result)
+                on_results(writer.write(chunk))
         finally:
             writer.close()
         return
-    _fill_in_processes(job, chunks, workers, on_result)
+    _fill_in_processes(job, chunks, workers, on_results)
 
 
 def _fill_in_processes(job: WriteJob, chunks: Iterator[list[tuple[int, str]]], workers: int,
-                       on_result: Callable[[SlotResult], None]) -> None:
+                       on_results: Callable[[list[SlotResult]], None]) -> None:
     """`fill_slots` on worker processes; a worker that dies (OOM killer, a crash in a decoder)
     fails the compile at once instead of hanging it, and any failure stops every worker."""
     before = set(multiprocessing.active_children())
-    executor = ProcessPoolExecutor(workers, multiprocessing.get_context(START_METHOD), _init_worker, (job,))
+    executor = ProcessPoolExecutor(workers, multiprocessing.get_context(START_METHOD), _init_worker,
+                                   (job, os.getpid()))
     finished = False
     try:
         for future in as_completed([executor.submit(_work, chunk) for chunk in chunks]):
-            for result in future.result():
-                on_result(result)
+            on_results(future.result())
         finished = True
     except BrokenProcessPool as e:
-        raise CompileError("a worker process died (killed by a signal, or out of memory?); nothing was "
-                           "written to the output") from e
+        raise CompileError("a worker process died (killed by a signal, or out of memory?); the output was "
+                           "not written, and the same command with --resume continues the work") from e
     finally:
         executor.shutdown(wait=finished, cancel_futures=not finished)
         for process in set(multiprocessing.active_children()) - before:
