@@ -96,17 +96,18 @@ def discover(root: str | os.PathLike) -> Discovery:
     labels: list[int] = []
     skipped: list[tuple[str, str]] = []
     empty: list[str] = []
+    root_id = frozenset({(root.stat().st_dev, root.stat().st_ino)})  # a link back to SRC is a loop too
     if classes:
         for label, name in enumerate(classes):
             found: list[str] = []
-            _walk(root / name, name, frozenset(), found, skipped)
+            _walk(root / name, name, root_id, found, skipped)
             if not found:
                 empty.append(name)
             sources += found
             labels += [label] * len(found)
         skipped += [(e.name, "not inside a class folder") for e in top if e.is_file() and is_image_name(e.name)]
     else:
-        _walk(root, "", frozenset(), sources, skipped)
+        _walk(root, "", frozenset(), sources, skipped)  # adds the root itself
         labels = [-1] * len(sources)
     if not sources:
         raise CompileError(f"no images found in {root} (looked for {', '.join(sorted(IMAGE_EXTENSIONS))}, "
