@@ -79,6 +79,9 @@ def compile_command(
     force: bool = typer.Option(False, "--force",
                                help="Replace an existing dataset at OUT (and discard a partial build)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the partial build an interrupted compile left."),
+    engine: str = typer.Option("local", "--engine", help="Where to decode: local (processes here) or ray."),
+    address: str = typer.Option(None, "--address", help="Ray cluster address for --engine ray [default: start "
+                                "a local one]."),
     records_per_shard: int = typer.Option(None, "--records-per-shard", min=1,
                                           help="Records per shard file [default: as many as fit in 1 GiB]."),
     max_pixels: int = typer.Option(DEFAULT_MAX_PIXELS, "--max-pixels", min=1,
@@ -99,7 +102,8 @@ def compile_command(
     try:
         summary = compile_folder(src, out, size=size, fit=fit, seed=seed, shuffle=shuffle, workers=workers,
                                  strict=strict, force=force, records_per_shard=records_per_shard,
-                                 max_pixels=max_pixels, resume=resume, progress=bar.update, on_skip=on_skip)
+                                 max_pixels=max_pixels, resume=resume, engine=engine, address=address,
+                                 progress=bar.update, on_skip=on_skip)
     except DscError as e:
         bar.close()
         _fail(str(e))

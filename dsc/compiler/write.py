@@ -167,11 +167,17 @@ def _work(tasks: list[tuple[int, str]]) -> list[SlotResult]:
 
 
 def fill_slots(job: WriteJob, tasks: list[tuple[int, str]], workers: int,
-               on_results: Callable[[list[SlotResult]], None]) -> None:
+               on_results: Callable[[list[SlotResult]], None], engine: str = "local",
+               address: str | None = None) -> None:
     """Fill each (slot, source) of `tasks`, calling `on_results` in the caller's thread per chunk.
 
-    `on_results` may raise (e.g. for --strict) to stop the remaining work at once.
+    `on_results` may raise (e.g. for --strict) to stop the remaining work at once. The "ray"
+    engine runs the same work as Ray tasks (see ray_engine); "local" uses processes here.
     """
+    if engine == "ray":
+        from dsc.compiler.ray_engine import fill_with_ray
+
+        return fill_with_ray(job, tasks, workers, address, on_results)
     chunks: Iterator[list[tuple[int, str]]] = (tasks[i:i + CHUNK] for i in range(0, len(tasks), CHUNK))
     workers = min(workers, -(-len(tasks) // CHUNK))
     if workers <= 1:

@@ -1,0 +1,82 @@
+"""`--engine ray` on a real local Ray cluster: identical bytes, and a killed worker is retried."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import ray
+from typer.testing import CliRunner
+
+from dsc import CompileError, compile_folder
+from dsc import format as fmt
+from dsc.cli import app
+
+from conftest import make_folder, pattern, save
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster():
+    """One local Ray instance of 2 CPUs for the module (compile_folder joins it)."""
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+    yield
+    ray.shutdown()
+
+
+def file_bytes(out: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+def test_ray_output_is_byte_identical_to_the_local_engine(tmp_path: Path) -> None:
+    src = make_folder(tmp_path / "src", classes=3, per_class=6)
+    (src / "class_1" / "bad.jpg").write_bytes(b"nope")
+    quiet = {"on_skip": lambda s, r: None, "size": (20, 24), "records_per_shard": 4}
+    compile_folder(src, tmp_path / "local", workers=2, **quiet)
+    summary = compile_folder(src, tmp_path / "ray", engine="ray", **quiet)
+    assert summary.kept == 18 and summary.shards == 5 and len(summary.skipped) == 1
+    assert file_bytes(tmp_path / "ray") == file_bytes(tmp_path / "local")
+
+
+def _kill_first_task_worker(stop: threading.Event, killed: list[int]) -> None:
+    """Kill -9 the first Ray worker seen running a dsc shard task, once."""
+    while not stop.is_set() and not killed:
+        found = subprocess.run(["pgrep", "-f", "ray::write_shard"], capture_output=True, text=True).stdout.split()
+        if found:
+            os.kill(int(found[0]), signal.SIGKILL)
+            killed.append(int(found[0]))
+        time.sleep(0.002)
+
+
+def test_a_killed_ray_worker_is_retried_and_the_bytes_do_not_change(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    for i in range(48):
+        save(src / f"c{i % 2}" / f"{i}.png", pattern(300, 400, seed=i % 5), "PNG", compress_level=1)
+    options = {"size": 32, "records_per_shard": 6, "on_skip": lambda s, r: None}
+    compile_folder(src, tmp_path / "local", workers=2, **options)
+    stop, killed = threading.Event(), []
+    killer = threading.Thread(target=_kill_first_task_worker, args=(stop, killed), daemon=True)
+    killer.start()
+    try:
+        compile_folder(src, tmp_path / "ray", engine="ray", **options)
+    finally:
+        stop.set()
+        killer.join(timeout=10)
+    assert killed, "no task was running to be killed: the test proved nothing"
+    assert file_bytes(tmp_path / "ray") == file_bytes(tmp_path / "local")
+
+
+def test_the_cli_runs_the_ray_engine_and_checks_its_options(tmp_path: Path) -> None:
+    src = make_folder(tmp_path / "src", classes=2, per_class=3)
+    runner = CliRunner(env={"COLUMNS": "250", "NO_COLOR": "1"})
+    ran = runner.invoke(app, ["compile", str(src), str(tmp_path / "out"), "--engine", "ray", "--size", "16"])
+    assert ran.exit_code == 0, ran.stderr
+    assert fmt.open_dataset(tmp_path / "out").manifest.count == 6
+    wrong = runner.invoke(app, ["compile", str(src), str(tmp_path / "o2"), "--address", "127.0.0.1:1"])
+    assert wrong.exit_code == 1 and "an address is only for --engine ray" in wrong.stderr
+    with pytest.raises(CompileError, match="unknown engine 'spark'"):
+        compile_folder(src, tmp_path / "o3", engine="spark")
