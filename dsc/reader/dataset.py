@@ -6,11 +6,20 @@ folder before anything is mapped: a damaged dataset fails in the constructor, ne
 Shard maps are copy-on-write (`MAP_PRIVATE`, like tensordict's ``mode="r"``), so `ds[i]` can
 be a zero-copy tensor view of the page cache; an in-place write into such a view changes this
 process's private copy of that page, never the file. Clone before editing images in place.
+
+Recompiling into the folder (`dsc compile --force`) while readers use it: a `MemmapDataset`
+keeps reading the dataset it opened (its maps hold the old files). A new one opens the new
+dataset; if the folder is replaced while it is being opened, the open starts again on the new
+folder (`_open`). A copy made by pickling (a DataLoader worker) opens the folder again by path,
+so it checks that it finds the dataset the original opened, by its manifest's fingerprint,
+and raises `DatasetError` instead of serving other records than the original.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -72,10 +81,40 @@ def _register_collate() -> None:
 _register_collate()
 
 
+OPEN_ATTEMPTS = 5  # opens of a folder that another compile keeps replacing, before giving up
+RETRY_S = 0.01  # the pause before the next attempt grows by this much each time
+
+
+def _folder_identity(root: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(root)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 def _open(root: Path) -> fmt.OpenedDataset:
-    """Validate and map the dataset; shards copy-on-write (see the module docstring), as plain arrays."""
-    opened = fmt.open_dataset(root, shard_mode="c")
+    """Validate and map the dataset; shards copy-on-write (see the module docstring), as plain arrays.
+
+    `open_dataset` reads one folder through one descriptor, so it never mixes two datasets; but
+    when a recompile swaps a new folder in while it reads, the old folder's files are deleted
+    under it and it fails. The folder at `root` is then another one: open that instead.
+    """
+    for attempt in range(1, OPEN_ATTEMPTS + 1):
+        before = _folder_identity(root)
+        try:
+            opened = fmt.open_dataset(root, shard_mode="c")
+            break
+        except DatasetError:
+            if attempt == OPEN_ATTEMPTS or _folder_identity(root) == before:  # not replaced: a real error
+                raise
+        time.sleep(RETRY_S * attempt)
     return replace(opened, shards=tuple(s.view(np.ndarray) for s in opened.shards))
+
+
+def fingerprint(manifest: fmt.Manifest) -> str:
+    """Which dataset this is: the manifest names every file's SHA-256, so equal manifests mean equal data."""
+    return hashlib.sha256(manifest.to_json().encode()).hexdigest()
 
 
 def batch_buffer(batch: int, record_shape: tuple[int, int, int], shared: bool) -> torch.Tensor:
@@ -91,27 +130,47 @@ class MemmapDataset(Dataset):
     """A compiled dsc dataset: `len`, `ds[i]`, batched `__getitems__`, `loader(...)`.
 
     Picklable by path: a copy (e.g. in a DataLoader worker) re-opens the maps on first use,
-    so no process ever copies the records.
+    so no process ever copies the records; it refuses (`DatasetError`) a folder that was
+    recompiled into another dataset since the original was opened.
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
         self._data: fmt.OpenedDataset | None = _open(self.path)  # validates now, fails here
+        self._fingerprint = fingerprint(self._data.manifest)
         self._tensors: tuple[torch.Tensor, ...] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"path": str(self.path)}
+        return {"path": str(self.path), "fingerprint": self._fingerprint}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.path = Path(state["path"])
+        self._fingerprint = state["fingerprint"]
         self._data, self._tensors = None, None
 
     @property
     def opened(self) -> fmt.OpenedDataset:
         """The validated, mapped dataset (mapped again lazily after unpickling)."""
         if self._data is None:
-            self._data = _open(self.path)
+            data = _open(self.path)
+            self._check_same(data.manifest)
+            self._data = data
         return self._data
+
+    def _check_same(self, manifest: fmt.Manifest) -> None:
+        if fingerprint(manifest) != self._fingerprint:
+            raise DatasetError(f"{self.path}: the dataset was replaced (recompiled?) after this MemmapDataset was "
+                               "opened; a copy of it (e.g. in a DataLoader worker) would read other records than "
+                               f"the original, so it refuses to. Open it again: MemmapDataset({str(self.path)!r})")
+
+    def _check_still_there(self) -> None:
+        """For what maps the files by path again: the folder must still hold the dataset opened."""
+        try:
+            manifest = fmt.parse_manifest(self.path)
+        except DatasetError as e:
+            raise DatasetError(f"{self.path}: the dataset was replaced or damaged after this MemmapDataset was "
+                               f"opened ({e})") from e
+        self._check_same(manifest)
 
     @property
     def manifest(self) -> fmt.Manifest:
@@ -186,6 +245,16 @@ class MemmapDataset(Dataset):
         ``td["image"]`` (no such key): neither can silently pick the wrong record.
         Maps are copy-on-write, like `ds[i]`: writes stay in this process.
         """
+        self._check_still_there()  # mapped by path again: before and after, it must be the dataset opened
+        try:
+            td = self._map_tensordict()
+        except RuntimeError:  # tensordict's "unable to open file": say so if the folder was replaced
+            self._check_still_there()
+            raise
+        self._check_still_there()
+        return td
+
+    def _map_tensordict(self):
         from tensordict import MemoryMappedTensor, TensorDict
 
         d, m = self.opened, self.manifest
