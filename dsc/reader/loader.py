@@ -149,14 +149,17 @@ class Loader:
     makes its next iteration start with batch k + 1 of the same epoch, exactly, also when the
     training loop calls `set_epoch` with that epoch first.
     Batches stay valid as long as you keep them (see `HostBuffers` and `device.DeviceFeeder`).
+    `locality="shard"` (with order="block") gives each rank its own rotating subset of the shard
+    files every epoch instead of a slice of one global order (`order.shard_share`).
     """
 
     def __init__(self, dataset, batch_size: int, *, order: str = "block", seed: int = 0, drop_last: bool = False,
                  device: str | torch.device | None = None, prefetch: int = 2, num_threads: int | None = None,
-                 rank: int | None = None, world_size: int | None = None) -> None:
+                 rank: int | None = None, world_size: int | None = None, locality: str | None = None) -> None:
         if order not in orders.ORDERS:
             raise ValueError(f"order must be one of {orders.ORDERS}, got {order!r}")
-        self.dataset, self.order, self.drop_last = dataset, order, bool(drop_last)
+        orders.check_locality(order, locality)
+        self.dataset, self.order, self.drop_last, self.locality = dataset, order, bool(drop_last), locality
         self.batch_size = _check_int("batch_size", batch_size, 1)
         self.seed = _check_int("seed", seed, 0)
         self.prefetch = _check_int("prefetch", prefetch, 1)
@@ -168,12 +171,18 @@ class Loader:
         self._feeder = None
 
     def __len__(self) -> int:
-        share = orders.share_length(len(self.dataset), self.world_size, self.batch_size, self.drop_last)
+        share = orders.share_length(len(self.dataset), self.world_size, self.batch_size, self.drop_last,
+                                    **self._locality())
         return orders.batch_count(share, self.batch_size)
+
+    def _locality(self) -> dict[str, Any]:
+        if self.locality is None:
+            return {}
+        return {"locality": self.locality, "records_per_shard": self.dataset.manifest.records_per_shard}
 
     def _share(self, epoch: int) -> np.ndarray:
         return orders.epoch_share(len(self.dataset), self.order, self.seed, epoch, self.rank,
-                                  self.world_size, self.batch_size, self.drop_last)
+                                  self.world_size, self.batch_size, self.drop_last, **self._locality())
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration serve `epoch` from its start, or from where `load_state_dict`
@@ -185,7 +194,8 @@ class Loader:
 
     def _config(self) -> dict[str, Any]:
         return {"order": self.order, "seed": self.seed, "batch_size": self.batch_size, "drop_last": self.drop_last,
-                "rank": self.rank, "world_size": self.world_size, "count": len(self.dataset)}
+                "rank": self.rank, "world_size": self.world_size, "count": len(self.dataset),
+                "locality": self.locality}
 
     def state_dict(self) -> dict[str, Any]:
         """Where the consumer is: epoch and batches already yielded in it, plus the settings that fix the order."""

@@ -1,7 +1,7 @@
 """In what order an epoch visits the records: plain functions of (n, seed, epoch) → index arrays.
 
-All randomness comes from a numpy Generator seeded with ``(seed, epoch)`` only, so every rank
-and every resumed run computes the same epoch order.
+All randomness comes from a numpy Generator seeded with ``(seed, epoch)`` only (plus a group
+number under locality="shard"), so every rank and every resumed run computes the same epoch order.
 
 - ``sequential``: 0, 1, …, n-1.
 - ``block``: the records are cut into blocks of `BLOCK_RECORDS` contiguous records (block edges
@@ -15,23 +15,50 @@ and every resumed run computes the same epoch order.
 An epoch is then split between ranks (`rank_share`) and cut into batches (`batch_indices`);
 inside a batch the indices are sorted, which turns neighbours into runs and groups records by
 shard, so every batch is a few large copies. The batch's ``index`` entry says what was served.
+
+``locality="shard"`` (block order only) splits an epoch between ranks by shard instead
+(`shard_share`), so that each rank reads about 1/world_size of the shard files per epoch:
+
+- Units: whole shards; when there are fewer shards than ranks, every shard is cut into `p`
+  equal contiguous parts, `p` the smallest number giving at least `world_size` non-empty parts
+  (`shard_units`).
+- Groups: the units are dealt to `world_size` groups largest first (ties: lower record
+  first), each to the group with the fewest records so far (ties: lowest group number)
+  (`shard_groups`). With equal shards that is a round robin, shard k to group k % world_size.
+  Imbalance rule: the record counts of two groups differ by at most one unit (at most
+  `records_per_shard` with whole shards). The groups are fixed for a dataset and world size;
+  only who reads which one changes.
+- Rotation: in `epoch`, rank r reads group ``(r + seed + epoch) % world_size``
+  (`shard_group`): every epoch the groups are a partition of the dataset, and every rank reads
+  every group (so every shard) within any `world_size` consecutive epochs. Each epoch a group
+  passes from rank r + 1 to rank r, so a node running consecutive ranks r..r+L-1 keeps L-1 of
+  its L groups from one epoch to the next (its page cache stays useful).
+- Order within a group: `block` over the group's records (its units one after the other, in
+  record order) with its own stream
+  ``(seed, epoch, group)``. All ranks serve the largest group's count (drop_last=False: a rank
+  with fewer records repeats the start of its own order, so it stays on its own shards) or the
+  smallest group's count cut to whole batches (drop_last=True).
 """
 
 from __future__ import annotations
 
+import functools
+import heapq
+
 import numpy as np
 
 ORDERS = ("sequential", "block", "random")
+LOCALITIES = ("shard",)  # values of the loader's `locality` besides None
 BLOCK_RECORDS = 64  # ~10 MB at 224×224: large enough for fast reads from a cold disk
 WINDOW_BLOCKS = 8  # blocks whose runs are mixed together
 RUN_RECORDS = 8  # the unit of mixing inside a window; stays one slice copy
 
 
-def generator(seed: int, epoch: int) -> np.random.Generator:
-    """The only source of randomness of an epoch's order."""
+def generator(seed: int, epoch: int, *stream: int) -> np.random.Generator:
+    """The only source of randomness of an epoch's order; `stream` separates independent parts of it."""
     if seed < 0 or epoch < 0:
         raise ValueError(f"seed and epoch must be non-negative, got seed={seed}, epoch={epoch}")
-    return np.random.default_rng([seed, epoch])
+    return np.random.default_rng([seed, epoch, *stream])
 
 
 def sequential(n: int, seed: int = 0, epoch: int = 0) -> np.ndarray:
@@ -51,9 +78,9 @@ def expand_runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 
 def block(n: int, seed: int, epoch: int, block_records: int = BLOCK_RECORDS,
-          window: int = WINDOW_BLOCKS, run: int = RUN_RECORDS) -> np.ndarray:
+          window: int = WINDOW_BLOCKS, run: int = RUN_RECORDS, stream: tuple[int, ...] = ()) -> np.ndarray:
     """Shuffled blocks of contiguous records, runs mixed within windows of blocks (module docstring)."""
-    rng = generator(seed, epoch)
+    rng = generator(seed, epoch, *stream)
     shift = int(rng.integers(block_records)) if n > block_records else 0
     edges = np.unique(np.r_[0, np.arange(shift, n, block_records), n]).astype(np.int64)
     perm = rng.permutation(len(edges) - 1)
@@ -93,8 +120,12 @@ def rank_share(order: np.ndarray, rank: int, world_size: int, batch_size: int, d
     return order[rank * per_rank:(rank + 1) * per_rank]
 
 
-def share_length(n: int, world_size: int, batch_size: int, drop_last: bool) -> int:
-    """How many indices each rank serves per epoch (see `rank_share`)."""
+def share_length(n: int, world_size: int, batch_size: int, drop_last: bool, *,
+                 locality: str | None = None, records_per_shard: int = 0) -> int:
+    """How many indices each rank serves per epoch (see `rank_share`, or `shard_share` with locality)."""
+    if locality is not None:
+        sizes = group_sizes(*shard_groups(n, records_per_shard, world_size), world_size)
+        return int(sizes.min()) // batch_size * batch_size if drop_last else int(sizes.max())
     if drop_last:
         return n // world_size // batch_size * batch_size
     return -(-n // world_size)
@@ -110,6 +141,107 @@ def batch_indices(share: np.ndarray, batch: int, batch_size: int) -> np.ndarray:
 
 
 def epoch_share(n: int, order: str, seed: int, epoch: int, rank: int, world_size: int,
-                batch_size: int, drop_last: bool) -> np.ndarray:
+                batch_size: int, drop_last: bool, *, locality: str | None = None,
+                records_per_shard: int = 0) -> np.ndarray:
     """The indices this rank serves in `epoch`, in order; batch k is `batch_indices(share, k, ...)`."""
+    check_locality(order, locality)
+    if locality is not None:
+        return shard_share(n, records_per_shard, seed, epoch, rank, world_size, batch_size, drop_last)
     return rank_share(epoch_order(n, order, seed, epoch), rank, world_size, batch_size, drop_last)
+
+
+# ----------------------------------------------------------------------------- locality="shard"
+
+def check_locality(order: str, locality: str | None) -> None:
+    if locality is None:
+        return
+    if locality not in LOCALITIES:
+        raise ValueError(f"locality must be None or one of {LOCALITIES}, got {locality!r}")
+    if order != "block":
+        raise ValueError(f"locality={locality!r} works with order='block' only, got order={order!r} "
+                         "(sequential and random orders have no shard-affine form)")
+
+
+def shard_units(n: int, records_per_shard: int, world_size: int) -> np.ndarray:
+    """Record edges of the units ranks are given: whole shards, or equal parts of them (module docstring)."""
+    if records_per_shard < 1 or world_size < 1:
+        raise ValueError(f"need records_per_shard >= 1 and world_size >= 1, got {records_per_shard}, {world_size}")
+    shard_edges = np.r_[np.arange(0, n, records_per_shard), n].astype(np.int64)
+    shards = len(shard_edges) - 1
+    if shards >= world_size or shards == 0:
+        return shard_edges
+    sizes = np.diff(shard_edges)[:, None]
+    parts = -(-world_size // shards)
+    while True:  # the short last shard may give fewer non-empty parts: cut finer (ends at one record a unit)
+        cuts = shard_edges[:-1, None] + sizes * np.arange(parts) // parts
+        edges = np.unique(np.r_[cuts.ravel(), n])
+        if len(edges) - 1 >= min(world_size, n):
+            return edges
+        parts += 1
+
+
+@functools.lru_cache(maxsize=16)  # len(loader) and every epoch ask again; a loop over the units
+def shard_groups(n: int, records_per_shard: int, world_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(unit edges, group of every unit), read-only: units dealt largest first to the smallest group."""
+    units = shard_units(n, records_per_shard, world_size)
+    sizes = np.diff(units)
+    heap = [(0, g) for g in range(world_size)]  # (records so far, group): the smallest pops first
+    group_of = np.empty(len(sizes), dtype=np.int64)
+    for u in np.argsort(-sizes, kind="stable"):
+        load, g = heapq.heappop(heap)
+        group_of[u] = g
+        heapq.heappush(heap, (load + int(sizes[u]), g))
+    units.setflags(write=False)
+    group_of.setflags(write=False)
+    return units, group_of
+
+
+def group_sizes(units: np.ndarray, group_of: np.ndarray, world_size: int) -> np.ndarray:
+    """Records per group."""
+    return np.bincount(group_of, weights=np.diff(units), minlength=world_size).astype(np.int64)
+
+
+def group_records(units: np.ndarray, group_of: np.ndarray, group: int) -> np.ndarray:
+    """The records of `group`, its units one after the other in record order."""
+    mine = np.flatnonzero(group_of == group)
+    return expand_runs(units[mine], units[mine + 1] - units[mine])
+
+
+def shard_group(rank: int, world_size: int, seed: int, epoch: int) -> int:
+    """The group `rank` reads in `epoch`: a rotation by one group per epoch (module docstring)."""
+    return (rank + seed + epoch) % world_size
+
+
+def shard_share(n: int, records_per_shard: int, seed: int, epoch: int, rank: int, world_size: int,
+                batch_size: int, drop_last: bool) -> np.ndarray:
+    """This rank's indices for `epoch` under locality="shard": block order over its group, padded or cut."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must lie in [0, world_size={world_size}), got {rank}")
+    units, group_of = shard_groups(n, records_per_shard, world_size)
+    g = shard_group(rank, world_size, seed, epoch)
+    records = group_records(units, group_of, g)
+    own = records[block(len(records), seed, epoch, stream=(g,))] if len(records) else records
+    per_rank = share_length(n, world_size, batch_size, drop_last, locality="shard",
+                            records_per_shard=records_per_shard)
+    if len(own) >= per_rank:
+        return own[:per_rank]
+    source = own if len(own) else block(n, seed, epoch)  # an empty group only when n < world_size
+    return np.concatenate([own, np.resize(source, per_rank - len(own))])
+
+
+# ----------------------------------------------------------------------------- measures of the trade-off
+
+def distinct_shards(indices: np.ndarray, records_per_shard: int) -> int:
+    """How many shard files `indices` touch."""
+    return len(np.unique(np.asarray(indices) // records_per_shard))
+
+
+def class_mix(labels: np.ndarray, batches: list[np.ndarray]) -> tuple[float, float]:
+    """(mean number of distinct classes per batch, mean label entropy per batch in bits)."""
+    distinct, entropy = [], []
+    for idx in batches:
+        _, counts = np.unique(labels[idx], return_counts=True)
+        p = counts / counts.sum()
+        distinct.append(len(counts))
+        entropy.append(float(-(p * np.log2(p)).sum()))
+    return float(np.mean(distinct)), float(np.mean(entropy))

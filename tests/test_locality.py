@@ -1,0 +1,200 @@
+"""locality="shard": each rank reads its own rotating subset of the shards; coverage, balance, resume."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import dsc
+from dsc.reader import MemmapDataset
+from dsc.reader import order as orders
+from dsc.testing import make_image_folder
+
+COUNT = 21  # 3 classes × 7 images
+SHARDINGS = {2: 11, 4: 6, 9: 3, 32: 1}  # records_per_shard → shards (the last shard is short, except at 32)
+WORLDS = [1, 2, 3, 4, 5]
+
+
+@pytest.fixture(scope="module")
+def datasets(tmp_path_factory) -> dict[int, MemmapDataset]:
+    """One 21-record dataset per records_per_shard: more shards than ranks, fewer, and a single shard."""
+    root = tmp_path_factory.mktemp("locality")
+    src = make_image_folder(root / "src", classes=3, per_class=7, size=(24, 32))
+    out = {}
+    for per_shard, shards in SHARDINGS.items():
+        dsc.compile_folder(src, root / f"ds{per_shard}", size=8, records_per_shard=per_shard, workers=1)
+        out[per_shard] = MemmapDataset(root / f"ds{per_shard}")
+        assert len(out[per_shard]) == COUNT and len(out[per_shard].manifest.shards) == shards
+    return out
+
+
+def epoch_indices(loader) -> list[np.ndarray]:
+    return [b["index"].numpy().copy() for b in loader]
+
+
+def shards_of(indices: np.ndarray, per_shard: int) -> set[int]:
+    return set((np.asarray(indices) // per_shard).tolist())
+
+
+def run_epoch(ds: MemmapDataset, world: int, epoch: int, **options) -> list[list[np.ndarray]]:
+    """One epoch of every rank: per rank, its batches' indices."""
+    out = []
+    for r in range(world):
+        loader = ds.loader(3, order="block", locality="shard", rank=r, world_size=world, **options)
+        loader.set_epoch(epoch)
+        out.append(epoch_indices(loader))
+    return out
+
+
+# ----------------------------------------------------------------------------- units and groups (pure)
+
+@pytest.mark.parametrize("world", range(1, 10))
+def test_groups_partition_the_records_within_one_unit_of_balance(world: int) -> None:
+    for n in range(1, 120):
+        for per_shard in (1, 2, 3, 7, 16, 50, 200):
+            units, group_of = orders.shard_groups(n, per_shard, world)
+            sizes, shards = np.diff(units), -(-n // per_shard)
+            assert units[0] == 0 and units[-1] == n and (sizes > 0).all()
+            assert all(len(shards_of([a, b - 1], per_shard)) == 1 for a, b in zip(units[:-1], units[1:]))
+            if shards >= world:  # whole shards
+                assert np.array_equal(units, np.r_[np.arange(0, n, per_shard), n])
+            else:  # each shard cut into equal parts: at least `world` of them when there are records enough
+                assert len(sizes) >= min(world, n)
+                full = sizes[units[1:] <= (shards - 1) * per_shard]
+                assert len(full) == 0 or full.max() - full.min() <= 1
+            groups = [orders.group_records(units, group_of, g) for g in range(world)]
+            assert np.array_equal(np.sort(np.concatenate(groups)), np.arange(n))
+            counts = np.array([len(g) for g in groups])
+            assert np.array_equal(counts, orders.group_sizes(units, group_of, world))
+            assert counts.max() - counts.min() <= sizes.max()  # the imbalance rule
+            if shards >= world:
+                assert counts.max() - counts.min() <= per_shard
+            if n >= world:
+                assert (counts > 0).all()  # every rank gets work
+
+
+def test_refused_settings(datasets) -> None:
+    ds = datasets[4]
+    for order in ("sequential", "random"):
+        with pytest.raises(ValueError, match="works with order='block' only"):
+            ds.loader(3, order=order, locality="shard", rank=0, world_size=2)
+    with pytest.raises(ValueError, match=r"locality must be None or one of \('shard',\), got 'node'"):
+        ds.loader(3, locality="node", rank=0, world_size=2)
+    with pytest.raises(ValueError, match="works with order='block' only"):
+        orders.epoch_share(COUNT, "random", 0, 0, 0, 2, 3, False, locality="shard", records_per_shard=4)
+
+
+# ----------------------------------------------------------------------------- the loader
+
+@pytest.mark.parametrize("per_shard", list(SHARDINGS))
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_each_rank_reads_its_own_shards_and_the_epoch_covers_all(datasets, per_shard: int, world: int,
+                                                                 drop_last: bool) -> None:
+    ds = datasets[per_shard]
+    shards = len(ds.manifest.shards)
+    for epoch in (0, 1):
+        ranks = run_epoch(ds, world, epoch, seed=7, drop_last=drop_last)
+        lengths = {len(batches) for batches in ranks}
+        assert len(lengths) == 1  # equal batch counts
+        loader = ds.loader(3, locality="shard", rank=0, world_size=world, drop_last=drop_last)
+        assert lengths == {len(loader)}
+        served = [np.concatenate(b) if b else np.zeros(0, np.int64) for b in ranks]
+        distinct = [np.unique(s) for s in served]
+        if shards >= world:  # whole shards: no shard is read by two ranks in one epoch
+            touched = [shards_of(d, per_shard) for d in distinct]
+            assert sum(len(t) for t in touched) == len(set().union(*touched))
+            assert all(len(t) <= -(-shards // world) for t in touched)
+        else:  # parts of shards: disjoint records, at most two shards a rank
+            assert all(len(shards_of(d, per_shard)) <= 2 for d in distinct)
+        joined = np.concatenate(distinct)
+        assert len(np.unique(joined)) == len(joined)  # no record on two ranks
+        if drop_last:
+            assert all(len(x) == 3 for b in ranks for x in b)
+            assert all(len(s) == len(d) for s, d in zip(served, distinct))  # nothing twice
+        else:
+            assert np.array_equal(np.sort(joined), np.arange(COUNT))  # the union covers the dataset once
+            counts = [len(d) for d in distinct]
+            assert max(counts) - min(counts) <= per_shard  # within one unit
+            assert all(len(s) == max(counts) for s in served)  # the padding repeats a rank's own records
+
+
+@pytest.mark.parametrize("per_shard", [2, 9])
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_assignment_rotates_and_every_rank_sees_every_shard(datasets, per_shard: int, world: int) -> None:
+    ds = datasets[per_shard]
+    batches = [run_epoch(ds, world, e, seed=3) for e in range(world + 1)]
+    epochs = [[set(np.concatenate(b).tolist()) for b in ranks] for ranks in batches]
+    for e in range(world):
+        assert epochs[e] != epochs[e + 1]  # the assignment changes every epoch
+        for r in range(world):  # a group passes from rank r + 1 to rank r: a node keeps most of its shards
+            assert epochs[e + 1][r] == epochs[e][(r + 1) % world]
+    for r in range(world):
+        seen = set().union(*(epochs[e][r] for e in range(world)))
+        assert seen == set(range(COUNT))  # every record, so every shard, within `world` epochs
+    again = run_epoch(ds, world, 1, seed=3)
+    assert all(np.array_equal(x, y) for a, b in zip(again, batches[1]) for x, y in zip(a, b))  # per (seed, epoch)
+    other = [set(np.concatenate(b).tolist()) for b in run_epoch(ds, world, 1, seed=4)]
+    assert other == epochs[2]  # the rule (rank + seed + epoch) % world: seed 4 at epoch 1 = seed 3 at epoch 2
+
+
+def test_order_is_deterministic_and_block_like_within_a_rank() -> None:
+    share = orders.epoch_share(20_000, "block", 5, 3, 1, 4, 64, False, locality="shard", records_per_shard=1000)
+    again = orders.epoch_share(20_000, "block", 5, 3, 1, 4, 64, False, locality="shard", records_per_shard=1000)
+    assert np.array_equal(share, again)
+    assert not np.array_equal(share, orders.epoch_share(20_000, "block", 5, 4, 1, 4, 64, False,
+                                                        locality="shard", records_per_shard=1000))
+    assert orders.distinct_shards(share, 1000) == 5  # 20 shards over 4 ranks
+    runs = np.count_nonzero(np.diff(share) != 1) + 1
+    assert runs <= len(share) / orders.RUN_RECORDS + 2 * len(share) / orders.BLOCK_RECORDS + 5  # block order's runs
+    assert not np.array_equal(np.sort(share[:512]), np.arange(share[:512].min(), share[:512].min() + 512))
+
+
+@pytest.mark.parametrize("per_shard,world", [(2, 3), (9, 5), (32, 2)])
+def test_batches_equal_the_dataset(datasets, per_shard: int, world: int) -> None:
+    ds = datasets[per_shard]
+    for r in range(world):
+        for batch in ds.loader(4, locality="shard", rank=r, world_size=world, num_threads=2):
+            for k, i in enumerate(batch["index"].tolist()):
+                image, label = ds[i]
+                assert torch.equal(batch["image"][k], image) and batch["label"][k].item() == label
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_resume_mid_epoch(datasets, drop_last: bool) -> None:
+    ds = datasets[2]
+    options = dict(order="block", locality="shard", seed=9, rank=1, world_size=3, drop_last=drop_last)
+    uninterrupted = ds.loader(2, **options)
+    epoch0, epoch1 = epoch_indices(uninterrupted), epoch_indices(uninterrupted)
+    for k in range(len(epoch0) + 1):
+        first = ds.loader(2, **options)
+        it = iter(first)
+        for _ in range(k):
+            next(it)
+        state = first.state_dict()
+        del it
+        assert state["locality"] == "shard"
+        resumed = ds.loader(2, **options)
+        resumed.load_state_dict(state)
+        rest = epoch_indices(resumed)
+        expected = epoch0[k:] if k < len(epoch0) else epoch1
+        assert len(rest) == len(expected) and all(np.array_equal(a, b) for a, b in zip(rest, expected))
+    with pytest.raises(ValueError, match="other settings.*locality"):
+        ds.loader(2, **dict(options, locality=None)).load_state_dict(state)
+    plain = dict(options, locality=None)  # a state saved before `locality` existed still loads without it
+    old = {k: v for k, v in ds.loader(2, **plain).state_dict().items() if k != "locality"}
+    ds.loader(2, **plain).load_state_dict(old)
+    with pytest.raises(ValueError, match="other settings"):
+        ds.loader(2, **options).load_state_dict(old)
+
+
+def test_trade_off_measures() -> None:
+    labels = np.array([0, 0, 1, 1, 2, 2, 3, 3])
+    assert orders.class_mix(labels, [np.array([0, 1]), np.array([0, 2, 4, 6])]) == (2.5, 1.0)
+    assert orders.distinct_shards(np.array([0, 3, 4, 9]), 4) == 3
+    n, per_shard, world = 20_000, 1000, 4
+    default = orders.epoch_share(n, "block", 0, 0, 0, world, 64, False)
+    local = orders.epoch_share(n, "block", 0, 0, 0, world, 64, False, locality="shard", records_per_shard=per_shard)
+    assert orders.distinct_shards(default, per_shard) >= 15  # a slice of a global block order: nearly every shard
+    assert orders.distinct_shards(local, per_shard) == 5
