@@ -37,8 +37,16 @@ def main() -> None:
     """dsc: compile image folders into memory-mappable uint8 shards, and read them fast."""
 
 
-def _fail(message: str, code: int = 1) -> None:
-    typer.echo(f"error: {message}", err=True)
+def _clean(text: object) -> str:
+    """Text from files (names, reasons) as one printable line: control characters escaped."""
+    text = str(text)
+    return text if text.isprintable() else text.encode("unicode_escape", "backslashreplace").decode("ascii")
+
+
+def _fail(*problems: str, code: int = 1) -> None:
+    """One `error:` line per problem on stderr, then exit with `code`."""
+    for problem in problems:
+        typer.echo(f"error: {_clean(problem)}", err=True)
     raise typer.Exit(code)
 
 
@@ -97,7 +105,7 @@ def compile_command(
     bar = tqdm(unit="img", desc="compiling", disable=None, file=sys.stderr, dynamic_ncols=True)
 
     def on_skip(source: str, reason: str) -> None:
-        bar.write(f"skipped {source}: {reason}", file=sys.stderr)
+        bar.write(f"skipped {_clean(source)}: {_clean(reason)}", file=sys.stderr)
 
     try:
         summary = compile_folder(src, out, size=size, fit=fit, seed=seed, shuffle=shuffle, workers=workers,
@@ -111,7 +119,7 @@ def compile_command(
         bar.close()
         partial = staging_path(out.absolute())
         kept = f"; the work so far is kept in {partial}: add --resume to continue" if partial.exists() else ""
-        _fail(f"interrupted; {out} was not written{kept}", 130)
+        _fail(f"interrupted; {out} was not written{kept}", code=130)
     bar.close()
     if not summary.labeled:
         typer.echo(f"note: {src} has no class sub-folders, so the dataset is unlabeled (label -1)", err=True)
@@ -149,15 +157,15 @@ def info_command(
     typer.echo(f"{s['path']}: dsc format {s['format_version']}, {s['records']} records of {h}x{w}x{c} uint8, "
                f"{s['shards']} shard(s) of up to {s['records_per_shard']}, {_human_bytes(s['bytes_on_disk'])} on disk")
     if s["labeled"]:
-        typer.echo(f"{len(s['classes'])} classes: " + ", ".join(f"{k} ({n})" for k, n in s["classes"].items()))
+        typer.echo(f"{len(s['classes'])} classes: " + ", ".join(f"{_clean(k)} ({n})" for k, n in s["classes"].items()))
     else:
         typer.echo("unlabeled (every label is -1)")
     options = {k: v for k, v in s["compile"].items() if k not in ("source_root", "jpeg_decoder", "source_order")}
-    typer.echo("compiled with: " + ", ".join(f"{k}={v}" for k, v in options.items()))
-    typer.echo(f"from: {s['compile'].get('source_root')}; JPEG decoder: {s['jpeg_decoder']}")
+    typer.echo("compiled with: " + _clean(", ".join(f"{k}={v}" for k, v in options.items())))
+    typer.echo(_clean(f"from: {s['compile'].get('source_root')}; JPEG decoder: {s['jpeg_decoder']}"))
     typer.echo(f"{len(s['skipped'])} skipped" + (":" if s["skipped"] else ""))
     for item in s["skipped"][:SHOW_SKIPPED]:
-        typer.echo(f"  {item['source']}: {item['reason']}")
+        typer.echo(f"  {_clean(item['source'])}: {_clean(item['reason'])}")
     if len(s["skipped"]) > SHOW_SKIPPED:
         typer.echo(f"  ... and {len(s['skipped']) - SHOW_SKIPPED} more (dsc info --json lists them all)")
 
@@ -176,12 +184,15 @@ def verify_command(
         with tqdm(total=total, unit="B", unit_scale=True, desc="checksums", disable=None, file=sys.stderr) as bar:
             verify_checksums(dataset, manifest, progress=bar.update)
     except DscError as e:
-        _fail(str(e).replace("\n", "\nerror: "))
+        _fail(*getattr(e, "problems", [str(e)]))
     typer.echo(f"ok: manifest, {len(manifest.shards)} shard(s) and index files match ({_human_bytes(total)})")
     if decode:
-        check = check_against_sources(dataset, decode, seed)
+        try:
+            check = check_against_sources(dataset, decode, seed)
+        except DscError as e:
+            _fail(str(e))
         for line in check.missing:
-            typer.echo(f"not checked: {line}", err=True)
+            typer.echo(f"not checked: {_clean(line)}", err=True)
         if check.worst_record is None:
             _fail(f"none of the {decode} records could be checked: their sources are gone or unreadable")
         typer.echo(f"decoded {check.checked} record(s) again: worst difference record {check.worst_record} "

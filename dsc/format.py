@@ -334,7 +334,8 @@ class _Folder:
 
     def open(self, name: Any, where: str) -> int:
         """A read-only descriptor of the regular file `name` (relative, '/'-separated) in the folder."""
-        if not isinstance(name, str) or not name or name.startswith("/") or "\\" in name or "\0" in name:
+        if not isinstance(name, str) or not name or name.startswith("/") or "\\" in name or "\0" in name \
+                or not name.isprintable():
             raise _fail(self.root, f"{where} has an invalid file name {name!r:.80}")
         parts = name.split("/")
         if any(part in ("", ".", "..") for part in parts):
@@ -343,7 +344,8 @@ class _Folder:
         try:
             for part in parts[:-1]:
                 dirs.append(os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=(dirs or [self.fd])[-1]))
-            fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW, dir_fd=(dirs or [self.fd])[-1])
+            # O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused just below
+            fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=(dirs or [self.fd])[-1])
         except FileNotFoundError as e:
             raise DatasetError(f"{path}: missing ({where} in the manifest)") from e
         except OSError as e:
@@ -406,6 +408,10 @@ def _read_manifest(folder: _Folder) -> dict:
         raise _fail(root, f"not valid JSON ({e})") from e
     if not isinstance(doc, dict):
         raise _fail(root, f"must be a JSON object, found {type(doc).__name__}")
+    try:  # "\ud800" is valid JSON but not text: refuse it here rather than fail later when printed
+        json.dumps(doc, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise _fail(root, f"holds a lone surrogate escape ({e.object[e.start:e.end]!r}), not valid Unicode") from e
     return doc
 
 
@@ -428,7 +434,7 @@ def parse_manifest(root: str | os.PathLike, folder: _Folder | None = None) -> Ma
             raise _fail(root, f"record: {key!r} must be {want!r}, found {record[key]!r:.60}")
     height, width = shape[0], shape[1]
     record_bytes = height * width * CHANNELS
-    if record["bytes"] != record_bytes:
+    if isinstance(record["bytes"], bool) or not isinstance(record["bytes"], int) or record["bytes"] != record_bytes:
         raise _fail(root, f"record: 'bytes' = {record['bytes']!r:.30} but shape {shape} needs {record_bytes}")
 
     count = _expect_int(root, doc, "count", 1, 1 << 40)
@@ -541,4 +547,6 @@ def verify_checksums(root: str | os.PathLike, manifest: Manifest,
            for e in [*manifest.shards, *manifest.index.values()]
            if (digest := sha256_file(root / e.file, progress)) != e.sha256]
     if bad:
-        raise ChecksumError("\n".join(bad))
+        error = ChecksumError("\n".join(bad))
+        error.problems = bad
+        raise error

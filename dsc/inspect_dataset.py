@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 
 from dsc import format as fmt
-from dsc.compiler.resize import Target
+from dsc.compiler.resize import FITS, Target
 from dsc.compiler.write import compile_image
-from dsc.errors import ImageError
+from dsc.errors import DatasetError, ImageError
 
 
 def summary(path: str | os.PathLike) -> dict[str, Any]:
@@ -48,21 +48,31 @@ class DecodeCheck:
     worst_mean_abs: float = 0.0
 
 
+def _recipe(d: fmt.OpenedDataset) -> tuple[str, Target, int]:
+    """(source root, target, max_pixels) as the manifest's "compile" records them, checked."""
+    c, m = d.manifest.compile, d.manifest
+    root, size, fit, max_pixels = c.get("source_root"), c.get("size"), c.get("fit"), c.get("max_pixels")
+    ok = (isinstance(root, str) and isinstance(size, list) and size == [m.height, m.width]
+          and fit in FITS and isinstance(max_pixels, int) and not isinstance(max_pixels, bool) and max_pixels > 0)
+    if not ok:
+        raise DatasetError(f"{d.root / fmt.MANIFEST_FILE}: 'compile' does not say how the records were made "
+                           "(source_root, size, fit, max_pixels), so they cannot be decoded again")
+    return root, Target(m.height, m.width, fit), max_pixels
+
+
 def check_against_sources(path: str | os.PathLike, n: int, seed: int = 0) -> DecodeCheck:
     """Re-decode `n` random records from their source files and compare with the stored pixels."""
     d = fmt.open_dataset(path)
     m = d.manifest
-    root = m.compile.get("source_root")
-    size, fit = m.compile.get("size", [m.height, m.width]), m.compile.get("fit", "center-crop")
-    target = Target(int(size[0]), int(size[1]), str(fit))
+    root, target, max_pixels = _recipe(d)
     picks = np.random.default_rng(seed).choice(m.count, size=min(n, m.count), replace=False)
     fresh = np.empty(m.record_shape, np.uint8)
     missing, worst = [], DecodeCheck(0, [])
     for i in sorted(int(i) for i in picks):
         source = d.source(i)
         try:
-            compile_image(os.path.join(str(root), source), target, fresh, int(m.compile.get("max_pixels", 1 << 62)))
-        except (ImageError, TypeError) as e:
+            compile_image(os.path.join(root, source), target, fresh, max_pixels)
+        except ImageError as e:
             missing.append(f"{source} ({e})")
             continue
         shard, pos = fmt.locate(i, m.records_per_shard)

@@ -129,7 +129,7 @@ def _options(target: Target, seed: int, shuffle: bool, max_pixels: int, src: Pat
             "interpolation": INTERPOLATION, "pad_value": PAD_VALUE, "alpha": "composited onto black",
             "exif_orientation": "applied", "jpeg_decoder": decoder_name(),
             "dct_scaling": "1/2, 1/4 or 1/8 when the source is at least that many times the target",
-            "shuffle": shuffle, "seed": seed, "max_pixels": max_pixels, "source_root": str(src),
+            "shuffle": shuffle, "seed": seed, "max_pixels": max_pixels, "source_root": _printable(str(src)),
             "source_order": "by label, then depth-first with folder entries sorted by name",
             "sources_found": found}
 
