@@ -9,6 +9,7 @@ import torch
 import dsc
 from dsc.reader import MemmapDataset
 from dsc.reader import order as orders
+from dsc.reader.reference import reference_batches
 from dsc.testing import make_image_folder
 
 COUNT = 21  # 3 classes × 7 images
@@ -155,10 +156,11 @@ def test_order_is_deterministic_and_block_like_within_a_rank() -> None:
 def test_batches_equal_the_dataset(datasets, per_shard: int, world: int) -> None:
     ds = datasets[per_shard]
     for r in range(world):
-        for batch in ds.loader(4, locality="shard", rank=r, world_size=world, num_threads=2):
-            for k, i in enumerate(batch["index"].tolist()):
-                image, label = ds[i]
-                assert torch.equal(batch["image"][k], image) and batch["label"][k].item() == label
+        loader = ds.loader(4, locality="shard", rank=r, world_size=world, num_threads=2, seed=3)
+        reference = reference_batches(ds, 4, locality="shard", rank=r, world_size=world, seed=3)
+        for batch, ref in zip(loader, reference, strict=True):  # the plain reference loader agrees
+            assert torch.equal(batch["index"], ref["index"]) and torch.equal(batch["image"], ref["image"])
+            assert torch.equal(batch["label"], ref["label"])
 
 
 @pytest.mark.parametrize("drop_last", [False, True])

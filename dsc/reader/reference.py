@@ -14,9 +14,11 @@ from dsc.reader import order as orders
 
 
 def reference_batches(dataset, batch_size: int, *, order: str = "block", seed: int = 0, epoch: int = 0,
-                      drop_last: bool = False, rank: int = 0, world_size: int = 1) -> Iterator[dict]:
+                      drop_last: bool = False, rank: int = 0, world_size: int = 1,
+                      locality: str | None = None) -> Iterator[dict]:
     """Yield {image [B,3,H,W], label [B], index [B]} for one epoch, exactly as `Loader` should."""
-    share = orders.epoch_share(len(dataset), order, seed, epoch, rank, world_size, batch_size, drop_last)
+    share = orders.epoch_share(len(dataset), order, seed, epoch, rank, world_size, batch_size, drop_last,
+                               locality=locality, records_per_shard=dataset.manifest.records_per_shard)
     for b in range(orders.batch_count(len(share), batch_size)):
         index = orders.batch_indices(share, b, batch_size)
         samples = [dataset[int(i)] for i in index]
