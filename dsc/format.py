@@ -349,6 +349,9 @@ class _Folder:
         except FileNotFoundError as e:
             raise DatasetError(f"{path}: missing ({where} in the manifest)") from e
         except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE):  # every mapped shard holds a descriptor
+                raise DatasetError(f"{path}: too many open files; raise the limit (ulimit -n) above the "
+                                   "number of shards") from e
             raise DatasetError(f"{path}: {where} must be a regular file inside the dataset folder, "
                                f"not a symbolic link or special file ({e.strerror})") from e
         finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+import dsc.compiler
 from dsc import CompileError, compile_folder
 from dsc import format as fmt
 from dsc.compiler.publish import staging_path
@@ -380,7 +382,7 @@ def test_force_swaps_datasets_atomically(folder: Path, tmp_path: Path, monkeypat
     compile_folder(folder, out, size=12, workers=1, force=True)
     assert renames == []  # one renameat2(RENAME_EXCHANGE): OUT never missing, never mixed
     assert fmt.open_dataset(out).manifest.height == 12 and (out / "manifest.json").read_bytes() != old_manifest
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.dsc-lock", "out", "src"]
 
 
 def test_source_inside_out_is_refused_even_with_force(tmp_path: Path) -> None:
@@ -388,3 +390,51 @@ def test_source_inside_out_is_refused_even_with_force(tmp_path: Path) -> None:
     with pytest.raises(CompileError, match="must not be inside the output"):
         compile_folder(src, tmp_path / "ds", size=8, workers=1, force=True)
     assert src.is_dir()
+
+
+def test_resume_decodes_only_what_is_missing(big_folder: Path, uninterrupted: dict, tmp_path: Path,
+                                             monkeypatch) -> None:
+    out = tmp_path / "out"
+    proc = _start_compile(big_folder, out)
+    while _journal_lines(staging_path(out)) < 80 and proc.poll() is None:
+        time.sleep(0.002)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    written = _journal_lines(staging_path(out))
+    decoded = []
+    real_fill = dsc.compiler.fill_slots
+    monkeypatch.setattr("dsc.compiler.fill_slots", lambda job, tasks, *a: (decoded.extend(tasks),
+                                                                         real_fill(job, tasks, *a))[1])
+    compile_folder(big_folder, out, size=64, workers=2, records_per_shard=16, resume=True,
+                   on_skip=lambda s, r: None)
+    assert file_bytes(out) == uninterrupted
+    assert 0 < len(decoded) <= 123 - written + 3  # only the rest, and the 3 skipped sources tried again
+
+
+def test_a_kill_after_cleaning_up_but_before_publishing_still_resumes(folder: Path, tmp_path: Path,
+                                                                     monkeypatch) -> None:
+    out = tmp_path / "out"
+    monkeypatch.setattr("dsc.compiler.publish.publish", lambda stage, out: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        compile_folder(folder, out, size=8, workers=1)
+    assert not (staging_path(out) / "plan.json").exists() and (staging_path(out) / "manifest.json").exists()
+    monkeypatch.undo()
+    summary = compile_folder(folder, out, size=8, workers=1, resume=True)
+    assert summary.kept == 12 and fmt.open_dataset(out).manifest.count == 12
+
+
+def test_a_passing_system_error_stops_the_compile_instead_of_skipping(folder: Path, tmp_path: Path,
+                                                                      monkeypatch) -> None:
+    real_open = open
+
+    def crowded(path, *args, **kwargs):  # as if the process had run out of file descriptors
+        if str(path).endswith("img_1.jpg"):
+            raise OSError(errno.EMFILE, "Too many open files", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", crowded)
+    with pytest.raises(CompileError, match="Too many open files.*--resume"):
+        compile_folder(folder, tmp_path / "out", size=8, workers=1)
+    monkeypatch.undo()
+    summary = compile_folder(folder, tmp_path / "out", size=8, workers=1, resume=True)
+    assert summary.kept == 12 and not summary.skipped  # nothing was lost to the passing error

@@ -80,3 +80,12 @@ def test_the_cli_runs_the_ray_engine_and_checks_its_options(tmp_path: Path) -> N
     assert wrong.exit_code == 1 and "an address is only for --engine ray" in wrong.stderr
     with pytest.raises(CompileError, match="unknown engine 'spark'"):
         compile_folder(src, tmp_path / "o3", engine="spark")
+
+
+def test_an_unreachable_cluster_fails_fast_and_leaves_nothing(tmp_path: Path) -> None:
+    src = make_folder(tmp_path / "src", classes=2, per_class=2)
+    started = time.monotonic()
+    with pytest.raises(CompileError, match="cannot reach the Ray cluster at 127.0.0.1:1"):
+        compile_folder(src, tmp_path / "out", engine="ray", address="127.0.0.1:1")
+    assert time.monotonic() - started < 30
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no partial build to explain

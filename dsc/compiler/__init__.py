@@ -17,12 +17,12 @@ import numpy as np
 
 from dsc import __version__
 from dsc import format as fmt
-from dsc.compiler import journal, publish
+from dsc.compiler import journal, publish, ray_engine
 from dsc.compiler.decode import DEFAULT_MAX_PIXELS, decoder_name
 from dsc.compiler.discover import discover
-from dsc.compiler.resize import INTERPOLATION, PAD_VALUE, Target, parse_size
+from dsc.compiler.resize import INTERPOLATION, PAD_VALUE, Target, parse_size, resize_backend
 from dsc.compiler.write import SlotResult, WriteJob, check_workers, compact, fill_slots, fsync_files
-from dsc.errors import CompileError
+from dsc.errors import CompileError, DatasetError
 
 ENGINES = ("local", "ray")
 SHARD_TARGET_BYTES = 1 << 30  # ~1 GiB shards: few files, yet units small enough to copy or verify
@@ -190,36 +190,55 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
         on_skip(source, reason)
     order = source_order(len(found.sources), seed, shuffle)
     sources = [found.sources[i] for i in order]
-    plan = {"dsc_version": __version__, "size": [target.height, target.width], "fit": target.fit, "seed": seed,
+    plan = {"dsc_version": __version__, "decoder": decoder_name(), "resize": resize_backend(),
+            "size": [target.height, target.width], "fit": target.fit, "seed": seed,
             "shuffle": shuffle, "max_pixels": max_pixels, "records_per_shard": per_shard, "count": len(sources),
             "sources": journal.source_fingerprint(src, sources, found.labels[order], found.classes)}
-    stage, lock_fd, resumed = publish.prepare(out, force, resume)
-    log = None
+    if engine == "ray":
+        ray_engine.check_address(address)  # before any partial build exists
+    lock_fd, log = publish.lock(out), None
     try:
-        journal.check_plan(stage, plan) if resumed else journal.write_plan(stage, plan)
-        fmt.allocate_shards(stage, len(sources), per_shard, record_bytes)
-        job = WriteJob(str(src), str(stage), len(sources), per_shard, target, max_pixels)
-        done = journal.reusable(stage, job) if resumed else {}
-        log = journal.Journal(stage)
-        ok, sizes, failed = _decode_all(job, sources, workers, strict, done, log, on_skip, progress,
-                                        (engine, address))
-        log.close()
-        manifest = _finish(stage, job, ok, sizes, found.labels[order], sources, found.classes,
-                           sorted(found.skipped + failed), _options(target, seed, shuffle, max_pixels, src,
-                                                                     len(sources)), min(4, workers))
-        journal.remove(stage)
-        publish.publish(stage, out)
+        stage, resumed = publish.prepare(out, force, resume, lock_fd)
+        manifest = _published_as_is(stage, out) if resumed else None
+        if manifest is None:
+            journal.check_plan(stage, plan) if resumed else journal.write_plan(stage, plan)
+            fmt.allocate_shards(stage, len(sources), per_shard, record_bytes)
+            job = WriteJob(str(src), str(stage), len(sources), per_shard, target, max_pixels)
+            done = journal.reusable(stage, job) if resumed else {}
+            log = journal.Journal(stage)
+            ok, sizes, failed = _decode_all(job, sources, workers, strict, done, log, on_skip, progress,
+                                            (engine, address))
+            log.close()
+            manifest = _finish(stage, job, ok, sizes, found.labels[order], sources, found.classes,
+                               sorted(found.skipped + failed), _options(target, seed, shuffle, max_pixels, src,
+                                                                         len(sources)), min(4, workers))
+            journal.remove(stage)
+            publish.publish(stage, out)
     except (StrictFailure, NothingDecoded):  # a verdict on the data: nothing worth resuming
         publish.discard(stage)
         raise
-    except OSError as e:  # a full disk, a vanished folder: say so, keep the work for --resume
-        raise CompileError(f"writing the dataset in {stage} failed: {e}; fix the cause and run the same "
+    except OSError as e:  # a full disk, too many open files: say so, keep the work for --resume
+        raise CompileError(f"writing the dataset in {out.parent} failed: {e}; fix the cause and run the same "
                            "command with --resume to continue") from e
     finally:
         if log is not None:
             log.close()
         os.close(lock_fd)
     size_on_disk = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    return CompileSummary(out, manifest.count, sorted(found.skipped + failed), found.classes, found.empty_classes,
-                          len(manifest.shards), size_on_disk, time.perf_counter() - started, decoder_name(),
-                          manifest.record_shape)
+    return CompileSummary(out, manifest.count, [(s["source"], s["reason"]) for s in manifest.skipped],
+                          found.classes, found.empty_classes, len(manifest.shards), size_on_disk,
+                          time.perf_counter() - started, decoder_name(), manifest.record_shape)
+
+
+def _published_as_is(stage: Path, out: Path) -> fmt.Manifest | None:
+    """A partial build that was complete when its compile stopped (between cleaning up and
+    publishing) is checked whole and published; None when there is work left to do."""
+    if (stage / journal.PLAN_FILE).exists() or not (stage / fmt.MANIFEST_FILE).exists():
+        return None
+    try:
+        manifest = fmt.open_dataset(stage).manifest
+        fmt.verify_checksums(stage, manifest)
+    except DatasetError as e:
+        raise CompileError(f"the partial build at {stage} is damaged ({e}); pass --force to start over") from e
+    publish.publish(stage, out)
+    return manifest

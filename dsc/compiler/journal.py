@@ -21,6 +21,7 @@ import json
 import os
 import zlib
 from collections.abc import Iterable
+from itertools import groupby
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +75,10 @@ class Journal:
 
     def __init__(self, stage: Path) -> None:
         self.path = stage / JOURNAL_FILE
+        torn = self.path.exists() and self.path.stat().st_size and not self.path.read_bytes().endswith(b"\n")
         self._file = open(self.path, "a", encoding="utf-8")
+        if torn:  # a line cut by a crash: end it, so that the next one is not glued onto it
+            self._file.write("\n")
 
     def append(self, results: Iterable[SlotResult]) -> None:
         lines = [json.dumps({"slot": r.slot, "reason": r.reason} if r.reason else
@@ -100,20 +104,21 @@ def _parse(line: str, count: int) -> SlotResult | None:
 
 
 def reusable(stage: Path, job: WriteJob) -> dict[int, SlotResult]:
-    """Journalled slots whose record still has the journalled CRC (skips are always reusable)."""
+    """Journalled records whose bytes still have the journalled CRC. Skipped sources are tried
+    again (they are few): what failed for a passing reason must not stay lost."""
     try:
         text = (stage / JOURNAL_FILE).read_text(encoding="utf-8", errors="replace")
     except FileNotFoundError:
         return {}
-    done = {r.slot: r for r in (_parse(line, job.count) for line in text.splitlines()) if r is not None}
+    done = {r.slot: r for r in (_parse(line, job.count) for line in text.splitlines()) if r is not None and r.ok}
     shape = (job.target.height, job.target.width, fmt.CHANNELS)
-    shards = [fmt.open_shard(stage / fmt.shard_file(i), n, shape)
-              for i, n in enumerate(fmt.shard_records(job.count, job.records_per_shard))]
+    records = fmt.shard_records(job.count, job.records_per_shard)
     good = {}
-    for slot, result in sorted(done.items()):
-        shard, pos = fmt.locate(slot, job.records_per_shard)
-        if not result.ok or zlib.crc32(shards[shard][pos]) == result.crc:
-            good[slot] = result
+    for shard, slots in groupby(sorted(done), key=lambda slot: fmt.locate(slot, job.records_per_shard)[0]):
+        mapped = fmt.open_shard(stage / fmt.shard_file(shard), records[shard], shape)  # one map at a time
+        good.update({s: done[s] for s in slots
+                     if zlib.crc32(mapped[fmt.locate(s, job.records_per_shard)[1]]) == done[s].crc})
+        del mapped
     return good
 
 

@@ -1,7 +1,8 @@
 """Publish: build beside OUT, then swap it into place, so OUT is only ever absent or complete.
 
-The build lives in `.OUT.dsc-partial` next to OUT, locked (`flock`) while a compile uses it,
-and survives an interrupted compile so that `--resume` can continue it. Publishing exchanges
+The build lives in `.OUT.dsc-partial` next to OUT and survives an interrupted compile so that
+`--resume` can continue it. A compile holds `.OUT.dsc-lock` (`flock`, a file never deleted)
+from its first look at OUT to the end of its publish: one compile per OUT at a time. Publishing exchanges
 the finished folder with the previous dataset in one atomic `renameat2(RENAME_EXCHANGE)` where
 the system has it: readers see the old dataset or the new one, never no dataset.
 """
@@ -20,7 +21,6 @@ from pathlib import Path
 from dsc import format as fmt
 from dsc.errors import CompileError
 
-LOCK_FILE = ".lock"
 LOCK_WAIT_S = 5.0
 RENAME_EXCHANGE = 2  # linux/fs.h
 AT_FDCWD = -100
@@ -40,8 +40,14 @@ def is_dataset(path: Path) -> bool:
         return False
 
 
+def lock_path(out: Path) -> Path:
+    return out.parent / f".{out.name}.dsc-lock"
+
+
 def _check_out(out: Path, force: bool) -> None:
-    if out.exists() or out.is_symlink():
+    if out.is_symlink():
+        raise CompileError(f"output {out} is a symbolic link; give the folder it points to instead")
+    if out.exists():
         if not force:
             raise CompileError(f"output {out} already exists; pass --force to replace it")
         if not out.is_dir() or not (is_dataset(out) or not any(out.iterdir())):
@@ -53,12 +59,17 @@ def _check_out(out: Path, force: bool) -> None:
         raise CompileError(f"cannot write in {out.parent} (permission denied)")
 
 
-def lock(stage: Path, wait_s: float = LOCK_WAIT_S) -> int:
-    """Hold the staging folder's lock for this compile; one compile per partial build at a time.
+def lock(out: Path, wait_s: float = LOCK_WAIT_S) -> int:
+    """Hold OUT's lock for this compile (the caller closes the descriptor when done).
 
     Waits a few seconds first: the workers of a compile killed a moment ago may still be exiting.
     """
-    fd = os.open(stage / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    if not out.parent.is_dir():
+        raise CompileError(f"the folder {out.parent} that should hold {out.name} does not exist")
+    try:
+        fd = os.open(lock_path(out), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise CompileError(f"cannot write in {out.parent}: {e.strerror or e}") from e
     deadline = time.monotonic() + wait_s
     while True:
         try:
@@ -67,28 +78,26 @@ def lock(stage: Path, wait_s: float = LOCK_WAIT_S) -> int:
         except OSError as e:
             if time.monotonic() >= deadline:
                 os.close(fd)
-                raise CompileError(f"another dsc compile is using {stage} right now; wait for it to finish") from e
+                raise CompileError(f"another dsc compile is writing {out} right now; wait for it to finish") from e
             time.sleep(0.05)
 
 
-def prepare(out: Path, force: bool, resume: bool) -> tuple[Path, int, bool]:
-    """Check OUT, then give (staging folder, its lock, whether it holds earlier work to resume)."""
+def prepare(out: Path, force: bool, resume: bool, lock_fd: int) -> tuple[Path, bool]:
+    """Under OUT's lock: check OUT, then give (staging folder, whether it holds work to resume)."""
     _check_out(out, force)
     stage = staging_path(out)
-    if stage.exists():
-        fd = lock(stage)
-        if resume:
-            return stage, fd, True
-        os.close(fd)
+    if stage.is_symlink() or stage.exists():
+        if resume and stage.is_dir() and not stage.is_symlink():
+            return stage, True
         if not force:
             raise CompileError(f"an interrupted compile left a partial build at {stage}: run the same command "
                                "with --resume to continue it, or pass --force to discard it")
-        shutil.rmtree(stage)
+        stage.unlink() if stage.is_symlink() or not stage.is_dir() else shutil.rmtree(stage)
     try:
         stage.mkdir()
     except OSError as e:
         raise CompileError(f"cannot create {stage}: {e.strerror or e}") from e
-    return stage, lock(stage), False
+    return stage, False
 
 
 def discard(stage: Path) -> None:
@@ -111,7 +120,6 @@ def _exchange(a: Path, b: Path) -> bool:
 
 def publish(stage: Path, out: Path) -> None:
     """Move the finished build to OUT, replacing a previous dataset there (--force)."""
-    (stage / LOCK_FILE).unlink(missing_ok=True)
     if out.exists() and _exchange(stage, out):
         shutil.rmtree(stage, ignore_errors=True)  # now the previous dataset; open maps keep it readable
     else:

@@ -11,6 +11,7 @@ same bytes, so a retry is harmless.
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Callable
 from itertools import groupby
 
@@ -18,6 +19,7 @@ from dsc.compiler.write import SlotResult, SlotWriter, WriteJob
 from dsc.errors import CompileError
 
 RETRIES = 3  # a task whose worker process dies is run again this many times
+ADDRESS_TIMEOUT_S = 5.0
 
 
 def write_shard(job: WriteJob, tasks: list[tuple[int, str]]) -> list[SlotResult]:
@@ -27,6 +29,17 @@ def write_shard(job: WriteJob, tasks: list[tuple[int, str]]) -> list[SlotResult]
         return writer.write(tasks)
     finally:
         writer.close()
+
+
+def check_address(address: str | None, timeout_s: float = ADDRESS_TIMEOUT_S) -> None:
+    """Fail fast on a `host:port` nobody listens on: Ray itself would retry for minutes, deaf to Ctrl-C."""
+    if not address or ":" not in address or address.startswith("ray://") or address == "auto":
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except (OSError, ValueError) as e:
+        raise CompileError(f"cannot reach the Ray cluster at {address}: {e}") from e
 
 
 def _connect(address: str | None, workers: int):
@@ -57,9 +70,13 @@ def fill_with_ray(job: WriteJob, tasks: list[tuple[int, str]], workers: int, add
             done, pending = ray.wait(pending, num_returns=1)
             try:
                 on_results(ray.get(done[0]))
-            except ray.exceptions.RayError as e:
-                raise CompileError(f"a Ray task failed {RETRIES + 1} times ({type(e).__name__}); the output was "
-                                   "not written, and the same command with --resume continues the work") from e
+            except ray.exceptions.RayTaskError as e:  # the task's own code raised: not retried
+                cause = getattr(e, "cause", None) or e
+                raise CompileError(f"a Ray task failed: {type(cause).__name__}: {cause} (are SRC and OUT's folder "
+                                   "on storage every node sees?)") from e
+            except ray.exceptions.RayError as e:  # the worker died and every retry too
+                raise CompileError(f"a Ray task's worker died {RETRIES + 1} times ({type(e).__name__}); the output "
+                                   "was not written, and the same command with --resume continues the work") from e
     finally:
         for ref in pending:
             ray.cancel(ref, force=True)

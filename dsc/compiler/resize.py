@@ -53,6 +53,11 @@ def parse_size(text: str | int | tuple[int, int]) -> tuple[int, int]:
     return (height, int(match.group(2)) if match.group(2) else height)
 
 
+def resize_backend() -> str:
+    """What computes the resize here (its version can change pixels by a rounding step)."""
+    return f"torch {torch.__version__}"
+
+
 def pad_content_size(h: int, w: int, target: Target) -> tuple[int, int]:
     """The size the whole image is scaled to inside the pad canvas."""
     k = min(target.height / h, target.width / w)

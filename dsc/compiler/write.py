@@ -11,6 +11,7 @@ Slots of skipped sources are closed up afterwards by `compact`.
 from __future__ import annotations
 
 import ctypes
+import errno
 import multiprocessing
 import os
 import signal
@@ -30,6 +31,10 @@ from dsc.compiler.resize import Target, needed_size, resize_into
 from dsc.errors import CompileError, ImageError
 
 CHUNK = 16  # sources per task: small enough to keep every worker busy to the end
+# Errors that belong to a source file itself, so it is skipped. Any other OSError (too many open
+# files, an I/O error) stops the compile instead, to be resumed: never a good image lost.
+SOURCE_ERRNOS = frozenset({errno.ENOENT, errno.EACCES, errno.EPERM, errno.EISDIR, errno.ELOOP,
+                           errno.ENAMETOOLONG, errno.ENXIO, errno.ENODEV})
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # fork starts a worker in milliseconds; spawn re-imports torch in each (~1.3 s here). The
 # workers use no threads of the parent (torch is set to one thread before any work).
@@ -71,6 +76,8 @@ def compile_image(path: str, target: Target, out: np.ndarray, max_pixels: int) -
                                  f"({max_pixels}) can need; not read")
             data = f.read()
     except OSError as e:
+        if e.errno not in SOURCE_ERRNOS:  # EMFILE, EIO, ENOMEM...: the machine's trouble, not the file's
+            raise
         raise ImageError(f"cannot read file: {e.strerror or e}") from e
     try:
         p = probe(data, max_pixels)
@@ -119,21 +126,28 @@ class SlotWriter:
             data, offset = data[written:], offset + written
 
     def write(self, tasks: list[tuple[int, str]]) -> list[SlotResult]:
+        """Fill these slots (consecutive ones: one or two shards), closing the shard files after."""
         results = []
-        for slot, source in tasks:
-            try:
-                path = os.path.join(self.job.src_root, source)
-                h, w = compile_image(path, self.job.target, self.buffer, self.job.max_pixels)
-                self._store(slot)
-                results.append(SlotResult(slot, h, w, crc=zlib.crc32(self.buffer)))
-            except ImageError as e:
-                results.append(SlotResult(slot, reason=str(e)))
+        try:
+            for slot, source in tasks:
+                try:
+                    path = os.path.join(self.job.src_root, source)
+                    h, w = compile_image(path, self.job.target, self.buffer, self.job.max_pixels)
+                    self._store(slot)
+                    results.append(SlotResult(slot, h, w, crc=zlib.crc32(self.buffer)))
+                except ImageError as e:
+                    results.append(SlotResult(slot, reason=str(e)))
+        finally:
+            self._close_files()
         return results
 
-    def close(self) -> None:
+    def _close_files(self) -> None:
         for fd in self.files.values():
             os.close(fd)
         self.files.clear()
+
+    def close(self) -> None:
+        self._close_files()
         Image.MAX_IMAGE_PIXELS = self._pillow_limit
 
 
