@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import stat
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -52,6 +53,8 @@ UNLABELED = -1  # the label of every record of a folder without class sub-folder
 MAX_MANIFEST_BYTES = 64 << 20  # refuse to parse more: a manifest is small, even with many skips
 MAX_SIDE = 1 << 16  # records are thumbnails for training, not posters
 HASH_CHUNK = 8 << 20
+REOPEN_ATTEMPTS = 5  # opens of a folder that recompiles keep swapping, before giving up
+REOPEN_PAUSE_S = 0.01  # the pause before the next attempt grows by this much each time
 
 
 @dataclass(frozen=True)
@@ -254,11 +257,11 @@ def sha256_file(path: Path, progress: Callable[[int], None] | None = None) -> st
 
 
 def shard_entries(root: Path, count: int, records_per_shard: int, record_bytes: int,
-                  hasher=sha256_file, map_fn=map) -> tuple[ShardEntry, ...]:
+                  map_fn=map) -> tuple[ShardEntry, ...]:
     """Manifest entries of the finished shards; `map_fn` may be a thread pool's map."""
     records = shard_records(count, records_per_shard)
     names = [shard_file(i) for i in range(len(records))]
-    digests = list(map_fn(hasher, [root / n for n in names]))
+    digests = list(map_fn(sha256_file, [root / n for n in names]))
     return tuple(ShardEntry(n, r * record_bytes, d, r) for n, r, d in zip(names, records, digests))
 
 
@@ -331,6 +334,15 @@ class _Folder:
 
     def close(self) -> None:
         os.close(self.fd)
+
+    def replaced(self) -> bool:
+        """Whether the path now names another folder than the one held open (a recompile swapped it)."""
+        held = os.fstat(self.fd)
+        try:
+            now = os.stat(self.root)
+        except OSError:
+            return True
+        return (held.st_dev, held.st_ino) != (now.st_dev, now.st_ino)
 
     def open(self, name: Any, where: str) -> int:
         """A read-only descriptor of the regular file `name` (relative, '/'-separated) in the folder."""
@@ -510,23 +522,35 @@ def open_dataset(root: str | os.PathLike, shard_mode: str = "r") -> OpenedDatase
     """Validate a dataset folder, then map its files (no data is read yet).
 
     Index files are mapped read-only; shards with `shard_mode`: "r" (read-only) or "c"
-    (copy-on-write: writable views whose writes never reach the file).
+    (copy-on-write: writable views whose writes never reach the file). Reading through one
+    folder descriptor never mixes two datasets; if a recompile swaps a new folder in meanwhile,
+    the old one's files vanish under it, and the folder now at `root` is opened instead.
     """
     if shard_mode not in ("r", "c"):
         raise ValueError(f"shard_mode must be 'r' or 'c', got {shard_mode!r}")
-    folder = _Folder(Path(root))
-    try:
-        manifest = parse_manifest(root, folder)
-        n, index = manifest.count, manifest.index
-        labels = folder.map(index["labels"].file, LABEL_DTYPE, (n,))
-        sizes = folder.map(index["sizes"].file, SIZE_DTYPE, (n, 2))
-        offsets = folder.map(index["source_offsets"].file, OFFSET_DTYPE, (n + 1,))
-        sources = folder.map(index["sources"].file, np.dtype(np.uint8), (index["sources"].bytes,))
-        _check_index(folder.root, manifest, labels, offsets, sources)
-        shards = tuple(folder.map(s.file, RECORD_DTYPE, (s.records, *manifest.record_shape), shard_mode)
-                       for s in manifest.shards)
-    finally:
-        folder.close()
+    for attempt in range(1, REOPEN_ATTEMPTS + 1):
+        folder = _Folder(Path(root))
+        try:
+            return _map_dataset(folder, shard_mode)
+        except DatasetError:
+            if attempt == REOPEN_ATTEMPTS or not folder.replaced():  # not swapped: a real error
+                raise
+        finally:
+            folder.close()
+        time.sleep(REOPEN_PAUSE_S * attempt)
+    raise AssertionError("unreachable")  # the loop returns or raises
+
+
+def _map_dataset(folder: _Folder, shard_mode: str) -> OpenedDataset:
+    manifest = parse_manifest(folder.root, folder)
+    n, index = manifest.count, manifest.index
+    labels = folder.map(index["labels"].file, LABEL_DTYPE, (n,))
+    sizes = folder.map(index["sizes"].file, SIZE_DTYPE, (n, 2))
+    offsets = folder.map(index["source_offsets"].file, OFFSET_DTYPE, (n + 1,))
+    sources = folder.map(index["sources"].file, np.dtype(np.uint8), (index["sources"].bytes,))
+    _check_index(folder.root, manifest, labels, offsets, sources)
+    shards = tuple(folder.map(s.file, RECORD_DTYPE, (s.records, *manifest.record_shape), shard_mode)
+                   for s in manifest.shards)
     return OpenedDataset(folder.root, manifest, shards, labels, sizes, offsets, sources)
 
 

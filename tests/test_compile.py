@@ -193,10 +193,21 @@ def test_existing_out_needs_force_and_force_only_replaces_datasets(folder: Path,
     assert (precious / "thesis.tex").read_text() == "years of work"
 
 
-def _start_compile(src: Path, out: Path, resume: bool = False) -> subprocess.Popen:
+def _start_compile(src: Path, out: Path) -> subprocess.Popen:
     code = (f"import dsc; dsc.compile_folder({str(src)!r}, {str(out)!r}, size=64, workers=2, "
-            f"records_per_shard=16, resume={resume}, on_skip=lambda s, r: None)")
-    return subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE)
+            "records_per_shard=16, on_skip=lambda s, r: None)")
+    return subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.DEVNULL)
+
+
+def _interrupt_compile(src: Path, out: Path, after_lines: int, sig: int = signal.SIGKILL) -> int:
+    """Start a compile of `src`, signal it once its journal has `after_lines` lines; its exit code."""
+    proc = _start_compile(src, out)
+    deadline = time.monotonic() + 120
+    while _journal_lines(staging_path(out)) < after_lines and proc.poll() is None:
+        assert time.monotonic() < deadline, "the compile never got that far"
+        time.sleep(0.002)
+    os.kill(proc.pid, sig)
+    return proc.wait(timeout=60)
 
 
 def _journal_lines(stage: Path) -> int:
@@ -231,14 +242,7 @@ def test_a_killed_compile_resumes_to_identical_bytes(big_folder: Path, uninterru
     """kill -9 after N finished images, or once all are done (finalize), or Ctrl-C: OUT stays absent,
     the partial build stays beside it, and --resume finishes it byte for byte as if never stopped."""
     out = tmp_path / "out"
-    proc = _start_compile(big_folder, out)
-    deadline = time.monotonic() + 120
-    while _journal_lines(staging_path(out)) < after_lines and proc.poll() is None:
-        assert time.monotonic() < deadline, "the compile never got that far"
-        time.sleep(0.002)
-    os.kill(proc.pid, sig)
-    proc.wait(timeout=60)
-    if proc.returncode == 0:  # it finished first (possible for the finalize kill point): nothing to resume
+    if _interrupt_compile(big_folder, out, after_lines, sig) == 0:  # finished first (the finalize kill point)
         assert file_bytes(out) == uninterrupted
         return
     assert not out.exists() and staging_path(out).exists()
@@ -252,11 +256,7 @@ def test_a_killed_compile_resumes_to_identical_bytes(big_folder: Path, uninterru
 
 def test_resume_refuses_other_settings_or_a_changed_source(big_folder: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    proc = _start_compile(big_folder, out)
-    while _journal_lines(staging_path(out)) < 10 and proc.poll() is None:
-        time.sleep(0.002)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=60)
+    _interrupt_compile(big_folder, out, 10)
     with pytest.raises(CompileError, match=r"cannot resume .* size \[64, 64\] \(now \[48, 48\]\)"):
         compile_folder(big_folder, out, size=48, workers=1, records_per_shard=16, resume=True)
     with pytest.raises(CompileError, match=r"seed 0 \(now 5\)"):
@@ -395,11 +395,7 @@ def test_source_inside_out_is_refused_even_with_force(tmp_path: Path) -> None:
 def test_resume_decodes_only_what_is_missing(big_folder: Path, uninterrupted: dict, tmp_path: Path,
                                              monkeypatch) -> None:
     out = tmp_path / "out"
-    proc = _start_compile(big_folder, out)
-    while _journal_lines(staging_path(out)) < 80 and proc.poll() is None:
-        time.sleep(0.002)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=60)
+    _interrupt_compile(big_folder, out, 80)
     written = _journal_lines(staging_path(out))
     decoded = []
     real_fill = dsc.compiler.fill_slots

@@ -180,7 +180,8 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise CompileError(f"seed must be a non-negative integer, got {seed!r}")
     record_bytes = target.height * target.width * fmt.CHANNELS
-    per_shard = _positive_int("records_per_shard", records_per_shard or max(1, SHARD_TARGET_BYTES // record_bytes))
+    per_shard = _positive_int("records_per_shard", max(1, SHARD_TARGET_BYTES // record_bytes)
+                              if records_per_shard is None else records_per_shard)
     max_pixels = _positive_int("max_pixels", max_pixels)
     src, out = Path(src).absolute(), Path(out).absolute()
     _check_paths(src, out)

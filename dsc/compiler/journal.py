@@ -75,7 +75,11 @@ class Journal:
 
     def __init__(self, stage: Path) -> None:
         self.path = stage / JOURNAL_FILE
-        torn = self.path.exists() and self.path.stat().st_size and not self.path.read_bytes().endswith(b"\n")
+        torn = False
+        if self.path.exists() and self.path.stat().st_size:
+            with open(self.path, "rb") as f:
+                f.seek(-1, os.SEEK_END)
+                torn = f.read(1) != b"\n"
         self._file = open(self.path, "a", encoding="utf-8")
         if torn:  # a line cut by a crash: end it, so that the next one is not glued onto it
             self._file.write("\n")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -81,34 +80,9 @@ def _register_collate() -> None:
 _register_collate()
 
 
-OPEN_ATTEMPTS = 5  # opens of a folder that another compile keeps replacing, before giving up
-RETRY_S = 0.01  # the pause before the next attempt grows by this much each time
-
-
-def _folder_identity(root: Path) -> tuple[int, int] | None:
-    try:
-        st = os.stat(root)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
-
-
 def _open(root: Path) -> fmt.OpenedDataset:
-    """Validate and map the dataset; shards copy-on-write (see the module docstring), as plain arrays.
-
-    `open_dataset` reads one folder through one descriptor, so it never mixes two datasets; but
-    when a recompile swaps a new folder in while it reads, the old folder's files are deleted
-    under it and it fails. The folder at `root` is then another one: open that instead.
-    """
-    for attempt in range(1, OPEN_ATTEMPTS + 1):
-        before = _folder_identity(root)
-        try:
-            opened = fmt.open_dataset(root, shard_mode="c")
-            break
-        except DatasetError:
-            if attempt == OPEN_ATTEMPTS or _folder_identity(root) == before:  # not replaced: a real error
-                raise
-        time.sleep(RETRY_S * attempt)
+    """Validate and map the dataset; shards copy-on-write (see the module docstring), as plain arrays."""
+    opened = fmt.open_dataset(root, shard_mode="c")
     return replace(opened, shards=tuple(s.view(np.ndarray) for s in opened.shards))
 
 

@@ -47,6 +47,8 @@ import heapq
 
 import numpy as np
 
+from dsc import format as fmt
+
 ORDERS = ("sequential", "block", "random")
 LOCALITIES = ("shard",)  # values of the loader's `locality` besides None
 BLOCK_RECORDS = 64  # ~10 MB at 224×224: large enough for fast reads from a cold disk
@@ -166,7 +168,7 @@ def shard_units(n: int, records_per_shard: int, world_size: int) -> np.ndarray:
     """Record edges of the units ranks are given: whole shards, or equal parts of them (module docstring)."""
     if records_per_shard < 1 or world_size < 1:
         raise ValueError(f"need records_per_shard >= 1 and world_size >= 1, got {records_per_shard}, {world_size}")
-    shard_edges = np.r_[np.arange(0, n, records_per_shard), n].astype(np.int64)
+    shard_edges = np.r_[0, np.cumsum(fmt.shard_records(n, records_per_shard))].astype(np.int64)
     shards = len(shard_edges) - 1
     if shards >= world_size or shards == 0:
         return shard_edges
@@ -233,7 +235,7 @@ def shard_share(n: int, records_per_shard: int, seed: int, epoch: int, rank: int
 
 def distinct_shards(indices: np.ndarray, records_per_shard: int) -> int:
     """How many shard files `indices` touch."""
-    return len(np.unique(np.asarray(indices) // records_per_shard))
+    return len(np.unique(fmt.locate(np.asarray(indices), records_per_shard)[0]))
 
 
 def class_mix(labels: np.ndarray, batches: list[np.ndarray]) -> tuple[float, float]:
