@@ -176,19 +176,28 @@ def test_resume_mid_epoch(datasets, drop_last: bool) -> None:
             next(it)
         state = first.state_dict()
         del it
-        assert state["locality"] == "shard"
+        assert state["rounds"][0]["locality"] == "shard" if 0 < k < len(epoch0) else state["rounds"] == []
         resumed = ds.loader(2, **options)
         resumed.load_state_dict(state)
         rest = epoch_indices(resumed)
         expected = epoch0[k:] if k < len(epoch0) else epoch1
         assert len(rest) == len(expected) and all(np.array_equal(a, b) for a, b in zip(rest, expected))
-    with pytest.raises(ValueError, match="other settings.*locality"):
-        ds.loader(2, **dict(options, locality=None)).load_state_dict(state)
-    plain = dict(options, locality=None)  # a state saved before `locality` existed still loads without it
-    old = {k: v for k, v in ds.loader(2, **plain).state_dict().items() if k != "locality"}
-    ds.loader(2, **plain).load_state_dict(old)
-    with pytest.raises(ValueError, match="other settings"):
-        ds.loader(2, **options).load_state_dict(old)
+
+
+def test_an_epoch_begun_with_locality_ends_without_it(datasets) -> None:
+    """Locality shapes an epoch's first round; a resume with another split deals the rest plainly."""
+    ds, world = datasets[2], 3
+    options = dict(order="block", locality="shard", seed=9, world_size=world)
+    firsts = [ds.loader(2, rank=r, **options) for r in range(world)]
+    before = [b["index"] for ld in firsts for _, b in zip(range(2), ld)]
+    state = firsts[0].state_dict()
+    rest = []
+    for r in range(2):
+        plain = ds.loader(3, order="block", seed=9, rank=r, world_size=2)
+        plain.load_state_dict(state)
+        rest += [b["index"] for b in plain]
+    got = torch.cat(before + rest).tolist()
+    assert set(got) == set(range(len(ds))) and len(got) - len(ds) <= 2 - 1  # the new round's padding only
 
 
 def test_trade_off_measures() -> None:

@@ -23,11 +23,14 @@ from tensordict import TensorDict
 
 from dsc.errors import LoaderError
 from dsc.reader import order as orders
+from dsc.reader import progress
+from dsc.reader.dataset import fingerprint
 from dsc.reader.gather import fill_parallel
 
 POLL_S = 0.1  # how often blocked queue waits look at the stop event / the producer's health
 JOIN_S = 30.0  # how long closing waits for a producer that is mid-copy
 MAX_DEFAULT_THREADS = 4  # copies saturate memory bandwidth with a few threads
+STATE_VERSION = 2  # of Loader.state_dict(); version 1 (dsc 0.1: per rank) still loads
 
 
 def default_threads() -> int:
@@ -141,13 +144,34 @@ def _check_int(name: str, value: Any, low: int) -> int:
     return int(value)
 
 
+class EpochHook:
+    """Where Lightning looks for `set_epoch`: on a DataLoader's `.sampler` (and `.batch_sampler.sampler`).
+
+    Lightning calls it at the start of every training epoch and every validation, which keeps
+    a Loader's epoch in step also when Lightning stops an epoch early (`limit_train_batches`,
+    the sanity check). It is no sampler: a Loader orders its epochs itself.
+    """
+
+    def __init__(self, loader: Loader) -> None:
+        self._loader = loader
+
+    def set_epoch(self, epoch: int) -> None:
+        self._loader.set_epoch(epoch)
+
+
 class Loader:
     """Iterate to get one epoch of TensorDicts {image uint8 [B,3,H,W] channels_last, label, index}.
 
-    The epoch advances by itself after a complete pass; `set_epoch(e)` picks one (as with
-    DistributedSampler). `state_dict()` after k batches + `load_state_dict()` on a new loader
-    makes its next iteration start with batch k + 1 of the same epoch, exactly, also when the
-    training loop calls `set_epoch` with that epoch first.
+    Epochs: the next iteration serves the next epoch as soon as the last batch of an epoch has
+    been handed out, whether or not the consumer goes on to exhaust the iterator (Lightning,
+    `islice` and `zip` stop after `len(loader)` batches). A pass abandoned earlier is served
+    again from where it began. `set_epoch(e)` picks an epoch, as with DistributedSampler.
+
+    Resume: `state_dict()` says which samples of the epoch have been served (`progress`), the
+    same on every rank at the same step, so any rank may load rank 0's state, also with another
+    world size or batch size: the samples not served yet are split among the new ranks.
+    The world (rank, world_size) is taken from `torch.distributed` each time an epoch starts,
+    unless given, so a loader made before `init_process_group` splits the data all the same.
     Batches stay valid as long as you keep them (see `HostBuffers` and `device.DeviceFeeder`).
     `locality="shard"` (with order="block") gives each rank its own rotating subset of the shard
     files every epoch instead of a slice of one global order (`order.shard_share`).
@@ -164,13 +188,34 @@ class Loader:
         self.seed = _check_int("seed", seed, 0)
         self.prefetch = _check_int("prefetch", prefetch, 1)
         self.num_threads = default_threads() if num_threads is None else _check_int("num_threads", num_threads, 1)
-        self.rank, self.world_size = resolve_world(rank, world_size)
+        self._world_args = (rank, world_size)
+        resolve_world(rank, world_size)  # bad explicit values fail here, not at the first epoch
         self.device = torch.device(device) if device is not None else None
-        self.epoch, self._served, self._start = 0, 0, 0
+        self._dataset_id = fingerprint(dataset.manifest)
+        self._position: tuple[int, list[progress.Round]] = (0, [])  # where the next iteration starts
+        self._progress: tuple[int, list[progress.Round]] = (0, [])  # what state_dict() reports
         self._buffers = HostBuffers(dataset.record_shape, keep=self.prefetch + 2)  # ahead, held, being let go
         self._feeder = None
+        self.sampler, self.batch_sampler = EpochHook(self), None  # what Lightning reads (EpochHook)
+
+    @property
+    def rank(self) -> int:
+        return resolve_world(*self._world_args)[0]
+
+    @property
+    def world_size(self) -> int:
+        return resolve_world(*self._world_args)[1]
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration serves."""
+        return self._position[0]
+
+    def _split(self) -> progress.Split:
+        return progress.Split(self.world_size, self.batch_size, self.drop_last, self.locality)
 
     def __len__(self) -> int:
+        """Batches of a whole epoch on this rank (a resumed epoch serves what it has left)."""
         share = orders.share_length(len(self.dataset), self.world_size, self.batch_size, self.drop_last,
                                     **self._locality())
         return orders.batch_count(share, self.batch_size)
@@ -180,42 +225,62 @@ class Loader:
             return {}
         return {"locality": self.locality, "records_per_shard": self.dataset.manifest.records_per_shard}
 
-    def _share(self, epoch: int) -> np.ndarray:
-        return orders.epoch_share(len(self.dataset), self.order, self.seed, epoch, self.rank,
-                                  self.world_size, self.batch_size, self.drop_last, **self._locality())
+    def _epoch(self, epoch: int) -> progress.Epoch:
+        return progress.Epoch(len(self.dataset), self.order, self.seed, epoch,
+                              self.dataset.manifest.records_per_shard)
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration serve `epoch` from its start, or from where `load_state_dict`
         left it when `epoch` is the epoch being resumed (so a loop that calls set_epoch at the
         top of every epoch resumes mid-epoch, not from its start)."""
         epoch = _check_int("epoch", epoch, 0)
-        if epoch != self.epoch or not self._start:
-            self.epoch, self._served, self._start = epoch, 0, 0
-
-    def _config(self) -> dict[str, Any]:
-        return {"order": self.order, "seed": self.seed, "batch_size": self.batch_size, "drop_last": self.drop_last,
-                "rank": self.rank, "world_size": self.world_size, "count": len(self.dataset),
-                "locality": self.locality}
+        if epoch != self._position[0] or not self._position[1]:
+            self._position = self._progress = (epoch, [])
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the consumer is: epoch and batches already yielded in it, plus the settings that fix the order."""
-        epoch, served = self.epoch, self._served
-        if served >= len(self):  # every batch was taken: what comes next is the next epoch's first
-            epoch, served = epoch + 1, 0
-        return {"epoch": epoch, "batch": served, **self._config()}
+        """Which samples of which epoch have been served (`progress`), and what fixes the order."""
+        epoch, rounds = self._progress
+        return {"dsc_loader_state": STATE_VERSION, "dataset": self._dataset_id, "count": len(self.dataset),
+                "order": self.order, "seed": self.seed, "epoch": epoch, "rounds": [r.to_dict() for r in rounds]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        wrong = {k: (state.get(k), v) for k, v in self._config().items() if state.get(k) != v}
+        """Continue where `state` (from any rank, any world size or batch size) says the epoch got to."""
+        self._position = self._progress = self._parse_state(state)
+
+    def _parse_state(self, state: Any) -> tuple[int, list[progress.Round]]:
+        if not isinstance(state, dict):
+            raise ValueError(f"a loader state is a dict from Loader.state_dict(), got {type(state).__name__}")
+        if "rounds" not in state and "batch" in state:
+            return self._parse_v1_state(state)
+        if state.get("dsc_loader_state") != STATE_VERSION:
+            raise ValueError(f"not a dsc loader state of version {STATE_VERSION}: keys {sorted(state)}")
+        ours = {"order": self.order, "seed": self.seed, "count": len(self.dataset), "dataset": self._dataset_id}
+        wrong = {k: (state.get(k), v) for k, v in ours.items() if state.get(k) != v}
         if wrong:
-            raise ValueError(f"state_dict was saved with other settings (saved, ours): {wrong}")
-        epoch, start = _check_int("epoch", state["epoch"], 0), _check_int("batch", state["batch"], 0)
-        if start >= len(self):
-            epoch, start = epoch + 1, 0
-        self.epoch, self._served, self._start = epoch, start, start  # state_dict() reports it until we run
+            raise ValueError(f"this state belongs to another epoch order, (saved, ours): {wrong}. A resumed epoch "
+                             "keeps its dataset, order and seed; world size and batch size may change")
+        if not isinstance(state.get("rounds"), list):
+            raise ValueError(f"a loader state's rounds must be a list, got {state.get('rounds')!r}")
+        return _check_int("epoch", state.get("epoch"), 0), [progress.Round.from_dict(r) for r in state["rounds"]]
+
+    def _parse_v1_state(self, state: dict[str, Any]) -> tuple[int, list[progress.Round]]:
+        """A state saved by dsc 0.1 (one per rank, no dataset fingerprint): the same position, as one round."""
+        ours = {"order": self.order, "seed": self.seed, "count": len(self.dataset)}
+        wrong = {k: (state.get(k), v) for k, v in ours.items() if state.get(k) != v}
+        if wrong:
+            raise ValueError(f"this state belongs to another epoch order, (saved, ours): {wrong}")
+        epoch, batch = _check_int("epoch", state.get("epoch"), 0), _check_int("batch", state.get("batch"), 0)
+        live = progress.Round.from_dict({"world_size": state.get("world_size"), "batch_size": state.get("batch_size"),
+                                         "drop_last": state.get("drop_last"), "locality": state.get("locality"),
+                                         "batches": batch})
+        return epoch, [live] if batch else []
 
     def __iter__(self) -> Iterator[TensorDict]:
-        start, self._start = self._start, 0
-        return self._run(self.epoch, self._share(self.epoch), start)
+        rank, split = self.rank, self._split()
+        epoch, rounds = self._position
+        done, start = progress.resume_point(rounds, split)
+        share = progress.remaining_share(self._epoch(epoch), done, split, rank)
+        return self._run(epoch, done, split, share, start, rank)
 
     def _make_batch(self, share: np.ndarray, pool: ThreadPoolExecutor | None) -> Callable[[int], TensorDict]:
         d = self.dataset.opened
@@ -234,26 +299,31 @@ class Loader:
                               batch_size=[len(idx)])
         return make
 
-    def _run(self, epoch: int, share: np.ndarray, start: int) -> Iterator[TensorDict]:
-        self._served = start
+    def _run(self, epoch: int, done: list[progress.Round], split: progress.Split, share: np.ndarray, start: int,
+             rank: int) -> Iterator[TensorDict]:
+        self._progress = (epoch, done + ([progress.Round(split, start)] if start else []))
         if self.device is not None and self.device.type == "cuda" and self._feeder is None:
             from dsc.reader.device import DeviceFeeder
 
             self._feeder = DeviceFeeder(self.device, self.prefetch + 2, self.batch_size, self.dataset.record_shape)
         pool = ThreadPoolExecutor(self.num_threads - 1, "dsc-copy") if self.num_threads > 1 else None
         count = orders.batch_count(len(share), self.batch_size)
+        if start >= count:  # nothing (left) to serve, e.g. drop_last with fewer samples than ranks x batch size
+            self._position = self._progress = (epoch + 1, [])
         producer = _Producer(self._make_batch(share, pool), range(start, count), self.prefetch,
-                             lambda b: f"batch {b} of epoch {epoch} (rank {self.rank}/{self.world_size})")
+                             lambda b: f"batch {b} of epoch {epoch} (rank {rank}/{split.world_size})")
         try:
             for b, batch in producer:
                 if self._feeder is not None:
                     batch = self._feeder.hand_over(batch)
                 elif self.device is not None and self.device.type != "cpu":
                     batch = batch.to(self.device)
-                self._served = b + 1
+                if b + 1 < count:
+                    self._progress = (epoch, done + [progress.Round(split, b + 1)])
+                else:  # the epoch's last batch is out: whatever the consumer does next, the next epoch comes next
+                    self._position = self._progress = (epoch + 1, [])
                 yield batch
         finally:
             producer.close()
             if pool is not None:
                 pool.shutdown(wait=True)
-        self.epoch, self._served = epoch + 1, 0

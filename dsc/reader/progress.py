@@ -1,0 +1,130 @@
+"""How far an epoch has got, in a form that every rank shares and that survives a new world size.
+
+Lightning and Accelerate save rank 0's loader state and load it on every rank, and a job may
+come back on another number of GPUs. So the state cannot say "rank r took k batches of its
+slice"; it says which samples of the epoch have been served, as a list of *rounds*:
+
+- A **round** is one split of the samples the epoch has not served yet among `world_size`
+  ranks (`Split`: world size, batch size, drop_last, locality), plus how many batches every
+  rank has taken from its share in it. Ranks take batches in step (DDP's collectives make
+  them), so that number is the same on every rank, and so is the whole state.
+- An epoch starts with one round over all its samples, split by `order.epoch_share` (the
+  epoch's order cut into rank slices, or shard groups with locality="shard").
+- A loader that resumes with the split of the last round continues that round exactly where
+  it stopped: the same batches an uninterrupted run would have served.
+- A loader with another split starts a new round over the samples not served yet, kept in the
+  order they would have come (every rank's untaken part in rank order, then what no share
+  held, i.e. drop_last tails) and cut by `order.rank_share`. Nothing is lost and nothing is
+  served twice, except each round's padding (drop_last=False: at most world_size - 1 samples
+  repeated, as with DistributedSampler). Locality applies to an epoch's first round only.
+
+`remaining_share` replays the finished rounds (a few numpy passes over the epoch) to find the
+live round's share of this rank; the state itself stays a handful of integers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from dsc.reader import order as orders
+
+ROUND_KEYS = {"world_size", "batch_size", "drop_last", "locality", "batches"}
+
+
+@dataclass(frozen=True)
+class Split:
+    """How one round deals its samples to ranks."""
+
+    world_size: int
+    batch_size: int
+    drop_last: bool
+    locality: str | None = None
+
+
+@dataclass(frozen=True)
+class Round:
+    """A split and the batches every rank has taken in it."""
+
+    split: Split
+    batches: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self.split), "batches": self.batches}
+
+    @staticmethod
+    def from_dict(value: Any) -> Round:
+        """A round from a saved state, checked field by field (a state file is input, not trusted)."""
+        if not isinstance(value, dict) or set(value) != ROUND_KEYS:
+            raise ValueError(f"a round of a loader state has exactly the keys {sorted(ROUND_KEYS)}, got {value!r}")
+        for key, low in (("world_size", 1), ("batch_size", 1), ("batches", 0)):
+            if isinstance(value[key], bool) or not isinstance(value[key], int) or value[key] < low:
+                raise ValueError(f"a round's {key} must be an integer >= {low}, got {value[key]!r}")
+        if not isinstance(value["drop_last"], bool):
+            raise ValueError(f"a round's drop_last must be true or false, got {value['drop_last']!r}")
+        if value["locality"] is not None and value["locality"] not in orders.LOCALITIES:
+            raise ValueError(f"a round's locality must be null or one of {orders.LOCALITIES}, "
+                             f"got {value['locality']!r}")
+        return Round(Split(value["world_size"], value["batch_size"], value["drop_last"], value["locality"]),
+                     value["batches"])
+
+
+@dataclass(frozen=True)
+class Epoch:
+    """What fixes an epoch's order: dataset size, order, seed, epoch, and the shard size locality needs."""
+
+    count: int
+    order: str
+    seed: int
+    epoch: int
+    records_per_shard: int
+
+    def first_round_share(self, split: Split, rank: int) -> np.ndarray:
+        return orders.epoch_share(self.count, self.order, self.seed, self.epoch, rank, split.world_size,
+                                  split.batch_size, split.drop_last, locality=split.locality,
+                                  records_per_shard=self.records_per_shard)
+
+    def first_round(self, split: Split) -> tuple[list[np.ndarray], np.ndarray]:
+        """Every rank's share of the epoch's first round, and the order they come from (for what none holds)."""
+        if split.locality is not None:
+            shares = [self.first_round_share(split, r) for r in range(split.world_size)]
+            return shares, np.arange(self.count, dtype=np.int64)
+        order = orders.epoch_order(self.count, self.order, self.seed, self.epoch)
+        return [orders.rank_share(order, r, split.world_size, split.batch_size, split.drop_last)
+                for r in range(split.world_size)], order
+
+
+def later_round(remaining: np.ndarray, split: Split) -> list[np.ndarray]:
+    return [orders.rank_share(remaining, r, split.world_size, split.batch_size, split.drop_last)
+            for r in range(split.world_size)]
+
+
+def unserved(shares: list[np.ndarray], taken: int, base: np.ndarray, count: int) -> np.ndarray:
+    """The samples of `base` that no share's first `taken` entries hold, in the order they would have come."""
+    served = np.zeros(count, dtype=bool)
+    for share in shares:
+        served[share[:taken]] = True
+    queue = np.concatenate([share[taken:] for share in shares] + [base])
+    _, first = np.unique(queue, return_index=True)  # each sample once, where it first comes
+    queue = queue[np.sort(first)]
+    return queue[~served[queue]]
+
+
+def remaining_share(epoch: Epoch, done: list[Round], split: Split, rank: int) -> np.ndarray:
+    """This rank's share of the round that follows the finished rounds `done` (module docstring)."""
+    if not done:
+        return epoch.first_round_share(split, rank)
+    remaining = None
+    for k, past in enumerate(done):
+        shares, base = epoch.first_round(past.split) if k == 0 else (later_round(remaining, past.split), remaining)
+        remaining = unserved(shares, past.batches * past.split.batch_size, base, epoch.count)
+    return orders.rank_share(remaining, rank, split.world_size, split.batch_size, split.drop_last)
+
+
+def resume_point(rounds: list[Round], split: Split) -> tuple[list[Round], int]:
+    """(finished rounds, batches already taken in the live one): the last round goes on if its split is ours."""
+    if rounds and rounds[-1].split == split:
+        return rounds[:-1], rounds[-1].batches
+    return rounds, 0
