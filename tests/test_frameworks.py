@@ -1,0 +1,157 @@
+"""The loader inside real training stacks: a Lightning Trainer (one process and two with DDP), Accelerate
+(two processes) and torchrun (two ranks, resumed on three), all on CPU with gloo.
+
+Each runs an example of examples/frameworks (the README's code), stops mid-epoch, resumes from a
+checkpoint saved before the stop, and must have trained on exactly the batches an uninterrupted
+run serves (the plain reference loader's), rank by rank. The examples record what every rank
+trained on (`--record`), one JSON line per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import dsc
+from dsc.reader import MemmapDataset
+from dsc.reader.reference import reference_batches
+from dsc.testing import make_image_folder
+
+ROOT = Path(__file__).parent.parent
+EXAMPLES = ROOT / "examples" / "frameworks"
+BATCH = 4
+EPOCHS = 3
+JOB_TIMEOUT_S = 120  # each job takes 5-15 s here
+
+pytest.importorskip("lightning")
+pytest.importorskip("accelerate")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    """40 records: 10 batches an epoch on one rank, 5 on two, 4 (the last one short) on three."""
+    root = tmp_path_factory.mktemp("frameworks")
+    make_image_folder(root / "src", classes=4, per_class=10, size=(24, 32), seed=5)
+    dsc.compile_folder(root / "src", root / "ds", size=(8, 8), records_per_shard=8, workers=1)
+    return root / "ds"
+
+
+def run(command: list[str], env: dict[str, str] | None = None) -> None:
+    """Run a training job in its own session; one that hangs is stopped with SIGABRT, which makes every
+    Python process of it print all its threads' stacks (faulthandler) into the failure message."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=EXAMPLES,
+                            env={**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})}, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=JOB_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGABRT)
+        output, _ = proc.communicate()
+        pytest.fail(f"{command[2:6]} hung for {JOB_TIMEOUT_S} s:\n{output[-8000:]}")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # nothing of a job outlives it
+    assert proc.returncode == 0, output[-6000:]
+
+
+def lightning(data: Path, out: Path, devices: int, *options: str) -> list[str]:
+    return [sys.executable, str(EXAMPLES / "lightning_train.py"), str(data), "--devices", str(devices),
+            "--batch-size", str(BATCH), "--epochs", str(EPOCHS), "--record", str(out), *options]
+
+
+def torchrun(script: str, data: Path, out: Path, ranks: int, *options: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+            str(EXAMPLES / script), str(data), "--batch-size", str(BATCH), "--epochs", str(EPOCHS),
+            "--record", str(out), *options]
+
+
+def recorded(prefix: Path, ranks: int) -> list[list[dict]]:
+    return [[json.loads(line) for line in Path(f"{prefix}.rank{r}").read_text().splitlines()] for r in range(ranks)]
+
+
+def uninterrupted(data: Path, world: int) -> list[list[list[int]]]:
+    """Per rank, every batch of EPOCHS epochs, as the plain reference loader serves them."""
+    ds = MemmapDataset(data)
+    return [[b["index"].tolist() for e in range(EPOCHS)
+             for b in reference_batches(ds, BATCH, order="random", seed=0, epoch=e, rank=r, world_size=world)]
+            for r in range(world)]
+
+
+def trained_on(first: list[list[dict]], resumed: list[list[dict]], step: int) -> list[list[list[int]]]:
+    """Per rank: the batches of the first run up to the checkpoint at `step`, then those of the resumed run."""
+    return [[x["index"] for x in a if x["step"] < step] + [x["index"] for x in b] for a, b in zip(first, resumed)]
+
+
+def test_lightning_epochs_differ_and_a_mid_epoch_resume_is_exact(data: Path, tmp_path: Path) -> None:
+    run(lightning(data, tmp_path / "first", 1, "--every", "4", "--max-steps", "13",
+                  "--checkpoint-dir", str(tmp_path / "ck")))
+    run(lightning(data, tmp_path / "resumed", 1, "--resume", str(tmp_path / "ck" / "step=12.ckpt"),
+                  "--checkpoint-dir", str(tmp_path / "ck2")))
+    resumed = recorded(tmp_path / "resumed", 1)
+    assert (resumed[0][0]["epoch"], resumed[0][0]["step"]) == (1, 12)  # 10 batches an epoch: mid-epoch 1
+    got = trained_on(recorded(tmp_path / "first", 1), resumed, 12)
+    assert got == uninterrupted(data, 1)
+    epochs = [sorted(i for batch in got[0][e * 10:(e + 1) * 10] for i in batch) for e in range(EPOCHS)]
+    assert all(e == list(range(40)) for e in epochs)  # every epoch covers the data once
+    orders = [[i for batch in got[0][e * 10:(e + 1) * 10] for i in batch] for e in range(EPOCHS)]
+    assert orders[0] != orders[1] != orders[2] != orders[0]
+
+
+def test_lightning_ddp_on_two_processes_resumes_on_every_rank(data: Path, tmp_path: Path) -> None:
+    """Lightning saves rank 0's loader state only and loads it on both ranks."""
+    run(lightning(data, tmp_path / "first", 2, "--every", "3", "--max-steps", "8",
+                  "--checkpoint-dir", str(tmp_path / "ck")))
+    run(lightning(data, tmp_path / "resumed", 2, "--resume", str(tmp_path / "ck" / "step=6.ckpt"),
+                  "--checkpoint-dir", str(tmp_path / "ck2")))
+    resumed = recorded(tmp_path / "resumed", 2)
+    assert [(r[0]["epoch"], r[0]["step"]) for r in resumed] == [(1, 6), (1, 6)]  # 5 batches an epoch
+    assert trained_on(recorded(tmp_path / "first", 2), resumed, 6) == uninterrupted(data, 2)
+
+
+def test_accelerate_on_two_processes_saves_and_loads_the_loader_state(data: Path, tmp_path: Path) -> None:
+    on_cpu = {"ACCELERATE_USE_CPU": "true"}  # else Accelerate runs each CPU process on its own
+    run(torchrun("accelerate_train.py", data, tmp_path / "first", 2, "--every", "3", "--max-steps", "8",
+                 "--checkpoint-dir", str(tmp_path / "ck")), on_cpu)
+    run(torchrun("accelerate_train.py", data, tmp_path / "resumed", 2, "--resume", str(tmp_path / "ck" / "step=6"),
+                 "--checkpoint-dir", str(tmp_path / "ck2")), on_cpu)
+    resumed = recorded(tmp_path / "resumed", 2)
+    assert [(r[0]["epoch"], r[0]["step"]) for r in resumed] == [(1, 6), (1, 6)]
+    assert trained_on(recorded(tmp_path / "first", 2), resumed, 6) == uninterrupted(data, 2)
+
+
+def test_torchrun_two_ranks_resumed_on_three_serve_the_rest_of_the_epoch_once(data: Path, tmp_path: Path) -> None:
+    """The example makes its loader before init_process_group: the world must still be two ranks."""
+    run(torchrun("torchrun_train.py", data, tmp_path / "first", 2, "--every", "3", "--max-steps", "8",
+                 "--checkpoint-dir", str(tmp_path / "ck")))
+    first = recorded(tmp_path / "first", 2)
+    assert [[x["index"] for x in rank] for rank in first] == [r[:8] for r in uninterrupted(data, 2)]
+    run(torchrun("torchrun_train.py", data, tmp_path / "resumed", 3, "--resume", str(tmp_path / "ck" / "step=6.pt"),
+                 "--checkpoint-dir", str(tmp_path / "ck2")))
+    resumed = recorded(tmp_path / "resumed", 3)
+    before = [i for rank in first for x in rank if x["step"] < 6 and x["epoch"] == 1 for i in x["index"]]
+    after = [i for rank in resumed for x in rank if x["epoch"] == 1 for i in x["index"]]
+    assert len(before) == 2 * BATCH  # step 5 was epoch 1's first batch on each of two ranks
+    assert sorted(set(before + after)) == list(range(40))  # none lost
+    assert len(before) + len(after) == 40 + 1  # 32 left on 3 ranks: 11 each, one sample padded
+    later = [[x["index"] for x in rank if x["epoch"] == 2] for rank in resumed]
+    assert later == [r[2 * 4:] for r in uninterrupted(data, 3)]  # then plain 3-rank epochs (4 batches each)
+
+
+def test_the_readme_shows_the_code_the_tests_run() -> None:
+    """Every line of the README's framework blocks (bar `...`) is a line of the example it names, in order."""
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```python\n# (examples/frameworks/\w+\.py)[^\n]*\n(.*?)```", readme, re.S)
+    assert {name for name, _ in blocks} == {f"examples/frameworks/{n}_train.py"
+                                            for n in ("lightning", "accelerate", "torchrun")}
+    for name, block in blocks:
+        lines = iter((ROOT / name).read_text().splitlines())
+        for line in block.splitlines():
+            if line.strip() not in ("", "..."):
+                assert any(line == source for source in lines), f"{name} has no line {line!r} here"
