@@ -395,7 +395,7 @@ def mutate_file(data: st.DataObject, root: Path, doc: dict) -> None:
         path.write_bytes(text)
         return
     if op == "truncate":
-        os.truncate(path, size - data.draw(st.integers(1, max(1, size)), label="cut"))
+        os.truncate(path, max(0, size - data.draw(st.integers(1, max(1, size)), label="cut")))  # may be empty
     elif op == "extend":
         with open(path, "ab") as f:
             f.write(data.draw(st.binary(min_size=1, max_size=2 * RECORD_BYTES), label="tail"))
