@@ -3,53 +3,66 @@
 The loader's producer thread gathers a batch into a pinned slot, then issues the host→device
 copy with ``non_blocking=True`` on a dedicated stream and records an event behind it; the
 consumer's current stream waits on that event before the batch is used. uint8 travels;
-convert to float on the device.
+convert to float on the device. Same interface as `host.HostSink` (see there).
+
+Device handling follows torch's pin-memory thread: the loader resolves "cuda" to
+``cuda:{current_device()}`` where it is made, and the producer thread sets that device before
+any CUDA call, so every stream, event and tensor lives on the rank's own GPU.
 """
 
 from __future__ import annotations
+
+import threading
+from collections.abc import Callable
 
 import numpy as np
 import torch
 from tensordict import TensorDict
 
 
-class DeviceFeeder:
+class CudaSink:
     """Pinned ring + side-stream uploads for one CUDA device.
 
     RING REUSE RULE: slot k is refilled only after the event recorded behind its host→device
-    copy has completed (`host_slot` waits on it). The copy lands in a fresh device tensor, so
-    the batch the user holds never aliases the ring: it stays valid however long it is kept.
+    copy has completed (`fill` waits on it), under a lock, so two producers can never share a
+    slot. The copy lands in a fresh device tensor, so the batch the user holds never aliases the
+    ring: it stays valid however long it is kept. Labels and indices travel as one contiguous
+    pinned int64 slot ([labels | indices]): one asynchronous copy.
     """
 
     def __init__(self, device: torch.device, slots: int, batch_size: int, record_shape: tuple[int, int, int]) -> None:
         self.device = device
-        self.stream = torch.cuda.Stream(device)
+        with torch.cuda.device(device):
+            self.stream = torch.cuda.Stream(device)
         self.images = [torch.empty((batch_size, *record_shape), dtype=torch.uint8, pin_memory=True)
                        for _ in range(slots)]
-        self.ints = [torch.empty((2, batch_size), dtype=torch.int64, pin_memory=True) for _ in range(slots)]
+        self.ints = [torch.empty(2 * batch_size, dtype=torch.int64, pin_memory=True) for _ in range(slots)]
         self.events: list[torch.cuda.Event | None] = [None] * slots
         self._next = 0
+        self._lock = threading.Lock()
 
-    def host_slot(self, n: int) -> tuple[int, np.ndarray]:
-        """The next ring slot, once its previous upload is done, as a numpy [n, H, W, 3] view."""
-        slot, self._next = self._next, (self._next + 1) % len(self.images)
-        if self.events[slot] is not None:
-            self.events[slot].synchronize()
-        return slot, self.images[slot][:n].numpy()
+    def prepare_thread(self) -> None:
+        torch.cuda.set_device(self.device)  # a new thread starts on device 0
 
-    def upload(self, slot: int, labels: np.ndarray, idx: np.ndarray) -> tuple[TensorDict, torch.cuda.Event]:
-        """Start copying slot `slot` to the device; the returned event marks the copy's end."""
+    def fill(self, idx: np.ndarray, labels: np.ndarray,
+             gather: Callable[[np.ndarray], None]) -> tuple[TensorDict, torch.cuda.Event]:
+        """Gather into the next free slot and start its upload; the event marks the copy's end."""
         n = len(idx)
-        ints = self.ints[slot][:, :n]
-        ints[0].numpy()[:] = labels
-        ints[1].numpy()[:] = idx
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            image = self.images[slot][:n].to(self.device, non_blocking=True)
-            label_index = ints.to(self.device, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        self.events[slot] = event
-        batch = TensorDict(image=image.permute(0, 3, 1, 2), label=label_index[0], index=label_index[1],
+        with self._lock:
+            slot, self._next = self._next, (self._next + 1) % len(self.images)
+            if self.events[slot] is not None:
+                self.events[slot].synchronize()
+            gather(self.images[slot][:n].numpy())
+            ints = self.ints[slot][:2 * n]
+            ints[:n].numpy()[:] = labels
+            ints[n:].numpy()[:] = idx
+            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+                image = self.images[slot][:n].to(self.device, non_blocking=True)
+                label_index = ints.to(self.device, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            self.events[slot] = event
+        batch = TensorDict(image=image.permute(0, 3, 1, 2), label=label_index[:n], index=label_index[n:],
                            batch_size=[n], device=self.device)
         return batch, event
 

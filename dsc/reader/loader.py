@@ -1,20 +1,27 @@
 """`Loader`: batches of a `MemmapDataset` as TensorDicts, gathered on a background thread.
 
-One epoch = `order.epoch_share` (this rank's indices) cut into sorted batches; a producer
-thread copies each batch out of the maps (`gather.fill_parallel`, split over a small thread
-pool) into a host buffer, optionally uploads it (`device.DeviceFeeder`), and hands it over
-through a bounded queue. Errors on that thread reach the consumer as `LoaderError`, naming
-the batch. The plain single-threaded `reference.reference_batches` serves identical batches.
+A pass = this rank's share of (what is left of) an epoch (`progress.remaining_share`), cut into
+sorted batches. One producer thread, kept across epochs, copies each batch out of the maps
+(`gather.fill_parallel`, split over a copy pool that lives as long as the loader) into a sink
+(`host.HostSink`, or `device.CudaSink` with its pinned ring and side stream) and hands it over
+through a bounded queue. When an epoch's last batch is handed out, the producer goes on with
+the next epoch's first batches, so a loop over many epochs has no gap at their edges; an
+iteration that asks for anything else (`set_epoch`, `load_state_dict`, an abandoned pass) gets
+a new producer. Errors on that thread reach the consumer as `LoaderError`, naming the batch.
+The plain single-threaded `reference.reference_batches` serves identical batches.
+`Loader.stats()` says how long the consumer waited for data.
 """
 
 from __future__ import annotations
 
 import os
 import queue
-import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator
+import time
+import weakref
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,6 +33,7 @@ from dsc.reader import order as orders
 from dsc.reader import progress
 from dsc.reader.dataset import fingerprint
 from dsc.reader.gather import fill_parallel
+from dsc.reader.host import HostSink
 
 POLL_S = 0.1  # how often blocked queue waits look at the stop event / the producer's health
 JOIN_S = 30.0  # how long closing waits for a producer that is mid-copy
@@ -52,47 +60,83 @@ def resolve_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     return rank, world_size
 
 
-class HostBuffers:
-    """Host batch buffers [B, H, W, 3], recycled to avoid page-faulting fresh memory every batch.
+def resolve_device(device: str | torch.device | None) -> torch.device | None:
+    """"cuda" becomes cuda:{current_device()} here, where the loader is made (after the user's set_device)."""
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={str(device)!r}, but this torch build or machine has no CUDA "
+                             "(torch.cuda.is_available() is False); leave device unset for CPU batches")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
-    HOST BUFFER REUSE RULE: a buffer is refilled only when its refcount shows that nothing but
-    this pool refers to it. Every tensor handed out is `torch.from_numpy(buffer)` or a view of
-    one, and a torch storage made by from_numpy holds a reference to the array until the last
-    tensor, view, storage or `.numpy()` over it dies. So a batch the user keeps (or any piece of
-    it) pins its buffer, and is never overwritten; only batches already dropped are recycled.
+
+def _sink_class(device: torch.device | None) -> type:
+    """Host buffers, or the CUDA ring: two implementations of one interface (see `host`)."""
+    if device is not None and device.type == "cuda":
+        from dsc.reader.device import CudaSink
+
+        return CudaSink
+    return HostSink
+
+
+@dataclass(frozen=True)
+class LoaderStats:
+    """Whether training waited for data, since the loader was made or `stats(reset=True)`.
+
+    `wait_s` is the time the consumer spent blocked for the next batch; `wall_s` runs from the
+    first batch asked for to the last one handed out, so `wait_fraction` is the share of the
+    training loop's time lost to data. The producer's time per batch is split into copying
+    records out of the maps (`gather_s`) and the rest of making the batch (`upload_s`: on
+    CUDA, waiting for a free ring slot and issuing the host→device copy).
     """
 
-    def __init__(self, record_shape: tuple[int, int, int], keep: int) -> None:
-        self._shape, self._keep = record_shape, keep
-        self._pool: list[np.ndarray] = []
-        self._lock = threading.Lock()
-        probe = [np.empty(0)]
-        self._unreferenced = sys.getrefcount(probe[0])  # the same expression as in take()
+    batches: int
+    wait_s: float
+    wall_s: float
+    gather_s: float
+    upload_s: float
 
-    def take(self, n: int) -> np.ndarray:
-        with self._lock:
-            for k in range(len(self._pool)):
-                if len(self._pool[k]) == n and sys.getrefcount(self._pool[k]) == self._unreferenced:
-                    return self._pool[k]
-            buf = np.empty((n, *self._shape), dtype=np.uint8)
-            if len(self._pool) < self._keep:
-                self._pool.append(buf)
-            return buf
+    @property
+    def wait_fraction(self) -> float:
+        return self.wait_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    def __str__(self) -> str:
+        per = 1e3 / max(self.batches, 1)
+        return (f"{self.batches} batches, waited {self.wait_s:.2f} s of {self.wall_s:.2f} s "
+                f"({self.wait_fraction:.1%}); per batch: gather {self.gather_s * per:.2f} ms, "
+                f"upload {self.upload_s * per:.2f} ms")
+
+
+@dataclass
+class _Meter:
+    batches: int = 0
+    wait_s: float = 0.0
+    gather_s: float = 0.0
+    upload_s: float = 0.0
+    first: float | None = None
+    last: float = 0.0
+
+    def stats(self) -> LoaderStats:
+        wall = self.last - self.first if self.first is not None else 0.0
+        return LoaderStats(self.batches, self.wait_s, wall, self.gather_s, self.upload_s)
 
 
 class _Producer:
-    """Runs `make(b)` for each batch number on a background thread, at most `prefetch` batches ahead.
+    """Makes `make(pass, b)` for each job on a background thread, at most `prefetch` ahead of the consumer.
 
     A semaphore, released when the consumer takes a batch, bounds the batches made but not yet
     taken, so the producer never holds a finished batch while waiting: fewer host buffers in
     flight (and a smaller, cache-warmer set of them).
     """
 
-    _END = object()
-
-    def __init__(self, make: Callable[[int], Any], batches: Iterable[int], prefetch: int,
-                 describe: Callable[[int], str]) -> None:
-        self._make, self._batches, self._describe = make, batches, describe
+    def __init__(self, make: Callable[[progress.Pass, int, np.ndarray], tuple[Any, float]],
+                 jobs: Iterator[tuple[progress.Pass, int, np.ndarray]], prefetch: int,
+                 prepare_thread: Callable[[], None]) -> None:
+        self._make, self._jobs, self._prepare = make, jobs, prepare_thread
         self._queue: queue.SimpleQueue = queue.SimpleQueue()  # bounded by _ahead
         self._ahead = threading.Semaphore(prefetch)
         self._stop = threading.Event()
@@ -102,20 +146,21 @@ class _Producer:
     def _acquire(self) -> bool:
         while not self._stop.is_set():
             if self._ahead.acquire(timeout=POLL_S):
-                return True
+                return not self._stop.is_set()
         return False
 
     def _run(self) -> None:
-        b = -1
+        job = None
         try:
-            for b in self._batches:
+            self._prepare()
+            for job in self._jobs:
                 if not self._acquire():
                     return
-                self._queue.put((b, self._make(b), None))
+                start = time.perf_counter()
+                value, gather_s = self._make(*job)
+                self._queue.put((job[:2], value, None, gather_s, time.perf_counter() - start - gather_s))
         except BaseException as e:  # handed to the consumer, which re-raises it with the batch named
-            self._queue.put((b, None, e))
-            return
-        self._queue.put(self._END)
+            self._queue.put((job and job[:2], None, e, 0.0, 0.0))
 
     def _get(self) -> Any:
         while True:
@@ -125,17 +170,68 @@ class _Producer:
                 if not self._thread.is_alive() and self._queue.empty():
                     raise LoaderError("the loader thread stopped without handing over a batch") from None
 
-    def __iter__(self) -> Iterator[tuple[int, Any]]:
-        while (item := self._get()) is not self._END:
-            self._ahead.release()
-            b, value, error = item
-            if error is not None:
-                raise LoaderError(f"{self._describe(b)} failed: {error!r}") from error
-            yield b, value
+    def take(self, expected: tuple[progress.Pass, int], describe: str, meter: _Meter) -> Any:
+        """The next batch, which must be `expected` (a pass and batch number); the wait goes to `meter`."""
+        now = time.perf_counter()
+        meter.first = now if meter.first is None else meter.first
+        job, value, error, gather_s, upload_s = self._get()
+        meter.last = time.perf_counter()
+        meter.wait_s += meter.last - now
+        meter.batches, meter.gather_s, meter.upload_s = meter.batches + 1, meter.gather_s + gather_s, \
+            meter.upload_s + upload_s
+        self._ahead.release()
+        if error is not None:
+            raise LoaderError(f"{describe} failed: {error!r}") from error
+        if job != expected:
+            raise LoaderError(f"{describe}: the loader thread made {job} instead (a bug in dsc)")
+        return value
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=JOIN_S)
+        self._ahead.release()  # wakes a producer waiting for room, which then sees the stop
+        if threading.current_thread() is not self._thread:  # a loader collected on this thread closes it too
+            self._thread.join(timeout=JOIN_S)
+
+
+class _Threads:
+    """The loader's producer and copy pool, stopped when the loader is closed or collected."""
+
+    def __init__(self, num_threads: int) -> None:
+        self.pool = ThreadPoolExecutor(num_threads - 1, "dsc-copy") if num_threads > 1 else None
+        self.producer: _Producer | None = None
+
+    def stop_producer(self) -> None:
+        if self.producer is not None:
+            self.producer.close()
+            self.producer = None
+
+    def close(self) -> None:
+        self.stop_producer()
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+            self.pool = None
+
+
+def _batch_maker(sink, opened, pool: ThreadPoolExecutor | None, num_threads: int,
+                 batch_size: int) -> Callable[[progress.Pass, int, np.ndarray], tuple[Any, float]]:
+    """make(pass, b, share): batch b of the pass into the sink, and the seconds its gather took."""
+    per_shard = opened.manifest.records_per_shard
+
+    def make(p: progress.Pass, b: int, share: np.ndarray) -> tuple[Any, float]:
+        idx = orders.batch_indices(share, b, batch_size)
+        took = [0.0]
+
+        def gather(host: np.ndarray) -> None:
+            start = time.perf_counter()
+            fill_parallel(host, opened.shards, idx, per_shard, pool, num_threads)
+            took[0] = time.perf_counter() - start
+
+        return sink.fill(idx, np.take(opened.labels, idx), gather), took[0]
+    return make
 
 
 def _check_int(name: str, value: Any, low: int) -> int:
@@ -153,10 +249,12 @@ class EpochHook:
     """
 
     def __init__(self, loader: Loader) -> None:
-        self._loader = loader
+        self._loader = weakref.ref(loader)  # no cycle: a dropped loader goes at once, with its threads
 
     def set_epoch(self, epoch: int) -> None:
-        self._loader.set_epoch(epoch)
+        loader = self._loader()
+        if loader is not None:
+            loader.set_epoch(epoch)
 
 
 class Loader:
@@ -190,12 +288,17 @@ class Loader:
         self.num_threads = default_threads() if num_threads is None else _check_int("num_threads", num_threads, 1)
         self._world_args = (rank, world_size)
         resolve_world(rank, world_size)  # bad explicit values fail here, not at the first epoch
-        self.device = torch.device(device) if device is not None else None
+        self.device = resolve_device(device)
         self._dataset_id = fingerprint(dataset.manifest)
         self._position: tuple[int, list[progress.Round]] = (0, [])  # where the next iteration starts
         self._progress: tuple[int, list[progress.Round]] = (0, [])  # what state_dict() reports
-        self._buffers = HostBuffers(dataset.record_shape, keep=self.prefetch + 2)  # ahead, held, being let go
-        self._feeder = None
+        self._sink = _sink_class(self.device)(self.device, self.prefetch + 2, self.batch_size,  # ahead, held,
+                                              dataset.record_shape)                             # being let go
+        self._threads = _Threads(self.num_threads)
+        weakref.finalize(self, self._threads.close)
+        self._next_pass: progress.Pass | None = None  # what the running producer makes next, after a finished pass
+        self._iteration = 0  # which iteration is the live one: an older iterator refuses to go on
+        self._meter = _Meter()
         self.sampler, self.batch_sampler = EpochHook(self), None  # what Lightning reads (EpochHook)
 
     @property
@@ -225,9 +328,8 @@ class Loader:
             return {}
         return {"locality": self.locality, "records_per_shard": self.dataset.manifest.records_per_shard}
 
-    def _epoch(self, epoch: int) -> progress.Epoch:
-        return progress.Epoch(len(self.dataset), self.order, self.seed, epoch,
-                              self.dataset.manifest.records_per_shard)
+    def _planner(self, rank: int) -> progress.Planner:
+        return progress.Planner(len(self.dataset), self.order, self.seed, self.dataset.manifest.records_per_shard, rank)
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration serve `epoch` from its start, or from where `load_state_dict`
@@ -276,54 +378,52 @@ class Loader:
         return epoch, [live] if batch else []
 
     def __iter__(self) -> Iterator[TensorDict]:
-        rank, split = self.rank, self._split()
+        split = self._split()
         epoch, rounds = self._position
         done, start = progress.resume_point(rounds, split)
-        share = progress.remaining_share(self._epoch(epoch), done, split, rank)
-        return self._run(epoch, done, split, share, start, rank)
+        self._iteration += 1
+        planner = self._planner(self.rank)
+        threads, p = self._threads, planner.fresh(epoch, split) if not (done or start) else None
+        if p is None or p != self._next_pass or threads.producer is None or not threads.producer.alive:
+            threads.stop_producer()
+            p, share = planner.plan(epoch, done, split, start)
+            if p.count > start:
+                make = _batch_maker(self._sink, self.dataset.opened, threads.pool, self.num_threads, self.batch_size)
+                threads.producer = _Producer(make, planner.jobs(p, share), self.prefetch, self._sink.prepare_thread)
+        return self._run(p, self._iteration)
 
-    def _make_batch(self, share: np.ndarray, pool: ThreadPoolExecutor | None) -> Callable[[int], TensorDict]:
-        d = self.dataset.opened
-        per_shard = d.manifest.records_per_shard
-
-        def make(b: int) -> TensorDict:
-            idx = orders.batch_indices(share, b, self.batch_size)
-            if self._feeder is not None:
-                slot, host = self._feeder.host_slot(len(idx))
-                fill_parallel(host, d.shards, idx, per_shard, pool, self.num_threads)
-                return self._feeder.upload(slot, np.take(d.labels, idx), idx)
-            host = self._buffers.take(len(idx))
-            fill_parallel(host, d.shards, idx, per_shard, pool, self.num_threads)
-            return TensorDict(image=torch.from_numpy(host).permute(0, 3, 1, 2),
-                              label=torch.from_numpy(np.take(d.labels, idx)), index=torch.from_numpy(idx),
-                              batch_size=[len(idx)])
-        return make
-
-    def _run(self, epoch: int, done: list[progress.Round], split: progress.Split, share: np.ndarray, start: int,
-             rank: int) -> Iterator[TensorDict]:
-        self._progress = (epoch, done + ([progress.Round(split, start)] if start else []))
-        if self.device is not None and self.device.type == "cuda" and self._feeder is None:
-            from dsc.reader.device import DeviceFeeder
-
-            self._feeder = DeviceFeeder(self.device, self.prefetch + 2, self.batch_size, self.dataset.record_shape)
-        pool = ThreadPoolExecutor(self.num_threads - 1, "dsc-copy") if self.num_threads > 1 else None
-        count = orders.batch_count(len(share), self.batch_size)
-        if start >= count:  # nothing (left) to serve, e.g. drop_last with fewer samples than ranks x batch size
-            self._position = self._progress = (epoch + 1, [])
-        producer = _Producer(self._make_batch(share, pool), range(start, count), self.prefetch,
-                             lambda b: f"batch {b} of epoch {epoch} (rank {rank}/{split.world_size})")
+    def _run(self, p: progress.Pass, iteration: int) -> Iterator[TensorDict]:
+        """Hand out the batches of pass `p`, keeping the state and the epoch in step with what was handed out."""
+        self._next_pass = None
+        self._progress = (p.epoch, [*p.done, *([progress.Round(p.split, p.start)] if p.start else [])])
+        finished = p.start >= p.count  # nothing (left) to serve, e.g. drop_last with fewer samples than ranks
+        if finished:
+            self._position = self._progress = (p.epoch + 1, [])
         try:
-            for b, batch in producer:
-                if self._feeder is not None:
-                    batch = self._feeder.hand_over(batch)
-                elif self.device is not None and self.device.type != "cpu":
-                    batch = batch.to(self.device)
-                if b + 1 < count:
-                    self._progress = (epoch, done + [progress.Round(split, b + 1)])
+            for b in range(p.start, p.count):
+                if iteration != self._iteration:
+                    raise LoaderError("this iterator was replaced by a newer iteration of the same loader "
+                                      "(iter(loader) again); only the newest one serves batches")
+                describe = f"batch {b} of epoch {p.epoch} (rank {p.rank}/{p.split.world_size})"
+                batch = self._sink.hand_over(self._threads.producer.take((p, b), describe, self._meter))
+                if b + 1 < p.count:
+                    self._progress = (p.epoch, [*p.done, progress.Round(p.split, b + 1)])
                 else:  # the epoch's last batch is out: whatever the consumer does next, the next epoch comes next
-                    self._position = self._progress = (epoch + 1, [])
+                    finished = True
+                    self._position = self._progress = (p.epoch + 1, [])
+                    self._next_pass = self._planner(p.rank).fresh(p.epoch + 1, p.split)  # the producer's next
                 yield batch
         finally:
-            producer.close()
-            if pool is not None:
-                pool.shutdown(wait=True)
+            if not finished and iteration == self._iteration:  # abandoned: what the producer made is unwanted
+                self._threads.stop_producer()
+
+    def stats(self, reset: bool = False) -> LoaderStats:
+        """How long the consumer waited for batches, and what making them cost (`LoaderStats`)."""
+        stats = self._meter.stats()
+        if reset:
+            self._meter = _Meter()
+        return stats
+
+    def close(self) -> None:
+        """Stop the producer thread and the copy pool now (they also stop when the loader is collected)."""
+        self._threads.close()

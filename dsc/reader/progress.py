@@ -19,11 +19,13 @@ slice"; it says which samples of the epoch have been served, as a list of *round
   repeated, as with DistributedSampler). Locality applies to an epoch's first round only.
 
 `remaining_share` replays the finished rounds (a few numpy passes over the epoch) to find the
-live round's share of this rank; the state itself stays a handful of integers.
+live round's share of this rank; the state itself stays a handful of integers. A `Planner`
+turns that into the loader's passes: the batches one iteration takes, and the epochs after it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -128,3 +130,49 @@ def resume_point(rounds: list[Round], split: Split) -> tuple[list[Round], int]:
     if rounds and rounds[-1].split == split:
         return rounds[:-1], rounds[-1].batches
     return rounds, 0
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One pass over (what is left of) an epoch on one rank: which batches the consumer takes."""
+
+    epoch: int
+    done: tuple[Round, ...]
+    split: Split
+    start: int
+    rank: int
+    count: int
+
+
+@dataclass(frozen=True)
+class Planner:
+    """Plans one rank's passes. It holds no reference to the Loader, so a producer thread that
+    plans ahead never keeps a dropped Loader alive."""
+
+    count: int
+    order: str
+    seed: int
+    records_per_shard: int
+    rank: int
+
+    def plan(self, epoch: int, done: list[Round], split: Split,
+             start: int) -> tuple[Pass, np.ndarray]:
+        """The pass and this rank's share of what the epoch has left."""
+        spec = Epoch(self.count, self.order, self.seed, epoch, self.records_per_shard)
+        share = remaining_share(spec, done, split, self.rank)
+        return Pass(epoch, tuple(done), split, start, self.rank, orders.batch_count(len(share), split.batch_size)), \
+            share
+
+    def fresh(self, epoch: int, split: Split) -> Pass:
+        """A whole epoch's pass, without computing its order (its length does not depend on it)."""
+        locality = {"locality": split.locality, "records_per_shard": self.records_per_shard} if split.locality else {}
+        share = orders.share_length(self.count, split.world_size, split.batch_size, split.drop_last, **locality)
+        return Pass(epoch, (), split, 0, self.rank, orders.batch_count(share, split.batch_size))
+
+    def jobs(self, first: Pass, share: np.ndarray) -> Iterator[tuple[Pass, int, np.ndarray]]:
+        """(pass, batch, share) for the rest of `first`, then for every following epoch (ends at an empty one)."""
+        p = first
+        while p.count > p.start:
+            for b in range(p.start, p.count):
+                yield p, b, share
+            p, share = self.plan(p.epoch + 1, [], p.split, 0)

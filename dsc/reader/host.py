@@ -1,0 +1,69 @@
+"""Where batches land off the GPU path: recycled host buffers (`HostSink`).
+
+A sink is what the loader's producer thread fills and its consumer hands out; the CUDA one
+(`device.CudaSink`) has the same three methods:
+
+- `prepare_thread()`: on the producer thread, before any other call;
+- `fill(idx, labels, gather) -> item`: on the producer thread; `gather(host)` copies the
+  batch's records into a host array [n, H, W, 3];
+- `hand_over(item) -> TensorDict`: on the consumer's thread, the batch as the user gets it.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+
+class HostBuffers:
+    """Host batch buffers [B, H, W, 3], recycled to avoid page-faulting fresh memory every batch.
+
+    HOST BUFFER REUSE RULE: a buffer is refilled only when its refcount shows that nothing but
+    this pool refers to it. Every tensor handed out is `torch.from_numpy(buffer)` or a view of
+    one, and a torch storage made by from_numpy holds a reference to the array until the last
+    tensor, view, storage or `.numpy()` over it dies. So a batch the user keeps (or any piece of
+    it) pins its buffer, and is never overwritten; only batches already dropped are recycled.
+    """
+
+    def __init__(self, record_shape: tuple[int, int, int], keep: int) -> None:
+        self._shape, self._keep = record_shape, keep
+        self._pool: list[np.ndarray] = []
+        self._lock = threading.Lock()
+        probe = [np.empty(0)]
+        self._unreferenced = sys.getrefcount(probe[0])  # the same expression as in take()
+
+    def take(self, n: int) -> np.ndarray:
+        with self._lock:
+            for k in range(len(self._pool)):
+                if len(self._pool[k]) == n and sys.getrefcount(self._pool[k]) == self._unreferenced:
+                    return self._pool[k]
+            buf = np.empty((n, *self._shape), dtype=np.uint8)
+            if len(self._pool) < self._keep:
+                self._pool.append(buf)
+            return buf
+
+
+class HostSink:
+    """Batches in host buffers; a non-CUDA `device` (e.g. "mps") gets them with a plain `.to` on the consumer."""
+
+    def __init__(self, device: torch.device | None, slots: int, batch_size: int,
+                 record_shape: tuple[int, int, int]) -> None:
+        self.device = None if device is None or device.type == "cpu" else device
+        self._buffers = HostBuffers(record_shape, keep=slots)
+
+    def prepare_thread(self) -> None:
+        pass
+
+    def fill(self, idx: np.ndarray, labels: np.ndarray, gather: Callable[[np.ndarray], None]) -> TensorDict:
+        host = self._buffers.take(len(idx))
+        gather(host)
+        return TensorDict(image=torch.from_numpy(host).permute(0, 3, 1, 2), label=torch.from_numpy(labels),
+                          index=torch.from_numpy(idx), batch_size=[len(idx)])
+
+    def hand_over(self, batch: TensorDict) -> TensorDict:
+        return batch if self.device is None else batch.to(self.device)

@@ -1,0 +1,148 @@
+"""The loader's producer thread and its sinks: one producer per loader, kept across epochs (no gap at
+their edges), replaced when an iteration starts over; the wait meter; device resolution. CUDA tests skip
+without CUDA (our machines have none); everything else runs on CPU with real threads."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import dsc
+from dsc.errors import LoaderError
+from dsc.reader import MemmapDataset
+from dsc.reader import loader as loader_module
+from dsc.reader.reference import reference_batches
+from dsc.testing import make_image_folder
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(scope="module")
+def ds(tmp_path_factory) -> MemmapDataset:
+    root = tmp_path_factory.mktemp("producer")
+    make_image_folder(root / "src", classes=3, per_class=8, size=(24, 32), seed=4)
+    dsc.compile_folder(root / "src", root / "ds", size=(8, 8), records_per_shard=5, workers=1)
+    return MemmapDataset(root / "ds")
+
+
+def producers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "dsc-loader" and t.is_alive()]
+
+
+def indices(batches) -> list[int]:
+    return [i for b in batches for i in b["index"].tolist()]
+
+
+def test_one_producer_serves_every_epoch_and_the_next_epoch_is_made_ahead(ds: MemmapDataset) -> None:
+    before = len(producers())
+    loader = ds.loader(4, order="random", seed=2, prefetch=2)
+    seen, threads = [], set()
+    for epoch in range(3):
+        seen.append(indices(loader))
+        threads.update(t.ident for t in producers())
+        if epoch == 0:
+            deadline = time.monotonic() + 5
+            while loader._threads.producer._queue.qsize() < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert loader._threads.producer._queue.qsize() == 2  # epoch 1's first batches wait, made
+    assert seen == [indices(reference_batches(ds, 4, order="random", seed=2, epoch=e)) for e in range(3)]
+    assert len(producers()) == before + 1 and len(threads - {t.ident for t in producers()[:before]}) == 1
+    loader.close()
+    assert len(producers()) == before
+
+
+def test_a_new_iteration_replaces_an_abandoned_one(ds: MemmapDataset) -> None:
+    """A notebook keeps the traceback of a failed loop (and so its generator); the next loop must not
+    share the producer with it, and the old iterator must not serve anything more."""
+    before = len(producers())
+    loader = ds.loader(4, order="random", seed=2)
+    kept = []
+    try:
+        for batch in loader:
+            kept.append(batch)
+            raise ValueError("the user's loop fails")
+    except ValueError:
+        old = sys.exc_info()[2]  # the traceback holds the suspended generator
+    first = iter(loader)
+    assert indices(itertools.islice(first, 2)) == indices(reference_batches(ds, 4, order="random", seed=2))[:8]
+    second = iter(loader)
+    assert indices(second) == indices(reference_batches(ds, 4, order="random", seed=2))
+    with pytest.raises(LoaderError, match="replaced by a newer iteration"):
+        next(first)
+    assert len(producers()) <= before + 1
+    del old, kept
+
+
+def test_set_epoch_or_a_loaded_state_restarts_the_producer_on_the_right_batches(ds: MemmapDataset) -> None:
+    loader = ds.loader(4, order="random", seed=2)
+    indices(loader)  # the producer now makes epoch 1 ahead
+    loader.set_epoch(5)
+    assert indices(loader) == indices(reference_batches(ds, 4, order="random", seed=2, epoch=5))
+    other = ds.loader(4, order="random", seed=2)
+    next(iter(other))
+    state = other.state_dict()
+    loader.load_state_dict(state)
+    assert indices(loader) == indices(reference_batches(ds, 4, order="random", seed=2))[4:]
+
+
+def test_the_wait_meter_tells_a_slow_producer_from_a_slow_consumer(ds: MemmapDataset, monkeypatch) -> None:
+    loader = ds.loader(4, order="sequential", prefetch=2, num_threads=1)
+    for _ in loader:
+        time.sleep(0.02)  # training is the slow part: batches are ready when asked for
+    fast = loader.stats(reset=True)
+    assert fast.batches == len(loader) and fast.gather_s > 0
+    assert fast.wait_fraction < 0.5 and fast.wall_s > 0.02 * (len(loader) - 1)
+    real = loader_module.fill_parallel
+
+    def slow(*args):
+        time.sleep(0.02)
+        return real(*args)
+
+    monkeypatch.setattr(loader_module, "fill_parallel", slow)
+    loader.set_epoch(3)
+    for _ in loader:
+        pass  # data is the slow part
+    starved = loader.stats()
+    assert starved.batches == len(loader) and starved.wait_fraction > 0.5
+    assert starved.gather_s >= 0.02 * len(loader)
+    assert "waited" in str(starved) and f"{starved.batches} batches" in str(starved)
+
+
+def test_cuda_without_cuda_is_refused_where_the_loader_is_made(ds: MemmapDataset) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match="no CUDA.*leave device unset"):
+        ds.loader(4, device="cuda")
+
+
+@cuda
+def test_cuda_resolves_to_the_current_device_and_batches_are_contiguous(ds: MemmapDataset) -> None:
+    torch.cuda.set_device(0)
+    loader = ds.loader(4, device="cuda")
+    assert loader.device == torch.device("cuda", 0)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):  # a non-default consumer stream must wait for the uploads
+        torch.cuda._sleep(10_000_000)  # keep the GPU busy: a missing wait shows as wrong data
+        batches = list(loader)
+    reference = list(reference_batches(ds, 4))
+    for b, r in zip(batches, reference, strict=True):
+        assert b["label"].is_contiguous() and b["index"].is_contiguous()
+        assert b["image"].device == torch.device("cuda", 0)
+        assert torch.equal(b["image"].cpu(), r["image"]) and torch.equal(b["index"].cpu(), r["index"])
+
+
+def test_no_producer_outlives_a_dropped_loader(ds: MemmapDataset) -> None:
+    before = len(producers())
+    for _ in range(3):
+        loader = ds.loader(4, order="random")
+        indices(loader)
+        del loader
+    deadline = time.monotonic() + 5
+    while len(producers()) > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(producers()) == before
