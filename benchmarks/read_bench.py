@@ -12,7 +12,8 @@ threads as cores; the fast rows run round-robin `--repeat` times and the best is
             random gather (np.take per shard, sorted batch), on one thread and on all threads; and the
             contiguous copy into 4 buffers used in turn, as many as the loader has in flight at
             prefetch=2 (on a machine whose L3 holds a whole batch, one buffer stays cache-hot)
-  dsc       ds.loader(order=...) for sequential, block, random (batches dropped as they come)
+  dsc       ds.loader(order=...) for sequential, block, random (batches dropped as they come); and one
+            loader reading 10 sequential epochs back to back (with --copies 1, the many-small-epochs case)
   (b)       torch DataLoader over a per-item memmap dataset (`__getitem__` only), 0 and N workers;
             and DataLoader over MemmapDataset itself (its `__getitems__`)
   (c)       the tensordict approach: a TensorDict of MemoryMappedTensors (shard 0) through a DataLoader
@@ -47,6 +48,7 @@ from dsc.reader import MemmapDataset
 from dsc.reader.gather import split
 
 CORES = len(os.sched_getaffinity(0))
+EPOCHS = 10  # epochs read back to back by one loader: on a small dataset (--copies 1) their edges weigh
 
 
 def rss_mb() -> tuple[float, float]:
@@ -192,6 +194,8 @@ def rows(ds: MemmapDataset, corpus: Path, batch: int) -> dict[str, Callable[[], 
     for order in ("sequential", "block", "random"):
         loader = ds.loader(batch, order=order, num_threads=CORES)
         table[f"dsc loader, {order}"] = lambda loader=loader: drain(loader)
+    many = ds.loader(batch, order="sequential", num_threads=CORES)  # epochs back to back: their edges count
+    table[f"dsc loader, sequential, {EPOCHS} epochs"] = lambda: sum(drain(many) for _ in range(EPOCHS))
     for w in (0, CORES):
         table[f"(b) DataLoader per-item, {w} workers"] = lambda w=w: drain(
             DataLoader(PerItem(ds.path), batch_size=batch, num_workers=w, **shuffle), lambda b: len(b[1]))
@@ -241,6 +245,8 @@ def report(results: dict[str, dict]) -> None:
         ("block / contiguous limit", s["dsc loader, block"] / contiguous, 0.9),
         ("sequential / contiguous limit, 4 buffers in turn",
          s["dsc loader, sequential"] / s[f"limit: contiguous, {CORES} thr, 4 buffers in turn"], 0.9),
+        (f"sequential, {EPOCHS} epochs in a row / 4 buffers in turn",
+         s[f"dsc loader, sequential, {EPOCHS} epochs"] / s[f"limit: contiguous, {CORES} thr, 4 buffers in turn"], 0.9),
         ("random / gather limit", s["dsc loader, random"] / gather, 0.8),
         ("slowest dsc order / best per-item DataLoader (b)", slowest / per_item, 5),
         ("slowest dsc order / tensordict (c)", slowest / s["(c) tensordict memmap + DataLoader"], 8),

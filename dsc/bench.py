@@ -22,7 +22,7 @@ import torch
 from dsc import format as fmt
 from dsc.reader import MemmapDataset
 from dsc.reader.gather import split
-from dsc.reader.loader import default_threads
+from dsc.reader.loader import LoaderStats, default_threads
 
 ORDERS = ("sequential", "block", "random")
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -37,6 +37,7 @@ class Rate:
     samples: int
     seconds: float
     record_bytes: int
+    stats: LoaderStats | None = None  # the loader's own account of the run, for loader rows
 
     @property
     def samples_per_s(self) -> float:
@@ -56,19 +57,30 @@ class BenchReport:
     limit: Rate
     warm: list[Rate]
     cold: list[Rate] = field(default_factory=list)
-    device: list[Rate] = field(default_factory=list)
+    device: list[Rate] = field(default_factory=list)  # the loader with a device
+    h2d: Rate | None = None  # pinned host → device copies: the device rows' limit
     notes: list[str] = field(default_factory=list)
 
+    def rows(self) -> list[tuple[Rate, float]]:
+        """Every row with its ratio to its own limit: host rows to the copy limit, device rows to the h2d one."""
+        def ratio(rate: Rate, limit: Rate | None) -> float:
+            return rate.samples_per_s / limit.samples_per_s if limit and limit.samples_per_s else 0.0
 
-def _timed(epoch: Callable[[], Iterable[int]], budget_s: float, warm: bool = True) -> tuple[int, float]:
+        host = [(r, ratio(r, self.limit)) for r in [self.limit, *self.warm, *self.cold]]
+        return host + [(r, ratio(r, self.h2d)) for r in [*([self.h2d] if self.h2d else []), *self.device]]
+
+
+def _timed(epoch: Callable[[], Iterable[int]], budget_s: float, warm: bool = True,
+           finish: Callable[[], None] = lambda: None) -> tuple[int, float]:
     """Samples and seconds read by `epoch()` (yielding batch sizes) within `budget_s`, at least one batch.
 
     warm: a first (partial) epoch is left out, as a training run pays the first touch of the
     maps' pages once, then epochs repeat until the budget is spent. Cold: one epoch at most,
-    since a second would find the data in the page cache.
+    since a second would find the data in the page cache. `finish()` runs before the clock
+    stops (a device sync: the last copies must have landed).
     """
     if warm:
-        _timed(epoch, budget_s, warm=False)
+        _timed(epoch, budget_s, warm=False, finish=finish)
     start, samples = time.perf_counter(), 0
     while True:
         for n in epoch():
@@ -76,6 +88,7 @@ def _timed(epoch: Callable[[], Iterable[int]], budget_s: float, warm: bool = Tru
             if time.perf_counter() - start > budget_s:
                 break
         if not warm or time.perf_counter() - start > budget_s:
+            finish()
             return samples, time.perf_counter() - start
 
 
@@ -107,16 +120,18 @@ def loader_rate(path: Path, order: str, batch_size: int, threads: int, budget_s:
     """Epochs of a fresh `MemmapDataset(path).loader` in `order` for `budget_s` (see `_timed`)."""
     ds = MemmapDataset(path)
     loader = ds.loader(batch_size, order=order, num_threads=threads, device=device)
+    on_cuda = loader.device is not None and loader.device.type == "cuda"
 
     def batches():
         for batch in loader:
             yield len(batch["index"])
-        if device is not None and torch.device(device).type == "cuda":
-            torch.cuda.synchronize()
 
-    samples, seconds = _timed(batches, budget_s, warm)
-    return Rate(f"{label}dsc loader, {order}" + (f", to {device}" if device else ""), samples, seconds,
-                ds.manifest.record_bytes)
+    samples, seconds = _timed(batches, budget_s, warm,
+                              finish=(lambda: torch.cuda.synchronize(loader.device)) if on_cuda else lambda: None)
+    stats = loader.stats()
+    loader.close()
+    return Rate(f"{label}dsc loader, {order}" + (f", to {loader.device}" if device else ""), samples, seconds,
+                ds.manifest.record_bytes, stats)
 
 
 def resident_fraction(paths: list[Path]) -> float | None:
@@ -170,12 +185,13 @@ def memory_bytes() -> int:
 
 def h2d_limit(batch_size: int, record_shape: tuple[int, int, int], device: str, budget_s: float) -> Rate:
     """Pinned host → device copies of one batch-sized buffer: the ceiling of the device path."""
+    device = torch.device(device)
     host = torch.empty((batch_size, *record_shape), dtype=torch.uint8, pin_memory=True)
     dev = torch.empty_like(host, device=device)
 
     def batches():
         dev.copy_(host, non_blocking=True)
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
         yield batch_size
 
     samples, seconds = _timed(batches, budget_s)
@@ -202,10 +218,14 @@ def diagnose(r: BenchReport) -> list[str]:
     else:
         notes.append(f"loader overhead: warm, the fastest order reaches only {share:.0%} of the copy limit; "
                      "other load on the machine, or too few copy threads (num_threads=...)?")
-    slow_device = [x for x in r.device if x.samples_per_s < 0.8 * best.samples_per_s]
-    if slow_device:
-        notes.append(f"host→device: the upload path ({slow_device[0].name}) reaches "
-                     f"{slow_device[0].gb_per_s:.2f} GB/s, below the host-side loader; the PCIe/H2D copy bounds it.")
+    for row in r.device:
+        if row.samples_per_s >= 0.8 * best.samples_per_s:
+            continue
+        h2d = r.h2d.samples_per_s if r.h2d else 0.0
+        bound = ("the host→device copy bounds it" if h2d and row.samples_per_s >= 0.8 * h2d
+                 else "below both the host-side loader and the host→device copy limit: the upload path itself")
+        notes.append(f"host→device: {row.name} reaches {row.gb_per_s:.2f} GB/s, below the host-side loader "
+                     f"({best.gb_per_s:.2f} GB/s); {bound}.")
     return notes
 
 
@@ -235,7 +255,7 @@ def run(path: str | os.PathLike, batch_size: int = 256, threads: int | None = No
         log(f"warm {order}")
         report.warm.append(loader_rate(path, order, batch_size, threads, budget_s))
     if device is not None and torch.device(device).type == "cuda":
-        report.device.append(h2d_limit(batch_size, shape, device, budget_s))
+        report.h2d = h2d_limit(batch_size, shape, device, budget_s)
         report.device.append(loader_rate(path, "block", batch_size, threads, budget_s, device=device))
     report.notes += diagnose(report)
     return report

@@ -244,8 +244,10 @@ def bench_command(
     except DscError as e:
         _fail(str(e))
     typer.echo(f"{'row':<44} {'samples/s':>10} {'GB/s':>7} {'x limit':>8}")
-    for rate in [report.limit, *report.warm, *report.cold, *report.device]:
-        ratio = rate.samples_per_s / report.limit.samples_per_s if report.limit.samples_per_s else 0.0
+    for rate, ratio in report.rows():
         typer.echo(f"{rate.name:<44} {rate.samples_per_s:>10,.0f} {rate.gb_per_s:>7.2f} {ratio:>8.2f}")
+    for rate, _ in report.rows():
+        if rate.stats is not None:
+            typer.echo(f"{rate.name}: {rate.stats}")
     for note in report.notes:
         typer.echo(f"- {note}")

@@ -56,6 +56,7 @@ def main(steps: int, batch_size: int, data: Path) -> None:
                 rate = seen / (time.perf_counter() - start)
                 print(f"step {step:4d}  epoch {epoch:3d}  loss {loss.item():.3f}  {rate:,.0f} samples/s on {device}")
             if step == steps:
+                print(f"data: {loader.stats()}")  # did training ever wait for the loader?
                 return
 
 

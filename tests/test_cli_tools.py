@@ -170,11 +170,28 @@ def test_diagnosis_names_the_bottleneck() -> None:
     assert slow[0].startswith("loader overhead: warm, the fastest order reaches only 30%")
 
 
+def test_device_rows_are_measured_against_the_host_to_device_limit() -> None:
+    """The h2d limit is a limit, never "the upload path"; device rows divide by it, not by the host copy limit."""
+    limit, warm = Rate("limit", 1000, 1.0, 150_000), [Rate("dsc loader, block", 900, 1.0, 150_000)]
+    h2d = Rate("limit: pinned host → cuda:1 copy", 400, 1.0, 150_000)
+    bound = BenchReport(10**9, 24 * 10**9, limit, warm, h2d=h2d,
+                        device=[Rate("dsc loader, block, to cuda:1", 380, 1.0, 150_000)])
+    assert [round(ratio, 2) for _, ratio in bound.rows()] == [1.0, 0.9, 1.0, 0.95]
+    note = diagnose(bound)[-1]
+    assert note.startswith("host→device: dsc loader, block, to cuda:1 reaches") and "copy bounds it" in note
+    assert "pinned host" not in note
+    slow = BenchReport(10**9, 24 * 10**9, limit, warm, h2d=h2d,
+                       device=[Rate("dsc loader, block, to cuda:1", 100, 1.0, 150_000)])
+    assert "the upload path itself" in diagnose(slow)[-1]
+
+
 def test_the_training_example_trains(tmp_path: Path) -> None:
     example = Path(__file__).parent.parent / "examples" / "train.py"
     run = subprocess.run([sys.executable, str(example), "--steps", "10", "--batch-size", "4",
                           "--data", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert (tmp_path / "out" / "manifest.json").exists()
-    last = run.stdout.strip().splitlines()[-1].split()
+    *_, last, data = run.stdout.strip().splitlines()
+    last = last.split()
     assert last[:2] == ["step", "10"] and last[4] == "loss" and 0 < float(last[5]) < 10
+    assert data.startswith("data: 10 batches, waited ")  # the wait meter, printed
