@@ -74,6 +74,11 @@ def test_a_new_iteration_replaces_an_abandoned_one(ds: MemmapDataset) -> None:
     assert indices(second) == indices(reference_batches(ds, 4, order="random", seed=2))
     with pytest.raises(LoaderError, match="replaced by a newer iteration"):
         next(first)
+    unstarted, newest = iter(loader), iter(loader)
+    with pytest.raises(LoaderError, match="replaced by a newer iteration"):
+        next(unstarted)  # and it leaves the newest one's state alone
+    assert loader.state_dict()["rounds"] == [] and indices(newest) == indices(reference_batches(ds, 4, order="random",
+                                                                                                seed=2, epoch=1))
     assert len(producers()) <= before + 1
     del old, kept
 

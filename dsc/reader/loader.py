@@ -394,6 +394,7 @@ class Loader:
 
     def _run(self, p: progress.Pass, iteration: int) -> Iterator[TensorDict]:
         """Hand out the batches of pass `p`, keeping the state and the epoch in step with what was handed out."""
+        self._check_live(iteration)
         self._next_pass = None
         self._progress = (p.epoch, [*p.done, *([progress.Round(p.split, p.start)] if p.start else [])])
         finished = p.start >= p.count  # nothing (left) to serve, e.g. drop_last with fewer samples than ranks
@@ -401,9 +402,7 @@ class Loader:
             self._position = self._progress = (p.epoch + 1, [])
         try:
             for b in range(p.start, p.count):
-                if iteration != self._iteration:
-                    raise LoaderError("this iterator was replaced by a newer iteration of the same loader "
-                                      "(iter(loader) again); only the newest one serves batches")
+                self._check_live(iteration)
                 describe = f"batch {b} of epoch {p.epoch} (rank {p.rank}/{p.split.world_size})"
                 batch = self._sink.hand_over(self._threads.producer.take((p, b), describe, self._meter))
                 if b + 1 < p.count:
@@ -416,6 +415,11 @@ class Loader:
         finally:
             if not finished and iteration == self._iteration:  # abandoned: what the producer made is unwanted
                 self._threads.stop_producer()
+
+    def _check_live(self, iteration: int) -> None:
+        if iteration != self._iteration:
+            raise LoaderError("this iterator was replaced by a newer iteration of the same loader "
+                              "(iter(loader) again); only the newest one serves batches")
 
     def stats(self, reset: bool = False) -> LoaderStats:
         """How long the consumer waited for batches, and what making them cost (`LoaderStats`)."""
