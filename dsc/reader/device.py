@@ -19,15 +19,18 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
+INT_SLOT_PER_RECORD = 4  # int64s per record in the small-field slot: label, index, size (height, width)
+
 
 class CudaSink:
     """Pinned ring + side-stream uploads for one CUDA device.
 
     RING REUSE RULE: slot k is refilled only after the event recorded behind its host→device
     copy has completed (`fill` waits on it), under a lock, so two producers can never share a
-    slot. The copy lands in a fresh device tensor, so the batch the user holds never aliases the
-    ring: it stays valid however long it is kept. Labels and indices travel as one contiguous
-    pinned int64 slot ([labels | indices]): one asynchronous copy.
+    slot. The copy lands in fresh device tensors, so the batch the user holds never aliases the
+    ring: it stays valid however long it is kept. The small per-record fields (label, index,
+    size) travel packed one after the other in one contiguous pinned int64 slot: one
+    asynchronous copy, each field a contiguous view of it on the device.
     """
 
     def __init__(self, device: torch.device, slots: int, batch_size: int, record_shape: tuple[int, int, int]) -> None:
@@ -36,7 +39,8 @@ class CudaSink:
             self.stream = torch.cuda.Stream(device)
         self.images = [torch.empty((batch_size, *record_shape), dtype=torch.uint8, pin_memory=True)
                        for _ in range(slots)]
-        self.ints = [torch.empty(2 * batch_size, dtype=torch.int64, pin_memory=True) for _ in range(slots)]
+        self.ints = [torch.empty(INT_SLOT_PER_RECORD * batch_size, dtype=torch.int64, pin_memory=True)
+                     for _ in range(slots)]
         self.events: list[torch.cuda.Event | None] = [None] * slots
         self._next = 0
         self._lock = threading.Lock()
@@ -44,27 +48,27 @@ class CudaSink:
     def prepare_thread(self) -> None:
         torch.cuda.set_device(self.device)  # a new thread starts on device 0
 
-    def fill(self, idx: np.ndarray, labels: np.ndarray,
+    def fill(self, fields: dict[str, np.ndarray],
              gather: Callable[[np.ndarray], None]) -> tuple[TensorDict, torch.cuda.Event]:
         """Gather into the next free slot and start its upload; the event marks the copy's end."""
-        n = len(idx)
+        n = len(fields["index"])
         with self._lock:
             slot, self._next = self._next, (self._next + 1) % len(self.images)
             if self.events[slot] is not None:
                 self.events[slot].synchronize()
             gather(self.images[slot][:n].numpy())
-            ints = self.ints[slot][:2 * n]
-            ints[:n].numpy()[:] = labels
-            ints[n:].numpy()[:] = idx
+            packed = self.ints[slot][:sum(v.size for v in fields.values())]
+            np.concatenate([v.ravel() for v in fields.values()], out=packed.numpy())
             with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
                 image = self.images[slot][:n].to(self.device, non_blocking=True)
-                label_index = ints.to(self.device, non_blocking=True)
+                small = packed.to(self.device, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self.stream)
             self.events[slot] = event
-        batch = TensorDict(image=image.permute(0, 3, 1, 2), label=label_index[:n], index=label_index[n:],
-                           batch_size=[n], device=self.device)
-        return batch, event
+        views, at = {}, 0
+        for name, value in fields.items():
+            views[name], at = small[at:at + value.size].view(value.shape), at + value.size
+        return TensorDict(image=image.permute(0, 3, 1, 2), **views, batch_size=[n], device=self.device), event
 
     def hand_over(self, item: tuple[TensorDict, torch.cuda.Event]) -> TensorDict:
         """On the consumer's thread: make its current stream wait for the upload, then give the batch."""

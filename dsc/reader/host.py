@@ -4,8 +4,9 @@ A sink is what the loader's producer thread fills and its consumer hands out; th
 (`device.CudaSink`) has the same three methods:
 
 - `prepare_thread()`: on the producer thread, before any other call;
-- `fill(idx, labels, gather) -> item`: on the producer thread; `gather(host)` copies the
-  batch's records into a host array [n, H, W, 3];
+- `fill(fields, gather) -> item`: on the producer thread; `fields` are the batch's small
+  per-record int64 arrays ({"label": [n], "index": [n], "size": [n, 2]}), `gather(host)`
+  copies its records into a host array [n, H, W, 3];
 - `hand_over(item) -> TensorDict`: on the consumer's thread, the batch as the user gets it.
 """
 
@@ -59,11 +60,12 @@ class HostSink:
     def prepare_thread(self) -> None:
         pass
 
-    def fill(self, idx: np.ndarray, labels: np.ndarray, gather: Callable[[np.ndarray], None]) -> TensorDict:
-        host = self._buffers.take(len(idx))
+    def fill(self, fields: dict[str, np.ndarray], gather: Callable[[np.ndarray], None]) -> TensorDict:
+        n = len(fields["index"])
+        host = self._buffers.take(n)
         gather(host)
-        return TensorDict(image=torch.from_numpy(host).permute(0, 3, 1, 2), label=torch.from_numpy(labels),
-                          index=torch.from_numpy(idx), batch_size=[len(idx)])
+        return TensorDict(image=torch.from_numpy(host).permute(0, 3, 1, 2),
+                          **{k: torch.from_numpy(v) for k, v in fields.items()}, batch_size=[n])
 
     def hand_over(self, batch: TensorDict) -> TensorDict:
         return batch if self.device is None else batch.to(self.device)

@@ -216,6 +216,12 @@ class _Threads:
             self.pool = None
 
 
+def batch_fields(opened, idx: np.ndarray) -> dict[str, np.ndarray]:
+    """The small per-record fields of a batch besides its images, as int64 arrays (the sinks' `fields`)."""
+    return {"label": np.take(opened.labels, idx), "index": idx,
+            "size": np.take(opened.sizes, idx, axis=0).astype(np.int64)}  # each source's (height, width)
+
+
 def _batch_maker(sink, opened, pool: ThreadPoolExecutor | None, num_threads: int,
                  batch_size: int) -> Callable[[progress.Pass, int, np.ndarray], tuple[Any, float]]:
     """make(pass, b, share): batch b of the pass into the sink, and the seconds its gather took."""
@@ -230,7 +236,7 @@ def _batch_maker(sink, opened, pool: ThreadPoolExecutor | None, num_threads: int
             fill_parallel(host, opened.shards, idx, per_shard, pool, num_threads)
             took[0] = time.perf_counter() - start
 
-        return sink.fill(idx, np.take(opened.labels, idx), gather), took[0]
+        return sink.fill(batch_fields(opened, idx), gather), took[0]
     return make
 
 
@@ -258,7 +264,9 @@ class EpochHook:
 
 
 class Loader:
-    """Iterate to get one epoch of TensorDicts {image uint8 [B,3,H,W] channels_last, label, index}.
+    """Iterate to get one epoch of TensorDicts {image uint8 [B,3,H,W] channels_last, label, index, size}.
+
+    `size` is each record's source image's original (height, width), int64 [B, 2].
 
     Epochs: the next iteration serves the next epoch as soon as the last batch of an epoch has
     been handed out, whether or not the consumer goes on to exhaust the iterator (Lightning,
