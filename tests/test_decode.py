@@ -49,8 +49,9 @@ def test_jpeg4py_and_pillow_give_identical_pixels(scale: int, subsampling: int) 
     ((500, 500), (500, 500), 1),
     ((17, 9), (1, 1), 8),
 ])
-def test_dct_scale_is_the_largest_power_of_two_that_covers_the_need(size, need, scale) -> None:
-    assert dec.dct_scale(size[0], size[1], need[1], need[0]) == scale
+def test_fast_dct_scale_is_the_largest_power_of_two_that_covers_the_need(size, need, scale) -> None:
+    assert dec.dct_scale(size[0], size[1], need[1], need[0], "fast") == scale
+    assert dec.dct_scale(size[0], size[1], need[1], need[0]) == 1  # faithful: always a full decode
 
 
 @pytest.mark.parametrize("orientation", range(1, 9))

@@ -51,6 +51,7 @@ class WriteJob:
     records_per_shard: int
     target: Target
     max_pixels: int
+    decode_mode: str = "faithful"  # format.DECODE_MODES
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,8 @@ class SlotResult:
         return not self.reason
 
 
-def compile_image(path: str, target: Target, out: np.ndarray, max_pixels: int) -> tuple[int, int]:
+def compile_image(path: str, target: Target, out: np.ndarray, max_pixels: int,
+                  decode_mode: str = "faithful") -> tuple[int, int]:
     """Decode one file into `out`; return its upright (height, width) or raise ImageError."""
     try:
         with open(path, "rb") as f:
@@ -82,7 +84,7 @@ def compile_image(path: str, target: Target, out: np.ndarray, max_pixels: int) -
     try:
         p = probe(data, max_pixels)
         height, width = p.oriented_size
-        resize_into(decode(data, p, *needed_size(height, width, target)), target, out, (height, width))
+        resize_into(decode(data, p, *needed_size(height, width, target), decode_mode), target, out, (height, width))
     except ImageError:
         raise
     except MemoryError as e:
@@ -132,7 +134,8 @@ class SlotWriter:
             for slot, source in tasks:
                 try:
                     path = os.path.join(self.job.src_root, source)
-                    h, w = compile_image(path, self.job.target, self.buffer, self.job.max_pixels)
+                    h, w = compile_image(path, self.job.target, self.buffer, self.job.max_pixels,
+                                         self.job.decode_mode)
                     self._store(slot)
                     results.append(SlotResult(slot, h, w, crc=zlib.crc32(self.buffer)))
                 except ImageError as e:
