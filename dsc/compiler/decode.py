@@ -5,7 +5,8 @@ JPEGs go through libjpeg-turbo (jpeg4py), scaled in the DCT domain by the larges
 The "fast" mode takes any scale that still covers the size the resize needs. The default,
 "faithful", decodes in full: against a full decode (benchmarks/decode_fidelity.py),
 fine-grained sources miss mean |diff| 2.5 at 1/2 scale whatever the margin (2.8 at 11x
-the target), and 1/8 keeps only each block's DC coefficient: no margin holds for all. Everything else — CMYK JPEGs, PNG, WebP, BMP, TIFF, GIF — goes
+the target), and 1/8 keeps only each block's DC coefficient: no margin holds for all.
+Everything else — CMYK JPEGs, PNG, WebP, BMP, TIFF, GIF — goes
 through Pillow, as do JPEGs where the system's libturbojpeg is missing; Pillow's JPEG
 decoder is libjpeg-turbo too, and at the same scale gives the same pixels.
 
