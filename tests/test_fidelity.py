@@ -1,4 +1,4 @@
-"""The default decode is faithful: every record within mean |diff| 2.5 of an independent Pillow
+"""Faithful pixels (and every source kept that can be). The default decode is faithful: every record within mean |diff| 2.5 of an independent Pillow
 reference (full decode, BILINEAR over formats.md's box) at every size; `--fast-decode` is not.
 
 2.5 (of 255) is issue 12's target: below it a record is visually the reference (a full decode
@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 from dsc import MemmapDataset, compile_folder
+from dsc.compiler import SourceWarning
+from dsc.compiler.decode import turbojpeg_library
 
 from conftest import pattern, pillow_reference, save
 
@@ -61,3 +63,17 @@ def test_the_manifest_records_the_decode_mode(sources: Path, tmp_path: Path) -> 
     compile_folder(sources, tmp_path / "b", size=16, workers=1, fast_decode=True)
     assert MemmapDataset(tmp_path / "a").manifest.compile["decode"] == "faithful"
     assert MemmapDataset(tmp_path / "b").manifest.compile["decode"] == "fast"
+
+
+@pytest.mark.skipif(turbojpeg_library() is None, reason="only libjpeg-turbo's warnings tell the two apart")
+def test_a_compile_keeps_a_jpeg_missing_only_its_eoi_and_skips_a_cut_one(tmp_path: Path) -> None:
+    data = (save(tmp_path / "whole.jpg", pattern(60, 80), quality=90)).read_bytes()
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "no_eoi.jpg").write_bytes(data[:-2])
+    (tmp_path / "src" / "cut.jpg").write_bytes(data[: len(data) * 3 // 4])
+    skipped = []
+    with pytest.warns(SourceWarning, match=r"no_eoi\.jpg: no end-of-image marker"):
+        summary = compile_folder(tmp_path / "src", tmp_path / "out", size=32, workers=2,
+                                 on_skip=lambda source, reason: skipped.append(source))
+    assert summary.kept == 1 and skipped == ["cut.jpg"]
+    assert MemmapDataset(tmp_path / "out").source(0).name == "no_eoi.jpg"

@@ -32,6 +32,10 @@ class SkippedImageWarning(UserWarning):
     """A source image was skipped; the dataset records it under "skipped"."""
 
 
+class SourceWarning(UserWarning):
+    """A source image was compiled, but something about its file was wrong (e.g. a missing EOI)."""
+
+
 @dataclass
 class CompileSummary:
     """What a compile did; also printed by `dsc compile`."""
@@ -106,6 +110,8 @@ def _decode_all(job: WriteJob, sources: list[str], workers: int, strict: bool, d
     def collect(results: list[SlotResult]) -> None:
         for result in results:
             if result.ok:
+                if result.warning:
+                    warnings.warn(f"{sources[result.slot]}: {result.warning}", SourceWarning, stacklevel=2)
                 ok[result.slot] = True
                 sizes[result.slot] = (result.height, result.width)
             elif strict:

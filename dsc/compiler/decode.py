@@ -10,6 +10,13 @@ Everything else — CMYK JPEGs, PNG, WebP, BMP, TIFF, GIF — goes
 through Pillow, as do JPEGs where the system's libturbojpeg is missing; Pillow's JPEG
 decoder is libjpeg-turbo too, and at the same scale gives the same pixels.
 
+A JPEG whose scan is complete but lacks the final end-of-image marker (FF D9, common in
+scraped data) gets the same "premature end" warning from libjpeg-turbo as a cut-off file. With
+the marker appended, libjpeg-turbo decodes the former without a warning but still warns for the
+latter: so such a file is kept, with an `IncompleteJpegWarning`, and a cut-off one skipped.
+Pillow cannot tell them apart (it ignores libjpeg's warnings), so without libjpeg-turbo both are
+skipped.
+
 Alpha is composited onto black (premultiplied); 16-bit samples keep their high byte.
 """
 
@@ -37,6 +44,7 @@ DCT_MARGINS: dict[str, dict[int, float]] = {
 }
 EXIF_ORIENTATION = 0x0112
 TURBOJPEG_LIBRARY = "libturbojpeg.so.0"
+EOI = b"\xff\xd9"  # JPEG's end-of-image marker
 DECODER_ENV = "DSC_JPEG_DECODER"  # "pillow" forces the fallback (tests, comparisons)
 _SOF_MARKERS = frozenset({0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF})
 
@@ -50,6 +58,10 @@ _ORIENT: dict[int, Callable[[np.ndarray], np.ndarray]] = {
     7: lambda a: a.transpose(1, 0, 2)[::-1, ::-1],
     8: lambda a: np.rot90(a, 1),
 }
+
+
+class IncompleteJpegWarning(UserWarning):
+    """A JPEG lacked only its end-of-image marker: its complete scan was decoded and kept."""
 
 
 @dataclass(frozen=True)
@@ -220,6 +232,27 @@ def _decode_pillow(data: bytes, p: Probe, scale: int) -> np.ndarray:
         raise ImageError(f"corrupt or truncated {p.format} data ({e})") from e
 
 
+def _decode_jpeg(data: bytes, p: Probe, scale: int) -> np.ndarray:
+    """libjpeg-turbo, whose warnings count as errors; a complete scan missing only its EOI is
+    kept (see the module docstring); anything else it refuses, Pillow judges."""
+    try:
+        return _decode_turbo(data, p, scale)
+    except Exception as turbo_error:
+        if not data.endswith(EOI):
+            try:
+                rgb = _decode_turbo(data + EOI, p, scale)
+            except Exception:
+                pass  # cut off inside the scan: Pillow refuses it below
+            else:
+                warnings.warn("no end-of-image marker (FF D9) after a complete scan; decoded and kept",
+                              IncompleteJpegWarning, stacklevel=2)
+                return rgb
+        try:
+            return _decode_pillow(data, p, scale)
+        except ImageError as e:
+            raise ImageError(f"{e}; libjpeg-turbo: {turbo_error}") from e
+
+
 def decode(data: bytes, p: Probe, need_h: int, need_w: int, mode: str = "faithful") -> np.ndarray:
     """Decode to an upright RGB array that covers (need_h, need_w) after orientation; `mode`
     ("faithful" or "fast", see DCT_MARGINS) picks how far JPEGs may be scaled down."""
@@ -228,13 +261,7 @@ def decode(data: bytes, p: Probe, need_h: int, need_w: int, mode: str = "faithfu
     jpeg = p.format == "JPEG"
     scale = dct_scale(p.width, p.height, need_w, need_h, mode) if jpeg else 1
     if jpeg and p.mode in ("RGB", "L") and turbojpeg_library():
-        try:
-            rgb = _decode_turbo(data, p, scale)
-        except Exception as turbo_error:  # warnings count as errors: let Pillow judge
-            try:
-                rgb = _decode_pillow(data, p, scale)
-            except ImageError as e:
-                raise ImageError(f"{e}; libjpeg-turbo: {turbo_error}") from e
+        rgb = _decode_jpeg(data, p, scale)
     else:
         rgb = _decode_pillow(data, p, scale)
     orient = _ORIENT.get(p.orientation)

@@ -15,6 +15,7 @@ import errno
 import multiprocessing
 import os
 import signal
+import warnings
 import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -26,7 +27,7 @@ import numpy as np
 from PIL import Image
 
 from dsc import format as fmt
-from dsc.compiler.decode import decode, probe
+from dsc.compiler.decode import IncompleteJpegWarning, decode, probe
 from dsc.compiler.resize import Target, needed_size, resize_into
 from dsc.errors import CompileError, ImageError
 
@@ -60,6 +61,7 @@ class SlotResult:
     height: int = 0  # original, upright
     width: int = 0
     reason: str = ""  # why the source was skipped; empty when it was written
+    warning: str = ""  # what was odd about a source that was written anyway (e.g. a missing EOI)
     crc: int = 0  # CRC-32 of the record's bytes, so a resume can check what it reuses
 
     @property
@@ -134,10 +136,13 @@ class SlotWriter:
             for slot, source in tasks:
                 try:
                     path = os.path.join(self.job.src_root, source)
-                    h, w = compile_image(path, self.job.target, self.buffer, self.job.max_pixels,
-                                         self.job.decode_mode)
+                    with warnings.catch_warnings(record=True) as caught:  # they travel back in the result
+                        warnings.simplefilter("always", IncompleteJpegWarning)
+                        h, w = compile_image(path, self.job.target, self.buffer, self.job.max_pixels,
+                                             self.job.decode_mode)
                     self._store(slot)
-                    results.append(SlotResult(slot, h, w, crc=zlib.crc32(self.buffer)))
+                    note = "; ".join(str(c.message) for c in caught if c.category is IncompleteJpegWarning)
+                    results.append(SlotResult(slot, h, w, crc=zlib.crc32(self.buffer), warning=note))
                 except ImageError as e:
                     results.append(SlotResult(slot, reason=str(e)))
         finally:
