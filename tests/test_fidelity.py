@@ -1,4 +1,6 @@
-"""Faithful pixels (and every source kept that can be). The default decode is faithful: every record within mean |diff| 2.5 of an independent Pillow
+"""Faithful pixels, and every source kept that can be.
+
+The default decode is faithful: every record within mean |diff| 2.5 of an independent Pillow
 reference (full decode, BILINEAR over formats.md's box) at every size; `--fast-decode` is not.
 
 2.5 (of 255) is issue 12's target: below it a record is visually the reference (a full decode
