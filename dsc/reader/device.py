@@ -26,7 +26,8 @@ class DeviceFeeder:
         self.stream = torch.cuda.Stream(device)
         self.images = [torch.empty((batch_size, *record_shape), dtype=torch.uint8, pin_memory=True)
                        for _ in range(slots)]
-        self.ints = [torch.empty((2, batch_size), dtype=torch.int64, pin_memory=True) for _ in range(slots)]
+        # rows: label, index, original height, original width
+        self.ints = [torch.empty((4, batch_size), dtype=torch.int64, pin_memory=True) for _ in range(slots)]
         self.events: list[torch.cuda.Event | None] = [None] * slots
         self._next = 0
 
@@ -37,19 +38,21 @@ class DeviceFeeder:
             self.events[slot].synchronize()
         return slot, self.images[slot][:n].numpy()
 
-    def upload(self, slot: int, labels: np.ndarray, idx: np.ndarray) -> tuple[TensorDict, torch.cuda.Event]:
+    def upload(self, slot: int, labels: np.ndarray, idx: np.ndarray,
+               sizes: np.ndarray) -> tuple[TensorDict, torch.cuda.Event]:
         """Start copying slot `slot` to the device; the returned event marks the copy's end."""
         n = len(idx)
         ints = self.ints[slot][:, :n]
         ints[0].numpy()[:] = labels
         ints[1].numpy()[:] = idx
+        ints[2:].numpy()[:] = sizes.T
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             image = self.images[slot][:n].to(self.device, non_blocking=True)
-            label_index = ints.to(self.device, non_blocking=True)
+            small = ints.to(self.device, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)
         self.events[slot] = event
-        batch = TensorDict(image=image.permute(0, 3, 1, 2), label=label_index[0], index=label_index[1],
+        batch = TensorDict(image=image.permute(0, 3, 1, 2), label=small[0], index=small[1], size=small[2:].T,
                            batch_size=[n], device=self.device)
         return batch, event
 

@@ -226,11 +226,12 @@ class Loader:
             if self._feeder is not None:
                 slot, host = self._feeder.host_slot(len(idx))
                 fill_parallel(host, d.shards, idx, per_shard, pool, self.num_threads)
-                return self._feeder.upload(slot, np.take(d.labels, idx), idx)
+                return self._feeder.upload(slot, np.take(d.labels, idx), idx, np.take(d.sizes, idx, axis=0))
             host = self._buffers.take(len(idx))
             fill_parallel(host, d.shards, idx, per_shard, pool, self.num_threads)
             return TensorDict(image=torch.from_numpy(host).permute(0, 3, 1, 2),
                               label=torch.from_numpy(np.take(d.labels, idx)), index=torch.from_numpy(idx),
+                              size=torch.from_numpy(np.take(d.sizes, idx, axis=0).astype(np.int64)),
                               batch_size=[len(idx)])
         return make
 

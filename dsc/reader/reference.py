@@ -16,7 +16,8 @@ from dsc.reader import order as orders
 def reference_batches(dataset, batch_size: int, *, order: str = "block", seed: int = 0, epoch: int = 0,
                       drop_last: bool = False, rank: int = 0, world_size: int = 1,
                       locality: str | None = None) -> Iterator[dict]:
-    """Yield {image [B,3,H,W], label [B], index [B]} for one epoch, exactly as `Loader` should."""
+    """Yield {image [B,3,H,W], label [B], index [B], size [B, 2]} for one epoch, exactly as `Loader` should;
+    size is each source's original (height, width)."""
     share = orders.epoch_share(len(dataset), order, seed, epoch, rank, world_size, batch_size, drop_last,
                                locality=locality, records_per_shard=dataset.manifest.records_per_shard)
     for b in range(orders.batch_count(len(share), batch_size)):
@@ -24,4 +25,5 @@ def reference_batches(dataset, batch_size: int, *, order: str = "block", seed: i
         samples = [dataset[int(i)] for i in index]
         yield {"image": torch.stack([s.image for s in samples]),
                "label": torch.tensor([s.label for s in samples], dtype=torch.int64),
-               "index": torch.from_numpy(index)}
+               "index": torch.from_numpy(index),
+               "size": torch.tensor([[int(v) for v in dataset.opened.sizes[i]] for i in index], dtype=torch.int64)}
