@@ -173,3 +173,25 @@ def test_bad_eval_arguments_raise_value_error(make, match) -> None:
 def test_center_crop_larger_than_the_batch_is_an_error() -> None:
     with pytest.raises(ValueError, match="larger than the images"):
         CenterCrop(30)(torch.zeros(2, 3, 20, 40, dtype=torch.uint8))
+
+
+def _torchvision_v2():
+    try:  # torchvision from PyPI fails to import with some torch builds (not only ImportError)
+        from torchvision.transforms import v2
+    except Exception as e:  # any import failure means: not usable here
+        pytest.skip(f"torchvision does not import here ({type(e).__name__}: {e})")
+    return v2
+
+
+def test_torchvision_mixup_and_cutmix_take_dsc_batches(stretched: dict) -> None:
+    """The README's recipe: v2.MixUp/CutMix on a whole normalised dsc batch and its labels."""
+    v2 = _torchvision_v2()
+    from dsc.transforms import Normalize
+
+    x = Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))(stretched["image"])
+    labels = torch.tensor([0, 1, 2, 3])
+    for mix in (v2.MixUp(num_classes=4), v2.CutMix(num_classes=4)):
+        images, soft = mix(x, labels)
+        assert images.shape == x.shape and soft.shape == (4, 4)
+        torch.testing.assert_close(soft.sum(dim=1), torch.ones(4))
+        assert not torch.equal(images, x)  # pixels of another sample were mixed in
