@@ -14,7 +14,9 @@ from PIL import Image, ImageOps
 
 from dsc import MemmapDataset, compile_folder
 from dsc.eval_transforms import CenterCrop, OriginalCenterCrop, Resize
-from dsc.transforms import ATTEMPTS, RandomResizedCrop, boxes
+from dsc.transforms import RandomResizedCrop, boxes
+
+from conftest import ref_box
 
 PHOTOS = Path(__file__).parent / "data" / "photos"
 
@@ -41,23 +43,6 @@ def stretched(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def mean_diff(ours: torch.Tensor, reference: Image.Image) -> float:
     return float(np.abs(ours.permute(1, 2, 0).numpy().astype(np.int16) - np.asarray(reference)).mean())
-
-
-def ref_box(draws: torch.Tensor, height: int, width: int, scale, ratio) -> tuple[int, int, int, int]:
-    """torchvision's RandomResizedCrop.get_params for one image, fed the given draws."""
-    for k in range(ATTEMPTS):
-        area = height * width * float(draws[k])
-        aspect = math.exp(float(draws[ATTEMPTS + k]))
-        w, h = int(round(math.sqrt(area * aspect))), int(round(math.sqrt(area / aspect)))
-        if 0 < w <= width and 0 < h <= height:
-            return int(draws[-2] * (height - h + 1)), int(draws[-1] * (width - w + 1)), h, w
-    if width / height < min(ratio):
-        w, h = width, int(round(width / min(ratio)))
-    elif width / height > max(ratio):
-        h, w = height, int(round(height * max(ratio)))
-    else:
-        h, w = height, width
-    return (height - h) // 2, (width - w) // 2, h, w
 
 
 # RandomResizedCrop(original_sizes=True)
