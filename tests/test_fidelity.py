@@ -18,6 +18,7 @@ import pytest
 from dsc import MemmapDataset, compile_folder
 from dsc.compiler import SourceWarning
 from dsc.compiler.decode import turbojpeg_library
+from dsc.inspect_dataset import check_against_sources
 
 from conftest import pattern, pillow_reference, save
 
@@ -79,3 +80,16 @@ def test_a_compile_keeps_a_jpeg_missing_only_its_eoi_and_skips_a_cut_one(tmp_pat
                                  on_skip=lambda source, reason: skipped.append(source))
     assert summary.kept == 1 and skipped == ["cut.jpg"]
     assert MemmapDataset(tmp_path / "out").source(0).name == "no_eoi.jpg"
+
+
+def test_cli_fast_decode_is_recorded_and_verify_re_decodes_the_same_way(sources: Path, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from dsc.cli import app
+
+    result = CliRunner().invoke(app, ["compile", str(sources), str(tmp_path / "out"), "--size", "112", "-j", "1",
+                                      "--fast-decode"])
+    assert result.exit_code == 0, result.output
+    assert MemmapDataset(tmp_path / "out").manifest.compile["decode"] == "fast"
+    check = check_against_sources(tmp_path / "out", 3)  # a faithful re-decode would differ on the grain
+    assert check.checked == 3 and check.worst_max_abs == 0
