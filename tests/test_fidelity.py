@@ -10,6 +10,7 @@ margin, see benchmarks/decode_fidelity.py).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -92,4 +93,15 @@ def test_cli_fast_decode_is_recorded_and_verify_re_decodes_the_same_way(sources:
     assert result.exit_code == 0, result.output
     assert MemmapDataset(tmp_path / "out").manifest.compile["decode"] == "fast"
     check = check_against_sources(tmp_path / "out", 3)  # a faithful re-decode would differ on the grain
+    assert check.checked == 3 and check.worst_max_abs == 0
+
+
+def test_a_manifest_without_the_decode_key_was_made_the_fast_way(sources: Path, tmp_path: Path) -> None:
+    """Datasets written before the key existed re-decode (`dsc verify --decode`) as they were made."""
+    compile_folder(sources, tmp_path / "out", size=112, workers=1, fast_decode=True)
+    manifest = tmp_path / "out" / "manifest.json"
+    doc = json.loads(manifest.read_bytes())
+    del doc["compile"]["decode"]
+    manifest.write_text(json.dumps(doc))
+    check = check_against_sources(tmp_path / "out", 3)
     assert check.checked == 3 and check.worst_max_abs == 0
