@@ -25,8 +25,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from dsc.boxes import BoxDraws, BoxParams, boxes, draws, map_boxes
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-ATTEMPTS = 10  # boxes RandomResizedCrop tries per sample before its centre-crop fallback, as torchvision
 
 
 class CropParams(NamedTuple):
@@ -40,15 +41,6 @@ class FlipParams(NamedTuple):
     """Which samples are flipped (bool [B], CPU)."""
 
     flip: torch.Tensor
-
-
-class BoxParams(NamedTuple):
-    """Per-sample crop box in input pixels (int64 [B] each, CPU): rows top..top+height-1."""
-
-    top: torch.Tensor
-    left: torch.Tensor
-    height: torch.Tensor
-    width: torch.Tensor
 
 
 def _check_batch(batch: object, who: str) -> torch.Tensor:
@@ -251,45 +243,6 @@ class RandomHorizontalFlip(RandomTransform):
         return torch.where(flip, batch.flip(-1), batch)  # no host sync: no boolean-mask indexing
 
 
-class BoxDraws(NamedTuple):
-    """RandomResizedCrop's random numbers for a batch (float64 [B, 2 * ATTEMPTS + 2], CPU): per
-    sample ATTEMPTS area fractions, ATTEMPTS log aspect ratios, then two uniforms for the corner.
-    They turn into boxes only once each sample's image size is known (`boxes`)."""
-
-    draws: torch.Tensor
-
-
-def _draws(b: int, scale: tuple[float, float], ratio: tuple[float, float], g: torch.Generator) -> BoxDraws:
-    area = torch.empty(b, ATTEMPTS, dtype=torch.float64).uniform_(*scale, generator=g)
-    log_ratio = torch.empty(b, ATTEMPTS, dtype=torch.float64).uniform_(*map(math.log, ratio), generator=g)
-    corner = torch.rand(b, 2, dtype=torch.float64, generator=g)  # for every sample: a fixed number of draws
-    return BoxDraws(torch.cat([area, log_ratio, corner], dim=1))
-
-
-def boxes(draws: BoxDraws, height: torch.Tensor, width: torch.Tensor, ratio: tuple[float, float]) -> BoxParams:
-    """torchvision's box search for every sample at once, on the draws' device: the first of
-    ATTEMPTS boxes that fits in its (height[b], width[b]) image, else the whole image cropped to
-    the nearest allowed ratio and centred (its fallback). Sides and corners are whole pixels."""
-    d, height, width = draws.draws, height.to(torch.float64)[:, None], width.to(torch.float64)[:, None]
-    area = d[:, :ATTEMPTS] * (height * width)
-    aspect = torch.exp(d[:, ATTEMPTS:2 * ATTEMPTS])
-    w, h = torch.round(torch.sqrt(area * aspect)), torch.round(torch.sqrt(area / aspect))
-    fits = (w > 0) & (w <= width) & (h > 0) & (h <= height)
-    first = fits.long().argmax(dim=1, keepdim=True)  # argmax returns the first maximum
-    found = fits.any(dim=1)
-    height, width = height[:, 0], width[:, 0]
-    narrow, wide = width / height < ratio[0], width / height > ratio[1]
-    fall_h = torch.where(narrow, torch.round(width / ratio[0]), height)
-    fall_w = torch.where(wide, torch.round(height * ratio[1]), width)
-    h = torch.where(found, h.gather(1, first)[:, 0], fall_h)
-    w = torch.where(found, w.gather(1, first)[:, 0], fall_w)
-    top = torch.minimum(torch.floor(d[:, -2] * (height - h + 1)), height - h)
-    left = torch.minimum(torch.floor(d[:, -1] * (width - w + 1)), width - w)
-    top = torch.where(found, top, torch.floor((height - h) / 2))  # the fallback box is centred
-    left = torch.where(found, left, torch.floor((width - w) / 2))
-    return BoxParams(*(v.long() for v in (top, left, h, w)))
-
-
 def to_device(params: torch.Tensor, device: torch.device) -> torch.Tensor:
     """CPU-drawn parameters onto the batch's device without a host sync: pinned, non_blocking."""
     if device.type != "cuda":
@@ -340,10 +293,10 @@ class RandomResizedCrop(RandomTransform):
         b, _, height, width = _check_shape(shape, "RandomResizedCrop")
         if height == 0 or width == 0:
             raise ValueError(f"RandomResizedCrop needs images of at least 1x1 pixels, got {height}x{width}")
-        draws = _draws(b, self.scale, self.ratio, self._generator(generator))
+        drawn = draws(b, self.scale, self.ratio, self._generator(generator))
         if self.original_sizes:
-            return draws
-        return boxes(draws, torch.full((b,), height), torch.full((b,), width), self.ratio)
+            return drawn
+        return boxes(drawn, torch.full((b,), height), torch.full((b,), width), self.ratio)
 
     def apply(self, batch: torch.Tensor, params: BoxParams | BoxDraws,
               sizes: torch.Tensor | None = None) -> torch.Tensor:
@@ -368,13 +321,6 @@ def _check_sizes(sizes: object, batch: torch.Tensor, who: str) -> torch.Tensor:
         raise ValueError(f"{who} with original sizes needs sizes=batch['size'], an integer tensor "
                          f"[{batch.shape[0]}, 2] of (height, width), got {found}")
     return sizes.to(batch.device)
-
-
-def map_boxes(box: BoxParams, sizes: torch.Tensor, record: Sequence[int], work: torch.dtype) -> list[torch.Tensor]:
-    """Boxes in original-image pixels -> the same region of a record that stretched the whole
-    image to `record` (height, width): each axis scales by record side / original side."""
-    sy, sx = record[0] / sizes[:, 0].to(work), record[1] / sizes[:, 1].to(work)
-    return [box.top * sy, box.left * sx, box.height * sy, box.width * sx]
 
 
 def _resample(batch: torch.Tensor, box: Sequence[torch.Tensor], size: tuple[int, int]) -> torch.Tensor:

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from dsc.boxes import ATTEMPTS
 from dsc.testing import _pattern as pattern
 from dsc.testing import _save as save
 from dsc.testing import pillow_reference
-from dsc.transforms import ATTEMPTS
 
 __all__ = ["pattern", "save", "pillow_reference", "make_folder", "ref_box"]  # the tests import these from here
 

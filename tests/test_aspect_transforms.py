@@ -13,8 +13,9 @@ import torch
 from PIL import Image, ImageOps
 
 from dsc import MemmapDataset, compile_folder
+from dsc.boxes import boxes
 from dsc.eval_transforms import CenterCrop, OriginalCenterCrop, Resize
-from dsc.transforms import RandomResizedCrop, boxes
+from dsc.transforms import RandomResizedCrop
 
 from conftest import ref_box
 

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from PIL import Image
 
 import dsc
+from dsc.boxes import ATTEMPTS
 from dsc.transforms import (
-    ATTEMPTS,
     Compose,
     Normalize,
     RandomCrop,
