@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import signal
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -16,7 +17,7 @@ import typer
 from tqdm import tqdm
 
 from dsc.bench import run as run_bench
-from dsc.compiler import compile_folder
+from dsc.compiler import SourceWarning, compile_folder
 from dsc.compiler.decode import DEFAULT_MAX_PIXELS, turbojpeg_library
 from dsc.compiler.publish import staging_path
 from dsc.compiler.resize import FITS, Target, parse_size
@@ -110,11 +111,17 @@ def compile_command(
     def on_skip(source: str, reason: str) -> None:
         bar.write(f"skipped {_clean(source)}: {_clean(reason)}", file=sys.stderr)
 
+    def on_warning(message, category, *_args, **_kwargs) -> None:  # a kept source's oddity: one line, as skips
+        bar.write(f"warning: {_clean(str(message))}", file=sys.stderr)
+
     try:
-        summary = compile_folder(src, out, size=size, fit=fit, seed=seed, shuffle=shuffle, workers=workers,
-                                 strict=strict, force=force, records_per_shard=records_per_shard,
-                                 max_pixels=max_pixels, resume=resume, engine=engine, address=address,
-                                 fast_decode=fast_decode, progress=bar.update, on_skip=on_skip)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("always", category=SourceWarning)
+            warnings.showwarning = on_warning
+            summary = compile_folder(src, out, size=size, fit=fit, seed=seed, shuffle=shuffle, workers=workers,
+                                     strict=strict, force=force, records_per_shard=records_per_shard,
+                                     max_pixels=max_pixels, resume=resume, engine=engine, address=address,
+                                     fast_decode=fast_decode, progress=bar.update, on_skip=on_skip)
     except DscError as e:
         bar.close()
         _fail(str(e))

@@ -15,8 +15,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from typer.testing import CliRunner
 
 from dsc import MemmapDataset, compile_folder
+from dsc.cli import app
 from dsc.compiler import SourceWarning
 from dsc.compiler.decode import turbojpeg_library
 from dsc.inspect_dataset import check_against_sources
@@ -81,13 +83,13 @@ def test_a_compile_keeps_a_jpeg_missing_only_its_eoi_and_skips_a_cut_one(tmp_pat
                                  on_skip=lambda source, reason: skipped.append(source))
     assert summary.kept == 1 and skipped == ["cut.jpg"]
     assert MemmapDataset(tmp_path / "out").source(0).name == "no_eoi.jpg"
+    result = CliRunner().invoke(app, ["compile", str(tmp_path / "src"), str(tmp_path / "cli"), "--size", "32"])
+    assert result.exit_code == 0, result.stderr
+    assert "warning: no_eoi.jpg: no end-of-image marker (FF D9)" in result.stderr
+    assert "skipped cut.jpg: corrupt or truncated" in result.stderr
 
 
 def test_cli_fast_decode_is_recorded_and_verify_re_decodes_the_same_way(sources: Path, tmp_path: Path) -> None:
-    from typer.testing import CliRunner
-
-    from dsc.cli import app
-
     result = CliRunner().invoke(app, ["compile", str(sources), str(tmp_path / "out"), "--size", "112", "-j", "1",
                                       "--fast-decode"])
     assert result.exit_code == 0, result.output

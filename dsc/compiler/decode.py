@@ -1,4 +1,4 @@
-"""Decode: encoded bytes → an EXIF-oriented RGB uint8 array, as small as the resize allows.
+"""Decode: encoded bytes → an EXIF-oriented RGB uint8 array, at full size unless "fast".
 
 JPEGs go through libjpeg-turbo (jpeg4py), scaled in the DCT domain by the largest of
 1/8, 1/4, 1/2 that the decode mode allows (other M/8 scales are slower than a full decode).
