@@ -99,12 +99,12 @@ def run_baseline(paths: list[str], size: int, procs: int) -> tuple[float, float]
     return startup + work, work
 
 
-def run_dsc(src: Path, out: Path, size: int, workers: int) -> float:
+def run_dsc(src: Path, out: Path, size: int, workers: int, fast_decode: bool = False) -> float:
     """Seconds for one end-to-end `dsc.compile_folder`, output deleted afterwards."""
     import dsc
 
     summary = dsc.compile_folder(src, out, size=size, fit="center-crop", workers=workers, force=True,
-                                 on_skip=lambda source, reason: None)
+                                 fast_decode=fast_decode, on_skip=lambda source, reason: None)
     shutil.rmtree(out)
     return summary.seconds
 
@@ -125,7 +125,7 @@ def breakdown(paths: list[str], size: int) -> dict[str, float]:
         t1 = time.perf_counter()
         p = probe(data)
         t2 = time.perf_counter()
-        rgb = decode(data, p, *needed_size(*p.oriented_size, target))
+        rgb = decode(data, p, *needed_size(*p.oriented_size, target))  # the default (faithful) mode
         t3 = time.perf_counter()
         resize_into(rgb, target, out)
         t4 = time.perf_counter()
@@ -166,14 +166,18 @@ def main() -> None:
         runs = []
         for _ in range(args.repeat):
             runs.append((run_baseline(paths, args.size, 1)[0], run_dsc(src, work / "out1", args.size, 1),
-                         *run_baseline(paths, args.size, cores), run_dsc(src, work / "outN", args.size, cores)))
-        b1, d1, bn, bn_work, dn = np.min(runs, axis=0)
+                         *run_baseline(paths, args.size, cores), run_dsc(src, work / "outN", args.size, cores),
+                         run_dsc(src, work / "out1f", args.size, 1, fast_decode=True),
+                         run_dsc(src, work / "outNf", args.size, cores, fast_decode=True)))
+        b1, d1, bn, bn_work, dn, f1, fn = np.min(runs, axis=0)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     rate = {k: len(paths) / s for k, s in
-            {"b1": b1, "d1": d1, "bn": bn, "bn_work": bn_work, "dn": dn}.items()}
+            {"b1": b1, "d1": d1, "bn": bn, "bn_work": bn_work, "dn": dn, "f1": f1, "fn": fn}.items()}
     rows = [("dsc compile_folder, workers=1 (in-process, end to end)", 1, d1, rate["d1"]),
             (f"dsc compile_folder, workers={cores} (end to end, incl. start-up)", cores, dn, rate["dn"]),
+            ("dsc compile_folder --fast-decode, workers=1", 1, f1, rate["f1"]),
+            (f"dsc compile_folder --fast-decode, workers={cores}", cores, fn, rate["fn"]),
             ("baseline Pillow, 1 process", 1, b1, rate["b1"]),
             (f"baseline Pillow, Pool({cores}) incl. start-up", cores, bn, rate["bn"]),
             (f"baseline Pillow, Pool({cores}) without start-up", cores, bn_work, rate["bn_work"])]

@@ -53,6 +53,14 @@ UNLABELED = -1  # the label of every record of a folder without class sub-folder
 MAX_MANIFEST_BYTES = 64 << 20  # refuse to parse more: a manifest is small, even with many skips
 MAX_SIDE = 1 << 16  # records are thumbnails for training, not posters
 HASH_CHUNK = 8 << 20
+# compile.decode (informative): how far the compiler let libjpeg-turbo scale JPEGs down in the
+# DCT domain; a manifest without the key was made before it existed, by today's "fast".
+DECODE_MODES = ("faithful", "fast")
+DECODE_MODE_UNRECORDED = "fast"
+DCT_SCALING = {
+    "faithful": "none: JPEGs are decoded at full size",
+    "fast": "1/2, 1/4 or 1/8 when the source is at least that many times the size the fit needs",
+}
 REOPEN_ATTEMPTS = 5  # opens of a folder that recompiles keep swapping, before giving up
 REOPEN_PAUSE_S = 0.01  # the pause before the next attempt grows by this much each time
 

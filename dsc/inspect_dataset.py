@@ -48,30 +48,32 @@ class DecodeCheck:
     worst_mean_abs: float = 0.0
 
 
-def _recipe(d: fmt.OpenedDataset) -> tuple[str, Target, int]:
-    """(source root, target, max_pixels) as the manifest's "compile" records them, checked."""
+def _recipe(d: fmt.OpenedDataset) -> tuple[str, Target, int, str]:
+    """(source root, target, max_pixels, decode mode) as the manifest's "compile" records them, checked."""
     c, m = d.manifest.compile, d.manifest
     root, size, fit, max_pixels = c.get("source_root"), c.get("size"), c.get("fit"), c.get("max_pixels")
+    mode = c.get("decode", fmt.DECODE_MODE_UNRECORDED)
     ok = (isinstance(root, str) and isinstance(size, list) and size == [m.height, m.width]
-          and fit in FITS and isinstance(max_pixels, int) and not isinstance(max_pixels, bool) and max_pixels > 0)
+          and fit in FITS and isinstance(max_pixels, int) and not isinstance(max_pixels, bool) and max_pixels > 0
+          and mode in fmt.DECODE_MODES)
     if not ok:
         raise DatasetError(f"{d.root / fmt.MANIFEST_FILE}: 'compile' does not say how the records were made "
-                           "(source_root, size, fit, max_pixels), so they cannot be decoded again")
-    return root, Target(m.height, m.width, fit), max_pixels
+                           "(source_root, size, fit, max_pixels, decode), so they cannot be decoded again")
+    return root, Target(m.height, m.width, fit), max_pixels, mode
 
 
 def check_against_sources(path: str | os.PathLike, n: int, seed: int = 0) -> DecodeCheck:
     """Re-decode `n` random records from their source files and compare with the stored pixels."""
     d = fmt.open_dataset(path)
     m = d.manifest
-    root, target, max_pixels = _recipe(d)
+    root, target, max_pixels, mode = _recipe(d)
     picks = np.random.default_rng(seed).choice(m.count, size=min(n, m.count), replace=False)
     fresh = np.empty(m.record_shape, np.uint8)
     missing, worst = [], DecodeCheck(0, [])
     for i in sorted(int(i) for i in picks):
         source = d.source(i)
         try:
-            compile_image(os.path.join(root, source), target, fresh, max_pixels)
+            compile_image(os.path.join(root, source), target, fresh, max_pixels, mode)
         except ImageError as e:
             missing.append(f"{source} ({e})")
             continue

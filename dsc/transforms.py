@@ -25,8 +25,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from dsc.boxes import BoxDraws, BoxParams, boxes, draws, map_boxes
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-ATTEMPTS = 10  # boxes RandomResizedCrop tries per sample before its centre-crop fallback, as torchvision
 
 
 class CropParams(NamedTuple):
@@ -40,15 +41,6 @@ class FlipParams(NamedTuple):
     """Which samples are flipped (bool [B], CPU)."""
 
     flip: torch.Tensor
-
-
-class BoxParams(NamedTuple):
-    """Per-sample crop box in input pixels (int64 [B] each, CPU): rows top..top+height-1."""
-
-    top: torch.Tensor
-    left: torch.Tensor
-    height: torch.Tensor
-    width: torch.Tensor
 
 
 def _check_batch(batch: object, who: str) -> torch.Tensor:
@@ -251,26 +243,11 @@ class RandomHorizontalFlip(RandomTransform):
         return torch.where(flip, batch.flip(-1), batch)  # no host sync: no boolean-mask indexing
 
 
-def _box_sides(b: int, height: int, width: int, scale: tuple[float, float], ratio: tuple[float, float],
-               g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """torchvision's box search for all samples at once: the first of ATTEMPTS boxes that fits,
-    else the whole image cropped to the nearest allowed ratio (its fallback)."""
-    area = torch.empty(b, ATTEMPTS, dtype=torch.float64).uniform_(*scale, generator=g) * (height * width)
-    log_ratio = torch.empty(b, ATTEMPTS, dtype=torch.float64).uniform_(*map(math.log, ratio), generator=g)
-    w = torch.round(torch.sqrt(area * torch.exp(log_ratio))).long()
-    h = torch.round(torch.sqrt(area / torch.exp(log_ratio))).long()
-    fits = (w > 0) & (w <= width) & (h > 0) & (h <= height)
-    first = fits.long().argmax(dim=1, keepdim=True)  # argmax returns the first maximum
-    if width / height < ratio[0]:
-        fall_h, fall_w = int(round(width / ratio[0])), width
-    elif width / height > ratio[1]:
-        fall_h, fall_w = height, int(round(height * ratio[1]))
-    else:
-        fall_h, fall_w = height, width
-    found = fits.any(dim=1)
-    h = torch.where(found, h.gather(1, first)[:, 0], fall_h)
-    w = torch.where(found, w.gather(1, first)[:, 0], fall_w)
-    return h, w, found
+def to_device(params: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """CPU-drawn parameters onto the batch's device without a host sync: pinned, non_blocking."""
+    if device.type != "cuda":
+        return params.to(device)
+    return params.pin_memory().to(device, non_blocking=True)
 
 
 def _grid_axis(start: torch.Tensor, length: torch.Tensor, out: int, size: int) -> torch.Tensor:
@@ -290,42 +267,77 @@ class RandomResizedCrop(RandomTransform):
     `ratio`, ten tries, then a centre crop) and are whole pixels. Resampling is bilinear without
     antialiasing (torchvision's ``antialias=False``), in float32 (float64 input stays float64);
     the output has the input's dtype, uint8 rounded to nearest.
+
+    ``original_sizes=True`` is for records compiled with ``--fit stretch``: call it with
+    ``sizes=batch["size"]`` and each box is drawn by the same rules over the *original* image
+    ((height, width) of the source), then mapped into the stretched record. The crop then has
+    the area and aspect ratio torchvision would give on the original, over its whole field of view.
+    Boxes are made on the batch's device from draws copied there pinned and ``non_blocking``, so
+    a CUDA batch with CUDA sizes costs no host sync.
     """
 
     def __init__(self, size: int | Sequence[int], scale: Sequence[float] = (0.08, 1.0),
-                 ratio: Sequence[float] = (3 / 4, 4 / 3), *, generator: torch.Generator | None = None) -> None:
+                 ratio: Sequence[float] = (3 / 4, 4 / 3), *, original_sizes: bool = False,
+                 generator: torch.Generator | None = None) -> None:
         super().__init__(generator)
         self.size = _size(size, "RandomResizedCrop")
         self.scale, self.ratio = _range(scale, "scale"), _range(ratio, "ratio")
-        self._describe = f"size={self.size}, scale={self.scale}, ratio={self.ratio}"
+        if not isinstance(original_sizes, bool):
+            raise ValueError(f"RandomResizedCrop original_sizes must be True or False, got {original_sizes!r}")
+        self.original_sizes = original_sizes
+        self._describe = (f"size={self.size}, scale={self.scale}, ratio={self.ratio}, "
+                          f"original_sizes={original_sizes}")
 
-    def draw(self, shape: Sequence[int], generator: torch.Generator | None = None) -> BoxParams:
+    def draw(self, shape: Sequence[int], generator: torch.Generator | None = None) -> BoxParams | BoxDraws:
+        """Boxes in the batch's pixels; with `original_sizes`, the raw draws (`apply` makes the boxes)."""
         b, _, height, width = _check_shape(shape, "RandomResizedCrop")
         if height == 0 or width == 0:
             raise ValueError(f"RandomResizedCrop needs images of at least 1x1 pixels, got {height}x{width}")
-        g = self._generator(generator)
-        h, w, found = _box_sides(b, height, width, self.scale, self.ratio, g)
-        u = torch.rand(b, 2, dtype=torch.float64, generator=g)  # for every sample: a fixed number of draws
-        top = torch.minimum(torch.floor(u[:, 0] * (height - h + 1)).long(), height - h)
-        left = torch.minimum(torch.floor(u[:, 1] * (width - w + 1)).long(), width - w)
-        top = torch.where(found, top, (height - h) // 2)  # the fallback box is centred
-        left = torch.where(found, left, (width - w) // 2)
-        return BoxParams(top, left, h, w)
+        drawn = draws(b, self.scale, self.ratio, self._generator(generator))
+        if self.original_sizes:
+            return drawn
+        return boxes(drawn, torch.full((b,), height), torch.full((b,), width), self.ratio)
 
-    def apply(self, batch: torch.Tensor, params: BoxParams) -> torch.Tensor:
+    def apply(self, batch: torch.Tensor, params: BoxParams | BoxDraws,
+              sizes: torch.Tensor | None = None) -> torch.Tensor:
         _check_params(params, batch, "RandomResizedCrop")
         work = torch.float64 if batch.dtype == torch.float64 else torch.float32
-        top, left, h, w = (p.to(batch.device, work) for p in params)
-        ys = _grid_axis(top, h, self.size[0], batch.shape[2])
-        xs = _grid_axis(left, w, self.size[1], batch.shape[3])
-        grid = torch.empty(*ys.shape, xs.shape[1], 2, device=batch.device, dtype=work)  # [B, h, w, (x, y)]
-        grid[..., 0], grid[..., 1] = xs[:, None, :], ys[:, :, None]
-        out = F.grid_sample(batch.to(work), grid, mode="bilinear", padding_mode="border", align_corners=False)
-        if not batch.is_floating_point():
-            info = torch.iinfo(batch.dtype)
-            out = out.round_().clamp_(info.min, info.max)
-        result = torch.empty(out.shape, dtype=batch.dtype, device=batch.device, memory_format=_memory_format(batch))
-        return result.copy_(out)  # cast and layout change in one pass
+        if not self.original_sizes:
+            return _resample(batch, [p.to(batch.device, work) for p in params], self.size)
+        sizes = _check_sizes(sizes, batch, "RandomResizedCrop")
+        box = boxes(BoxDraws(to_device(params.draws, batch.device)), sizes[:, 0], sizes[:, 1], self.ratio)
+        return _resample(batch, map_boxes(box, sizes, batch.shape[2:], work), self.size)
+
+    def __call__(self, batch: torch.Tensor, generator: torch.Generator | None = None, *,
+                 sizes: torch.Tensor | None = None) -> torch.Tensor:
+        batch = _check_batch(batch, "RandomResizedCrop")
+        return self.apply(batch, self.draw(batch.shape, generator), sizes)
+
+
+def _check_sizes(sizes: object, batch: torch.Tensor, who: str) -> torch.Tensor:
+    """The batch's original (height, width) per sample, as the loader serves batch["size"]."""
+    if not isinstance(sizes, torch.Tensor) or sizes.shape != (batch.shape[0], 2) or sizes.is_floating_point():
+        found = tuple(sizes.shape) if isinstance(sizes, torch.Tensor) else type(sizes).__name__
+        raise ValueError(f"{who} with original sizes needs sizes=batch['size'], an integer tensor "
+                         f"[{batch.shape[0]}, 2] of (height, width), got {found}")
+    return sizes.to(batch.device)
+
+
+def _resample(batch: torch.Tensor, box: Sequence[torch.Tensor], size: tuple[int, int]) -> torch.Tensor:
+    """Resample each sample's (top, left, height, width) box (device tensors, float) to `size` in
+    one grid_sample; bilinear without antialiasing, the input's dtype (uint8 rounded)."""
+    top, left, h, w = box
+    work = top.dtype
+    ys = _grid_axis(top, h, size[0], batch.shape[2])
+    xs = _grid_axis(left, w, size[1], batch.shape[3])
+    grid = torch.empty(*ys.shape, xs.shape[1], 2, device=batch.device, dtype=work)  # [B, h, w, (x, y)]
+    grid[..., 0], grid[..., 1] = xs[:, None, :], ys[:, :, None]
+    out = F.grid_sample(batch.to(work), grid, mode="bilinear", padding_mode="border", align_corners=False)
+    if not batch.is_floating_point():
+        info = torch.iinfo(batch.dtype)
+        out = out.round_().clamp_(info.min, info.max)
+    result = torch.empty(out.shape, dtype=batch.dtype, device=batch.device, memory_format=_memory_format(batch))
+    return result.copy_(out)  # cast and layout change in one pass
 
 
 class Compose(Transform):

@@ -3,16 +3,19 @@ reference of each fit policy live in dsc.testing, which users' own CI uses too).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
+from dsc.boxes import ATTEMPTS
 from dsc.testing import _pattern as pattern
 from dsc.testing import _save as save
 from dsc.testing import pillow_reference
 
-__all__ = ["pattern", "save", "pillow_reference", "make_folder"]  # the tests import these from here
+__all__ = ["pattern", "save", "pillow_reference", "make_folder", "ref_box"]  # the tests import these from here
 
 
 def make_folder(root: Path, classes: int = 3, per_class: int = 4, seed: int = 0,
@@ -34,3 +37,20 @@ def make_folder(root: Path, classes: int = 3, per_class: int = 4, seed: int = 0,
 @pytest.fixture
 def folder(tmp_path: Path) -> Path:
     return make_folder(tmp_path / "src")
+
+
+def ref_box(draws: torch.Tensor, height: int, width: int, scale, ratio) -> tuple[int, int, int, int]:
+    """torchvision's RandomResizedCrop.get_params for one image, fed the given draws."""
+    for k in range(ATTEMPTS):
+        area = height * width * float(draws[k])
+        aspect = math.exp(float(draws[ATTEMPTS + k]))
+        w, h = int(round(math.sqrt(area * aspect))), int(round(math.sqrt(area / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            return int(draws[-2] * (height - h + 1)), int(draws[-1] * (width - w + 1)), h, w
+    if width / height < min(ratio):
+        w, h = width, int(round(width / min(ratio)))
+    elif width / height > max(ratio):
+        h, w = height, int(round(height * max(ratio)))
+    else:
+        h, w = height, width
+    return (height - h) // 2, (width - w) // 2, h, w

@@ -261,6 +261,8 @@ def test_resume_refuses_other_settings_or_a_changed_source(big_folder: Path, tmp
         compile_folder(big_folder, out, size=48, workers=1, records_per_shard=16, resume=True)
     with pytest.raises(CompileError, match=r"seed 0 \(now 5\)"):
         compile_folder(big_folder, out, size=64, seed=5, workers=1, records_per_shard=16, resume=True)
+    with pytest.raises(CompileError, match=r"decode 'faithful' \(now 'fast'\)"):
+        compile_folder(big_folder, out, size=64, workers=1, records_per_shard=16, resume=True, fast_decode=True)
     extra = big_folder / "c0" / "zz_new.png"
     save(extra, pattern(30, 30), "PNG")
     try:

@@ -49,8 +49,9 @@ def test_jpeg4py_and_pillow_give_identical_pixels(scale: int, subsampling: int) 
     ((500, 500), (500, 500), 1),
     ((17, 9), (1, 1), 8),
 ])
-def test_dct_scale_is_the_largest_power_of_two_that_covers_the_need(size, need, scale) -> None:
-    assert dec.dct_scale(size[0], size[1], need[1], need[0]) == scale
+def test_fast_dct_scale_is_the_largest_power_of_two_that_covers_the_need(size, need, scale) -> None:
+    assert dec.dct_scale(size[0], size[1], need[1], need[0], "fast") == scale
+    assert dec.dct_scale(size[0], size[1], need[1], need[0]) == 1  # faithful: always a full decode
 
 
 @pytest.mark.parametrize("orientation", range(1, 9))
@@ -199,3 +200,16 @@ def test_exif_after_the_frame_header_is_still_found(tmp_path: Path) -> None:
     moved = without[:sof_end] + app1 + without[sof_end:]
     assert dec._probe_pillow(moved).orientation == 6
     assert dec._probe_jpeg(moved) == dec._probe_pillow(moved)
+
+
+@pytest.mark.skipif(dec.turbojpeg_library() is None, reason="only libjpeg-turbo's warnings tell the two apart")
+@pytest.mark.parametrize("progressive", [False, True])
+def test_a_complete_scan_without_eoi_is_kept_with_a_warning_and_a_cut_one_refused(progressive: bool) -> None:
+    data = encode(pattern(120, 160), quality=90, progressive=progressive)
+    assert data.endswith(dec.EOI)
+    whole = decode_bytes(data)
+    with pytest.warns(dec.IncompleteJpegWarning, match=r"no end-of-image marker \(FF D9\)"):
+        assert np.array_equal(decode_bytes(data[:-2]), whole)
+    cut = data[: len(data) * 3 // 4]
+    with pytest.raises(ImageError, match="corrupt or truncated"):
+        decode_bytes(cut)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from PIL import Image
+from PIL import Image, ImageOps
 
 import dsc
 from dsc.reader import MemmapDataset
@@ -159,6 +159,7 @@ def test_loader_equals_reference(ds: MemmapDataset, order: str, batch_size: int,
             assert b["image"].is_contiguous(memory_format=torch.channels_last)
             assert torch.equal(b["image"], r["image"])
             assert torch.equal(b["label"], r["label"]) and torch.equal(b["index"], r["index"])
+            assert torch.equal(b["size"], r["size"])
             check_batch(ds, b)
 
 
@@ -345,6 +346,11 @@ def test_cpu_device_and_batch_layout(ds: MemmapDataset) -> None:
     batch = next(iter(ds.loader(5, device="cpu", order="sequential")))
     assert batch.batch_size == (5,) and batch["image"].shape == (5, 3, *SIZE)
     assert batch["label"].dtype == torch.int64 and batch["index"].tolist() == [0, 1, 2, 3, 4]
+    assert batch["size"].dtype == torch.int64 and batch["size"].shape == (5, 2)
+    for k, i in enumerate(batch["index"].tolist()):  # the sources' own upright (height, width)
+        with Image.open(ds.source(i)) as img:
+            width, height = ImageOps.exif_transpose(img).size
+        assert batch["size"][k].tolist() == [height, width]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -358,4 +364,4 @@ def test_cuda_path_equals_reference(ds: MemmapDataset, order: str) -> None:
         for b, r in zip(kept, ref):
             assert b["image"].device.type == "cuda"
             assert torch.equal(b["image"].cpu(), r["image"]) and torch.equal(b["index"].cpu(), r["index"])
-            assert torch.equal(b["label"].cpu(), r["label"])
+            assert torch.equal(b["label"].cpu(), r["label"]) and torch.equal(b["size"].cpu(), r["size"])

@@ -11,14 +11,16 @@ import torch.nn.functional as F
 from PIL import Image
 
 import dsc
+from dsc.boxes import ATTEMPTS
 from dsc.transforms import (
-    ATTEMPTS,
     Compose,
     Normalize,
     RandomCrop,
     RandomHorizontalFlip,
     RandomResizedCrop,
 )
+
+from conftest import ref_box
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
@@ -67,23 +69,8 @@ def ref_boxes(shape, scale, ratio, generator):
     area = torch.empty(b, ATTEMPTS, dtype=torch.float64).uniform_(*scale, generator=generator)
     log_ratio = torch.empty(b, ATTEMPTS, dtype=torch.float64).uniform_(*map(math.log, ratio), generator=generator)
     u = torch.rand(b, 2, dtype=torch.float64, generator=generator)
-    boxes = []
-    for i in range(b):
-        for k in range(ATTEMPTS):
-            target, aspect = height * width * float(area[i, k]), math.exp(float(log_ratio[i, k]))
-            w, h = int(round(math.sqrt(target * aspect))), int(round(math.sqrt(target / aspect)))
-            if 0 < w <= width and 0 < h <= height:
-                boxes.append((int(u[i, 0] * (height - h + 1)), int(u[i, 1] * (width - w + 1)), h, w))
-                break
-        else:
-            if width / height < min(ratio):
-                w, h = width, int(round(width / min(ratio)))
-            elif width / height > max(ratio):
-                h, w = height, int(round(height * max(ratio)))
-            else:
-                h, w = height, width
-            boxes.append(((height - h) // 2, (width - w) // 2, h, w))
-    return boxes
+    draws = torch.cat([area, log_ratio, u], dim=1)
+    return [ref_box(draws[i], height, width, scale, ratio) for i in range(b)]
 
 
 # Normalize

@@ -32,6 +32,10 @@ class SkippedImageWarning(UserWarning):
     """A source image was skipped; the dataset records it under "skipped"."""
 
 
+class SourceWarning(UserWarning):
+    """A source image was compiled, but something about its file was wrong (e.g. a missing EOI)."""
+
+
 @dataclass
 class CompileSummary:
     """What a compile did; also printed by `dsc compile`."""
@@ -106,6 +110,8 @@ def _decode_all(job: WriteJob, sources: list[str], workers: int, strict: bool, d
     def collect(results: list[SlotResult]) -> None:
         for result in results:
             if result.ok:
+                if result.warning:
+                    warnings.warn(f"{sources[result.slot]}: {result.warning}", SourceWarning, stacklevel=2)
                 ok[result.slot] = True
                 sizes[result.slot] = (result.height, result.width)
             elif strict:
@@ -123,12 +129,13 @@ def _decode_all(job: WriteJob, sources: list[str], workers: int, strict: bool, d
     return ok, sizes, failed
 
 
-def _options(target: Target, seed: int, shuffle: bool, max_pixels: int, src: Path, found: int) -> dict:
+def _options(target: Target, seed: int, shuffle: bool, max_pixels: int, src: Path, found: int,
+             decode_mode: str) -> dict:
     """How the pixels were made, recorded in the manifest (formats.md, "compile")."""
     return {"dsc_version": __version__, "size": [target.height, target.width], "fit": target.fit,
             "interpolation": INTERPOLATION, "pad_value": PAD_VALUE, "alpha": "composited onto black",
             "exif_orientation": "applied", "jpeg_decoder": decoder_name(),
-            "dct_scaling": "1/2, 1/4 or 1/8 when the source is at least that many times the target",
+            "decode": decode_mode, "dct_scaling": fmt.DCT_SCALING[decode_mode],
             "shuffle": shuffle, "seed": seed, "max_pixels": max_pixels, "source_root": _printable(str(src)),
             "source_order": "by label, then depth-first with folder entries sorted by name",
             "sources_found": found}
@@ -159,7 +166,7 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
                    fit: str = "center-crop", seed: int = 0, shuffle: bool = True, workers: int | None = None,
                    strict: bool = False, force: bool = False, records_per_shard: int | None = None,
                    max_pixels: int = DEFAULT_MAX_PIXELS, resume: bool = False, engine: str = "local",
-                   address: str | None = None,
+                   address: str | None = None, fast_decode: bool = False,
                    progress: Callable[[int], None] | None = None,
                    on_skip: Callable[[str, str], None] | None = None) -> CompileSummary:
     """Compile an image folder into a dsc dataset at `out`; see `dsc compile --help` for the options.
@@ -168,7 +175,8 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
     skipped source (default: a SkippedImageWarning). Raises CompileError; OUT is then untouched.
     An interrupted compile leaves its partial build beside OUT; `resume=True` continues it.
     `engine="ray"` runs the decoding as Ray tasks on the cluster at `address` (or a local one);
-    the output is byte-identical to the local engine's.
+    the output is byte-identical to the local engine's. `fast_decode=True` lets JPEGs be scaled
+    down in the DCT domain to just the needed size: faster, visibly less faithful.
     """
     started = time.perf_counter()
     target = Target(*parse_size(size), fit=fit)
@@ -179,6 +187,9 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
         raise CompileError("an address is only for --engine ray")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise CompileError(f"seed must be a non-negative integer, got {seed!r}")
+    if not isinstance(fast_decode, bool):
+        raise CompileError(f"fast_decode must be True or False, got {fast_decode!r}")
+    decode_mode = "fast" if fast_decode else "faithful"
     record_bytes = target.height * target.width * fmt.CHANNELS
     per_shard = _positive_int("records_per_shard", max(1, SHARD_TARGET_BYTES // record_bytes)
                               if records_per_shard is None else records_per_shard)
@@ -192,7 +203,7 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
     order = source_order(len(found.sources), seed, shuffle)
     sources = [found.sources[i] for i in order]
     plan = {"dsc_version": __version__, "decoder": decoder_name(), "resize": resize_backend(),
-            "size": [target.height, target.width], "fit": target.fit, "seed": seed,
+            "size": [target.height, target.width], "fit": target.fit, "decode": decode_mode, "seed": seed,
             "shuffle": shuffle, "max_pixels": max_pixels, "records_per_shard": per_shard, "count": len(sources),
             "sources": journal.source_fingerprint(src, sources, found.labels[order], found.classes)}
     if engine == "ray":
@@ -204,7 +215,7 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
         if manifest is None:
             journal.check_plan(stage, plan) if resumed else journal.write_plan(stage, plan)
             fmt.allocate_shards(stage, len(sources), per_shard, record_bytes)
-            job = WriteJob(str(src), str(stage), len(sources), per_shard, target, max_pixels)
+            job = WriteJob(str(src), str(stage), len(sources), per_shard, target, max_pixels, decode_mode)
             done = journal.reusable(stage, job) if resumed else {}
             log = journal.Journal(stage)
             ok, sizes, failed = _decode_all(job, sources, workers, strict, done, log, on_skip, progress,
@@ -212,7 +223,7 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
             log.close()
             manifest = _finish(stage, job, ok, sizes, found.labels[order], sources, found.classes,
                                sorted(found.skipped + failed), _options(target, seed, shuffle, max_pixels, src,
-                                                                         len(sources)), min(4, workers))
+                                                                         len(sources), decode_mode), min(4, workers))
             journal.remove(stage)
             publish.publish(stage, out)
     except (StrictFailure, NothingDecoded):  # a verdict on the data: nothing worth resuming

@@ -1,10 +1,21 @@
-"""Decode: encoded bytes → an EXIF-oriented RGB uint8 array, as small as the resize allows.
+"""Decode: encoded bytes → an EXIF-oriented RGB uint8 array, at full size unless "fast".
 
 JPEGs go through libjpeg-turbo (jpeg4py), scaled in the DCT domain by the largest of
-1/8, 1/4, 1/2 that still covers the size the resize needs (other M/8 scales are slower
-than a full decode). Everything else — CMYK JPEGs, PNG, WebP, BMP, TIFF, GIF — goes
+1/8, 1/4, 1/2 that the decode mode allows (other M/8 scales are slower than a full decode).
+The "fast" mode takes any scale that still covers the size the resize needs. The default,
+"faithful", decodes in full: against a full decode (benchmarks/decode_fidelity.py),
+fine-grained sources miss mean |diff| 2.5 at 1/2 scale whatever the margin (2.8 at 11x
+the target), and 1/8 keeps only each block's DC coefficient: no margin holds for all.
+Everything else — CMYK JPEGs, PNG, WebP, BMP, TIFF, GIF — goes
 through Pillow, as do JPEGs where the system's libturbojpeg is missing; Pillow's JPEG
 decoder is libjpeg-turbo too, and at the same scale gives the same pixels.
+
+A JPEG whose scan is complete but lacks the final end-of-image marker (FF D9, common in
+scraped data) gets the same "premature end" warning from libjpeg-turbo as a cut-off file. With
+the marker appended, libjpeg-turbo decodes the former without a warning but still warns for the
+latter: so such a file is kept, with an `IncompleteJpegWarning`, and a cut-off one skipped.
+Pillow cannot tell them apart (it ignores libjpeg's warnings), so without libjpeg-turbo both are
+skipped.
 
 Alpha is composited onto black (premultiplied); 16-bit samples keep their high byte.
 """
@@ -25,8 +36,15 @@ from dsc.errors import ImageError
 
 DEFAULT_MAX_PIXELS = 100_000_000  # ~300 MB as RGB: refuse larger headers before allocating
 DCT_SCALES = (8, 4, 2)  # the power-of-two denominators that make decoding faster
+# Per decode mode: denominator -> how many times the needed size the scaled decode must be.
+# "faithful" never scales: every record within mean |diff| 2.5 of the reference (tests/test_fidelity.py).
+DCT_MARGINS: dict[str, dict[int, float]] = {
+    "faithful": {},
+    "fast": {8: 1.0, 4: 1.0, 2: 1.0},
+}
 EXIF_ORIENTATION = 0x0112
 TURBOJPEG_LIBRARY = "libturbojpeg.so.0"
+EOI = b"\xff\xd9"  # JPEG's end-of-image marker
 DECODER_ENV = "DSC_JPEG_DECODER"  # "pillow" forces the fallback (tests, comparisons)
 _SOF_MARKERS = frozenset({0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF})
 
@@ -40,6 +58,10 @@ _ORIENT: dict[int, Callable[[np.ndarray], np.ndarray]] = {
     7: lambda a: a.transpose(1, 0, 2)[::-1, ::-1],
     8: lambda a: np.rot90(a, 1),
 }
+
+
+class IncompleteJpegWarning(UserWarning):
+    """A JPEG lacked only its end-of-image marker: its complete scan was decoded and kept."""
 
 
 @dataclass(frozen=True)
@@ -155,10 +177,12 @@ def probe(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> Probe:
     return p
 
 
-def dct_scale(width: int, height: int, need_w: int, need_h: int) -> int:
-    """The largest power-of-two denominator whose decoded size still covers (need_w, need_h)."""
-    for s in DCT_SCALES:
-        if width // s >= 1 and height // s >= 1 and -(-width // s) >= need_w and -(-height // s) >= need_h:
+def dct_scale(width: int, height: int, need_w: int, need_h: int, mode: str = "faithful") -> int:
+    """The largest power-of-two denominator whose decoded size still covers `mode`'s margin
+    times (need_w, need_h)."""
+    for s, margin in DCT_MARGINS[mode].items():
+        if width // s >= 1 and height // s >= 1 and -(-width // s) >= margin * need_w \
+                and -(-height // s) >= margin * need_h:
             return s
     return 1
 
@@ -208,20 +232,36 @@ def _decode_pillow(data: bytes, p: Probe, scale: int) -> np.ndarray:
         raise ImageError(f"corrupt or truncated {p.format} data ({e})") from e
 
 
-def decode(data: bytes, p: Probe, need_h: int, need_w: int) -> np.ndarray:
-    """Decode to an upright RGB array that covers (need_h, need_w) after orientation."""
+def _decode_jpeg(data: bytes, p: Probe, scale: int) -> np.ndarray:
+    """libjpeg-turbo, whose warnings count as errors; a complete scan missing only its EOI is
+    kept (see the module docstring); anything else it refuses, Pillow judges."""
+    try:
+        return _decode_turbo(data, p, scale)
+    except Exception as turbo_error:
+        if not data.endswith(EOI):
+            try:
+                rgb = _decode_turbo(data + EOI, p, scale)
+            except Exception:
+                pass  # cut off inside the scan: Pillow refuses it below
+            else:
+                warnings.warn("no end-of-image marker (FF D9) after a complete scan; decoded and kept",
+                              IncompleteJpegWarning, stacklevel=2)
+                return rgb
+        try:
+            return _decode_pillow(data, p, scale)
+        except ImageError as e:
+            raise ImageError(f"{e}; libjpeg-turbo: {turbo_error}") from e
+
+
+def decode(data: bytes, p: Probe, need_h: int, need_w: int, mode: str = "faithful") -> np.ndarray:
+    """Decode to an upright RGB array that covers (need_h, need_w) after orientation; `mode`
+    ("faithful" or "fast", see DCT_MARGINS) picks how far JPEGs may be scaled down."""
     if p.swaps_axes:
         need_h, need_w = need_w, need_h
     jpeg = p.format == "JPEG"
-    scale = dct_scale(p.width, p.height, need_w, need_h) if jpeg else 1
+    scale = dct_scale(p.width, p.height, need_w, need_h, mode) if jpeg else 1
     if jpeg and p.mode in ("RGB", "L") and turbojpeg_library():
-        try:
-            rgb = _decode_turbo(data, p, scale)
-        except Exception as turbo_error:  # warnings count as errors: let Pillow judge
-            try:
-                rgb = _decode_pillow(data, p, scale)
-            except ImageError as e:
-                raise ImageError(f"{e}; libjpeg-turbo: {turbo_error}") from e
+        rgb = _decode_jpeg(data, p, scale)
     else:
         rgb = _decode_pillow(data, p, scale)
     orient = _ORIENT.get(p.orientation)

@@ -15,6 +15,7 @@ import errno
 import multiprocessing
 import os
 import signal
+import warnings
 import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -26,7 +27,7 @@ import numpy as np
 from PIL import Image
 
 from dsc import format as fmt
-from dsc.compiler.decode import decode, probe
+from dsc.compiler.decode import IncompleteJpegWarning, decode, probe
 from dsc.compiler.resize import Target, needed_size, resize_into
 from dsc.errors import CompileError, ImageError
 
@@ -51,6 +52,7 @@ class WriteJob:
     records_per_shard: int
     target: Target
     max_pixels: int
+    decode_mode: str = "faithful"  # format.DECODE_MODES
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,7 @@ class SlotResult:
     height: int = 0  # original, upright
     width: int = 0
     reason: str = ""  # why the source was skipped; empty when it was written
+    warning: str = ""  # what was odd about a source that was written anyway (e.g. a missing EOI)
     crc: int = 0  # CRC-32 of the record's bytes, so a resume can check what it reuses
 
     @property
@@ -66,7 +69,8 @@ class SlotResult:
         return not self.reason
 
 
-def compile_image(path: str, target: Target, out: np.ndarray, max_pixels: int) -> tuple[int, int]:
+def compile_image(path: str, target: Target, out: np.ndarray, max_pixels: int,
+                  decode_mode: str = "faithful") -> tuple[int, int]:
     """Decode one file into `out`; return its upright (height, width) or raise ImageError."""
     try:
         with open(path, "rb") as f:
@@ -82,7 +86,7 @@ def compile_image(path: str, target: Target, out: np.ndarray, max_pixels: int) -
     try:
         p = probe(data, max_pixels)
         height, width = p.oriented_size
-        resize_into(decode(data, p, *needed_size(height, width, target)), target, out, (height, width))
+        resize_into(decode(data, p, *needed_size(height, width, target), decode_mode), target, out, (height, width))
     except ImageError:
         raise
     except MemoryError as e:
@@ -132,9 +136,13 @@ class SlotWriter:
             for slot, source in tasks:
                 try:
                     path = os.path.join(self.job.src_root, source)
-                    h, w = compile_image(path, self.job.target, self.buffer, self.job.max_pixels)
+                    with warnings.catch_warnings(record=True) as caught:  # they travel back in the result
+                        warnings.simplefilter("always", IncompleteJpegWarning)
+                        h, w = compile_image(path, self.job.target, self.buffer, self.job.max_pixels,
+                                             self.job.decode_mode)
                     self._store(slot)
-                    results.append(SlotResult(slot, h, w, crc=zlib.crc32(self.buffer)))
+                    note = "; ".join(str(c.message) for c in caught if c.category is IncompleteJpegWarning)
+                    results.append(SlotResult(slot, h, w, crc=zlib.crc32(self.buffer), warning=note))
                 except ImageError as e:
                     results.append(SlotResult(slot, reason=str(e)))
         finally:
