@@ -10,6 +10,8 @@ which is deterministic and runs on the batch's device. So a seed gives the same 
 on CPU and CUDA, and tests check ``apply`` against a per-sample reference with the same params.
 The generator is given at construction or at call time (the call's wins); with neither, a random
 transform raises ValueError rather than use torch's global generator, which nobody seeded.
+The drawn parameters reach a CUDA batch as one small pinned tensor per transform, copied
+``non_blocking`` (`to_device`): a training step never waits for the GPU because of them.
 
 Dtypes. Crops and flips keep the input dtype. `RandomResizedCrop` resamples in float32 and
 returns the input dtype, rounding to nearest for uint8, so a pipeline stays uint8 (small, fast to
@@ -150,6 +152,15 @@ class RandomTransform(Transform):
         return self.apply(batch, self.draw(batch.shape, generator))
 
 
+def to_device(params: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """CPU-drawn parameters onto the batch's device without a host sync: one small tensor, pinned,
+    copied non_blocking (a blocking copy from pageable memory would make the CPU wait for the GPU
+    every step). Tensors already there pass through."""
+    if device.type != "cuda" or params.device == device:
+        return params.to(device)
+    return params.pin_memory().to(device, non_blocking=True)
+
+
 class Normalize(Transform):
     """uint8 [0, 255] -> ``(x / 255 - mean) / std`` in `dtype`, as one fused multiply-add.
 
@@ -175,7 +186,7 @@ class Normalize(Transform):
         if batch.dtype != torch.uint8 or batch.shape[1] != 3:
             raise ValueError(f"Normalize expects uint8 [B, 3, H, W], got {batch.dtype} {tuple(batch.shape)}")
         if batch.device not in self._on:  # constants copied to each device once
-            self._on[batch.device] = (self._scale.to(batch.device), self._shift.to(batch.device))
+            self._on[batch.device] = to_device(torch.stack([self._scale, self._shift]), batch.device).unbind(0)
         scale, shift = self._on[batch.device]
         out = torch.empty_like(batch, dtype=self.dtype)  # preserve_format: channels_last stays
         return torch.addcmul(shift, batch, scale, out=out)
@@ -184,8 +195,9 @@ class Normalize(Transform):
 def _crop(batch: torch.Tensor, top: torch.Tensor, left: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """Per-sample crops at (top[b], left[b]) of one size, by one advanced-indexing gather."""
     device = batch.device
-    rows = top.to(device)[:, None] + torch.arange(height, device=device)
-    cols = left.to(device)[:, None] + torch.arange(width, device=device)
+    top, left = to_device(torch.stack([top, left]), device).unbind(0)
+    rows = top[:, None] + torch.arange(height, device=device)
+    cols = left[:, None] + torch.arange(width, device=device)
     samples = torch.arange(batch.shape[0], device=device)[:, None, None]
     picked = batch[samples, :, rows[:, :, None], cols[:, None, :]]  # [B, h, w, C]: channels last
     return picked.permute(0, 3, 1, 2)
@@ -239,15 +251,8 @@ class RandomHorizontalFlip(RandomTransform):
 
     def apply(self, batch: torch.Tensor, params: FlipParams) -> torch.Tensor:
         _check_params(params, batch, "RandomHorizontalFlip")
-        flip = params.flip.to(batch.device).view(-1, 1, 1, 1)
+        flip = to_device(params.flip, batch.device).view(-1, 1, 1, 1)
         return torch.where(flip, batch.flip(-1), batch)  # no host sync: no boolean-mask indexing
-
-
-def to_device(params: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """CPU-drawn parameters onto the batch's device without a host sync: pinned, non_blocking."""
-    if device.type != "cuda":
-        return params.to(device)
-    return params.pin_memory().to(device, non_blocking=True)
 
 
 def _grid_axis(start: torch.Tensor, length: torch.Tensor, out: int, size: int) -> torch.Tensor:
@@ -303,7 +308,7 @@ class RandomResizedCrop(RandomTransform):
         _check_params(params, batch, "RandomResizedCrop")
         work = torch.float64 if batch.dtype == torch.float64 else torch.float32
         if not self.original_sizes:
-            return _resample(batch, [p.to(batch.device, work) for p in params], self.size)
+            return _resample(batch, to_device(torch.stack(params).to(work), batch.device).unbind(0), self.size)
         sizes = _check_sizes(sizes, batch, "RandomResizedCrop")
         box = boxes(BoxDraws(to_device(params.draws, batch.device)), sizes[:, 0], sizes[:, 1], self.ratio)
         return _resample(batch, map_boxes(box, sizes, batch.shape[2:], work), self.size)
@@ -320,7 +325,7 @@ def _check_sizes(sizes: object, batch: torch.Tensor, who: str) -> torch.Tensor:
         found = tuple(sizes.shape) if isinstance(sizes, torch.Tensor) else type(sizes).__name__
         raise ValueError(f"{who} with original sizes needs sizes=batch['size'], an integer tensor "
                          f"[{batch.shape[0]}, 2] of (height, width), got {found}")
-    return sizes.to(batch.device)
+    return to_device(sizes, batch.device)
 
 
 def _resample(batch: torch.Tensor, box: Sequence[torch.Tensor], size: tuple[int, int]) -> torch.Tensor:

@@ -1,0 +1,57 @@
+"""The CUDA path end to end: the loader's uploads and dsc.transforms in a training step, with torch's
+sync debug mode set to raise on any host<->device synchronisation. Skipped without CUDA (our machines
+and CI have none; a GPU session runs it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dsc
+from dsc import transforms as T
+from dsc.reader import MemmapDataset
+from dsc.reader.reference import reference_batches
+from dsc.testing import make_image_folder
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(scope="module")
+def ds(tmp_path_factory) -> MemmapDataset:
+    root = tmp_path_factory.mktemp("cuda")
+    make_image_folder(root / "src", classes=3, per_class=8, size=(40, 56), seed=6)
+    dsc.compile_folder(root / "src", root / "ds", size=(32, 32), fit="stretch", records_per_shard=5, workers=1)
+    return MemmapDataset(root / "ds")
+
+
+def test_a_training_step_fed_by_the_loader_and_the_transforms_never_syncs(ds: MemmapDataset) -> None:
+    augment = T.Compose([T.RandomCrop(28, padding=2), T.RandomHorizontalFlip(), T.Normalize((0.5,) * 3, (0.25,) * 3)])
+    crop = T.RandomResizedCrop(24, original_sizes=True)
+    net = torch.nn.Conv2d(3, 4, 3).cuda()
+    generator = torch.Generator().manual_seed(0)
+    loader = ds.loader(4, order="random", device="cuda")
+    for epoch in range(2):
+        for batch in loader:
+            torch.cuda.set_sync_debug_mode("error")  # the consumer's whole step; the producer may wait on events
+            try:
+                x = augment(crop(batch["image"], generator, sizes=batch["size"]), generator)
+                net(x).float().mean().backward()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        assert epoch + 1 == loader.epoch
+    torch.cuda.synchronize()
+
+
+def test_uploads_are_waited_for_by_a_busy_consumer_stream(ds: MemmapDataset) -> None:
+    """A non-default consumer stream kept busy (torch.cuda._sleep): a missing wait would read the batch early."""
+    loader = ds.loader(4, order="block", device="cuda", prefetch=3)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        copies = []
+        for batch in loader:
+            torch.cuda._sleep(5_000_000)
+            copies.append({k: batch[k].clone() for k in ("image", "label", "index", "size")})
+    stream.synchronize()
+    for got, ref in zip(copies, reference_batches(ds, 4, order="block"), strict=True):
+        for key in ("image", "label", "index", "size"):
+            assert torch.equal(got[key].cpu(), ref[key]), key
