@@ -42,16 +42,25 @@ def test_a_training_step_fed_by_the_loader_and_the_transforms_never_syncs(ds: Me
     torch.cuda.synchronize()
 
 
-def test_uploads_are_waited_for_by_a_busy_consumer_stream(ds: MemmapDataset) -> None:
-    """A non-default consumer stream kept busy (torch.cuda._sleep): a missing wait would read the batch early."""
+def test_the_consumer_stream_waits_for_a_slow_upload(ds: MemmapDataset, monkeypatch) -> None:
+    """The sink's side stream is held up before every upload (torch.cuda._sleep); a batch read on a
+    non-default consumer stream without a sync must still hold the right data: only the event wait in
+    `hand_over` makes it so."""
+    from dsc.reader.device import CudaSink
+
+    real_fill = CudaSink.fill
+
+    def slow_fill(self, fields, gather):
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            torch.cuda._sleep(20_000_000)  # tens of milliseconds of GPU time before the copy starts
+        return real_fill(self, fields, gather)
+
+    monkeypatch.setattr(CudaSink, "fill", slow_fill)
     loader = ds.loader(4, order="block", device="cuda", prefetch=3)
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        copies = []
-        for batch in loader:
-            torch.cuda._sleep(5_000_000)
-            copies.append({k: batch[k].clone() for k in ("image", "label", "index", "size")})
-    stream.synchronize()
+    consumer = torch.cuda.Stream()
+    with torch.cuda.stream(consumer):
+        copies = [{k: batch[k].clone() for k in ("image", "label", "index", "size")} for batch in loader]
+    consumer.synchronize()
     for got, ref in zip(copies, reference_batches(ds, 4, order="block"), strict=True):
         for key in ("image", "label", "index", "size"):
             assert torch.equal(got[key].cpu(), ref[key]), key

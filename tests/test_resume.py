@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -159,6 +160,13 @@ def test_states_that_belong_to_another_order_are_refused(ds: MemmapDataset, tmp_
             loader.load_state_dict(dict(state, rounds=rounds))
     with pytest.raises(ValueError, match="not a dsc loader state"):
         loader.load_state_dict({"epoch": 1})
+    one = {"world_size": 2, "batch_size": 4, "drop_last": False, "locality": None, "batches": 1}
+    with pytest.raises(ValueError, match=r"world_size must be an integer >= 1 and <= 1048576, got 10000000"):
+        loader.load_state_dict(dict(state, rounds=[dict(one, world_size=10**7)]))  # not a hang at iteration
+    with pytest.raises(ValueError, match="cannot be replayed: locality='shard' works with order='block' only"):
+        loader.load_state_dict(dict(state, rounds=[dict(one, locality="shard")]))  # not a failure at iteration
+    loader.load_state_dict(dict(state, rounds=[{k: np.int64(v) if k in ("world_size", "batches") else v
+                                                for k, v in one.items()}]))  # numpy integers, as epoch takes
 
 
 def test_a_state_saved_by_dsc_0_1_still_loads(ds: MemmapDataset) -> None:

@@ -175,15 +175,15 @@ class _Producer:
         now = time.perf_counter()
         meter.first = now if meter.first is None else meter.first
         job, value, error, gather_s, upload_s = self._get()
-        meter.last = time.perf_counter()
-        meter.wait_s += meter.last - now
-        meter.batches, meter.gather_s, meter.upload_s = meter.batches + 1, meter.gather_s + gather_s, \
-            meter.upload_s + upload_s
         self._ahead.release()
         if error is not None:
             raise LoaderError(f"{describe} failed: {error!r}") from error
         if job != expected:
             raise LoaderError(f"{describe}: the loader thread made {job} instead (a bug in dsc)")
+        meter.last = time.perf_counter()
+        meter.wait_s += meter.last - now
+        meter.batches, meter.gather_s, meter.upload_s = meter.batches + 1, meter.gather_s + gather_s, \
+            meter.upload_s + upload_s
         return value
 
     @property
@@ -198,16 +198,18 @@ class _Producer:
 
 
 class _Threads:
-    """The loader's producer and copy pool, stopped when the loader is closed or collected."""
+    """The loader's producer (with the pass it makes next, once it has finished one) and copy pool,
+    stopped when the loader is closed or collected."""
 
     def __init__(self, num_threads: int) -> None:
         self.pool = ThreadPoolExecutor(num_threads - 1, "dsc-copy") if num_threads > 1 else None
         self.producer: _Producer | None = None
+        self.next_pass: progress.Pass | None = None
 
     def stop_producer(self) -> None:
         if self.producer is not None:
             self.producer.close()
-            self.producer = None
+        self.producer, self.next_pass = None, None
 
     def close(self) -> None:
         self.stop_producer()
@@ -278,7 +280,8 @@ class Loader:
     world size or batch size: the samples not served yet are split among the new ranks.
     The world (rank, world_size) is taken from `torch.distributed` each time an epoch starts,
     unless given, so a loader made before `init_process_group` splits the data all the same.
-    Batches stay valid as long as you keep them (see `HostBuffers` and `device.DeviceFeeder`).
+    Batches stay valid as long as you keep them (see `host.HostBuffers` and `device.CudaSink`).
+    One consumer thread per loader: iterate it from one thread at a time.
     `locality="shard"` (with order="block") gives each rank its own rotating subset of the shard
     files every epoch instead of a slice of one global order (`order.shard_share`).
     """
@@ -304,7 +307,6 @@ class Loader:
                                               dataset.record_shape)                             # being let go
         self._threads = _Threads(self.num_threads)
         weakref.finalize(self, self._threads.close)
-        self._next_pass: progress.Pass | None = None  # what the running producer makes next, after a finished pass
         self._iteration = 0  # which iteration is the live one: an older iterator refuses to go on
         self._meter = _Meter()
         self.sampler, self.batch_sampler = EpochHook(self), None  # what Lightning reads (EpochHook)
@@ -344,6 +346,7 @@ class Loader:
         left it when `epoch` is the epoch being resumed (so a loop that calls set_epoch at the
         top of every epoch resumes mid-epoch, not from its start)."""
         epoch = _check_int("epoch", epoch, 0)
+        self._iteration += 1  # a paused iterator must not overwrite the epoch chosen here
         if epoch != self._position[0] or not self._position[1]:
             self._position = self._progress = (epoch, [])
 
@@ -356,54 +359,61 @@ class Loader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue where `state` (from any rank, any world size or batch size) says the epoch got to."""
         self._position = self._progress = self._parse_state(state)
+        self._iteration += 1  # a paused iterator must not overwrite the position loaded here
 
     def _parse_state(self, state: Any) -> tuple[int, list[progress.Round]]:
         if not isinstance(state, dict):
             raise ValueError(f"a loader state is a dict from Loader.state_dict(), got {type(state).__name__}")
-        if "rounds" not in state and "batch" in state:
-            return self._parse_v1_state(state)
-        if state.get("dsc_loader_state") != STATE_VERSION:
+        if "rounds" not in state and "batch" in state:  # saved by dsc 0.1: one per rank, no fingerprint
+            self._check_same_order(state, ("order", "seed", "count"))
+            batch = _check_int("batch", state.get("batch"), 0)
+            fields = {k: state.get(k) for k in ("world_size", "batch_size", "drop_last", "locality")}
+            rounds = [progress.Round.from_dict({**fields, "batches": batch})] if batch else []
+        elif state.get("dsc_loader_state") == STATE_VERSION:
+            self._check_same_order(state, ("order", "seed", "count", "dataset"))
+            if not isinstance(state.get("rounds"), list):
+                raise ValueError(f"a loader state's rounds must be a list, got {state.get('rounds')!r}")
+            rounds = [progress.Round.from_dict(r) for r in state["rounds"]]
+        else:
             raise ValueError(f"not a dsc loader state of version {STATE_VERSION}: keys {sorted(state)}")
+        for r in rounds:
+            try:
+                orders.check_locality(self.order, r.split.locality)
+            except ValueError as e:
+                raise ValueError(f"a round of this loader state cannot be replayed: {e}") from e
+        return _check_int("epoch", state.get("epoch"), 0), rounds
+
+    def _check_same_order(self, state: dict[str, Any], keys: tuple[str, ...]) -> None:
         ours = {"order": self.order, "seed": self.seed, "count": len(self.dataset), "dataset": self._dataset_id}
-        wrong = {k: (state.get(k), v) for k, v in ours.items() if state.get(k) != v}
+        wrong = {k: (state.get(k), ours[k]) for k in keys if state.get(k) != ours[k]}
         if wrong:
             raise ValueError(f"this state belongs to another epoch order, (saved, ours): {wrong}. A resumed epoch "
                              "keeps its dataset, order and seed; world size and batch size may change")
-        if not isinstance(state.get("rounds"), list):
-            raise ValueError(f"a loader state's rounds must be a list, got {state.get('rounds')!r}")
-        return _check_int("epoch", state.get("epoch"), 0), [progress.Round.from_dict(r) for r in state["rounds"]]
-
-    def _parse_v1_state(self, state: dict[str, Any]) -> tuple[int, list[progress.Round]]:
-        """A state saved by dsc 0.1 (one per rank, no dataset fingerprint): the same position, as one round."""
-        ours = {"order": self.order, "seed": self.seed, "count": len(self.dataset)}
-        wrong = {k: (state.get(k), v) for k, v in ours.items() if state.get(k) != v}
-        if wrong:
-            raise ValueError(f"this state belongs to another epoch order, (saved, ours): {wrong}")
-        epoch, batch = _check_int("epoch", state.get("epoch"), 0), _check_int("batch", state.get("batch"), 0)
-        live = progress.Round.from_dict({"world_size": state.get("world_size"), "batch_size": state.get("batch_size"),
-                                         "drop_last": state.get("drop_last"), "locality": state.get("locality"),
-                                         "batches": batch})
-        return epoch, [live] if batch else []
 
     def __iter__(self) -> Iterator[TensorDict]:
         split = self._split()
         epoch, rounds = self._position
         done, start = progress.resume_point(rounds, split)
         self._iteration += 1
-        planner = self._planner(self.rank)
-        threads, p = self._threads, planner.fresh(epoch, split) if not (done or start) else None
-        if p is None or p != self._next_pass or threads.producer is None or not threads.producer.alive:
+        planner, threads = self._planner(self.rank), self._threads
+        fresh = planner.fresh(epoch, split) if not (done or start) else None
+        reuse = fresh is not None and fresh == threads.next_pass and threads.producer is not None \
+            and threads.producer.alive
+        if reuse:
+            p = fresh
+        else:  # a producer making anything else is stopped; a pass with nothing to serve needs none
             threads.stop_producer()
             p, share = planner.plan(epoch, done, split, start)
             if p.count > start:
                 make = _batch_maker(self._sink, self.dataset.opened, threads.pool, self.num_threads, self.batch_size)
                 threads.producer = _Producer(make, planner.jobs(p, share), self.prefetch, self._sink.prepare_thread)
-        return self._run(p, self._iteration)
+        threads.next_pass = None
+        return self._run(p, self._iteration, threads.producer)
 
-    def _run(self, p: progress.Pass, iteration: int) -> Iterator[TensorDict]:
-        """Hand out the batches of pass `p`, keeping the state and the epoch in step with what was handed out."""
+    def _run(self, p: progress.Pass, iteration: int, producer: _Producer | None) -> Iterator[TensorDict]:
+        """Hand out the batches of pass `p` from `producer`, keeping the state and the epoch in step
+        with what was handed out."""
         self._check_live(iteration)
-        self._next_pass = None
         self._progress = (p.epoch, [*p.done, *([progress.Round(p.split, p.start)] if p.start else [])])
         finished = p.start >= p.count  # nothing (left) to serve, e.g. drop_last with fewer samples than ranks
         if finished:
@@ -412,22 +422,22 @@ class Loader:
             for b in range(p.start, p.count):
                 self._check_live(iteration)
                 describe = f"batch {b} of epoch {p.epoch} (rank {p.rank}/{p.split.world_size})"
-                batch = self._sink.hand_over(self._threads.producer.take((p, b), describe, self._meter))
+                batch = self._sink.hand_over(producer.take((p, b), describe, self._meter))
                 if b + 1 < p.count:
                     self._progress = (p.epoch, [*p.done, progress.Round(p.split, b + 1)])
                 else:  # the epoch's last batch is out: whatever the consumer does next, the next epoch comes next
                     finished = True
                     self._position = self._progress = (p.epoch + 1, [])
-                    self._next_pass = self._planner(p.rank).fresh(p.epoch + 1, p.split)  # the producer's next
+                    self._threads.next_pass = self._planner(p.rank).fresh(p.epoch + 1, p.split)  # producer's next
                 yield batch
         finally:
-            if not finished and iteration == self._iteration:  # abandoned: what the producer made is unwanted
+            if not finished and self._threads.producer is producer:  # abandoned: what it made is unwanted
                 self._threads.stop_producer()
 
     def _check_live(self, iteration: int) -> None:
         if iteration != self._iteration:
-            raise LoaderError("this iterator was replaced by a newer iteration of the same loader "
-                              "(iter(loader) again); only the newest one serves batches")
+            raise LoaderError("this iterator was replaced: iter(loader), set_epoch or load_state_dict was called "
+                              "since it started, and only the newest iteration serves batches")
 
     def stats(self, reset: bool = False) -> LoaderStats:
         """How long the consumer waited for batches, and what making them cost (`LoaderStats`)."""

@@ -106,20 +106,25 @@ def epoch_order(n: int, order: str, seed: int, epoch: int) -> np.ndarray:
     return _ORDER_FUNCTIONS[order](n, seed, epoch)
 
 
-def rank_share(order: np.ndarray, rank: int, world_size: int, batch_size: int, drop_last: bool) -> np.ndarray:
-    """This rank's contiguous slice of the epoch order; every rank gets the same length.
+def rank_shares(order: np.ndarray, world_size: int, batch_size: int, drop_last: bool) -> np.ndarray:
+    """Every rank's contiguous slice of the epoch order, as rows [world_size, per_rank] of one array.
 
     drop_last=False pads like DistributedSampler (the order repeats from its start, so at most
     `world_size - 1` records are served twice); drop_last=True keeps only full batches on every rank.
     A contiguous slice (not DistributedSampler's stride) keeps block order's runs intact.
     """
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must lie in [0, world_size={world_size}), got {rank}")
     per_rank = share_length(len(order), world_size, batch_size, drop_last)
     pad = per_rank * world_size - len(order)
     if pad > 0:
         order = np.concatenate([order, np.resize(order, pad)])
-    return order[rank * per_rank:(rank + 1) * per_rank]
+    return order[:per_rank * world_size].reshape(world_size, per_rank)
+
+
+def rank_share(order: np.ndarray, rank: int, world_size: int, batch_size: int, drop_last: bool) -> np.ndarray:
+    """This rank's row of `rank_shares`; every rank gets the same length."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must lie in [0, world_size={world_size}), got {rank}")
+    return rank_shares(order, world_size, batch_size, drop_last)[rank]
 
 
 def share_length(n: int, world_size: int, batch_size: int, drop_last: bool, *,

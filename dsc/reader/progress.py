@@ -14,9 +14,10 @@ slice"; it says which samples of the epoch have been served, as a list of *round
   it stopped: the same batches an uninterrupted run would have served.
 - A loader with another split starts a new round over the samples not served yet, kept in the
   order they would have come (every rank's untaken part in rank order, then what no share
-  held, i.e. drop_last tails) and cut by `order.rank_share`. Nothing is lost and nothing is
+  held, i.e. drop_last tails) and cut by `order.rank_shares`. Nothing is lost and nothing is
   served twice, except each round's padding (drop_last=False: at most world_size - 1 samples
-  repeated, as with DistributedSampler). Locality applies to an epoch's first round only.
+  repeated, as with DistributedSampler; under locality="shard", which applies to an epoch's
+  first round only, what `order.shard_share` pads: up to the difference between shard groups).
 
 `remaining_share` replays the finished rounds (a few numpy passes over the epoch) to find the
 live round's share of this rank; the state itself stays a handful of integers. A `Planner`
@@ -34,6 +35,7 @@ import numpy as np
 from dsc.reader import order as orders
 
 ROUND_KEYS = {"world_size", "batch_size", "drop_last", "locality", "batches"}
+MAX_WORLD_SIZE = 1 << 20  # a saved state naming more ranks than this is not from a real job
 
 
 @dataclass(frozen=True)
@@ -61,16 +63,18 @@ class Round:
         """A round from a saved state, checked field by field (a state file is input, not trusted)."""
         if not isinstance(value, dict) or set(value) != ROUND_KEYS:
             raise ValueError(f"a round of a loader state has exactly the keys {sorted(ROUND_KEYS)}, got {value!r}")
-        for key, low in (("world_size", 1), ("batch_size", 1), ("batches", 0)):
-            if isinstance(value[key], bool) or not isinstance(value[key], int) or value[key] < low:
-                raise ValueError(f"a round's {key} must be an integer >= {low}, got {value[key]!r}")
+        for key, low, high in (("world_size", 1, MAX_WORLD_SIZE), ("batch_size", 1, None), ("batches", 0, None)):
+            v = value[key]
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low or (high and v > high):
+                raise ValueError(f"a round's {key} must be an integer >= {low}{f' and <= {high}' if high else ''}, "
+                                 f"got {v!r}")
         if not isinstance(value["drop_last"], bool):
             raise ValueError(f"a round's drop_last must be true or false, got {value['drop_last']!r}")
         if value["locality"] is not None and value["locality"] not in orders.LOCALITIES:
             raise ValueError(f"a round's locality must be null or one of {orders.LOCALITIES}, "
                              f"got {value['locality']!r}")
-        return Round(Split(value["world_size"], value["batch_size"], value["drop_last"], value["locality"]),
-                     value["batches"])
+        return Round(Split(int(value["world_size"]), int(value["batch_size"]), value["drop_last"], value["locality"]),
+                     int(value["batches"]))
 
 
 @dataclass(frozen=True)
@@ -88,27 +92,20 @@ class Epoch:
                                   split.batch_size, split.drop_last, locality=split.locality,
                                   records_per_shard=self.records_per_shard)
 
-    def first_round(self, split: Split) -> tuple[list[np.ndarray], np.ndarray]:
-        """Every rank's share of the epoch's first round, and the order they come from (for what none holds)."""
+    def first_round(self, split: Split) -> tuple[np.ndarray, np.ndarray]:
+        """Every rank's share of the epoch's first round [world_size, per_rank], and the order they come from."""
         if split.locality is not None:
-            shares = [self.first_round_share(split, r) for r in range(split.world_size)]
+            shares = np.stack([self.first_round_share(split, r) for r in range(split.world_size)])
             return shares, np.arange(self.count, dtype=np.int64)
         order = orders.epoch_order(self.count, self.order, self.seed, self.epoch)
-        return [orders.rank_share(order, r, split.world_size, split.batch_size, split.drop_last)
-                for r in range(split.world_size)], order
+        return orders.rank_shares(order, split.world_size, split.batch_size, split.drop_last), order
 
 
-def later_round(remaining: np.ndarray, split: Split) -> list[np.ndarray]:
-    return [orders.rank_share(remaining, r, split.world_size, split.batch_size, split.drop_last)
-            for r in range(split.world_size)]
-
-
-def unserved(shares: list[np.ndarray], taken: int, base: np.ndarray, count: int) -> np.ndarray:
+def unserved(shares: np.ndarray, taken: int, base: np.ndarray, count: int) -> np.ndarray:
     """The samples of `base` that no share's first `taken` entries hold, in the order they would have come."""
     served = np.zeros(count, dtype=bool)
-    for share in shares:
-        served[share[:taken]] = True
-    queue = np.concatenate([share[taken:] for share in shares] + [base])
+    served[shares[:, :taken]] = True
+    queue = np.concatenate([shares[:, taken:].ravel(), base])
     _, first = np.unique(queue, return_index=True)  # each sample once, where it first comes
     queue = queue[np.sort(first)]
     return queue[~served[queue]]
@@ -120,7 +117,11 @@ def remaining_share(epoch: Epoch, done: list[Round], split: Split, rank: int) ->
         return epoch.first_round_share(split, rank)
     remaining = None
     for k, past in enumerate(done):
-        shares, base = epoch.first_round(past.split) if k == 0 else (later_round(remaining, past.split), remaining)
+        if k == 0:
+            shares, base = epoch.first_round(past.split)
+        else:
+            shares, base = orders.rank_shares(remaining, past.split.world_size, past.split.batch_size,
+                                              past.split.drop_last), remaining
         remaining = unserved(shares, past.batches * past.split.batch_size, base, epoch.count)
     return orders.rank_share(remaining, rank, split.world_size, split.batch_size, split.drop_last)
 
