@@ -35,12 +35,12 @@ class CudaSink:
 
     def __init__(self, device: torch.device, slots: int, batch_size: int, record_shape: tuple[int, int, int]) -> None:
         self.device = device
-        with torch.cuda.device(device):
+        with torch.cuda.device(device):  # no stray context on another GPU, whatever this thread's device
             self.stream = torch.cuda.Stream(device)
-        self.images = [torch.empty((batch_size, *record_shape), dtype=torch.uint8, pin_memory=True)
-                       for _ in range(slots)]
-        self.ints = [torch.empty(INT_SLOT_PER_RECORD * batch_size, dtype=torch.int64, pin_memory=True)
-                     for _ in range(slots)]
+            self.images = [torch.empty((batch_size, *record_shape), dtype=torch.uint8, pin_memory=True)
+                           for _ in range(slots)]
+            self.ints = [torch.empty(INT_SLOT_PER_RECORD * batch_size, dtype=torch.int64, pin_memory=True)
+                         for _ in range(slots)]
         self.events: list[torch.cuda.Event | None] = [None] * slots
         self._next = 0
         self._lock = threading.Lock()
