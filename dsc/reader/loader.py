@@ -391,29 +391,35 @@ class Loader:
                              "keeps its dataset, order and seed; world size and batch size may change")
 
     def __iter__(self) -> Iterator[TensorDict]:
+        return self._run()
+
+    def _start_pass(self) -> tuple[progress.Pass, _Producer | None]:
+        """The pass the loader's position asks for, and the producer making it: the running one when it
+        is already making exactly that (the epoch after the one it finished), else a new one."""
         split = self._split()
         epoch, rounds = self._position
         done, start = progress.resume_point(rounds, split)
-        self._iteration += 1
         planner, threads = self._planner(self.rank), self._threads
         fresh = planner.fresh(epoch, split) if not (done or start) else None
-        reuse = fresh is not None and fresh == threads.next_pass and threads.producer is not None \
-            and threads.producer.alive
-        if reuse:
-            p = fresh
-        else:  # a producer making anything else is stopped; a pass with nothing to serve needs none
-            threads.stop_producer()
-            p, share = planner.plan(epoch, done, split, start)
-            if p.count > start:
-                make = _batch_maker(self._sink, self.dataset.opened, threads.pool, self.num_threads, self.batch_size)
-                threads.producer = _Producer(make, planner.jobs(p, share), self.prefetch, self._sink.prepare_thread)
-        threads.next_pass = None
-        return self._run(p, self._iteration, threads.producer)
+        if fresh is not None and fresh == threads.next_pass and threads.producer is not None \
+                and threads.producer.alive:
+            threads.next_pass = None
+            return fresh, threads.producer
+        threads.stop_producer()
+        p, share = planner.plan(epoch, done, split, start)
+        if p.count > start:  # a pass with nothing to serve needs no producer
+            make = _batch_maker(self._sink, self.dataset.opened, threads.pool, self.num_threads, self.batch_size)
+            threads.producer = _Producer(make, planner.jobs(p, share), self.prefetch, self._sink.prepare_thread)
+        return p, threads.producer
 
-    def _run(self, p: progress.Pass, iteration: int, producer: _Producer | None) -> Iterator[TensorDict]:
-        """Hand out the batches of pass `p` from `producer`, keeping the state and the epoch in step
-        with what was handed out."""
-        self._check_live(iteration)
+    def _run(self) -> Iterator[TensorDict]:
+        """One pass, bound to the loader's position when it starts (its first batch is asked for, so
+        a framework may call set_epoch between iter() and next()); it hands out the batches and keeps
+        the state and the epoch in step with them. A later pass, set_epoch or load_state_dict
+        replaces it."""
+        self._iteration += 1
+        iteration = self._iteration
+        p, producer = self._start_pass()
         self._progress = (p.epoch, [*p.done, *([progress.Round(p.split, p.start)] if p.start else [])])
         finished = p.start >= p.count  # nothing (left) to serve, e.g. drop_last with fewer samples than ranks
         if finished:
@@ -436,8 +442,8 @@ class Loader:
 
     def _check_live(self, iteration: int) -> None:
         if iteration != self._iteration:
-            raise LoaderError("this iterator was replaced: iter(loader), set_epoch or load_state_dict was called "
-                              "since it started, and only the newest iteration serves batches")
+            raise LoaderError("this iterator was replaced: another pass over the loader started, or set_epoch or "
+                              "load_state_dict was called, since it began; only the newest pass serves batches")
 
     def stats(self, reset: bool = False) -> LoaderStats:
         """How long the consumer waited for batches, and what making them cost (`LoaderStats`)."""
