@@ -100,8 +100,9 @@ def discover(root: str | os.PathLike) -> Discovery:
     if classes:
         for label, name in enumerate(classes):
             found: list[str] = []
+            skips_before = len(skipped)
             _walk(root / name, name, root_id, found, skipped)
-            if not found:
+            if not found and len(skipped) == skips_before:  # truly empty, not unreadable
                 empty.append(name)
             sources += found
             labels += [label] * len(found)
