@@ -280,7 +280,7 @@ def test_a_full_disk_keeps_the_work_for_resume(big_folder: Path, uninterrupted: 
     real_write = fmt.write_durably
 
     def full(path, payload):  # the disk fills up once every image is decoded, as the index is written
-        if path.name == "plan.json":
+        if path.name in ("plan.json", "sources.jsonl"):
             return real_write(path, payload)
         raise OSError(28, "No space left on device", str(path))
 
@@ -412,7 +412,8 @@ def test_resume_decodes_only_what_is_missing(big_folder: Path, uninterrupted: di
 def test_a_kill_after_cleaning_up_but_before_publishing_still_resumes(folder: Path, tmp_path: Path,
                                                                      monkeypatch) -> None:
     out = tmp_path / "out"
-    monkeypatch.setattr("dsc.compiler.publish.publish", lambda stage, out, force: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr("dsc.compiler.publish.publish",
+                        lambda stage, out, force: (_ for _ in ()).throw(KeyboardInterrupt))
     with pytest.raises(KeyboardInterrupt):
         compile_folder(folder, out, size=8, workers=1)
     assert not (staging_path(out) / "plan.json").exists() and (staging_path(out) / "manifest.json").exists()

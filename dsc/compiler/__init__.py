@@ -21,7 +21,7 @@ from dsc import __version__
 from dsc import format as fmt
 from dsc.compiler import journal, publish, ray_engine
 from dsc.compiler.decode import DEFAULT_MAX_PIXELS, decoder_name
-from dsc.compiler.discover import discover
+from dsc.compiler.discover import discover, printable
 from dsc.compiler.resize import INTERPOLATION, PAD_VALUE, Target, parse_size, resize_backend
 from dsc.compiler.write import SlotResult, WriteJob, check_workers, compact, fill_slots, fsync_files
 from dsc.errors import CompileError
@@ -84,11 +84,6 @@ def _check_paths(src: Path, out: Path) -> None:
         raise CompileError(f"the source folder {src} must not be inside the output {out}")
 
 
-def _printable(source: str) -> str:
-    """A source path as valid UTF-8 text for the manifest (undecodable bytes as \\xNN)."""
-    return os.fsencode(source).decode("utf-8", "backslashreplace")
-
-
 class StrictFailure(CompileError):
     """A --strict compile met a source it could not decode: the build is discarded."""
 
@@ -131,7 +126,7 @@ def _options(target: Target, seed: int, shuffle: bool, max_pixels: int, src: Pat
             "interpolation": INTERPOLATION, "pad_value": PAD_VALUE, "alpha": "composited onto black",
             "exif_orientation": "applied", "jpeg_decoder": decoder_name(),
             "dct_scaling": "1/2, 1/4 or 1/8 when the source is at least that many times the target",
-            "shuffle": shuffle, "seed": seed, "max_pixels": max_pixels, "source_root": _printable(str(src)),
+            "shuffle": shuffle, "seed": seed, "max_pixels": max_pixels, "source_root": printable(str(src)),
             "source_order": "by label, then depth-first with folder entries sorted by name",
             "sources_found": found}
 
@@ -153,7 +148,7 @@ def _finish(stage: Path, job: WriteJob, ok: np.ndarray, sizes: np.ndarray, label
     index = fmt.write_index(stage, labels[ok], sizes[ok], [s for s, k in zip(sources, ok) if k])
     manifest = fmt.Manifest(height=target.height, width=target.width, count=kept, records_per_shard=per_shard,
                             classes=tuple(classes), shards=shards, index=index, compile=options,
-                            skipped=tuple({"source": _printable(s), "reason": r} for s, r in skipped))
+                            skipped=tuple({"source": printable(s), "reason": r} for s, r in skipped))
     fmt.write_manifest(stage, manifest)
     return manifest
 
@@ -197,10 +192,11 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
         on_skip(source, reason)
     order = source_order(len(found.sources), seed, shuffle)
     sources = [found.sources[i] for i in order]
+    listing = journal.source_listing(src, sources, found.labels[order], found.classes)
     plan = {"dsc_version": __version__, "decoder": decoder_name(), "resize": resize_backend(),
             "size": [target.height, target.width], "fit": target.fit, "seed": seed,
             "shuffle": shuffle, "max_pixels": max_pixels, "records_per_shard": per_shard, "count": len(sources),
-            "sources": journal.source_fingerprint(src, sources, found.labels[order], found.classes)}
+            "sources": journal.listing_digest(listing)}
     if engine == "ray":
         ray_engine.check_address(address)  # before any partial build exists
     plan_digest = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
@@ -209,7 +205,11 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
         stage, resumed = publish.prepare(out, force, resume, lock_fd)
         manifest = _finish_publish(stage, out, plan_digest, force) if resumed else None
         if manifest is None:
-            journal.check_plan(stage, plan) if resumed else journal.write_plan(stage, plan)
+            if resumed and not journal.has_plan(stage):  # the plan never got written: nothing to reuse
+                publish.discard(stage)
+                stage.mkdir()
+                resumed = False
+            journal.check_plan(stage, plan, listing) if resumed else journal.write_plan(stage, plan, listing)
             fmt.allocate_shards(stage, len(sources), per_shard, record_bytes)
             job = WriteJob(str(src), str(stage), len(sources), per_shard, target, max_pixels)
             done = journal.reusable(stage, job) if resumed else {}

@@ -76,6 +76,11 @@ def _walk(top: Path, rel: str, ancestors: frozenset[tuple[int, int]], found: lis
                 skipped.append((child, "not a regular file (a device, pipe or socket)"))
 
 
+def printable(source: str) -> str:
+    """A source path as valid UTF-8 text for the manifest (undecodable bytes as \\xNN)."""
+    return os.fsencode(source).decode("utf-8", "backslashreplace")
+
+
 def discover(root: str | os.PathLike) -> Discovery:
     """List every image under `root`; raise CompileError when there is nothing to compile."""
     root = Path(root)

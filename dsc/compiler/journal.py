@@ -5,6 +5,8 @@ is published:
 
 - `plan.json`: the options and a fingerprint of the source listing. A resume with other
   options or a changed SRC is refused: one dataset is never made of two plans.
+- `sources.jsonl`: that listing, so the refusal can name the file that changed.
+- `kept.bin`: the kept mask, written before compaction moves records down.
 - `journal.jsonl`: one line per finished slot, appended by the main process after the worker
   wrote the record: `{"slot", "h", "w", "crc", "check"}` (`crc`: CRC-32 of the record bytes;
   `check`: CRC-32 of "slot:h:w:crc", so an edited size is caught too) or `{"slot", "reason"}`
@@ -30,47 +32,76 @@ from typing import Any
 import numpy as np
 
 from dsc import format as fmt
+from dsc.compiler.discover import printable
 from dsc.compiler.write import SlotResult, WriteJob
 from dsc.errors import CompileError
 
 PLAN_FILE = "plan.json"
 JOURNAL_FILE = "journal.jsonl"
+LISTING_FILE = "sources.jsonl"  # the planned listing, to name what changed
 KEPT_FILE = "kept.bin"  # the kept mask, written before compaction moves any record
 
 
-def source_fingerprint(src: Path, sources: list[str], labels: np.ndarray, classes: list[str]) -> str:
-    """SHA-256 over the ordered listing: path, label, size and mtime of every source."""
-    digest = hashlib.sha256(json.dumps(classes).encode())
+def source_listing(src: Path, sources: list[str], labels: np.ndarray, classes: list[str]) -> list[str]:
+    """The ordered listing a plan is made from: one line per source with its label, size and mtime."""
+    lines = [json.dumps(classes)]
     for source, label in zip(sources, labels.tolist()):
         try:
             st = os.stat(src / source)
             stamp = f"{st.st_size}:{st.st_mtime_ns}"
         except OSError:
             stamp = "missing"
-        digest.update(os.fsencode(source) + f"\0{label}\0{stamp}\n".encode())
-    return digest.hexdigest()
+        lines.append(json.dumps([printable(source), label, stamp]))
+    return lines
 
 
-def write_plan(stage: Path, plan: dict[str, Any]) -> None:
+def listing_digest(listing: list[str]) -> str:
+    return hashlib.sha256("\n".join(listing).encode()).hexdigest()
+
+
+def has_plan(stage: Path) -> bool:
+    """Whether the partial build has a whole plan; one that is missing or torn proves nothing
+    was built from it (the plan is written, atomically, before anything else)."""
+    try:
+        return isinstance(json.loads((stage / PLAN_FILE).read_bytes()), dict)
+    except (OSError, ValueError):
+        return False
+
+
+def write_plan(stage: Path, plan: dict[str, Any], listing: list[str]) -> None:
+    """State "building" begins: the listing first, then the plan (its presence marks the state)."""
+    fmt.write_durably(stage / LISTING_FILE, ("\n".join(listing) + "\n").encode())
     fmt.write_durably(stage / PLAN_FILE, json.dumps(plan, indent=1, sort_keys=True).encode())
 
 
-def check_plan(stage: Path, plan: dict[str, Any]) -> None:
+def check_plan(stage: Path, plan: dict[str, Any], listing: list[str]) -> None:
     """Refuse to resume a partial build made with other options or from another source listing."""
-    try:
-        saved = json.loads((stage / PLAN_FILE).read_bytes())
-    except (OSError, ValueError) as e:
-        raise CompileError(f"the partial build at {stage} has no readable {PLAN_FILE} ({e}); "
-                           "delete it, or pass --force to discard it") from e
-    if not isinstance(saved, dict):
-        saved = {}
+    saved = json.loads((stage / PLAN_FILE).read_bytes())
     changed = [f"{key} {saved.get(key)!r} (now {plan[key]!r})" for key in plan
                if key != "sources" and saved.get(key) != plan[key]]
     if saved.get("sources") != plan["sources"]:
-        changed.append("the source listing (files added, removed, renamed or modified)")
+        changed.append(f"the source listing: {_first_change(stage, listing)}")
     if changed:
         raise CompileError(f"cannot resume {stage}: it was made with other settings: {'; '.join(changed)}. "
                            "Run the original command, or pass --force to start over")
+
+
+def _first_change(stage: Path, listing: list[str]) -> str:
+    """Name the first source that was added, removed, renamed or modified since the plan."""
+    try:
+        saved = (stage / LISTING_FILE).read_text(encoding="utf-8").splitlines()
+    except (OSError, ValueError):
+        saved = []
+    for before, now in zip(saved, listing):
+        if before != now:
+            try:
+                (name, _, b), (name_now, _, n) = json.loads(before), json.loads(now)
+            except (ValueError, TypeError):
+                return "the class folders changed"
+            if name != name_now:
+                return f"{name!r} became {name_now!r} (a file added, removed or renamed)"
+            return f"{name!r} was modified (size:mtime {b} then, {n} now)"
+    return f"{abs(len(saved) - len(listing))} file(s) added or removed at the end"
 
 
 class Journal:
@@ -181,5 +212,5 @@ def reusable(stage: Path, job: WriteJob) -> dict[int, SlotResult]:
 def remove(stage: Path) -> None:
     """Drop the resume files before the staging folder becomes the dataset (the plan last:
     while it exists, the folder is a build in progress)."""
-    for name in (KEPT_FILE, JOURNAL_FILE, PLAN_FILE):
+    for name in (KEPT_FILE, JOURNAL_FILE, LISTING_FILE, PLAN_FILE):
         (stage / name).unlink(missing_ok=True)
