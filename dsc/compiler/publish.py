@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import glob
 import hashlib
 import json
 import os
@@ -45,6 +46,11 @@ def is_dataset(path: Path) -> bool:
 
 def lock_path(out: Path) -> Path:
     return out.parent / f".{out.name}.dsc-lock"
+
+
+def retired_prefix(out: Path) -> str:
+    """Replaced datasets wait for deletion under this prefix and a random suffix: never mistaken for a build."""
+    return f".{out.name}.dsc-old-"
 
 
 def record_path(out: Path) -> Path:
@@ -125,6 +131,8 @@ def lock(out: Path, wait_s: float = LOCK_WAIT_S) -> int:
 def prepare(out: Path, force: bool, resume: bool, lock_fd: int) -> tuple[Path, bool]:
     """Under OUT's lock: check OUT, then give (staging folder, whether it holds work to resume)."""
     stage = staging_path(out)
+    for grave in out.parent.glob(f"{glob.escape(retired_prefix(out))}*"):  # a kill stopped its deletion
+        shutil.rmtree(grave, ignore_errors=True)
     if pending_publish(out) is not None:
         if resume:
             return stage, True
@@ -180,7 +188,7 @@ def _rename_noreplace(stage: Path, out: Path) -> None:
 
 def retire(old: Path, out: Path) -> None:
     """Give a replaced dataset a name of its own before deleting it: nothing may mistake it for a build."""
-    grave = out.parent / f".{out.name}.dsc-old-{secrets.token_hex(6)}"
+    grave = out.parent / f"{retired_prefix(out)}{secrets.token_hex(6)}"
     os.rename(old, grave)
     _fsync_dir(out.parent)
     shutil.rmtree(grave, ignore_errors=True)
@@ -201,7 +209,7 @@ def publish(stage: Path, out: Path, force: bool) -> None:
     else:  # no atomic exchange here: a moment without OUT, never a mixed OUT
         if not is_dataset(out) and any(out.iterdir()):
             raise CompileError(f"{out} is not a dsc dataset; refusing to replace it, even with --force")
-        old = out.parent / f".{out.name}.dsc-old-{secrets.token_hex(6)}"
+        old = out.parent / f"{retired_prefix(out)}{secrets.token_hex(6)}"
         os.rename(out, old)
         try:
             _rename_noreplace(stage, out)
