@@ -1,10 +1,15 @@
-"""Publish: build beside OUT, then swap it into place, so OUT is only ever absent or complete.
+"""Publish: build beside OUT, then rename it into place, so OUT is only ever absent, the old
+dataset or the new one — and nothing that is not a dsc dataset is ever replaced.
 
-The build lives in `.OUT.dsc-partial` next to OUT and survives an interrupted compile so that
-`--resume` can continue it. A compile holds `.OUT.dsc-lock` (`flock`, a file never deleted)
-from its first look at OUT to the end of its publish: one compile per OUT at a time. Publishing exchanges
-the finished folder with the previous dataset in one atomic `renameat2(RENAME_EXCHANGE)` where
-the system has it: readers see the old dataset or the new one, never no dataset.
+The states of a build and their transitions are the spec's ("Partial builds" in formats.md):
+building (`plan.json` in `.OUT.dsc-partial`), compacting (`kept.bin`), finishing (the
+`.OUT.dsc-publish` record beside OUT: the plan's and the manifest's SHA-256, so a resume acts
+only on its own plan's build), and published with the old dataset waiting for deletion (it is
+renamed to a unique `.OUT.dsc-old-*` first, never left where a build is looked for). Every state
+file is written atomically. A compile holds `.OUT.dsc-lock` (`flock`, a file never deleted) from
+its first look at OUT to the end of its publish: one compile per OUT at a time. Without --force
+the build is renamed with RENAME_NOREPLACE; with it, exchanged with RENAME_EXCHANGE (readers see
+the old dataset or the new one) and exchanged back if what came out is not a dsc dataset.
 """
 
 from __future__ import annotations
