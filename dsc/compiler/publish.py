@@ -49,6 +49,13 @@ def is_dataset(path: Path) -> bool:
         return False
 
 
+def replaceable(path: Path) -> bool:
+    """What --force may replace: a dsc dataset or an empty folder, never a link or anything else."""
+    if path.is_symlink() or not path.is_dir():
+        return False
+    return is_dataset(path) or not any(path.iterdir())
+
+
 def lock_path(out: Path) -> Path:
     return out.parent / f".{out.name}.dsc-lock"
 
@@ -98,7 +105,7 @@ def _check_out(out: Path, force: bool) -> None:
     if out.exists():
         if not force:
             raise CompileError(f"output {out} already exists; pass --force to replace it")
-        if not out.is_dir() or not (is_dataset(out) or not any(out.iterdir())):
+        if not replaceable(out):
             raise CompileError(f"output {out} exists and is not a dsc dataset; refusing to replace it, "
                                "even with --force")
     if not out.parent.is_dir():
@@ -205,14 +212,14 @@ def publish(stage: Path, out: Path, force: bool) -> None:
     if not (force and (out.exists() or out.is_symlink())):
         _rename_noreplace(stage, out)
     elif _renameat2(stage, out, RENAME_EXCHANGE):
-        if stage.is_symlink() or not stage.is_dir() or not (is_dataset(stage) or not any(stage.iterdir())):
+        if not replaceable(stage):
             _renameat2(stage, out, RENAME_EXCHANGE)  # not ours to replace: put it back
             raise CompileError(f"{out} is not a dsc dataset (it changed while compiling); it was left "
                                "untouched, even with --force")
         _fsync_dir(out.parent)
         retire(stage, out)  # the previous dataset; open maps keep it readable
     else:  # no atomic exchange here: a moment without OUT, never a mixed OUT
-        if not is_dataset(out) and any(out.iterdir()):
+        if not replaceable(out):
             raise CompileError(f"{out} is not a dsc dataset; refusing to replace it, even with --force")
         old = out.parent / f"{retired_prefix(out)}{secrets.token_hex(6)}"
         os.rename(out, old)
