@@ -19,7 +19,7 @@ from tqdm import tqdm
 from dsc.bench import run as run_bench
 from dsc.compiler import SourceWarning, compile_folder
 from dsc.compiler.decode import DEFAULT_MAX_PIXELS, turbojpeg_library
-from dsc.compiler.publish import staging_path
+from dsc.compiler.publish import pending_publish, staging_path
 from dsc.compiler.resize import FITS, Target, parse_size
 from dsc.errors import CompileError, DscError
 from dsc.format import open_dataset, verify_checksums
@@ -128,9 +128,7 @@ def compile_command(
         _fail(str(e))
     except KeyboardInterrupt:
         bar.close()
-        partial = staging_path(out.absolute())
-        kept = f"; the work so far is kept in {partial}: add --resume to continue" if partial.exists() else ""
-        _fail(f"interrupted; {out} was not written{kept}", code=130)
+        _fail(_interrupted(out.absolute()), code=130)
     bar.close()
     if not summary.labeled:
         typer.echo(f"note: {src} has no class sub-folders, so the dataset is unlabeled (label -1)", err=True)
@@ -141,6 +139,17 @@ def compile_command(
                f"{len(summary.classes)} classes, {len(summary.skipped)} skipped, "
                f"{_human_bytes(summary.bytes_on_disk)} on disk, {summary.seconds:.1f} s "
                f"({summary.images_per_second:.0f} images/s)")
+
+
+def _interrupted(out: Path) -> str:
+    """Say truly where an interrupted compile stopped (it may have published already)."""
+    partial = staging_path(out)
+    if pending_publish(out) is not None:
+        return (f"interrupted while publishing {out}; it holds the previous dataset or the new one, never a mix: "
+                "add --resume to finish")
+    if partial.exists():
+        return f"interrupted; {out} was not written; the work so far is kept in {partial}: add --resume to continue"
+    return f"interrupted; {out} was not written"
 
 
 if __name__ == "__main__":

@@ -211,6 +211,8 @@ def trim_shards(root: Path, count: int, records_per_shard: int, record_bytes: in
     """Cut the shard files down to `count` records after skipped sources were compacted away."""
     records = shard_records(count, records_per_shard)
     for path in sorted((root / SHARD_DIR).glob("*.bin")):
+        if not (path.stem.isdigit() and path.relative_to(root).as_posix() == shard_file(int(path.stem))):
+            continue  # not a shard (a stray notes.bin, a macOS ._00000.bin): not ours to touch
         shard = int(path.stem)
         if shard < len(records):
             os.truncate(path, records[shard] * record_bytes)
@@ -241,10 +243,18 @@ def write_index(root: Path, labels: np.ndarray, sizes: np.ndarray, sources: list
 
 
 def write_durably(path: Path, payload: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(payload)
-        f.flush()
-        os.fsync(f.fileno())
+    """Write `payload` to `path` atomically: a crash or a full disk leaves the old file or the new
+    one whole, never an empty or torn one (a temporary file, fsynced, then renamed over)."""
+    temp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(temp, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
 
 
 def write_manifest(root: Path, manifest: Manifest) -> None:

@@ -282,7 +282,7 @@ def test_a_full_disk_keeps_the_work_for_resume(big_folder: Path, uninterrupted: 
     real_write = fmt.write_durably
 
     def full(path, payload):  # the disk fills up once every image is decoded, as the index is written
-        if path.name == "plan.json":
+        if path.name in ("plan.json", "sources.jsonl"):
             return real_write(path, payload)
         raise OSError(28, "No space left on device", str(path))
 
@@ -368,7 +368,7 @@ def test_force_puts_the_old_dataset_back_if_the_swap_fails(folder: Path, tmp_pat
         real_rename(a, b)
 
     monkeypatch.setattr("dsc.compiler.publish.os.rename", failing_rename)
-    monkeypatch.setattr("dsc.compiler.publish._exchange", lambda a, b: False)  # a system without renameat2
+    monkeypatch.setattr("dsc.compiler.publish._renameat2", lambda a, b, flags: False)  # no renameat2 here
     with pytest.raises(CompileError, match="No space left on device"):
         compile_folder(folder, out, size=12, workers=1, force=True)
     assert file_bytes(out) == before and staging_path(out).exists()  # the new build waits for --resume
@@ -379,10 +379,12 @@ def test_force_swaps_datasets_atomically(folder: Path, tmp_path: Path, monkeypat
     out = tmp_path / "out"
     compile_folder(folder, out, size=8, workers=1)
     old_manifest = (out / "manifest.json").read_bytes()
-    renames = []
-    monkeypatch.setattr("dsc.compiler.publish.os.rename", lambda a, b: renames.append((a, b)))
+    renames, real_rename = [], os.rename
+    monkeypatch.setattr("dsc.compiler.publish.os.rename", lambda a, b: (renames.append(Path(b).name),
+                                                                        real_rename(a, b)))
     compile_folder(folder, out, size=12, workers=1, force=True)
-    assert renames == []  # one renameat2(RENAME_EXCHANGE): OUT never missing, never mixed
+    # one renameat2(RENAME_EXCHANGE): OUT never missing, never mixed; then the old one gets a name of its own
+    assert [name.startswith(".out.dsc-old-") for name in renames] == [True]
     assert fmt.open_dataset(out).manifest.height == 12 and (out / "manifest.json").read_bytes() != old_manifest
     assert sorted(p.name for p in tmp_path.iterdir()) == [".out.dsc-lock", "out", "src"]
 
@@ -412,7 +414,8 @@ def test_resume_decodes_only_what_is_missing(big_folder: Path, uninterrupted: di
 def test_a_kill_after_cleaning_up_but_before_publishing_still_resumes(folder: Path, tmp_path: Path,
                                                                      monkeypatch) -> None:
     out = tmp_path / "out"
-    monkeypatch.setattr("dsc.compiler.publish.publish", lambda stage, out: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr("dsc.compiler.publish.publish",
+                        lambda stage, out, force: (_ for _ in ()).throw(KeyboardInterrupt))
     with pytest.raises(KeyboardInterrupt):
         compile_folder(folder, out, size=8, workers=1)
     assert not (staging_path(out) / "plan.json").exists() and (staging_path(out) / "manifest.json").exists()

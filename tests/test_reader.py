@@ -306,3 +306,13 @@ def test_damaged_dataset_fails_at_construction(tiny: Path, tmp_path: Path, case:
 def test_not_a_dataset(tmp_path: Path) -> None:
     with pytest.raises(DatasetError, match="not a directory"):
         MemmapDataset(tmp_path / "nothing")
+
+
+def test_spawned_workers_find_the_dataset_after_the_parent_changed_directory(tmp_path: Path, monkeypatch) -> None:
+    dsc.compile_folder(make_images(tmp_path / "src"), tmp_path / "out", size=8, workers=1)
+    monkeypatch.chdir(tmp_path)
+    ds = MemmapDataset("out")  # a relative path...
+    monkeypatch.chdir(tmp_path / "src")  # ...and then the training script moves on
+    loader = DataLoader(ds, batch_size=8, num_workers=1, multiprocessing_context="spawn")
+    images = torch.cat([image for image, _ in loader])
+    assert torch.equal(images, torch.stack([ds[i][0] for i in range(len(ds))]))

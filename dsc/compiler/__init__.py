@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import time
 import warnings
@@ -19,10 +21,10 @@ from dsc import __version__
 from dsc import format as fmt
 from dsc.compiler import journal, publish, ray_engine
 from dsc.compiler.decode import DEFAULT_MAX_PIXELS, decoder_name
-from dsc.compiler.discover import discover
+from dsc.compiler.discover import discover, printable
 from dsc.compiler.resize import INTERPOLATION, PAD_VALUE, Target, parse_size, resize_backend
 from dsc.compiler.write import SlotResult, WriteJob, check_workers, compact, fill_slots, fsync_files
-from dsc.errors import CompileError, DatasetError
+from dsc.errors import CompileError
 
 ENGINES = ("local", "ray")
 SHARD_TARGET_BYTES = 1 << 30  # ~1 GiB shards: few files, yet units small enough to copy or verify
@@ -86,11 +88,6 @@ def _check_paths(src: Path, out: Path) -> None:
         raise CompileError(f"the source folder {src} must not be inside the output {out}")
 
 
-def _printable(source: str) -> str:
-    """A source path as valid UTF-8 text for the manifest (undecodable bytes as \\xNN)."""
-    return os.fsencode(source).decode("utf-8", "backslashreplace")
-
-
 class StrictFailure(CompileError):
     """A --strict compile met a source it could not decode: the build is discarded."""
 
@@ -136,7 +133,7 @@ def _options(target: Target, seed: int, shuffle: bool, max_pixels: int, src: Pat
             "interpolation": INTERPOLATION, "pad_value": PAD_VALUE, "alpha": "composited onto black",
             "exif_orientation": "applied", "jpeg_decoder": decoder_name(),
             "decode": decode_mode, "dct_scaling": fmt.DCT_SCALING[decode_mode],
-            "shuffle": shuffle, "seed": seed, "max_pixels": max_pixels, "source_root": _printable(str(src)),
+            "shuffle": shuffle, "seed": seed, "max_pixels": max_pixels, "source_root": printable(str(src)),
             "source_order": "by label, then depth-first with folder entries sorted by name",
             "sources_found": found}
 
@@ -145,6 +142,7 @@ def _finish(stage: Path, job: WriteJob, ok: np.ndarray, sizes: np.ndarray, label
             sources: list[str], classes: list[str], skipped: list[tuple[str, str]], options: dict,
             threads: int) -> fmt.Manifest:
     """Close up skipped slots, make the shards durable, write index and manifest (last)."""
+    journal.write_kept(stage, ok)  # state "compacting": a resume finds moved records through it
     kept = compact(stage, ok, job)
     if kept == 0:
         raise NothingDecoded(f"none of the {len(sources)} images in {job.src_root} could be decoded; nothing written")
@@ -157,7 +155,7 @@ def _finish(stage: Path, job: WriteJob, ok: np.ndarray, sizes: np.ndarray, label
     index = fmt.write_index(stage, labels[ok], sizes[ok], [s for s, k in zip(sources, ok) if k])
     manifest = fmt.Manifest(height=target.height, width=target.width, count=kept, records_per_shard=per_shard,
                             classes=tuple(classes), shards=shards, index=index, compile=options,
-                            skipped=tuple({"source": _printable(s), "reason": r} for s, r in skipped))
+                            skipped=tuple({"source": printable(s), "reason": r} for s, r in skipped))
     fmt.write_manifest(stage, manifest)
     return manifest
 
@@ -197,23 +195,32 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
     src, out = Path(src).absolute(), Path(out).absolute()
     _check_paths(src, out)
     found = discover(src)
+    if strict and found.skipped:
+        source, reason = found.skipped[0]
+        raise StrictFailure(f"{src / source}: {reason} (--strict: nothing written)")
     on_skip = on_skip or _warn_skip
     for source, reason in found.skipped:
         on_skip(source, reason)
     order = source_order(len(found.sources), seed, shuffle)
     sources = [found.sources[i] for i in order]
+    listing = journal.source_listing(src, sources, found.labels[order], found.classes)
     plan = {"dsc_version": __version__, "decoder": decoder_name(), "resize": resize_backend(),
             "size": [target.height, target.width], "fit": target.fit, "decode": decode_mode, "seed": seed,
             "shuffle": shuffle, "max_pixels": max_pixels, "records_per_shard": per_shard, "count": len(sources),
-            "sources": journal.source_fingerprint(src, sources, found.labels[order], found.classes)}
+            "sources": journal.listing_digest(listing)}
     if engine == "ray":
         ray_engine.check_address(address)  # before any partial build exists
+    plan_digest = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
     lock_fd, log = publish.lock(out), None
     try:
         stage, resumed = publish.prepare(out, force, resume, lock_fd)
-        manifest = _published_as_is(stage, out) if resumed else None
+        manifest = _finish_publish(stage, out, plan_digest, force) if resumed else None
         if manifest is None:
-            journal.check_plan(stage, plan) if resumed else journal.write_plan(stage, plan)
+            if resumed and not journal.has_plan(stage):  # the plan never got written: nothing to reuse
+                publish.discard(stage)
+                stage.mkdir()
+                resumed = False
+            journal.check_plan(stage, plan, listing) if resumed else journal.write_plan(stage, plan, listing)
             fmt.allocate_shards(stage, len(sources), per_shard, record_bytes)
             job = WriteJob(str(src), str(stage), len(sources), per_shard, target, max_pixels, decode_mode)
             done = journal.reusable(stage, job) if resumed else {}
@@ -224,8 +231,8 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
             manifest = _finish(stage, job, ok, sizes, found.labels[order], sources, found.classes,
                                sorted(found.skipped + failed), _options(target, seed, shuffle, max_pixels, src,
                                                                          len(sources), decode_mode), min(4, workers))
-            journal.remove(stage)
-            publish.publish(stage, out)
+            publish.record_publish(out, plan_digest, publish.manifest_digest(stage))
+            _finish_publish(stage, out, plan_digest, force)
     except (StrictFailure, NothingDecoded):  # a verdict on the data: nothing worth resuming
         publish.discard(stage)
         raise
@@ -233,24 +240,35 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
         raise CompileError(f"writing the dataset in {out.parent} failed: {e}; fix the cause and run the same "
                            "command with --resume to continue") from e
     finally:
-        if log is not None:
-            log.close()
-        os.close(lock_fd)
+        try:
+            if log is not None:
+                log.close()
+        finally:
+            os.close(lock_fd)
     size_on_disk = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     return CompileSummary(out, manifest.count, [(s["source"], s["reason"]) for s in manifest.skipped],
-                          found.classes, found.empty_classes, len(manifest.shards), size_on_disk,
+                          list(manifest.classes), found.empty_classes, len(manifest.shards), size_on_disk,
                           time.perf_counter() - started, decoder_name(), manifest.record_shape)
 
 
-def _published_as_is(stage: Path, out: Path) -> fmt.Manifest | None:
-    """A partial build that was complete when its compile stopped (between cleaning up and
-    publishing) is checked whole and published; None when there is work left to do."""
-    if (stage / journal.PLAN_FILE).exists() or not (stage / fmt.MANIFEST_FILE).exists():
+def _finish_publish(stage: Path, out: Path, plan_digest: str, force: bool) -> fmt.Manifest | None:
+    """State "finishing" (formats.md): publish the recorded build, or see that it already is.
+
+    Acts only on a build this plan made: the record names the plan's and the manifest's SHA-256.
+    None when no publish is pending (the build is still in progress)."""
+    record = publish.pending_publish(out)
+    if record is None:
         return None
-    try:
-        manifest = fmt.open_dataset(stage).manifest
-        fmt.verify_checksums(stage, manifest)
-    except DatasetError as e:
-        raise CompileError(f"the partial build at {stage} is damaged ({e}); pass --force to start over") from e
-    publish.publish(stage, out)
-    return manifest
+    if record.get("plan") != plan_digest:
+        raise CompileError(f"a finished build of {out} made with other settings or sources waits to be published "
+                           f"at {stage}; run the original command with --resume, or pass --force to discard it")
+    if publish.manifest_digest(out) == record["manifest"]:  # published; the stage holds the old dataset
+        if stage.exists():
+            publish.retire(stage, out)
+    elif publish.manifest_digest(stage) == record["manifest"]:
+        journal.remove(stage)
+        publish.publish(stage, out, force)
+    else:
+        raise CompileError(f"the finished build at {stage} is damaged or gone; pass --force to start over")
+    publish.clear_publish(out)
+    return fmt.open_dataset(out).manifest

@@ -76,6 +76,11 @@ def _walk(top: Path, rel: str, ancestors: frozenset[tuple[int, int]], found: lis
                 skipped.append((child, "not a regular file (a device, pipe or socket)"))
 
 
+def printable(source: str) -> str:
+    """A source path as valid UTF-8 text for the manifest (undecodable bytes as \\xNN)."""
+    return os.fsencode(source).decode("utf-8", "backslashreplace")
+
+
 def discover(root: str | os.PathLike) -> Discovery:
     """List every image under `root`; raise CompileError when there is nothing to compile."""
     root = Path(root)
@@ -100,8 +105,9 @@ def discover(root: str | os.PathLike) -> Discovery:
     if classes:
         for label, name in enumerate(classes):
             found: list[str] = []
+            skips_before = len(skipped)
             _walk(root / name, name, root_id, found, skipped)
-            if not found:
+            if not found and len(skipped) == skips_before:  # truly empty, not unreadable
                 empty.append(name)
             sources += found
             labels += [label] * len(found)

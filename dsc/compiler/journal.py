@@ -5,9 +5,13 @@ is published:
 
 - `plan.json`: the options and a fingerprint of the source listing. A resume with other
   options or a changed SRC is refused: one dataset is never made of two plans.
+- `sources.jsonl`: that listing, so the refusal can name the file that changed.
+- `kept.bin`: the kept mask, written before compaction moves records down.
 - `journal.jsonl`: one line per finished slot, appended by the main process after the worker
-  wrote the record: `{"slot", "h", "w", "crc"}` (CRC-32 of the record bytes) or
-  `{"slot", "reason"}` for a skipped source. A torn last line is ignored.
+  wrote the record: `{"slot", "h", "w", "crc", "check"}` (`crc`: CRC-32 of the record bytes;
+  `check`: CRC-32 of "slot:h:w:crc", so an edited size is caught too) or `{"slot", "reason"}`
+  for a skipped source. A torn or unchecked line is ignored: that slot is decoded again.
+  Lines are written unbuffered, so a failed write (a full disk) is never written twice.
 
 Nothing in the journal is trusted blindly: on resume every reused record is read back and its
 CRC compared, so records lost to a crash (unflushed pages, a half-done compaction or trim) are
@@ -28,46 +32,76 @@ from typing import Any
 import numpy as np
 
 from dsc import format as fmt
+from dsc.compiler.discover import printable
 from dsc.compiler.write import SlotResult, WriteJob
 from dsc.errors import CompileError
 
 PLAN_FILE = "plan.json"
 JOURNAL_FILE = "journal.jsonl"
+LISTING_FILE = "sources.jsonl"  # the planned listing, to name what changed
+KEPT_FILE = "kept.bin"  # the kept mask, written before compaction moves any record
 
 
-def source_fingerprint(src: Path, sources: list[str], labels: np.ndarray, classes: list[str]) -> str:
-    """SHA-256 over the ordered listing: path, label, size and mtime of every source."""
-    digest = hashlib.sha256(json.dumps(classes).encode())
+def source_listing(src: Path, sources: list[str], labels: np.ndarray, classes: list[str]) -> list[str]:
+    """The ordered listing a plan is made from: one line per source with its label, size and mtime."""
+    lines = [json.dumps(classes)]
     for source, label in zip(sources, labels.tolist()):
         try:
             st = os.stat(src / source)
             stamp = f"{st.st_size}:{st.st_mtime_ns}"
         except OSError:
             stamp = "missing"
-        digest.update(os.fsencode(source) + f"\0{label}\0{stamp}\n".encode())
-    return digest.hexdigest()
+        lines.append(json.dumps([printable(source), label, stamp]))
+    return lines
 
 
-def write_plan(stage: Path, plan: dict[str, Any]) -> None:
+def listing_digest(listing: list[str]) -> str:
+    return hashlib.sha256("\n".join(listing).encode()).hexdigest()
+
+
+def has_plan(stage: Path) -> bool:
+    """Whether the partial build has a whole plan; one that is missing or torn proves nothing
+    was built from it (the plan is written, atomically, before anything else)."""
+    try:
+        return isinstance(json.loads((stage / PLAN_FILE).read_bytes()), dict)
+    except (OSError, ValueError):
+        return False
+
+
+def write_plan(stage: Path, plan: dict[str, Any], listing: list[str]) -> None:
+    """State "building" begins: the listing first, then the plan (its presence marks the state)."""
+    fmt.write_durably(stage / LISTING_FILE, ("\n".join(listing) + "\n").encode())
     fmt.write_durably(stage / PLAN_FILE, json.dumps(plan, indent=1, sort_keys=True).encode())
 
 
-def check_plan(stage: Path, plan: dict[str, Any]) -> None:
+def check_plan(stage: Path, plan: dict[str, Any], listing: list[str]) -> None:
     """Refuse to resume a partial build made with other options or from another source listing."""
-    try:
-        saved = json.loads((stage / PLAN_FILE).read_bytes())
-    except (OSError, ValueError) as e:
-        raise CompileError(f"the partial build at {stage} has no readable {PLAN_FILE} ({e}); "
-                           "delete it, or pass --force to discard it") from e
-    if not isinstance(saved, dict):
-        saved = {}
+    saved = json.loads((stage / PLAN_FILE).read_bytes())
     changed = [f"{key} {saved.get(key)!r} (now {plan[key]!r})" for key in plan
                if key != "sources" and saved.get(key) != plan[key]]
     if saved.get("sources") != plan["sources"]:
-        changed.append("the source listing (files added, removed, renamed or modified)")
+        changed.append(f"the source listing: {_first_change(stage, listing)}")
     if changed:
         raise CompileError(f"cannot resume {stage}: it was made with other settings: {'; '.join(changed)}. "
                            "Run the original command, or pass --force to start over")
+
+
+def _first_change(stage: Path, listing: list[str]) -> str:
+    """Name the first source that was added, removed, renamed or modified since the plan."""
+    try:
+        saved = (stage / LISTING_FILE).read_text(encoding="utf-8").splitlines()
+    except (OSError, ValueError):
+        saved = []
+    for before, now in zip(saved, listing):
+        if before != now:
+            try:
+                (name, _, b), (name_now, _, n) = json.loads(before), json.loads(now)
+            except (ValueError, TypeError):
+                return "the class folders changed"
+            if name != name_now:
+                return f"{name!r} became {name_now!r} (a file added, removed or renamed)"
+            return f"{name!r} was modified (size:mtime {b} then, {n} now)"
+    return f"{abs(len(saved) - len(listing))} file(s) added or removed at the end"
 
 
 class Journal:
@@ -80,18 +114,26 @@ class Journal:
             with open(self.path, "rb") as f:
                 f.seek(-1, os.SEEK_END)
                 torn = f.read(1) != b"\n"
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         if torn:  # a line cut by a crash: end it, so that the next one is not glued onto it
-            self._file.write("\n")
+            os.write(self._fd, b"\n")
 
     def append(self, results: Iterable[SlotResult]) -> None:
         lines = [json.dumps({"slot": r.slot, "reason": r.reason} if r.reason else
-                            {"slot": r.slot, "h": r.height, "w": r.width, "crc": r.crc}) for r in results]
-        self._file.write("".join(line + "\n" for line in lines))
-        self._file.flush()
+                            {"slot": r.slot, "h": r.height, "w": r.width, "crc": r.crc,
+                             "check": _line_check(r.slot, r.height, r.width, r.crc)}) for r in results]
+        payload = "".join(line + "\n" for line in lines).encode("utf-8")
+        while payload:  # unbuffered: nothing is left behind to be written again by close()
+            payload = payload[os.write(self._fd, payload):]
 
     def close(self) -> None:
-        self._file.close()
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+
+
+def _line_check(slot: int, height: int, width: int, crc: int) -> int:
+    return zlib.crc32(f"{slot}:{height}:{width}:{crc}".encode())
 
 
 def _parse(line: str, count: int) -> SlotResult | None:
@@ -102,19 +144,60 @@ def _parse(line: str, count: int) -> SlotResult | None:
             return None
         if "reason" in entry:
             return SlotResult(slot, reason=str(entry["reason"]))
-        return SlotResult(slot, int(entry["h"]), int(entry["w"]), crc=int(entry["crc"]))
+        result = SlotResult(slot, int(entry["h"]), int(entry["w"]), crc=int(entry["crc"]))
+        if entry["check"] != _line_check(slot, result.height, result.width, result.crc):
+            return None
+        return result
     except (ValueError, KeyError, TypeError):
         return None  # a torn or foreign line: that slot is simply done again
 
 
+def write_kept(stage: Path, ok: np.ndarray) -> None:
+    """Record which slots compaction keeps, so a resume can find records it moved down."""
+    fmt.write_durably(stage / KEPT_FILE, np.packbits(ok).tobytes())
+
+
+def _undo_compaction(stage: Path, job: WriteJob, done: dict[int, SlotResult]) -> None:
+    """Move each journalled record that compaction moved down back to its slot (highest slot
+    first: a record only ever moved down, so no later move reads a place already written)."""
+    try:
+        ok = np.unpackbits(np.frombuffer((stage / KEPT_FILE).read_bytes(), np.uint8))[:job.count].astype(bool)
+    except FileNotFoundError:
+        return
+    if len(ok) != job.count:
+        return
+    position = np.cumsum(ok) - 1  # where compaction puts slot s (when ok[s])
+    shape = (job.target.height, job.target.width, fmt.CHANNELS)
+    records = fmt.shard_records(job.count, job.records_per_shard)
+    shards = [fmt.open_shard(stage / fmt.shard_file(i), n, shape, "r+") for i, n in enumerate(records)]
+    per = job.records_per_shard
+    for slot in sorted(done, reverse=True):
+        at = int(position[slot])
+        if not ok[slot] or at == slot or _crc_at(shards, slot, per) == done[slot].crc:
+            continue
+        if _crc_at(shards, at, per) == done[slot].crc:
+            fmt.move_records(shards, at, slot, 1, per)
+    for shard in shards:
+        shard.flush()
+    del shards
+    (stage / KEPT_FILE).unlink()
+
+
+def _crc_at(shards: list[np.ndarray], position: int, records_per_shard: int) -> int:
+    shard, offset = fmt.locate(position, records_per_shard)
+    return zlib.crc32(shards[shard][offset])
+
+
 def reusable(stage: Path, job: WriteJob) -> dict[int, SlotResult]:
-    """Journalled records whose bytes still have the journalled CRC. Skipped sources are tried
-    again (they are few): what failed for a passing reason must not stay lost."""
+    """Journalled records whose bytes still have the journalled CRC (found again where an
+    interrupted compaction moved them). Skipped sources are tried again (they are few): what
+    failed for a passing reason must not stay lost."""
     try:
         text = (stage / JOURNAL_FILE).read_text(encoding="utf-8", errors="replace")
     except FileNotFoundError:
         return {}
     done = {r.slot: r for r in (_parse(line, job.count) for line in text.splitlines()) if r is not None and r.ok}
+    _undo_compaction(stage, job, done)
     shape = (job.target.height, job.target.width, fmt.CHANNELS)
     records = fmt.shard_records(job.count, job.records_per_shard)
     good = {}
@@ -127,6 +210,7 @@ def reusable(stage: Path, job: WriteJob) -> dict[int, SlotResult]:
 
 
 def remove(stage: Path) -> None:
-    """Drop the resume files before the staging folder becomes the dataset."""
-    for name in (PLAN_FILE, JOURNAL_FILE):
+    """Drop the resume files before the staging folder becomes the dataset (the plan last:
+    while it exists, the folder is a build in progress)."""
+    for name in (KEPT_FILE, JOURNAL_FILE, LISTING_FILE, PLAN_FILE):
         (stage / name).unlink(missing_ok=True)

@@ -1,10 +1,15 @@
-"""Publish: build beside OUT, then swap it into place, so OUT is only ever absent or complete.
+"""Publish: build beside OUT, then rename it into place, so OUT is only ever absent, the old
+dataset or the new one — and nothing that is not a dsc dataset is ever replaced.
 
-The build lives in `.OUT.dsc-partial` next to OUT and survives an interrupted compile so that
-`--resume` can continue it. A compile holds `.OUT.dsc-lock` (`flock`, a file never deleted)
-from its first look at OUT to the end of its publish: one compile per OUT at a time. Publishing exchanges
-the finished folder with the previous dataset in one atomic `renameat2(RENAME_EXCHANGE)` where
-the system has it: readers see the old dataset or the new one, never no dataset.
+The states of a build and their transitions are the spec's ("Partial builds" in formats.md):
+building (`plan.json` in `.OUT.dsc-partial`), compacting (`kept.bin`), finishing (the
+`.OUT.dsc-publish` record beside OUT: the plan's and the manifest's SHA-256, so a resume acts
+only on its own plan's build), and published with the old dataset waiting for deletion (it is
+renamed to a unique `.OUT.dsc-old-*` first, never left where a build is looked for). Every state
+file is written atomically. A compile holds `.OUT.dsc-lock` (`flock`, a file never deleted) from
+its first look at OUT to the end of its publish: one compile per OUT at a time. Without --force
+the build is renamed with RENAME_NOREPLACE; with it, exchanged with RENAME_EXCHANGE (readers see
+the old dataset or the new one) and exchanged back if what came out is not a dsc dataset.
 """
 
 from __future__ import annotations
@@ -12,8 +17,11 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import glob
+import hashlib
 import json
 import os
+import secrets
 import shutil
 import time
 from pathlib import Path
@@ -22,7 +30,8 @@ from dsc import format as fmt
 from dsc.errors import CompileError
 
 LOCK_WAIT_S = 5.0
-RENAME_EXCHANGE = 2  # linux/fs.h
+RENAME_NOREPLACE = 1  # linux/fs.h
+RENAME_EXCHANGE = 2
 AT_FDCWD = -100
 
 
@@ -40,8 +49,54 @@ def is_dataset(path: Path) -> bool:
         return False
 
 
+def replaceable(path: Path) -> bool:
+    """What --force may replace: a dsc dataset or an empty folder, never a link or anything else."""
+    if path.is_symlink() or not path.is_dir():
+        return False
+    return is_dataset(path) or not any(path.iterdir())
+
+
 def lock_path(out: Path) -> Path:
     return out.parent / f".{out.name}.dsc-lock"
+
+
+def retired_prefix(out: Path) -> str:
+    """Replaced datasets wait for deletion under this prefix and a random suffix: never mistaken for a build."""
+    return f".{out.name}.dsc-old-"
+
+
+def record_path(out: Path) -> Path:
+    """Where a finished build's publish is recorded until it is done (outside the build, which becomes OUT)."""
+    return out.parent / f".{out.name}.dsc-publish"
+
+
+def record_publish(out: Path, plan: str, manifest: str) -> None:
+    """State "finishing": the build's manifest is written; `plan` and `manifest` are their SHA-256s."""
+    fmt.write_durably(record_path(out), json.dumps({"plan": plan, "manifest": manifest}).encode())
+    _fsync_dir(out.parent)
+
+
+def pending_publish(out: Path) -> dict | None:
+    """The recorded publish of a finished build, or None when none is pending."""
+    try:
+        record = json.loads(record_path(out).read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}  # torn: written atomically, so only a foreign hand does this; proves nothing
+    return record if isinstance(record, dict) else {}
+
+
+def clear_publish(out: Path) -> None:
+    record_path(out).unlink(missing_ok=True)
+    _fsync_dir(out.parent)
+
+
+def manifest_digest(root: Path) -> str | None:
+    try:
+        return hashlib.sha256((root / fmt.MANIFEST_FILE).read_bytes()).hexdigest()
+    except OSError:
+        return None
 
 
 def _check_out(out: Path, force: bool) -> None:
@@ -50,11 +105,14 @@ def _check_out(out: Path, force: bool) -> None:
     if out.exists():
         if not force:
             raise CompileError(f"output {out} already exists; pass --force to replace it")
-        if not out.is_dir() or not (is_dataset(out) or not any(out.iterdir())):
+        if not replaceable(out):
             raise CompileError(f"output {out} exists and is not a dsc dataset; refusing to replace it, "
                                "even with --force")
     if not out.parent.is_dir():
         raise CompileError(f"the folder {out.parent} that should hold {out.name} does not exist")
+    if out.is_dir() and os.path.ismount(out):
+        raise CompileError(f"output {out} is a mount point; a dataset is published by renaming a folder onto "
+                           "it, which a mount point refuses: give a folder inside it instead")
     if not os.access(out.parent, os.W_OK | os.X_OK):
         raise CompileError(f"cannot write in {out.parent} (permission denied)")
 
@@ -84,8 +142,17 @@ def lock(out: Path, wait_s: float = LOCK_WAIT_S) -> int:
 
 def prepare(out: Path, force: bool, resume: bool, lock_fd: int) -> tuple[Path, bool]:
     """Under OUT's lock: check OUT, then give (staging folder, whether it holds work to resume)."""
-    _check_out(out, force)
     stage = staging_path(out)
+    for grave in out.parent.glob(f"{glob.escape(retired_prefix(out))}*"):  # a kill stopped its deletion
+        shutil.rmtree(grave, ignore_errors=True)
+    if pending_publish(out) is not None:
+        if resume:
+            return stage, True
+        if not force:
+            raise CompileError(f"an interrupted compile left a finished build of {out} waiting to be published: run "
+                               "the same command with --resume to publish it, or pass --force to discard it")
+        clear_publish(out)
+    _check_out(out, force)
     if stage.is_symlink() or stage.exists():
         if resume and stage.is_dir() and not stage.is_symlink():
             return stage, True
@@ -104,38 +171,69 @@ def discard(stage: Path) -> None:
     shutil.rmtree(stage, ignore_errors=True)
 
 
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two paths (Linux renameat2); False where the system cannot."""
+def _renameat2(a: Path, b: Path, flags: int) -> bool:
+    """Linux renameat2; False where the system or file system cannot do `flags`."""
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
     except (OSError, AttributeError):
         return False
-    if renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+    if renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), flags) == 0:
         return True
-    if ctypes.get_errno() in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
         return False
-    raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), str(a))
+    raise OSError(err, os.strerror(err), str(b))
 
 
-def publish(stage: Path, out: Path) -> None:
-    """Move the finished build to OUT, replacing a previous dataset there (--force)."""
-    if out.exists() and _exchange(stage, out):
-        shutil.rmtree(stage, ignore_errors=True)  # now the previous dataset; open maps keep it readable
-    else:
-        old = None
-        if out.exists():  # no atomic exchange here: a moment without OUT, never a mixed OUT
-            old = out.parent / f".{out.name}.dsc-old-{os.getpid()}"
-            os.rename(out, old)
+def _rename_noreplace(stage: Path, out: Path) -> None:
+    """Move `stage` to `out` only if nothing is at `out`, atomically where the system can."""
+    try:
+        if _renameat2(stage, out, RENAME_NOREPLACE):
+            return
+    except FileExistsError:
+        raise CompileError(f"{out} appeared while the dataset was compiled; it was left untouched, and the "
+                           f"finished build waits at {stage}: move {out} away and run with --resume") from None
+    if out.exists() or out.is_symlink():  # no renameat2 here: the narrowest check we can make
+        raise CompileError(f"{out} appeared while the dataset was compiled; it was left untouched")
+    os.rename(stage, out)
+
+
+def retire(old: Path, out: Path) -> None:
+    """Give a replaced dataset a name of its own before deleting it: nothing may mistake it for a build."""
+    grave = out.parent / f"{retired_prefix(out)}{secrets.token_hex(6)}"
+    os.rename(old, grave)
+    _fsync_dir(out.parent)
+    shutil.rmtree(grave, ignore_errors=True)
+
+
+def publish(stage: Path, out: Path, force: bool) -> None:
+    """Move the finished build to OUT. Without `force` nothing at OUT is ever replaced; with it,
+    only a dsc dataset (or an empty folder) is, and anything else swapped out is put back."""
+    if not (force and (out.exists() or out.is_symlink())):
+        _rename_noreplace(stage, out)
+    elif _renameat2(stage, out, RENAME_EXCHANGE):
+        if not replaceable(stage):
+            _renameat2(stage, out, RENAME_EXCHANGE)  # not ours to replace: put it back
+            raise CompileError(f"{out} is not a dsc dataset (it changed while compiling); it was left "
+                               "untouched, even with --force")
+        _fsync_dir(out.parent)
+        retire(stage, out)  # the previous dataset; open maps keep it readable
+    else:  # no atomic exchange here: a moment without OUT, never a mixed OUT
+        if not replaceable(out):
+            raise CompileError(f"{out} is not a dsc dataset; refusing to replace it, even with --force")
+        old = out.parent / f"{retired_prefix(out)}{secrets.token_hex(6)}"
+        os.rename(out, old)
         try:
-            os.rename(stage, out)
+            _rename_noreplace(stage, out)
         except BaseException:  # never leave OUT empty: put the previous dataset back
-            if old is not None:
-                os.rename(old, out)
+            os.rename(old, out)
             raise
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    fd = os.open(out.parent, os.O_RDONLY)
+        retire(old, out)
+    _fsync_dir(out.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:

@@ -109,7 +109,7 @@ class MemmapDataset(Dataset):
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
-        self.path = Path(path)
+        self.path = Path(os.path.abspath(path))  # a spawned worker may start in another directory
         self._data: fmt.OpenedDataset | None = _open(self.path)  # validates now, fails here
         self._fingerprint = fingerprint(self._data.manifest)
         self._tensors: tuple[torch.Tensor, ...] | None = None
