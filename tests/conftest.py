@@ -15,7 +15,8 @@ from dsc.testing import _pattern as pattern
 from dsc.testing import _save as save
 from dsc.testing import pillow_reference
 
-__all__ = ["pattern", "save", "pillow_reference", "make_folder", "ref_box"]  # the tests import these from here
+# the tests import these from here
+__all__ = ["pattern", "save", "pillow_reference", "make_folder", "ref_box", "tiny_dataset"]
 
 
 def make_folder(root: Path, classes: int = 3, per_class: int = 4, seed: int = 0,
@@ -32,6 +33,17 @@ def make_folder(root: Path, classes: int = 3, per_class: int = 4, seed: int = 0,
             else:
                 save(root / f"class_{c}" / f"img_{i}.jpg", arr)
     return root
+
+
+def tiny_dataset(root: Path, seed: int, records_per_shard: int):
+    """24 records of 8x8 (3 classes of 8 real images) compiled under root/ds: for the loader's tests."""
+    import dsc
+    from dsc.reader import MemmapDataset
+    from dsc.testing import make_image_folder
+
+    make_image_folder(root / "src", classes=3, per_class=8, size=(24, 32), seed=seed)
+    dsc.compile_folder(root / "src", root / "ds", size=(8, 8), records_per_shard=records_per_shard, workers=1)
+    return MemmapDataset(root / "ds")
 
 
 @pytest.fixture

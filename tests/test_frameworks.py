@@ -16,6 +16,7 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -89,14 +90,21 @@ def trained_on(first: list[list[dict]], resumed: list[list[dict]], step: int) ->
     return [[x["index"] for x in a if x["step"] < step] + [x["index"] for x in b] for a, b in zip(first, resumed)]
 
 
+def stop_and_resume(job: Callable[..., list[str]], tmp_path: Path, ranks: int, every: int, stop: int,
+                    checkpoint: str, env: dict[str, str] | None = None) -> tuple[list[list[dict]], list[list[dict]]]:
+    """Run `job(record, *options)` to step `stop` saving a checkpoint every `every` steps, then again from
+    `checkpoint`; what each run's ranks trained on."""
+    run(job(tmp_path / "first", "--every", str(every), "--max-steps", str(stop), "--checkpoint-dir",
+            str(tmp_path / "ck")), env)
+    run(job(tmp_path / "resumed", "--resume", str(tmp_path / "ck" / checkpoint), "--checkpoint-dir",
+            str(tmp_path / "ck2")), env)
+    return recorded(tmp_path / "first", ranks), recorded(tmp_path / "resumed", ranks)
+
+
 def test_lightning_epochs_differ_and_a_mid_epoch_resume_is_exact(data: Path, tmp_path: Path) -> None:
-    run(lightning(data, tmp_path / "first", 1, "--every", "4", "--max-steps", "13",
-                  "--checkpoint-dir", str(tmp_path / "ck")))
-    run(lightning(data, tmp_path / "resumed", 1, "--resume", str(tmp_path / "ck" / "step=12.ckpt"),
-                  "--checkpoint-dir", str(tmp_path / "ck2")))
-    resumed = recorded(tmp_path / "resumed", 1)
+    first, resumed = stop_and_resume(lambda out, *o: lightning(data, out, 1, *o), tmp_path, 1, 4, 13, "step=12.ckpt")
     assert (resumed[0][0]["epoch"], resumed[0][0]["step"]) == (1, 12)  # 10 batches an epoch: mid-epoch 1
-    got = trained_on(recorded(tmp_path / "first", 1), resumed, 12)
+    got = trained_on(first, resumed, 12)
     assert got == uninterrupted(data, 1)
     epochs = [sorted(i for batch in got[0][e * 10:(e + 1) * 10] for i in batch) for e in range(EPOCHS)]
     assert all(e == list(range(40)) for e in epochs)  # every epoch covers the data once
@@ -106,24 +114,16 @@ def test_lightning_epochs_differ_and_a_mid_epoch_resume_is_exact(data: Path, tmp
 
 def test_lightning_ddp_on_two_processes_resumes_on_every_rank(data: Path, tmp_path: Path) -> None:
     """Lightning saves rank 0's loader state only and loads it on both ranks."""
-    run(lightning(data, tmp_path / "first", 2, "--every", "3", "--max-steps", "8",
-                  "--checkpoint-dir", str(tmp_path / "ck")))
-    run(lightning(data, tmp_path / "resumed", 2, "--resume", str(tmp_path / "ck" / "step=6.ckpt"),
-                  "--checkpoint-dir", str(tmp_path / "ck2")))
-    resumed = recorded(tmp_path / "resumed", 2)
+    first, resumed = stop_and_resume(lambda out, *o: lightning(data, out, 2, *o), tmp_path, 2, 3, 8, "step=6.ckpt")
     assert [(r[0]["epoch"], r[0]["step"]) for r in resumed] == [(1, 6), (1, 6)]  # 5 batches an epoch
-    assert trained_on(recorded(tmp_path / "first", 2), resumed, 6) == uninterrupted(data, 2)
+    assert trained_on(first, resumed, 6) == uninterrupted(data, 2)
 
 
 def test_accelerate_on_two_processes_saves_and_loads_the_loader_state(data: Path, tmp_path: Path) -> None:
-    on_cpu = {"ACCELERATE_USE_CPU": "true"}  # else Accelerate runs each CPU process on its own
-    run(torchrun("accelerate_train.py", data, tmp_path / "first", 2, "--every", "3", "--max-steps", "8",
-                 "--checkpoint-dir", str(tmp_path / "ck")), on_cpu)
-    run(torchrun("accelerate_train.py", data, tmp_path / "resumed", 2, "--resume", str(tmp_path / "ck" / "step=6"),
-                 "--checkpoint-dir", str(tmp_path / "ck2")), on_cpu)
-    resumed = recorded(tmp_path / "resumed", 2)
+    first, resumed = stop_and_resume(lambda out, *o: torchrun("accelerate_train.py", data, out, 2, *o), tmp_path,
+                                     2, 3, 8, "step=6", env={"ACCELERATE_USE_CPU": "true"})  # else: one world each
     assert [(r[0]["epoch"], r[0]["step"]) for r in resumed] == [(1, 6), (1, 6)]
-    assert trained_on(recorded(tmp_path / "first", 2), resumed, 6) == uninterrupted(data, 2)
+    assert trained_on(first, resumed, 6) == uninterrupted(data, 2)
 
 
 def test_torchrun_two_ranks_resumed_on_three_serve_the_rest_of_the_epoch_once(data: Path, tmp_path: Path) -> None:

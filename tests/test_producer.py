@@ -12,22 +12,19 @@ import time
 import pytest
 import torch
 
-import dsc
 from dsc.errors import LoaderError
 from dsc.reader import MemmapDataset
 from dsc.reader import loader as loader_module
 from dsc.reader.reference import reference_batches
-from dsc.testing import make_image_folder
+
+from conftest import tiny_dataset
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @pytest.fixture(scope="module")
 def ds(tmp_path_factory) -> MemmapDataset:
-    root = tmp_path_factory.mktemp("producer")
-    make_image_folder(root / "src", classes=3, per_class=8, size=(24, 32), seed=4)
-    dsc.compile_folder(root / "src", root / "ds", size=(8, 8), records_per_shard=5, workers=1)
-    return MemmapDataset(root / "ds")
+    return tiny_dataset(tmp_path_factory.mktemp("producer"), seed=4, records_per_shard=5)
 
 
 def producers() -> list[threading.Thread]:

@@ -20,13 +20,12 @@ from dsc.reader import order as orders
 from dsc.reader.reference import reference_batches
 from dsc.testing import make_image_folder
 
+from conftest import tiny_dataset
+
 
 @pytest.fixture(scope="module")
 def ds(tmp_path_factory) -> MemmapDataset:
-    root = tmp_path_factory.mktemp("resume")
-    make_image_folder(root / "src", classes=3, per_class=8, size=(24, 32), seed=3)
-    dsc.compile_folder(root / "src", root / "ds", size=(8, 8), records_per_shard=4, workers=1)
-    return MemmapDataset(root / "ds")
+    return tiny_dataset(tmp_path_factory.mktemp("resume"), seed=3, records_per_shard=4)
 
 
 def indices(batches) -> list[int]:
