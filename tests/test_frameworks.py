@@ -34,6 +34,7 @@ JOB_TIMEOUT_S = 120  # each job takes 5-15 s here
 
 pytest.importorskip("lightning")
 pytest.importorskip("accelerate")
+psutil = pytest.importorskip("psutil")  # an Accelerate dependency
 
 
 @pytest.fixture(scope="module")
@@ -46,20 +47,31 @@ def data(tmp_path_factory) -> Path:
 
 
 def run(command: list[str], env: dict[str, str] | None = None) -> None:
-    """Run a training job in its own session; one that hangs is stopped with SIGABRT, which makes every
-    Python process of it print all its threads' stacks (faulthandler) into the failure message."""
+    """Run a training job; one that hangs is stopped with SIGABRT, which makes every Python process of it
+    print all its threads' stacks (faulthandler) into the failure message. The job's whole process tree
+    is signalled: torchrun starts its workers in sessions of their own."""
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=EXAMPLES,
-                            env={**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})}, start_new_session=True)
+                            env={**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})})
+    job = psutil.Process(proc.pid)
     try:
         output, _ = proc.communicate(timeout=JOB_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGABRT)
+        signal_tree(job, signal.SIGABRT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.communicate(timeout=10)  # time to print the stacks
+        signal_tree(job, signal.SIGKILL)
         output, _ = proc.communicate()
-        pytest.fail(f"{command[2:6]} hung for {JOB_TIMEOUT_S} s:\n{output[-8000:]}")
+        pytest.fail(f"{command[2:6]} hung for {JOB_TIMEOUT_S} s:\n{output[-12000:]}")
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # nothing of a job outlives it
+        signal_tree(job, signal.SIGKILL)  # nothing of a job outlives it
     assert proc.returncode == 0, output[-6000:]
+
+
+def signal_tree(process: psutil.Process, signum: int) -> None:
+    with contextlib.suppress(psutil.Error):
+        for p in [*process.children(recursive=True), process]:
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(signum)
 
 
 def lightning(data: Path, out: Path, devices: int, *options: str) -> list[str]:

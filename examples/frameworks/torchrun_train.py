@@ -46,6 +46,7 @@ def main() -> None:
                 break
         if step == args.max_steps:
             break
+    del net  # before the group: DDP freeing the last reference to it can deadlock in gloo's teardown (torch)
     dist.destroy_process_group()
 
 
