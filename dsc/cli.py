@@ -200,7 +200,7 @@ def verify_command(
     """Check a dataset: the manifest, every file size and checksum, and optionally records against sources."""
     try:
         manifest = open_dataset(dataset).manifest
-        total = sum(e.bytes for e in [*manifest.shards, *manifest.index.values()])
+        total = sum(e.bytes for e in manifest.files)
         with tqdm(total=total, unit="B", unit_scale=True, desc="checksums", disable=None, file=sys.stderr) as bar:
             verify_checksums(dataset, manifest, progress=bar.update)
     except DscError as e:

@@ -10,7 +10,7 @@ import json
 import os
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,8 +20,9 @@ import numpy as np
 from dsc import __version__
 from dsc import format as fmt
 from dsc.compiler import journal, publish, ray_engine
+from dsc.compiler import labels as labels_module
 from dsc.compiler.decode import DEFAULT_MAX_PIXELS, decoder_name
-from dsc.compiler.discover import discover, printable
+from dsc.compiler.discover import Discovery, discover, printable
 from dsc.compiler.resize import INTERPOLATION, PAD_VALUE, Target, parse_size, resize_backend
 from dsc.compiler.write import SlotResult, WriteJob, check_workers, compact, fill_slots, fsync_files
 from dsc.errors import CompileError
@@ -38,6 +39,10 @@ class SourceWarning(UserWarning):
     """A source image was compiled, but something about its file was wrong (e.g. a missing EOI)."""
 
 
+class ClassMismatchWarning(UserWarning):
+    """A dataset beside OUT gives the same classes other indices (e.g. out/val beside out/train)."""
+
+
 @dataclass
 class CompileSummary:
     """What a compile did; also printed by `dsc compile`."""
@@ -52,6 +57,8 @@ class CompileSummary:
     seconds: float
     decoder: str
     record_shape: tuple[int, int, int] = field(default=(0, 0, 0))
+    fields: tuple[fmt.FieldEntry, ...] = ()
+    ignored: int = 0  # images under SRC that the label table does not list
 
     @property
     def labeled(self) -> bool:
@@ -126,21 +133,31 @@ def _decode_all(job: WriteJob, sources: list[str], workers: int, strict: bool, d
     return ok, sizes, failed
 
 
+def _fields_digest(fields: list[tuple[fmt.FieldEntry, np.ndarray]]) -> str:
+    """Fingerprint of the fields' kinds, vocabularies and values: a resume must write the same ones."""
+    digest = hashlib.sha256()
+    for spec, values in fields:
+        digest.update(json.dumps([spec.name, spec.kind, list(spec.shape), list(spec.classes)]).encode())
+        digest.update(np.ascontiguousarray(values, spec.dtype).tobytes())
+    return digest.hexdigest()
+
+
 def _options(target: Target, seed: int, shuffle: bool, max_pixels: int, src: Path, found: int,
-             decode_mode: str) -> dict:
+             decode_mode: str, label_table: str | os.PathLike | None) -> dict:
     """How the pixels were made, recorded in the manifest (formats.md, "compile")."""
+    listed = {} if label_table is None else {"label_table": printable(str(Path(label_table).absolute()))}
     return {"dsc_version": __version__, "size": [target.height, target.width], "fit": target.fit,
             "interpolation": INTERPOLATION, "pad_value": PAD_VALUE, "alpha": "composited onto black",
             "exif_orientation": "applied", "jpeg_decoder": decoder_name(),
             "decode": decode_mode, "dct_scaling": fmt.DCT_SCALING[decode_mode],
             "shuffle": shuffle, "seed": seed, "max_pixels": max_pixels, "source_root": printable(str(src)),
-            "source_order": "by label, then depth-first with folder entries sorted by name",
-            "sources_found": found}
+            "source_order": "as listed in the label table" if listed else
+                            "by label, then depth-first with folder entries sorted by name",
+            "sources_found": found, **listed}
 
 
-def _finish(stage: Path, job: WriteJob, ok: np.ndarray, sizes: np.ndarray, labels: np.ndarray,
-            sources: list[str], classes: list[str], skipped: list[tuple[str, str]], options: dict,
-            threads: int) -> fmt.Manifest:
+def _finish(stage: Path, job: WriteJob, ok: np.ndarray, sizes: np.ndarray, found: Discovery, order: np.ndarray,
+            sources: list[str], skipped: list[tuple[str, str]], options: dict, threads: int) -> fmt.Manifest:
     """Close up skipped slots, make the shards durable, write index and manifest (last)."""
     journal.write_kept(stage, ok)  # state "compacting": a resume finds moved records through it
     kept = compact(stage, ok, job)
@@ -152,10 +169,11 @@ def _finish(stage: Path, job: WriteJob, ok: np.ndarray, sizes: np.ndarray, label
     fsync_files([stage / fmt.shard_file(i) for i in range(fmt.shard_count(kept, per_shard))])
     with ThreadPoolExecutor(threads) as pool:
         shards = fmt.shard_entries(stage, kept, per_shard, record_bytes, map_fn=pool.map)
-    index = fmt.write_index(stage, labels[ok], sizes[ok], [s for s, k in zip(sources, ok) if k])
+    index = fmt.write_index(stage, found.labels[order][ok], sizes[ok], [s for s, k in zip(sources, ok) if k])
+    fields = fmt.write_fields(stage, [(spec, values[order][ok]) for spec, values in found.fields])
     manifest = fmt.Manifest(height=target.height, width=target.width, count=kept, records_per_shard=per_shard,
-                            classes=tuple(classes), shards=shards, index=index, compile=options,
-                            skipped=tuple({"source": printable(s), "reason": r} for s, r in skipped))
+                            classes=tuple(found.classes), shards=shards, index=index, compile=options,
+                            skipped=tuple({"source": printable(s), "reason": r} for s, r in skipped), fields=fields)
     fmt.write_manifest(stage, manifest)
     return manifest
 
@@ -165,6 +183,8 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
                    strict: bool = False, force: bool = False, records_per_shard: int | None = None,
                    max_pixels: int = DEFAULT_MAX_PIXELS, resume: bool = False, engine: str = "local",
                    address: str | None = None, fast_decode: bool = False,
+                   classes: str | os.PathLike | Sequence[str] | None = None, skip_unknown_classes: bool = False,
+                   labels: str | os.PathLike | None = None, columns: dict[str, str] | None = None,
                    progress: Callable[[int], None] | None = None,
                    on_skip: Callable[[str, str], None] | None = None) -> CompileSummary:
     """Compile an image folder into a dsc dataset at `out`; see `dsc compile --help` for the options.
@@ -175,6 +195,12 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
     `engine="ray"` runs the decoding as Ray tasks on the cluster at `address` (or a local one);
     the output is byte-identical to the local engine's. `fast_decode=True` lets JPEGs be scaled
     down in the DCT domain to just the needed size: faster, visibly less faithful.
+
+    Labels: `classes` fixes the class vocabulary (names, a file of names, or another dataset's
+    folder, e.g. the training split's) so that every split gives a class the same index.
+    `labels` is a CSV or JSONL label table (see `dsc.compiler.labels`): only the images it lists
+    are compiled, its `label` column is the label and its other columns become typed fields,
+    their kinds inferred or given by `columns` ({name: "class" | "multilabel" | "float" | "int"}).
     """
     started = time.perf_counter()
     target = Target(*parse_size(size), fit=fit)
@@ -194,7 +220,16 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
     max_pixels = _positive_int("max_pixels", max_pixels)
     src, out = Path(src).absolute(), Path(out).absolute()
     _check_paths(src, out)
-    found = discover(src)
+    vocabulary = None if classes is None else labels_module.load_classes(classes)
+    if labels is not None:
+        found = labels_module.discover_listed(src, labels, columns, vocabulary, skip_unknown_classes)
+    elif columns:
+        raise CompileError("column kinds are for a label table (--labels)")
+    else:
+        found = discover(src, vocabulary, skip_unknown_classes)
+    if vocabulary is None and found.classes:
+        for message in labels_module.sibling_class_mismatch(out, found.classes):
+            warnings.warn(message, ClassMismatchWarning, stacklevel=2)
     if strict and found.skipped:
         source, reason = found.skipped[0]
         raise StrictFailure(f"{src / source}: {reason} (--strict: nothing written)")
@@ -207,7 +242,7 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
     plan = {"dsc_version": __version__, "decoder": decoder_name(), "resize": resize_backend(),
             "size": [target.height, target.width], "fit": target.fit, "decode": decode_mode, "seed": seed,
             "shuffle": shuffle, "max_pixels": max_pixels, "records_per_shard": per_shard, "count": len(sources),
-            "sources": journal.listing_digest(listing)}
+            "sources": journal.listing_digest(listing), "fields": _fields_digest(found.fields)}
     if engine == "ray":
         ray_engine.check_address(address)  # before any partial build exists
     plan_digest = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
@@ -228,9 +263,9 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
             ok, sizes, failed = _decode_all(job, sources, workers, strict, done, log, on_skip, progress,
                                             (engine, address))
             log.close()
-            manifest = _finish(stage, job, ok, sizes, found.labels[order], sources, found.classes,
-                               sorted(found.skipped + failed), _options(target, seed, shuffle, max_pixels, src,
-                                                                         len(sources), decode_mode), min(4, workers))
+            options = _options(target, seed, shuffle, max_pixels, src, len(sources), decode_mode, labels)
+            manifest = _finish(stage, job, ok, sizes, found, order, sources, sorted(found.skipped + failed), options,
+                               min(4, workers))
             publish.record_publish(out, plan_digest, publish.manifest_digest(stage))
             _finish_publish(stage, out, plan_digest, force)
     except (StrictFailure, NothingDecoded):  # a verdict on the data: nothing worth resuming
@@ -248,7 +283,8 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
     size_on_disk = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     return CompileSummary(out, manifest.count, [(s["source"], s["reason"]) for s in manifest.skipped],
                           list(manifest.classes), found.empty_classes, len(manifest.shards), size_on_disk,
-                          time.perf_counter() - started, decoder_name(), manifest.record_shape)
+                          time.perf_counter() - started, decoder_name(), manifest.record_shape, manifest.fields,
+                          found.ignored)
 
 
 def _finish_publish(stage: Path, out: Path, plan_digest: str, force: bool) -> fmt.Manifest | None:

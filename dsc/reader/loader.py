@@ -219,9 +219,18 @@ class _Threads:
 
 
 def batch_fields(opened, idx: np.ndarray) -> dict[str, np.ndarray]:
-    """The small per-record fields of a batch besides its images, as int64 arrays (the sinks' `fields`)."""
+    """The small per-record values of a batch besides its images (the sinks' `fields`): label,
+    index and size as int64, then the dataset's own fields (format 1.1) in their dtypes."""
     return {"label": np.take(opened.labels, idx), "index": idx,
-            "size": np.take(opened.sizes, idx, axis=0).astype(np.int64)}  # each source's (height, width)
+            "size": np.take(opened.sizes, idx, axis=0).astype(np.int64),  # each source's (height, width)
+            **{name: np.take(values, idx, axis=0) for name, values in opened.fields.items()}}
+
+
+def field_specs(opened) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+    """Dtype and per-record shape of each of `batch_fields`, for sinks that size buffers up front."""
+    int64 = np.dtype(np.int64)
+    return {"label": (int64, ()), "index": (int64, ()), "size": (int64, (2,)),
+            **{f.name: (f.dtype, f.shape) for f in opened.manifest.fields}}
 
 
 def _batch_maker(sink, opened, pool: ThreadPoolExecutor | None, num_threads: int,
@@ -304,7 +313,7 @@ class Loader:
         self._position: tuple[int, list[progress.Round]] = (0, [])  # where the next iteration starts
         self._progress: tuple[int, list[progress.Round]] = (0, [])  # what state_dict() reports
         self._sink = _sink_class(self.device)(self.device, self.prefetch + 2, self.batch_size,  # ahead, held,
-                                              dataset.record_shape)                             # being let go
+                                              dataset.record_shape, field_specs(dataset.opened))  # being let go
         self._threads = _Threads(self.num_threads)
         weakref.finalize(self, self._threads.close)
         self._iteration = 0  # which iteration is the live one: an older iterator refuses to go on
