@@ -17,16 +17,19 @@ import typer
 from tqdm import tqdm
 
 from dsc.bench import run as run_bench
-from dsc.compiler import SourceWarning, compile_folder
+from dsc.compiler import ClassMismatchWarning, SourceWarning, compile_folder
 from dsc.compiler.decode import DEFAULT_MAX_PIXELS, turbojpeg_library
+from dsc.compiler.labels import parse_column_kinds
 from dsc.compiler.publish import pending_publish, staging_path
 from dsc.compiler.resize import FITS, Target, parse_size
 from dsc.errors import CompileError, DscError
 from dsc.format import open_dataset, verify_checksums
-from dsc.inspect_dataset import check_against_sources, summary
+from dsc.inspect_dataset import check_against_sources
+from dsc.inspect_dataset import summary as inspect_summary
 from dsc.sheet import pick_records, save_sheet
 
 SHOW_SKIPPED = 20  # skipped files listed by `dsc info` before "... and N more"
+SHOW_CLASSES = 20  # classes of a field listed with their counts
 DECODE_MEAN_LIMIT = 1.0  # `verify --decode`: the same pipeline gives identical pixels; allow other builds' rounding
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -99,6 +102,22 @@ def compile_command(
                                      help="Scale JPEGs down in the DCT domain to just the needed size: faster, "
                                      "less faithful (mean |diff| per record up to ~6-10 of 255 at sizes 64-224, "
                                      "~20 at 32) [default: full decode]."),
+    classes: str = typer.Option(None, "--classes", metavar="NAMES|FILE",
+                                help="Fix the class vocabulary: comma-separated names, or a file of names "
+                                "(one per line); label k is the k-th name."),
+    classes_from: Path = typer.Option(None, "--classes-from", metavar="DATASET",
+                                      help="Take the class vocabulary from another dsc dataset (e.g. the "
+                                      "training split), so that every split gives a class the same label."),
+    skip_unknown_classes: bool = typer.Option(False, "--skip-unknown-classes",
+                                              help="Skip images of classes outside --classes/--classes-from "
+                                              "instead of failing."),
+    labels: Path = typer.Option(None, "--labels", metavar="TABLE",
+                                help="Labels from a CSV (header; path first) or JSONL (\"path\" key) table: only "
+                                "listed images are compiled; the 'label' column is the class label, other "
+                                "columns become fields."),
+    column: list[str] = typer.Option(None, "--column", metavar="NAME:KIND",
+                                     help="The kind of a --labels column: class, multilabel, float or int "
+                                     "[default: inferred]. Repeatable."),
 ) -> None:
     """Compile an image folder into a dsc dataset of fixed-shape uint8 records."""
     if fit not in FITS:
@@ -106,6 +125,14 @@ def compile_command(
     if turbojpeg_library() is None:
         typer.echo("note: libturbojpeg.so.0 not found, so JPEGs are decoded by Pillow's bundled libjpeg-turbo "
                    "(same pixels, slower). Install it with: apt-get install libturbojpeg0", err=True)
+    if classes is not None and classes_from is not None:
+        raise typer.BadParameter("give --classes or --classes-from, not both", param_hint="--classes")
+    vocabulary = classes_from if classes_from is not None else (
+        None if classes is None else classes if Path(classes).exists() else [c.strip() for c in classes.split(",")])
+    try:
+        kinds = parse_column_kinds(column or [])
+    except DscError as e:
+        raise typer.BadParameter(str(e), param_hint="--column") from None
     signal.signal(signal.SIGTERM, _interrupt)  # `timeout`, `docker stop`, schedulers: clean up as for Ctrl-C
     bar = tqdm(unit="img", desc="compiling", disable=None, file=sys.stderr, dynamic_ncols=True)
 
@@ -118,11 +145,14 @@ def compile_command(
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("always", category=SourceWarning)
+            warnings.filterwarnings("always", category=ClassMismatchWarning)
             warnings.showwarning = on_warning
             summary = compile_folder(src, out, size=size, fit=fit, seed=seed, shuffle=shuffle, workers=workers,
                                      strict=strict, force=force, records_per_shard=records_per_shard,
                                      max_pixels=max_pixels, resume=resume, engine=engine, address=address,
-                                     fast_decode=fast_decode, progress=bar.update, on_skip=on_skip)
+                                     fast_decode=fast_decode, classes=vocabulary,
+                                     skip_unknown_classes=skip_unknown_classes, labels=labels, columns=kinds or None,
+                                     progress=bar.update, on_skip=on_skip)
     except DscError as e:
         bar.close()
         _fail(str(e))
@@ -130,8 +160,13 @@ def compile_command(
         bar.close()
         _fail(_interrupted(out.absolute()), code=130)
     bar.close()
-    if not summary.labeled:
+    if not summary.labeled and labels is None:
         typer.echo(f"note: {src} has no class sub-folders, so the dataset is unlabeled (label -1)", err=True)
+    if summary.ignored:
+        typer.echo(f"note: {summary.ignored} image(s) in {src} are not listed in {labels} and were not compiled",
+                   err=True)
+    for f in inspect_summary(out)["fields"] if summary.fields else []:
+        typer.echo(f"field {f['name']}: {_describe_field(f)}", err=True)
     for name in summary.empty_classes:
         typer.echo(f"note: class folder {name!r} has no images (its label is kept)", err=True)
     h, w, c = summary.record_shape
@@ -139,6 +174,21 @@ def compile_command(
                f"{len(summary.classes)} classes, {len(summary.skipped)} skipped, "
                f"{_human_bytes(summary.bytes_on_disk)} on disk, {summary.seconds:.1f} s "
                f"({summary.images_per_second:.0f} images/s)")
+
+
+def _describe_field(f: dict) -> str:
+    """One line about a field (`inspect_dataset.field_summary`): kind, dtype, shape, vocabulary, values."""
+    shape = f"[{', '.join(map(str, f['shape']))}]" if f["shape"] else "scalar"
+    line = f"{f['kind']}, {f['dtype']} {shape}"
+    if f["classes"]:
+        line += f", {len(f['classes'])} classes"
+        if "counts" in f:
+            shown = list(zip(f["classes"], f["counts"]))[:SHOW_CLASSES]
+            line += ": " + _clean(", ".join(f"{k} ({n})" for k, n in shown))
+            line += ", ..." if len(f["classes"]) > SHOW_CLASSES else ""
+    if "min" in f:
+        line += f", values {f['min']:g} to {f['max']:g}"
+    return line
 
 
 def _interrupted(out: Path) -> str:
@@ -167,7 +217,7 @@ def info_command(
 ) -> None:
     """Summarise a dataset: records, shape, classes, skipped files, size, shards, compile options."""
     try:
-        s = summary(dataset)
+        s = inspect_summary(dataset)
     except DscError as e:
         _fail(str(e))
     if as_json:
@@ -180,6 +230,8 @@ def info_command(
         typer.echo(f"{len(s['classes'])} classes: " + ", ".join(f"{_clean(k)} ({n})" for k, n in s["classes"].items()))
     else:
         typer.echo("unlabeled (every label is -1)")
+    for f in s["fields"]:
+        typer.echo(f"field {f['name']}: {_describe_field(f)}")
     options = {k: v for k, v in s["compile"].items() if k not in ("source_root", "jpeg_decoder", "source_order")}
     typer.echo("compiled with: " + _clean(", ".join(f"{k}={v}" for k, v in options.items())))
     typer.echo(_clean(f"from: {s['compile'].get('source_root')}; JPEG decoder: {s['jpeg_decoder']}"))
@@ -205,7 +257,8 @@ def verify_command(
             verify_checksums(dataset, manifest, progress=bar.update)
     except DscError as e:
         _fail(*getattr(e, "problems", [str(e)]))
-    typer.echo(f"ok: manifest, {len(manifest.shards)} shard(s) and index files match ({_human_bytes(total)})")
+    fields = f", {len(manifest.fields)} field file(s)" if manifest.fields else ""
+    typer.echo(f"ok: manifest, {len(manifest.shards)} shard(s){fields} and index files match ({_human_bytes(total)})")
     if decode:
         try:
             check = check_against_sources(dataset, decode, seed)
