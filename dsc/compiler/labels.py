@@ -321,7 +321,7 @@ def _numbers(table: Table, name: str, kind: str) -> tuple[np.ndarray, tuple[int,
                     if not _is_number(item):
                         raise ValueError
                     number = float(item)
-                    if not math.isfinite(number) or abs(number) > np.finfo(np.float32).max:
+                    if not math.isfinite(number) or abs(number) > float(np.finfo(np.float32).max):
                         raise ValueError
             except (ValueError, OverflowError):
                 raise _problem(table.path, line, f"{item!r:.40} is not a{'n integer' if kind == 'int' else ' finite'}"
