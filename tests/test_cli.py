@@ -58,10 +58,13 @@ def test_runtime_errors_are_one_line(folder: Path, tmp_path: Path) -> None:
     exists = runner.invoke(app, ["compile", str(folder), str(tmp_path / "out")])
     assert exists.exit_code == 1 and "already exists; pass --force" in exists.stderr
     assert (tmp_path / "out" / "mine.txt").read_text() == "keep"
-    orphan = runner.invoke(app, ["compile", str(folder), str(tmp_path / "no" / "such" / "out")])
-    assert orphan.exit_code == 1
-    assert orphan.stderr.strip().splitlines() == [f"error: the folder {tmp_path / 'no' / 'such'} that should "
-                                                  "hold out does not exist"]
+    nested = runner.invoke(app, ["compile", str(folder), str(tmp_path / "no" / "such" / "out")])
+    assert nested.exit_code == 0 and (tmp_path / "no" / "such" / "out" / "manifest.json").is_file()  # mkdir -p
+    (tmp_path / "file").write_text("")
+    blocked = runner.invoke(app, ["compile", str(folder), str(tmp_path / "file" / "out")])
+    assert blocked.exit_code == 1
+    assert blocked.stderr.strip().splitlines() == [f"error: {tmp_path / 'file'} is a file, not a folder, so it "
+                                                   "cannot hold out"]
 
 
 def test_help_lists_every_option() -> None:

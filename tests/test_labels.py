@@ -4,6 +4,7 @@ class, multilabel, float and int columns, and their fields end to end (format 1.
 from __future__ import annotations
 
 import json
+import shutil
 import warnings
 from pathlib import Path
 
@@ -379,3 +380,30 @@ def test_as_tensordict_maps_the_fields(with_fields: Path) -> None:
     td = ds.as_tensordict()
     assert torch.equal(td["fields", "tags"], torch.from_numpy(ds.fields["tags"].copy()))
     assert torch.equal(td["shards", "1", "target"], torch.from_numpy(ds.fields["target"][5:10].copy()))
+
+
+def test_the_readme_labels_section_runs_as_written(tmp_path: Path, monkeypatch) -> None:
+    """Its commands (with a val folder lacking a class), its CSV and its Python, in a fresh folder."""
+    root = Path(__file__).parent.parent
+    readme = (root / "README.md").read_text()
+    section = readme[readme.index("## Labels and splits"):readme.index("## Read\n")]
+    commands = [line[2:].split() for line in section.splitlines() if line.startswith("$ dsc ")]
+    csv = section[section.index("```csv\n") + 7:section.index("```", section.index("```csv\n") + 7)]
+    python = section[section.index("```python\n") + 10:section.index("```", section.index("```python\n") + 10)]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "examples").symlink_to(root / "examples")
+    for name in ("cat", "people", "space"):  # lacks coffee and texture
+        shutil.copytree(root / "examples" / "images" / name, tmp_path / "val_images" / name)
+    (tmp_path / "labels.csv").write_text(csv)
+    assert len(commands) == 3
+    for command in commands:
+        result = runner.invoke(app, command[1:])
+        assert result.exit_code == 0, (command, result.output)
+    assert "note: 16 image(s) in examples/images are not listed in labels.csv" in result.stderr
+    namespace: dict = {}
+    exec(compile(python, "README.md", "exec"), namespace)
+    val, train = namespace["val"], MemmapDataset("out/train")
+    assert val.classes == train.classes and namespace["label"] == train.classes.index(folder_of(val, 0))
+    assert namespace["tag_names"] == ["animal", "drink", "indoor"]
+    assert namespace["weight"].dtype == torch.float32 and namespace["tags"].shape == (4, 3)
+    assert_roundtrip(tmp_path / "examples" / "images", "out/tagged")

@@ -122,8 +122,12 @@ def lock(out: Path, wait_s: float = LOCK_WAIT_S) -> int:
 
     Waits a few seconds first: the workers of a compile killed a moment ago may still be exiting.
     """
-    if not out.parent.is_dir():
-        raise CompileError(f"the folder {out.parent} that should hold {out.name} does not exist")
+    if out.parent.exists() and not out.parent.is_dir():
+        raise CompileError(f"{out.parent} is a file, not a folder, so it cannot hold {out.name}")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)  # like mkdir -p: out/train needs no out/ first
+    except OSError as e:
+        raise CompileError(f"cannot create the folder {out.parent} to hold {out.name}: {e.strerror or e}") from e
     try:
         fd = os.open(lock_path(out), os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
