@@ -277,7 +277,8 @@ class EpochHook:
 class Loader:
     """Iterate to get one epoch of TensorDicts {image uint8 [B,3,H,W] channels_last, label, index, size}.
 
-    `size` is each record's source image's original (height, width), int64 [B, 2].
+    `size` is each record's source image's original (height, width), int64 [B, 2]. A dataset with
+    fields (format 1.1, from a label table) adds each of them by name, in its own dtype.
 
     Epochs: the next iteration serves the next epoch as soon as the last batch of an epoch has
     been handed out, whether or not the consumer goes on to exhaust the iterator (Lightning,
