@@ -16,6 +16,7 @@ import torch
 import typer
 from tqdm import tqdm
 
+from dsc import __version__
 from dsc.bench import run as run_bench
 from dsc.compiler import ClassMismatchWarning, SourceWarning, compile_folder
 from dsc.compiler.decode import DEFAULT_MAX_PIXELS, turbojpeg_library
@@ -36,8 +37,15 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="dsc: compile image folders into memory-mappable uint8 shards, and read them fast.")
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"dsc {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def main() -> None:
+def main(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                      help="Print dsc's version and exit.")) -> None:
     """dsc: compile image folders into memory-mappable uint8 shards, and read them fast."""
 
 

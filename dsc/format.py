@@ -417,6 +417,8 @@ class _Folder:
         self.root = root
         try:
             self.fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError as e:
+            raise DatasetError(f"{root}: does not exist (expected a compiled dsc dataset)") from e
         except OSError as e:
             raise DatasetError(f"{root}: not a directory (expected a compiled dsc dataset)") from e
 

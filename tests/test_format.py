@@ -300,7 +300,7 @@ def test_an_oversized_manifest_is_not_parsed(tiny: Path) -> None:
 
 
 def test_missing_manifest_and_missing_folder(tmp_path: Path) -> None:
-    with pytest.raises(DatasetError, match="not a directory"):
+    with pytest.raises(DatasetError, match="does not exist"):
         fmt.open_dataset(tmp_path / "nothing")
     (tmp_path / "half").mkdir()
     with pytest.raises(DatasetError, match="no manifest.json; not a dsc dataset, or its compile never finished"):

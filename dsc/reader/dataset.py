@@ -321,8 +321,21 @@ class MemmapDataset(Dataset):
         return TensorDict(label=labels, fields=TensorDict(fields, batch_size=[m.count]),
                           shards=TensorDict(shards, batch_size=[]), batch_size=[])
 
-    def loader(self, batch_size: int, **options):
-        """Batches as TensorDicts, fast; see `dsc.reader.loader.Loader` for the options."""
+    def loader(self, batch_size: int, *, order: str | None = None, seed: int = 0, drop_last: bool = False,
+               device: str | torch.device | None = None, prefetch: int = 2, num_threads: int | None = None,
+               rank: int | None = None, world_size: int | None = None, locality: str | None = None,
+               shuffle: bool | None = None):
+        """Batches as TensorDicts {image, label, index, size, and any fields}, fast (`dsc.reader.loader.Loader`).
+
+        order: "block" (default: shuffled runs of contiguous records, contiguous reads), "random"
+            (a full permutation) or "sequential"; `shuffle=True`/`False` means "random"/"sequential".
+        seed: with the epoch, fixes every order. drop_last: drop each rank's last partial batch.
+        device: e.g. "cuda" or f"cuda:{local_rank}": pinned buffers and side-stream uploads.
+        prefetch: batches made ahead. num_threads: copy threads (default: up to 4 cores).
+        rank, world_size: this rank's share [default: from torch.distributed when an epoch starts].
+        locality: "shard" (with order="block") gives each rank whole shard files.
+        """
         from dsc.reader.loader import Loader
 
-        return Loader(self, batch_size, **options)
+        return Loader(self, batch_size, order=order, seed=seed, drop_last=drop_last, device=device, prefetch=prefetch,
+                      num_threads=num_threads, rank=rank, world_size=world_size, locality=locality, shuffle=shuffle)

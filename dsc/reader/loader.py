@@ -251,6 +251,19 @@ def _batch_maker(sink, opened, pool: ThreadPoolExecutor | None, num_threads: int
     return make
 
 
+def order_for_shuffle(order: str | None, shuffle: bool | None) -> str:
+    """torch's spelling: `shuffle=True` is order "random", `shuffle=False` "sequential"; the default "block"."""
+    if shuffle is None:
+        return "block" if order is None else order
+    if not isinstance(shuffle, bool):
+        raise TypeError(f"shuffle must be True or False, got {shuffle!r}")
+    wanted = "random" if shuffle else "sequential"
+    if order is not None and (order == "sequential") == shuffle:
+        raise ValueError(f"shuffle={shuffle} contradicts order={order!r}; give one of them (orders: "
+                         f"sequential; block, shuffled in contiguous runs, the fast default; random)")
+    return order or wanted
+
+
 def _check_int(name: str, value: Any, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -296,9 +309,11 @@ class Loader:
     files every epoch instead of a slice of one global order (`order.shard_share`).
     """
 
-    def __init__(self, dataset, batch_size: int, *, order: str = "block", seed: int = 0, drop_last: bool = False,
+    def __init__(self, dataset, batch_size: int, *, order: str | None = None, seed: int = 0, drop_last: bool = False,
                  device: str | torch.device | None = None, prefetch: int = 2, num_threads: int | None = None,
-                 rank: int | None = None, world_size: int | None = None, locality: str | None = None) -> None:
+                 rank: int | None = None, world_size: int | None = None, locality: str | None = None,
+                 shuffle: bool | None = None) -> None:
+        order = order_for_shuffle(order, shuffle)
         if order not in orders.ORDERS:
             raise ValueError(f"order must be one of {orders.ORDERS}, got {order!r}")
         orders.check_locality(order, locality)
@@ -336,6 +351,11 @@ class Loader:
 
     def _split(self) -> progress.Split:
         return progress.Split(self.world_size, self.batch_size, self.drop_last, self.locality)
+
+    def __repr__(self) -> str:
+        device = f", device={str(self.device)!r}" if self.device is not None else ""
+        return (f"Loader({str(self.dataset.path)!r}, batch_size={self.batch_size}, order={self.order!r}, "
+                f"seed={self.seed}, drop_last={self.drop_last}{device}, epoch={self.epoch}, batches={len(self)})")
 
     def __len__(self) -> int:
         """Batches of a whole epoch on this rank (a resumed epoch serves what it has left)."""
@@ -406,6 +426,10 @@ class Loader:
     def _start_pass(self) -> tuple[progress.Pass, _Producer | None]:
         """The pass the loader's position asks for, and the producer making it: the running one when it
         is already making exactly that (the epoch after the one it finished), else a new one."""
+        if self.drop_last and len(self) == 0:
+            raise LoaderError(f"drop_last=True, but the {len(self.dataset)} records split over {self.world_size} "
+                              f"rank(s) give each rank fewer than batch_size={self.batch_size}: an epoch would have "
+                              "no batch at all; lower batch_size or keep the last partial batch (drop_last=False)")
         split = self._split()
         epoch, rounds = self._position
         done, start = progress.resume_point(rounds, split)

@@ -1,0 +1,71 @@
+"""The first hour of a new user: the package's name and version, the loader's signature and its
+torch spellings, reprs, and messages that say what is wrong."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import dsc
+from dsc import LoaderError, MemmapDataset
+from dsc.cli import app
+
+from conftest import tiny_dataset
+
+ROOT = Path(__file__).parent.parent
+runner = CliRunner(env={"COLUMNS": "250", "TERMINAL_WIDTH": "250", "NO_COLOR": "1"})
+
+
+@pytest.fixture(scope="module")
+def ds(tmp_path_factory) -> MemmapDataset:
+    return tiny_dataset(tmp_path_factory.mktemp("surface"), seed=1, records_per_shard=4)
+
+
+def test_the_distribution_is_not_pypis_other_dsc_and_ships_its_type_hints() -> None:
+    installed = importlib.metadata.distribution("dsc-images")  # "dsc" on PyPI is Dynamic Statistical Comparisons
+    assert installed.version == dsc.__version__ and "dsc = dsc.cli:app" in installed.read_text("entry_points.txt")
+    assert 'dsc = ["py.typed"]' in (ROOT / "pyproject.toml").read_text()
+    assert (Path(dsc.__file__).parent / "py.typed").is_file()
+
+
+def test_dsc_version() -> None:
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.stdout == f"dsc {dsc.__version__}\n"
+
+
+def test_info_on_a_missing_folder_says_it_does_not_exist(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["info", str(tmp_path / "nope")])
+    assert result.exit_code == 1 and result.stderr == f"error: {tmp_path / 'nope'}: does not exist (expected a " \
+                                                      "compiled dsc dataset)\n"
+
+
+def test_ds_loader_shows_every_option(ds: MemmapDataset) -> None:
+    parameters = inspect.signature(ds.loader).parameters
+    assert {"order", "seed", "drop_last", "device", "prefetch", "num_threads", "rank", "world_size", "locality",
+            "shuffle"} <= set(parameters)
+    assert "drop_last" in inspect.getdoc(ds.loader) and "locality" in inspect.getdoc(ds.loader)
+
+
+def test_shuffle_is_understood_as_torch_means_it(ds: MemmapDataset) -> None:
+    assert ds.loader(4, shuffle=True).order == "random" and ds.loader(4, shuffle=False).order == "sequential"
+    assert ds.loader(4, shuffle=True, order="block").order == "block" and ds.loader(4).order == "block"
+    with pytest.raises(ValueError, match="shuffle=True contradicts order='sequential'"):
+        ds.loader(4, shuffle=True, order="sequential")
+    with pytest.raises(TypeError, match="shuffle must be True or False"):
+        ds.loader(4, shuffle="yes")
+
+
+def test_reprs_say_what_they_are(ds: MemmapDataset) -> None:
+    assert repr(ds) == f"MemmapDataset({str(ds.path)!r}, count={len(ds)}, shape={list(ds.record_shape)})"
+    assert repr(ds.loader(4, seed=3)) == (f"Loader({str(ds.path)!r}, batch_size=4, order='block', seed=3, "
+                                          f"drop_last=False, epoch=0, batches={-(-len(ds) // 4)})")
+
+
+def test_drop_last_with_less_than_one_batch_raises_instead_of_serving_nothing(ds: MemmapDataset) -> None:
+    with pytest.raises(LoaderError, match=rf"drop_last=True, but the {len(ds)} records .* fewer than batch_size"):
+        next(iter(ds.loader(len(ds) + 1, drop_last=True)))
+    assert len(list(ds.loader(len(ds) + 1))) == 1
