@@ -33,7 +33,7 @@ SHOW_SKIPPED = 20  # skipped files listed by `dsc info` before "... and N more"
 SHOW_CLASSES = 20  # classes of a field listed with their counts
 DECODE_MEAN_LIMIT = 1.0  # `verify --decode`: the same pipeline gives identical pixels; allow other builds' rounding
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="dsc: compile image folders into memory-mappable uint8 shards, and read them fast.")
 
 
@@ -88,23 +88,26 @@ def compile_command(
     src: Path = typer.Argument(..., metavar="SRC", help="Image folder: one sub-folder per class (or images directly)."),
     out: Path = typer.Argument(..., metavar="OUT",
                                help="Dataset folder to create (built aside, then renamed into place)."),
-    size: str = typer.Option("224", "--size", callback=_size_option,
+    size: str = typer.Option("224", "--size", callback=_size_option, metavar="N|HxW",
                              help="Record size: N for N x N, or HxW (height x width)."),
-    fit: str = typer.Option("center-crop", "--fit", help=f"How to reach the size: {', '.join(FITS)}."),
-    seed: int = typer.Option(0, "--seed", min=0, help="Seed of the record order."),
+    fit: str = typer.Option("center-crop", "--fit", metavar="FIT", help=f"How to reach the size: {', '.join(FITS)}."),
+    seed: int = typer.Option(0, "--seed", min=0, metavar="N", help="Seed of the record order."),
     shuffle: bool = typer.Option(True, "--shuffle/--no-shuffle",
                                  help="Store records in a seeded random order (default) or in sorted order."),
-    workers: int = typer.Option(None, "--workers", "-j", min=1, help="Worker processes [default: all cores]."),
+    workers: int = typer.Option(None, "--workers", "-j", min=1, metavar="N",
+                                help="Worker processes [default: all cores]."),
     strict: bool = typer.Option(False, "--strict", help="Fail on the first bad image instead of skipping it."),
     force: bool = typer.Option(False, "--force",
                                help="Replace an existing dataset at OUT (and discard a partial build)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the partial build an interrupted compile left."),
-    engine: str = typer.Option("local", "--engine", help="Where to decode: local (processes here) or ray."),
-    address: str = typer.Option(None, "--address", help="Ray cluster address for --engine ray [default: start "
+    engine: str = typer.Option("local", "--engine", metavar="local|ray",
+                               help="Where to decode: local (processes here) or ray."),
+    address: str = typer.Option(None, "--address", metavar="ADDRESS",
+                                help="Ray cluster address for --engine ray [default: start "
                                 "a local one]."),
-    records_per_shard: int = typer.Option(None, "--records-per-shard", min=1,
+    records_per_shard: int = typer.Option(None, "--records-per-shard", min=1, metavar="N",
                                           help="Records per shard file [default: as many as fit in 1 GiB]."),
-    max_pixels: int = typer.Option(DEFAULT_MAX_PIXELS, "--max-pixels", min=1,
+    max_pixels: int = typer.Option(DEFAULT_MAX_PIXELS, "--max-pixels", min=1, metavar="N",
                                    help="Skip images whose header declares more pixels (decompression bombs)."),
     fast_decode: bool = typer.Option(False, "--fast-decode",
                                      help="Scale JPEGs down in the DCT domain to just the needed size: faster, "
@@ -255,7 +258,7 @@ def verify_command(
     dataset: Path = _dataset_argument(),
     decode: int = typer.Option(0, "--decode", min=0, metavar="N",
                                help="Also re-decode N random records from their source files and compare."),
-    seed: int = typer.Option(0, "--seed", min=0, help="Seed of the records --decode picks."),
+    seed: int = typer.Option(0, "--seed", min=0, metavar="N", help="Seed of the records --decode picks."),
 ) -> None:
     """Check a dataset: the manifest, every file size and checksum, and optionally records against sources."""
     try:
@@ -286,12 +289,13 @@ def verify_command(
 @app.command("show")
 def show_command(
     dataset: Path = _dataset_argument(),
-    output: Path = typer.Option(..., "--output", "-o", help="Image file to write (PNG, JPEG, ...)."),
-    n: int = typer.Option(36, "--n", min=1, help="How many random records to show."),
-    indices: str = typer.Option(None, "--indices", help="Comma-separated record indices instead (e.g. 0,5,9)."),
-    class_name: str = typer.Option(None, "--class", help="Only records of this class."),
-    seed: int = typer.Option(0, "--seed", min=0, help="Seed of the random pick."),
-    columns: int = typer.Option(None, "--columns", min=1, help="Tiles per row [default: a square grid]."),
+    output: Path = typer.Option(..., "--output", "-o", metavar="FILE", help="Image file to write (PNG, JPEG, ...)."),
+    n: int = typer.Option(36, "--n", min=1, metavar="N", help="How many random records to show."),
+    indices: str = typer.Option(None, "--indices", metavar="I,J,...",
+                                help="Comma-separated record indices instead (e.g. 0,5,9)."),
+    class_name: str = typer.Option(None, "--class", metavar="NAME", help="Only records of this class."),
+    seed: int = typer.Option(0, "--seed", min=0, metavar="N", help="Seed of the random pick."),
+    columns: int = typer.Option(None, "--columns", min=1, metavar="N", help="Tiles per row [default: a square grid]."),
 ) -> None:
     """Draw a contact sheet of records with their index and label, to check a compile by eye."""
     try:
@@ -310,11 +314,12 @@ def show_command(
 @app.command("bench")
 def bench_command(
     dataset: Path = _dataset_argument(),
-    batch_size: int = typer.Option(256, "--batch-size", "-b", min=1, help="Records per batch."),
-    seconds: float = typer.Option(5.0, "--seconds", min=0.1, help="Time budget per measurement."),
-    threads: int = typer.Option(None, "--threads", min=1, help="Copy threads [default: up to 4 cores]."),
+    batch_size: int = typer.Option(256, "--batch-size", "-b", min=1, metavar="N", help="Records per batch."),
+    seconds: float = typer.Option(5.0, "--seconds", min=0.1, metavar="S", help="Time budget per measurement."),
+    threads: int = typer.Option(None, "--threads", min=1, metavar="N", help="Copy threads [default: up to 4 cores]."),
     cold: bool = typer.Option(True, "--cold/--no-cold", help="Also measure from a cold page cache."),
-    device: str = typer.Option(None, "--device", help="Add the host→device path, e.g. cuda (if present)."),
+    device: str = typer.Option(None, "--device", metavar="DEVICE",
+                               help="Add the host→device path, e.g. cuda (if present)."),
 ) -> None:
     """Measure read throughput of this dataset here, next to this machine's copy limit; name the bottleneck."""
     if device is not None and torch.device(device).type == "cuda" and not torch.cuda.is_available():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import inspect
+import re
 from pathlib import Path
 
 import pytest
@@ -69,3 +70,20 @@ def test_drop_last_with_less_than_one_batch_raises_instead_of_serving_nothing(ds
     with pytest.raises(LoaderError, match=rf"drop_last=True, but the {len(ds)} records .* fewer than batch_size"):
         next(iter(ds.loader(len(ds) + 1, drop_last=True)))
     assert len(list(ds.loader(len(ds) + 1))) == 1
+
+
+@pytest.mark.parametrize("command", ["compile", "info", "verify", "show", "bench"])
+def test_help_is_plain_text_that_fits_80_columns(command: str) -> None:
+    result = CliRunner(env={"COLUMNS": "80", "NO_COLOR": "1"}).invoke(app, [command, "--help"])
+    assert result.exit_code == 0
+    text = result.stdout
+    assert "<bool>" not in text and "…" not in text and "╭" not in text
+    assert not re.search(r"\w \.(?!\.)", text)  # "Worker processes ." : a default eaten as markup
+    assert all(len(line) <= 80 for line in text.splitlines())
+    assert "[default:" in text or command in ("info", "verify")
+
+
+def test_usage_errors_are_plain_lines_like_data_errors(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["compile", str(tmp_path), str(tmp_path / "out"), "--size", "x"])
+    assert result.exit_code == 2 and "╭" not in result.output
+    assert "Error: Invalid value for '--size': size 'x' is not N or HxW" in result.output
