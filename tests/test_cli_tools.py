@@ -168,6 +168,9 @@ def test_diagnosis_names_the_bottleneck() -> None:
     assert [n.split(":")[0] for n in notes] == ["page cache too small", "disk", "copy bandwidth", "host→device"]
     slow = diagnose(BenchReport(10**9, 24 * 10**9, limit, [Rate("dsc loader, random", 300, 1.0, 150_000)]))
     assert slow[0].startswith("loader overhead: warm, the fastest order reaches only 30%")
+    cached = diagnose(BenchReport(10**8, 24 * 10**9, limit, [Rate("dsc loader, block", 1560, 1.0, 150_000)]))
+    assert cached[0].startswith("above the copy limit: the fastest order (block) runs at 156% of the plain copy "
+                                "limit, which can only be a cache effect")
 
 
 def test_device_rows_are_measured_against_the_host_to_device_limit() -> None:
