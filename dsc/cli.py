@@ -145,7 +145,11 @@ def compile_command(
     except DscError as e:
         raise typer.BadParameter(str(e), param_hint="--column") from None
     signal.signal(signal.SIGTERM, _interrupt)  # `timeout`, `docker stop`, schedulers: clean up as for Ctrl-C
-    bar = tqdm(unit="img", desc="compiling", disable=None, file=sys.stderr, dynamic_ncols=True)
+    bar = tqdm(unit="img", desc="discovering", disable=None, file=sys.stderr, dynamic_ncols=True)
+
+    def on_total(n: int) -> None:  # discovery is done: from here on, n/total, rate and ETA
+        bar.reset(total=n)
+        bar.set_description("compiling")
 
     def on_skip(source: str, reason: str) -> None:
         bar.write(f"skipped {_clean(source)}: {_clean(reason)}", file=sys.stderr)
@@ -163,7 +167,7 @@ def compile_command(
                                      max_pixels=max_pixels, resume=resume, engine=engine, address=address,
                                      fast_decode=fast_decode, classes=vocabulary,
                                      skip_unknown_classes=skip_unknown_classes, labels=labels, columns=kinds or None,
-                                     progress=bar.update, on_skip=on_skip)
+                                     progress=bar.update, on_total=on_total, on_skip=on_skip)
     except DscError as e:
         bar.close()
         _fail(str(e))

@@ -87,3 +87,16 @@ def test_usage_errors_are_plain_lines_like_data_errors(tmp_path: Path) -> None:
     result = runner.invoke(app, ["compile", str(tmp_path), str(tmp_path / "out"), "--size", "x"])
     assert result.exit_code == 2 and "╭" not in result.output
     assert "Error: Invalid value for '--size': size 'x' is not N or HxW" in result.output
+
+
+def test_a_compile_tells_its_total_before_its_progress(tmp_path: Path) -> None:
+    """What the CLI's bar needs for n/total, percent and ETA: the total once discovery is done."""
+    from dsc.testing import make_image_folder
+
+    src = make_image_folder(tmp_path / "src", classes=2, per_class=3, size=(16, 16))
+    (src / "class_0" / "bad.jpg").write_bytes(b"no")
+    events: list[tuple[str, int]] = []
+    dsc.compile_folder(src, tmp_path / "out", size=8, workers=1, on_total=lambda n: events.append(("total", n)),
+                       progress=lambda n: events.append(("done", n)), on_skip=lambda *_: None)
+    assert events[0] == ("total", 7) and sum(n for kind, n in events[1:] if kind == "done") == 7
+    assert all(kind == "done" for kind, _ in events[1:])

@@ -185,11 +185,12 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
                    address: str | None = None, fast_decode: bool = False,
                    classes: str | os.PathLike | Sequence[str] | None = None, skip_unknown_classes: bool = False,
                    labels: str | os.PathLike | None = None, columns: dict[str, str] | None = None,
-                   progress: Callable[[int], None] | None = None,
+                   progress: Callable[[int], None] | None = None, on_total: Callable[[int], None] | None = None,
                    on_skip: Callable[[str, str], None] | None = None) -> CompileSummary:
     """Compile an image folder into a dsc dataset at `out`; see `dsc compile --help` for the options.
 
-    `progress(n)` is called as n more sources are done; `on_skip(source, reason)` for each
+    `on_total(n)` is called once discovery has found the n sources to decode (for a progress
+    bar's total), `progress(n)` as n more of them are done; `on_skip(source, reason)` for each
     skipped source (default: a SkippedImageWarning). Raises CompileError; OUT is then untouched.
     An interrupted compile leaves its partial build beside OUT; `resume=True` continues it.
     `engine="ray"` runs the decoding as Ray tasks on the cluster at `address` (or a local one);
@@ -236,6 +237,8 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
     on_skip = on_skip or _warn_skip
     for source, reason in found.skipped:
         on_skip(source, reason)
+    if on_total:
+        on_total(len(found.sources))
     order = source_order(len(found.sources), seed, shuffle)
     sources = [found.sources[i] for i in order]
     listing = journal.source_listing(src, sources, found.labels[order], found.classes)
