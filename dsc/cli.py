@@ -6,10 +6,12 @@ Exit codes: 0 success, 1 a data or runtime error (one line on stderr), 2 a usage
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import signal
 import sys
-import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -18,7 +20,7 @@ from tqdm import tqdm
 
 from dsc import __version__
 from dsc.bench import run as run_bench
-from dsc.compiler import ClassMismatchWarning, SourceWarning, compile_folder
+from dsc.compiler import compile_folder
 from dsc.compiler.decode import DEFAULT_MAX_PIXELS, turbojpeg_library
 from dsc.compiler.labels import parse_column_kinds
 from dsc.compiler.publish import pending_publish, staging_path
@@ -154,14 +156,8 @@ def compile_command(
     def on_skip(source: str, reason: str) -> None:
         bar.write(f"skipped {_clean(source)}: {_clean(reason)}", file=sys.stderr)
 
-    def on_warning(message, category, *_args, **_kwargs) -> None:  # a kept source's oddity: one line, as skips
-        bar.write(f"warning: {_clean(str(message))}", file=sys.stderr)
-
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("always", category=SourceWarning)
-            warnings.filterwarnings("always", category=ClassMismatchWarning)
-            warnings.showwarning = on_warning
+        with _log_lines(lambda line: bar.write(f"warning: {_clean(line)}", file=sys.stderr)):
             summary = compile_folder(src, out, size=size, fit=fit, seed=seed, shuffle=shuffle, workers=workers,
                                      strict=strict, force=force, records_per_shard=records_per_shard,
                                      max_pixels=max_pixels, resume=resume, engine=engine, address=address,
@@ -204,6 +200,24 @@ def _describe_field(f: dict) -> str:
     if "min" in f:
         line += f", values {f['min']:g} to {f['max']:g}"
     return line
+
+
+@contextlib.contextmanager
+def _log_lines(write: Callable[[str], None]):
+    """Show what the library logs on the "dsc" logger (a kept source's oddity, splits that disagree) as
+    one line each through `write`, instead of Python's default stderr handler."""
+    class Lines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            write(record.getMessage())
+
+    logger, handler = logging.getLogger("dsc"), Lines(logging.WARNING)
+    logger.addHandler(handler)
+    propagate, logger.propagate = logger.propagate, False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
 
 
 def _interrupted(out: Path) -> str:

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -31,16 +31,10 @@ ENGINES = ("local", "ray")
 SHARD_TARGET_BYTES = 1 << 30  # ~1 GiB shards: few files, yet units small enough to copy or verify
 
 
-class SkippedImageWarning(UserWarning):
-    """A source image was skipped; the dataset records it under "skipped"."""
-
-
-class SourceWarning(UserWarning):
-    """A source image was compiled, but something about its file was wrong (e.g. a missing EOI)."""
-
-
-class ClassMismatchWarning(UserWarning):
-    """A dataset beside OUT gives the same classes other indices (e.g. out/val beside out/train)."""
+# What a compile finds in the data (skips, odd files, splits that disagree) is reported on this
+# logger, at WARNING: not Python warnings, which are about the caller's code. Unconfigured, Python
+# prints them on stderr; the CLI shows them between its progress bar's lines.
+logger = logging.getLogger("dsc")
 
 
 @dataclass
@@ -69,8 +63,8 @@ class CompileSummary:
         return (self.kept + len(self.skipped)) / self.seconds if self.seconds > 0 else 0.0
 
 
-def _warn_skip(source: str, reason: str) -> None:
-    warnings.warn(f"skipped {source}: {reason}", SkippedImageWarning, stacklevel=3)
+def _log_skip(source: str, reason: str) -> None:
+    logger.warning("skipped %s: %s", source, reason)
 
 
 def source_order(n: int, seed: int, shuffle: bool) -> np.ndarray:
@@ -115,7 +109,7 @@ def _decode_all(job: WriteJob, sources: list[str], workers: int, strict: bool, d
         for result in results:
             if result.ok:
                 if result.warning:
-                    warnings.warn(f"{sources[result.slot]}: {result.warning}", SourceWarning, stacklevel=2)
+                    logger.warning("%s: %s", sources[result.slot], result.warning)
                 ok[result.slot] = True
                 sizes[result.slot] = (result.height, result.width)
             elif strict:
@@ -191,7 +185,7 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
 
     `on_total(n)` is called once discovery has found the n sources to decode (for a progress
     bar's total), `progress(n)` as n more of them are done; `on_skip(source, reason)` for each
-    skipped source (default: a SkippedImageWarning). Raises CompileError; OUT is then untouched.
+    skipped source (default: a line on the "dsc" logger). Raises CompileError; OUT is then untouched.
     An interrupted compile leaves its partial build beside OUT; `resume=True` continues it.
     `engine="ray"` runs the decoding as Ray tasks on the cluster at `address` (or a local one);
     the output is byte-identical to the local engine's. `fast_decode=True` lets JPEGs be scaled
@@ -230,11 +224,11 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
         found = discover(src, vocabulary, skip_unknown_classes)
     if vocabulary is None and found.classes:
         for message in labels_module.sibling_class_mismatch(out, found.classes):
-            warnings.warn(message, ClassMismatchWarning, stacklevel=2)
+            logger.warning("%s", message)
     if strict and found.skipped:
         source, reason = found.skipped[0]
         raise StrictFailure(f"{src / source}: {reason} (--strict: nothing written)")
-    on_skip = on_skip or _warn_skip
+    on_skip = on_skip or _log_skip
     for source, reason in found.skipped:
         on_skip(source, reason)
     if on_total:

@@ -101,8 +101,9 @@ def sibling_class_mismatch(out: Path, classes: list[str]) -> list[str]:
             continue
         if theirs and theirs != classes and set(theirs) & set(classes):
             missing, extra = sorted(set(theirs) - set(classes)), sorted(set(classes) - set(theirs))
-            why = "; ".join(filter(None, [missing and f"it lacks {', '.join(missing[:5])}",
-                                          extra and f"it adds {', '.join(extra[:5])}"])) or "their order differs"
+            why = "; ".join(filter(None, [missing and f"{out.name} lacks {', '.join(missing[:5])}",
+                                          extra and f"{out.name} adds {', '.join(extra[:5])}"])) \
+                or "their order differs"
             messages.append(f"the classes of {out.name} differ from those of the dataset beside it, {sibling} "
                             f"({why}), so a class has another label index in each; to use {sibling.name}'s "
                             f"indices, compile with --classes-from {sibling}")
