@@ -6,13 +6,14 @@ from __future__ import annotations
 import importlib.metadata
 import inspect
 import re
+import time
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 import dsc
-from dsc import LoaderError, MemmapDataset
+from dsc import MemmapDataset
 from dsc.cli import app
 
 from conftest import tiny_dataset
@@ -66,9 +67,11 @@ def test_reprs_say_what_they_are(ds: MemmapDataset) -> None:
                                           f"drop_last=False, epoch=0, batches={-(-len(ds) // 4)})")
 
 
-def test_drop_last_with_less_than_one_batch_raises_instead_of_serving_nothing(ds: MemmapDataset) -> None:
-    with pytest.raises(LoaderError, match=rf"drop_last=True, but the {len(ds)} records .* fewer than batch_size"):
-        next(iter(ds.loader(len(ds) + 1, drop_last=True)))
+def test_drop_last_with_less_than_one_batch_warns_instead_of_serving_nothing_silently(ds: MemmapDataset) -> None:
+    loader = ds.loader(len(ds) + 1, drop_last=True)
+    with pytest.warns(UserWarning, match=rf"drop_last=True, but the {len(ds)} records .* every epoch is empty") as w:
+        assert list(loader) == [] and loader.epoch == 1  # and the epoch moves on, as an empty one must
+    assert w[0].filename == __file__  # it points at the caller's loop
     assert len(list(ds.loader(len(ds) + 1))) == 1
 
 
@@ -100,3 +103,24 @@ def test_a_compile_tells_its_total_before_its_progress(tmp_path: Path) -> None:
                        progress=lambda n: events.append(("done", n)), on_skip=lambda *_: None)
     assert events[0] == ("total", 7) and sum(n for kind, n in events[1:] if kind == "done") == 7
     assert all(kind == "done" for kind, _ in events[1:])
+
+
+def test_the_lock_file_goes_away_and_two_compiles_never_hold_out_at_once(tmp_path: Path) -> None:
+    """The lock is removed by its holder; one waiting on the removed file must lock the new one."""
+    import threading
+
+    from dsc.compiler import publish
+
+    out = tmp_path / "out"
+    first = publish.lock(out)
+    got: list[int] = []
+    waiter = threading.Thread(target=lambda: got.append(publish.lock(out, wait_s=10)))
+    waiter.start()  # opens the same lock file and polls for it
+    time.sleep(0.3)
+    publish.unlock(out, first)
+    waiter.join()
+    assert publish.lock_path(out).exists()  # the waiter holds a file that the name leads to
+    with pytest.raises(dsc.CompileError, match="another dsc compile is writing"):
+        publish.lock(out, wait_s=0.2)
+    publish.unlock(out, got[0])
+    assert not publish.lock_path(out).exists()

@@ -276,7 +276,7 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
             if log is not None:
                 log.close()
         finally:
-            os.close(lock_fd)
+            publish.unlock(out, lock_fd)
     size_on_disk = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     return CompileSummary(out, manifest.count, [(s["source"], s["reason"]) for s in manifest.skipped],
                           list(manifest.classes), found.empty_classes, len(manifest.shards), size_on_disk,

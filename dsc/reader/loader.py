@@ -18,6 +18,7 @@ import os
 import queue
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -426,10 +427,10 @@ class Loader:
     def _start_pass(self) -> tuple[progress.Pass, _Producer | None]:
         """The pass the loader's position asks for, and the producer making it: the running one when it
         is already making exactly that (the epoch after the one it finished), else a new one."""
-        if self.drop_last and len(self) == 0:
-            raise LoaderError(f"drop_last=True, but the {len(self.dataset)} records split over {self.world_size} "
-                              f"rank(s) give each rank fewer than batch_size={self.batch_size}: an epoch would have "
-                              "no batch at all; lower batch_size or keep the last partial batch (drop_last=False)")
+        if self.drop_last and len(self) == 0:  # the epoch still moves on: a training loop must not spin
+            warnings.warn(f"drop_last=True, but the {len(self.dataset)} records split over {self.world_size} "
+                          f"rank(s) give each rank fewer than batch_size={self.batch_size}: every epoch is empty; "
+                          "lower batch_size or keep the last partial batch (drop_last=False)", stacklevel=3)
         split = self._split()
         epoch, rounds = self._position
         done, start = progress.resume_point(rounds, split)
