@@ -187,12 +187,50 @@ def test_column_kinds_are_inferred_or_given(flat, tmp_path: Path) -> None:
     assert MemmapDataset(tmp_path / "b").fields["score"].dtype == np.float32
 
 
-def test_numeric_class_names_sort_as_numbers(flat, tmp_path: Path) -> None:
+def test_integer_classes_are_their_own_indices(flat, tmp_path: Path) -> None:
+    """Labels 1, 2 and 10 stay 1, 2 and 10 (a 1-based table, or a split missing a class, moves nothing);
+    "01" is class 1."""
     src, paths = flat
     table = tmp_path / "t.csv"
-    table.write_text("path,label\n" + "".join(f"{p},{[2, 10, 1][k % 3]}\n" for k, p in enumerate(paths)))
+    table.write_text("path,label\n" + "".join(f"{p},{['2', '10', '01'][k % 3]}\n" for k, p in enumerate(paths)))
     dsc.compile_folder(src, tmp_path / "out", size=8, workers=1, labels=table)
-    assert MemmapDataset(tmp_path / "out").classes == ["1", "2", "10"]
+    ds = MemmapDataset(tmp_path / "out")
+    assert ds.classes == [str(k) for k in range(11)]
+    by_path = {p: [2, 10, 1][k % 3] for k, p in enumerate(paths)}
+    assert all(ds.labels[i] == by_path[ds.opened.source(i)] for i in range(len(ds)))
+
+
+@pytest.mark.parametrize("cells", [["1.5", "2.25", "NA", "10"], ["0", "1", "1x", "2"], ["3", "4", "nan", "5"]])
+def test_a_number_column_with_one_bad_cell_stops_instead_of_becoming_classes(flat, tmp_path: Path, cells) -> None:
+    src, paths = flat
+    table = tmp_path / "t.csv"
+    table.write_text("path,label,age\n" + "".join(f"{p},a,{cells[k % 4]}\n" for k, p in enumerate(paths)))
+    with pytest.raises(CompileError, match=rf"t.csv, line 4, column 'age': '{cells[2]}' is not a number, but the "
+                                           r"column's other values are; .* --column age:class"):
+        dsc.compile_folder(src, tmp_path / "out", size=8, workers=1, labels=table)
+    dsc.compile_folder(src, tmp_path / "out", size=8, workers=1, labels=table, columns={"age": "class"})
+
+
+def test_a_validation_table_takes_the_training_fields_vocabularies(flat, tmp_path: Path) -> None:
+    """--classes-from also fixes the kind and vocabulary of same-named class and tag columns."""
+    src, paths = flat
+    train, val = tmp_path / "train.csv", tmp_path / "val.csv"
+    train.write_text("path,label,species,tags\n" + "".join(
+        f"{p},a,{['cat', 'dog', 'fox'][k % 3]},{['indoor;red', 'outdoor', 'red'][k % 3]}\n"
+        for k, p in enumerate(paths[:6])))
+    val.write_text("path,label,species,tags\n" + "".join(
+        f"{p},a,{['dog', 'fox'][k % 2]},{['red', 'outdoor'][k % 2]}\n" for k, p in enumerate(paths[6:])))
+    dsc.compile_folder(src, tmp_path / "out" / "train", size=8, workers=1, labels=train)
+    dsc.compile_folder(src, tmp_path / "out" / "val", size=8, workers=1, labels=val,
+                       classes=tmp_path / "out" / "train")
+    t, v = MemmapDataset(tmp_path / "out" / "train"), MemmapDataset(tmp_path / "out" / "val")
+    assert v.field_classes("species") == t.field_classes("species") == ["cat", "dog", "fox"]
+    assert v.field_classes("tags") == t.field_classes("tags") == ["indoor", "outdoor", "red"]
+    assert {f.name: f.kind for f in v.manifest.fields} == {"species": "class", "tags": "multilabel"}  # no ';' in val
+    val.write_text(val.read_text().replace(",dog,", ",emu,", 1))
+    with pytest.raises(CompileError, match=r"val.csv, line 2, column 'species': class 'emu' is not among"):
+        dsc.compile_folder(src, tmp_path / "out" / "val2", size=8, workers=1, labels=val,
+                           classes=tmp_path / "out" / "train")
 
 
 def test_a_table_label_uses_the_training_vocabulary(flat, tmp_path: Path) -> None:
@@ -245,7 +283,8 @@ def test_a_malformed_csv_table_names_the_file_line_and_column(flat, tmp_path: Pa
     (['{"path": "A", "label": "cat"}', '{"path": "B"}'], r"line 2: keys differ from the first line's: 'label'"),
     (['["A", "cat"]'], r'line 1: each line must be a JSON object with a "path" key'),
     (['{"path": 5, "label": "cat"}'], r"line 1: the image path must be non-empty text"),
-    (['{"path": "A", "tags": [1, "x"]}'], r"line 1, column 'tags': tags must be text"),
+    (['{"path": "A", "tags": [1, "x"]}'], r"line 1, column 'tags': 'x' is not a number"),
+    (['{"path": "A", "tags": ["x", 2]}'], r"line 1, column 'tags': 'x' is not a number"),
 ])
 def test_a_malformed_jsonl_table_names_the_line(flat, tmp_path: Path, lines, match) -> None:
     src, paths = flat

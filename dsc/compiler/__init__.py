@@ -217,7 +217,8 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
     _check_paths(src, out)
     vocabulary = None if classes is None else labels_module.load_classes(classes)
     if labels is not None:
-        found = labels_module.discover_listed(src, labels, columns, vocabulary, skip_unknown_classes)
+        found = labels_module.discover_listed(src, labels, columns, vocabulary, skip_unknown_classes,
+                                              labels_module.reference_fields(classes))
     elif columns:
         raise CompileError("column kinds are for a label table (--labels)")
     else:

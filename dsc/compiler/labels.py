@@ -26,10 +26,12 @@ is a CompileError naming the file, line and column: a label is never silently sh
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import os
 import posixpath
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,11 +67,19 @@ def load_classes(value: str | os.PathLike | Sequence[str]) -> list[str]:
             raise CompileError(f"classes file {path} does not exist (give a file of class names, one per line, "
                                "or a dsc dataset folder)")
         try:
-            names = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
+            names = [line.strip() for line in path.read_text(encoding="utf-8-sig").splitlines()]
         except (OSError, UnicodeDecodeError) as e:
             raise CompileError(f"cannot read classes file {path}: {e}") from e
         return check_classes([n for n in names if n], str(path))
     return check_classes(list(value), "classes")
+
+
+def reference_fields(value: Any) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """The fields of the dataset `value` names, if it names one ({name: (kind, classes)}): a split
+    compiled with `--classes-from` it gives its class and tag columns the same positions."""
+    if not isinstance(value, (str, os.PathLike)) or not Path(value).is_dir():
+        return {}
+    return {f.name: (f.kind, f.classes) for f in fmt.parse_manifest(value).fields}
 
 
 def check_classes(names: list[Any], where: str) -> list[str]:
@@ -170,7 +180,7 @@ def read_table(path: str | os.PathLike) -> Table:
 
 
 def _read_csv(path: Path, text: str) -> tuple[list[str], list[tuple[int, Any, list[Any]]]]:
-    reader = csv.reader(text.splitlines(keepends=True), strict=True)
+    reader = csv.reader(io.StringIO(text, newline=""), strict=True)  # not str.splitlines: U+2028 is no line end
     try:
         header = next(reader, None)
         if not header or len(header) < 1:
@@ -192,7 +202,7 @@ def _read_csv(path: Path, text: str) -> tuple[list[str], list[tuple[int, Any, li
 def _read_jsonl(path: Path, text: str) -> tuple[list[str], list[tuple[int, Any, list[Any]]]]:
     names: list[str] | None = None
     body = []
-    for line, raw in enumerate(text.splitlines(), 1):
+    for line, raw in enumerate(text.split("\n"), 1):
         if not raw.strip():
             continue
         try:
@@ -246,18 +256,16 @@ def _items(value: Any) -> list[Any]:
     return [value]
 
 
+INT_TEXT = re.compile(r"[+-]?[0-9]+")
+NUMBER_TEXT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")  # no nan, inf, 1_000, ٣
+
+
 def _is_int(value: Any) -> bool:
     if isinstance(value, bool):
         return False
     if isinstance(value, int):
         return True
-    if isinstance(value, str):
-        try:
-            int(value)
-            return True
-        except ValueError:
-            return False
-    return False
+    return isinstance(value, str) and INT_TEXT.fullmatch(value.strip()) is not None
 
 
 def _is_number(value: Any) -> bool:
@@ -265,41 +273,47 @@ def _is_number(value: Any) -> bool:
         return False
     if isinstance(value, (int, float)):
         return True
-    if isinstance(value, str):
-        try:
-            float(value)
-            return True
-        except ValueError:
-            return False
-    return False
+    return isinstance(value, str) and NUMBER_TEXT.fullmatch(value.strip()) is not None
 
 
-def infer_kind(name: str, values: list[Any]) -> str:
+def infer_kind(table: Table, name: str) -> str:
     """The kind a column's values suggest (`--column NAME:KIND` overrides it): integers are int
     (classes in the label column), other numbers float, a list or ';' or an empty cell marks
-    multilabel tags, and any other text is a class name."""
+    multilabel tags, and any other text is a class name. A column of numbers with a cell that is
+    not one (NA, a typo) is refused, naming the cell: read as names, it would be silently wrong."""
+    values = table.columns[name]
     multi = any(isinstance(v, list) or (isinstance(v, str) and SEPARATOR in v) for v in values)
-    items = [item for v in values for item in _items(v)]
-    if items and all(_is_number(i) for i in items):
-        if all(_is_int(i) for i in items):
+    items = [(line, item) for line, v in zip(table.lines, values) for item in _items(v)]
+    numbers = [_is_number(item) for _, item in items]
+    if items and all(numbers):
+        if all(_is_int(i) for _, i in items):
             return "class" if name == LABEL_COLUMN and not multi else "int"
         return "float"
+    if any(numbers):
+        line, item = items[numbers.index(False)]
+        raise _problem(table.path, line, f"{item!r:.40} is not a number, but the column's other values are; fix "
+                       f"the cell, or give --column {name}:class (or multilabel) to read the values as names", name)
     if multi or any(isinstance(v, str) and not v.strip() for v in values):
         return "multilabel"
     return "class"
 
 
 def _class_name(value: Any) -> str | None:
-    if isinstance(value, str) and value.strip():
-        return value.strip()
+    """A cell as a class name; integers as their plain decimal form ("01" is class "1")."""
     if isinstance(value, int) and not isinstance(value, bool):
         return str(value)
+    if isinstance(value, str) and value.strip():
+        return str(int(value)) if _is_int(value) else value.strip()
     return None
 
 
 def _vocabulary(names: set[str]) -> list[str]:
-    """Sorted names; numerically when all are integers, so classes "0".."9" keep their numbers as indices."""
-    if all(_is_int(n) for n in names):
+    """Sorted names. Integer classes 0..K-1 keep their numbers as indices: the vocabulary is every
+    integer from 0 to the largest, so a class missing from one split moves no other."""
+    if names and all(_is_int(n) for n in names):
+        numbers = [int(n) for n in names]
+        if min(numbers) >= 0 and max(numbers) < fmt.MAX_FIELD_VALUES:
+            return [str(k) for k in range(max(numbers) + 1)]
         return sorted(names, key=int)
     return sorted(names)
 
@@ -338,7 +352,7 @@ def _numbers(table: Table, name: str, kind: str) -> tuple[np.ndarray, tuple[int,
     return (array[:, 0], ()) if array.shape[1] == 1 else (array, (array.shape[1],))
 
 
-def _class_indices(table: Table, name: str, classes: list[str] | None) -> tuple[np.ndarray, list[str], list[int]]:
+def _class_indices(table: Table, name: str, classes: Sequence[str] | None) -> tuple[np.ndarray, list[str], list[int]]:
     """A class column as indices over `classes` (or over its own sorted names); rows whose class is
     not in a given vocabulary are returned apart (their positions), for the caller to refuse or skip."""
     names = []
@@ -347,23 +361,28 @@ def _class_indices(table: Table, name: str, classes: list[str] | None) -> tuple[
         if class_name is None:
             raise _problem(table.path, line, f"a class name or integer is needed, found {value!r:.40}", name)
         names.append(class_name)
-    vocabulary = classes if classes is not None else _vocabulary(set(names))
+    vocabulary = list(classes) if classes is not None else _vocabulary(set(names))
     index = {c: i for i, c in enumerate(vocabulary)}
     unknown = [row for row, n in enumerate(names) if n not in index]
     return np.asarray([index.get(n, -1) for n in names], dtype=np.int64), vocabulary, unknown
 
 
-def _multi_hot(table: Table, name: str) -> tuple[np.ndarray, list[str]]:
+def _multi_hot(table: Table, name: str, classes: Sequence[str] | None = None) -> tuple[np.ndarray, list[str]]:
     tags = []
     for line, value in zip(table.lines, table.columns[name]):
         items = _items(value)
         if not all(isinstance(i, str) and i.strip() for i in items):
             raise _problem(table.path, line, f"tags must be text, found {value!r:.60}", name)
         tags.append({i.strip() for i in items})
-    vocabulary = _vocabulary(set().union(*tags))
+    vocabulary = list(classes) if classes is not None else sorted(set().union(*tags))
     if not vocabulary:
         raise CompileError(f"{table.path}: column {name!r} has no tags in any row")
     index = {c: i for i, c in enumerate(vocabulary)}
+    for line, names in zip(table.lines, tags):
+        unknown = sorted(names - set(index))
+        if unknown:
+            raise _problem(table.path, line, f"tag {unknown[0]!r} is not among the {len(vocabulary)} tags of the "
+                           "dataset the classes come from", name)
     hot = np.zeros((len(tags), len(vocabulary)), dtype=np.uint8)
     for row, names in enumerate(tags):
         hot[row, [index[n] for n in names]] = 1
@@ -371,12 +390,16 @@ def _multi_hot(table: Table, name: str) -> tuple[np.ndarray, list[str]]:
 
 
 def discover_listed(src: str | os.PathLike, table_path: str | os.PathLike, kinds: dict[str, str] | None = None,
-                    classes: list[str] | None = None, skip_unknown: bool = False) -> Discovery:
+                    classes: list[str] | None = None, skip_unknown: bool = False,
+                    reference: dict[str, tuple[str, tuple[str, ...]]] | None = None) -> Discovery:
     """What to compile from a label table: its rows whose image exists under `src`, their label
     (the `label` column over `classes` or its own sorted names) and fields (the other columns).
 
     A listed image that is missing is skipped (recorded like a bad image); images under `src`
-    that the table does not list are ignored and counted. `classes` only applies to the label."""
+    that the table does not list are ignored and counted. `classes` applies to the label;
+    `reference` ({name: (kind, classes)}, another split's fields) fixes the kind and vocabulary of
+    the columns it names, so that a tag or class has the same position in every split."""
+    reference = reference or {}
     root = Path(src)
     check_source_folder(root)
     table = read_table(table_path)
@@ -385,7 +408,8 @@ def discover_listed(src: str | os.PathLike, table_path: str | os.PathLike, kinds
         if name not in table.columns:
             raise CompileError(f"--column {name}: {table.path} has no column {name!r} "
                                f"(it has {', '.join(map(repr, table.columns)) or 'only the path'})")
-    kinds = {name: kinds.get(name) or infer_kind(name, values) for name, values in table.columns.items()}
+    kinds = {name: kinds.get(name) or (reference.get(name) or (None,))[0] or infer_kind(table, name)
+             for name in table.columns}
     if LABEL_COLUMN in kinds and kinds[LABEL_COLUMN] != "class":
         raise CompileError(f"{table.path}: column {LABEL_COLUMN!r} holds {kinds[LABEL_COLUMN]} values, but the "
                            f"{LABEL_COLUMN!r} column is the dataset's class label; name a numeric target otherwise "
@@ -411,13 +435,18 @@ def discover_listed(src: str | os.PathLike, table_path: str | os.PathLike, kinds
         if name == LABEL_COLUMN:
             continue
         field_classes: list[str] = []
+        fixed = reference[name][1] if name in reference and reference[name][0] == kind else None
         if kind in ("float", "int"):
             values, shape = _numbers(table, name, kind)
         elif kind == "multilabel":
-            values, field_classes = _multi_hot(table, name)
+            values, field_classes = _multi_hot(table, name, fixed)
             shape = (len(field_classes),)
         else:
-            values, field_classes, _ = _class_indices(table, name, None)
+            values, field_classes, unknown_rows = _class_indices(table, name, fixed)
+            if unknown_rows:
+                row = unknown_rows[0]
+                raise _problem(table.path, table.lines[row], f"class {_class_name(table.columns[name][row])!r} is "
+                               "not among the classes of the dataset the classes come from", name)
             shape = ()
         fields.append((fmt.FieldEntry("", 0, "", name, kind, shape, tuple(field_classes)), values))
 
