@@ -140,6 +140,12 @@ def compile_command(
                    "(same pixels, slower). Install it with: apt-get install libturbojpeg0", err=True)
     if classes is not None and classes_from is not None:
         raise typer.BadParameter("give --classes or --classes-from, not both", param_hint="--classes")
+    if skip_unknown_classes and classes is None and classes_from is None:
+        raise typer.BadParameter("only with --classes or --classes-from (without, every class is known)",
+                                 param_hint="--skip-unknown-classes")
+    if classes_from is not None and not (classes_from / "manifest.json").is_file():
+        raise typer.BadParameter(f"{classes_from} is not a dsc dataset (no manifest.json); for a file of class "
+                                 "names use --classes FILE", param_hint="--classes-from")
     vocabulary = classes_from if classes_from is not None else (
         None if classes is None else classes if Path(classes).exists() else [c.strip() for c in classes.split(",")])
     try:

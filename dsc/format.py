@@ -380,7 +380,7 @@ def _expect_int(root: Path, doc: dict, key: str, low: int, high: int, where: str
     return value
 
 
-def _expect_keys(root: Path, doc: Any, required: set[str], where: str, extra_ok: bool) -> None:
+def _expect_keys(root: Path, doc: Any, required: set[str], where: str, extra_ok: bool, version: str = "") -> None:
     if not isinstance(doc, dict):
         raise _fail(root, f"{where or 'the manifest'} must be a JSON object, found {type(doc).__name__}")
     missing = required - doc.keys()
@@ -388,7 +388,7 @@ def _expect_keys(root: Path, doc: Any, required: set[str], where: str, extra_ok:
         raise _fail(root, f"{where}missing key(s) {sorted(missing)}")
     unknown = doc.keys() - required
     if unknown and not extra_ok:
-        raise _fail(root, f"{where}unknown key(s) {sorted(unknown)} for version {FORMAT_VERSION}")
+        raise _fail(root, f"{where}unknown key(s) {sorted(unknown)} for version {version or FORMAT_VERSION}")
 
 
 def _check_version(root: Path, doc: dict) -> int:
@@ -526,7 +526,7 @@ def parse_manifest(root: str | os.PathLike, folder: _Folder | None = None) -> Ma
     root, doc = folder.root, _read_manifest(folder)
     minor = _check_version(root, doc)
     newer = minor > max(_MANIFEST_KEYS)
-    _expect_keys(root, doc, _MANIFEST_KEYS[min(minor, max(_MANIFEST_KEYS))], "", newer)
+    _expect_keys(root, doc, _MANIFEST_KEYS[min(minor, max(_MANIFEST_KEYS))], "", newer, doc["version"])
 
     record = doc["record"]
     _expect_keys(root, record, _RECORD_KEYS, "record: ", newer)
@@ -606,7 +606,7 @@ def _parse_fields(folder: _Folder, fields_doc: Any, count: int, seen: set[str], 
             raise _fail(root, f"{where}: field {name!r} is listed twice")
         names.add(name)
         kind = entry["kind"]
-        if kind not in FIELD_DTYPES:
+        if not isinstance(kind, str) or kind not in FIELD_DTYPES:
             raise _fail(root, f"{where}: 'kind' must be one of {', '.join(FIELD_DTYPES)}, found {kind!r:.40}")
         if entry["dtype"] != FIELD_DTYPES[kind].str:
             raise _fail(root, f"{where}: 'dtype' of a {kind} field must be {FIELD_DTYPES[kind].str!r}, "
@@ -617,8 +617,10 @@ def _parse_fields(folder: _Folder, fields_doc: Any, count: int, seen: set[str], 
             raise _fail(root, f"{where}: 'shape' must be [] or [k] with 1 <= k <= {MAX_FIELD_VALUES}, "
                               f"found {shape!r:.60}")
         classes = _expect(root, entry, "classes", list, f"{where}: ")
-        if not all(isinstance(c, str) and c for c in classes) or len(set(classes)) != len(classes):
-            raise _fail(root, f"{where}: 'classes' must be a list of distinct, non-empty strings")
+        if not all(isinstance(c, str) and c for c in classes) or len(set(classes)) != len(classes) \
+                or len(classes) > MAX_FIELD_VALUES:
+            raise _fail(root, f"{where}: 'classes' must be a list of at most {MAX_FIELD_VALUES} distinct, non-empty "
+                              "strings")
         if kind == "class" and (shape != [] or not classes):
             raise _fail(root, f"{where}: a class field has shape [] and at least one class")
         if kind == "multilabel" and shape != [len(classes)]:

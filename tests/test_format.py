@@ -206,7 +206,7 @@ def test_a_1_0_dataset_opens_without_fields_and_1_0_keys_are_exact(tmp_path: Pat
     opened = fmt.open_dataset(tmp_path / "old")
     assert opened.fields == {} and opened.manifest.count == 5 and opened.labels.tolist() == [0, 0, 1, 0, 1]
     edit_manifest(tmp_path / "old", set_key("fields", []))
-    with pytest.raises(DatasetError, match=r"unknown key\(s\) \['fields'\] for version"):
+    with pytest.raises(DatasetError, match=r"unknown key\(s\) \['fields'\] for version 1.0"):
         fmt.open_dataset(tmp_path / "old")
 
 
@@ -222,6 +222,8 @@ def write_field(root: Path, name: str, values: np.ndarray) -> None:
     (lambda d: d.pop("fields"), r"missing key\(s\) \['fields'\]"),
     (set_key("fields", {}), "'fields' must be list"),
     (set_key("fields", 0, "kind", "image"), "'kind' must be one of class, multilabel, float, int"),
+    (set_key("fields", 0, "kind", ["class"]), "'kind' must be one of class, multilabel, float, int"),
+    (set_key("fields", 0, "classes", [str(k) for k in range(70000)]), "at most 65536 distinct"),
     (set_key("fields", 0, "dtype", "<f4"), r"'dtype' of a multilabel field must be '\|u1'"),
     (set_key("fields", 0, "shape", [2]), r"multilabel field has shape \[len\(classes\)\] = \[3\]"),
     (set_key("fields", 1, "shape", [3]), r"fields\[1\]: declares 40 bytes, but its record count needs 60"),

@@ -100,6 +100,11 @@ def test_the_cli_takes_classes_from_a_list_a_file_or_a_dataset(tmp_path: Path) -
     result = runner.invoke(app, ["compile", str(tmp_path / "src"), str(tmp_path / "x"), "--classes", "cat",
                                  "--classes-from", str(out)])
     assert result.exit_code == 2 and "not both" in result.output
+    result = runner.invoke(app, ["compile", str(tmp_path / "src"), str(tmp_path / "x"), "--skip-unknown-classes"])
+    assert result.exit_code == 2 and "only with --classes or --classes-from" in result.output
+    result = runner.invoke(app, ["compile", str(tmp_path / "src"), str(tmp_path / "x"), "--classes-from",
+                                 str(tmp_path)])
+    assert result.exit_code == 2 and "is not a dsc dataset (no manifest.json)" in result.output
 
 
 # ----------------------------------------------------------------------------- label tables
