@@ -124,3 +124,36 @@ def test_the_lock_file_goes_away_and_two_compiles_never_hold_out_at_once(tmp_pat
         publish.lock(out, wait_s=0.2)
     publish.unlock(out, got[0])
     assert not publish.lock_path(out).exists()
+
+
+def test_the_readmes_compile_and_look_commands_run_as_written(tmp_path: Path, monkeypatch) -> None:
+    """Every `$ dsc` line of "Compile" and "Look at a dataset", in a folder holding a copy of the
+    bundled examples, and the lines of output that do not depend on the machine (the corpus of
+    /tmp/o1 is the example dataset here; bench gets a short time budget)."""
+    import shutil
+
+    readme = (ROOT / "README.md").read_text()
+    sections = readme[readme.index("## Compile"):readme.index("## Labels and splits")] + \
+        readme[readme.index("## Look at a dataset"):readme.index("## Augment on the device")]
+    blocks = [b.splitlines() for b in sections.split("```console\n")[1:]]
+    blocks = [[line for line in b[:b.index("```")]] for b in blocks if b[0].startswith("$ dsc ")]
+    assert [b[0].split()[2] for b in blocks] == ["compile", "info", "verify", "show", "bench"]
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(ROOT / "examples" / "images", tmp_path / "examples" / "images")
+    (tmp_path / "docs").mkdir()
+    for block in blocks:
+        command = block[0][2:].split("#")[0].replace("/tmp/o1", "examples/out").replace("--seconds 3", "--seconds 0.1")
+        result = runner.invoke(app, command.split()[1:])
+        assert result.exit_code == 0, (command, result.output)
+        shown, real = block[1:], result.stdout.splitlines()
+        if command.startswith("dsc compile"):
+            assert real[0].split(" on disk")[0] == shown[0].split(" on disk")[0]
+        elif command.startswith("dsc info"):
+            assert real[1:3] == shown[1:3] and real[4:] == shown[4:]  # not the absolute paths
+            assert real[0].split(": ", 1)[1] == shown[0].split(": ", 1)[1]
+        elif command.startswith("dsc show"):
+            assert real == shown
+        elif command.startswith("dsc verify"):
+            assert real[0].split(" (")[0] == shown[0].split(" (")[0]
+        else:
+            assert real[0] == shown[0]  # the bench table's header
