@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 from dsc import format as fmt
 from dsc.cli import app
+from dsc.compiler.journal import JOURNAL_FILE
 from dsc.compiler.publish import staging_path
 
 from conftest import pattern, save
@@ -94,10 +95,10 @@ def test_an_interrupted_cli_compile_with_workers_cleans_up(tmp_path: Path, sig: 
                              "--size", "64", "-j", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     deadline = time.monotonic() + 60
-    while not (staging_path(out) / "shards").exists():
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.01)
-    time.sleep(0.2)  # workers are busy decoding
+    journal = staging_path(out) / JOURNAL_FILE
+    while not (journal.exists() and journal.stat().st_size):  # workers are busy decoding: signal them now
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.005)
     os.killpg(proc.pid, sig)  # as a terminal's Ctrl-C (or a scheduler) signals the whole group
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130
