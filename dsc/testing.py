@@ -238,7 +238,7 @@ def _check_record(src: Path, ds: MemmapDataset, i: int, fit: str) -> tuple[list[
 def _uncovered_sources(src: Path, ds: MemmapDataset) -> list[str]:
     """Image files under `src` (none of the path hidden) that are neither a record nor listed as skipped."""
     covered = {ds.opened.source(i) for i in range(len(ds))}
-    skipped = {s["source"] for s in ds.manifest.skipped}  # undecodable name bytes written as \xNN
+    skipped = {s["source"] for s in fmt.read_skipped(ds.path, ds.manifest)}  # undecodable name bytes as \xNN
     found = [p.relative_to(src).as_posix() for p in src.rglob("*") if p.is_file()]
     images = [s for s in found if is_image_name(s.rsplit("/", 1)[-1]) and "/." not in f"/{s}"]
     return sorted(s for s in images
