@@ -48,7 +48,7 @@ def check_shard_count(shards: int) -> None:
                            "MiB readers accept; use a larger --records-per-shard")
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and shards + READER_SPARE_DESCRIPTORS > soft:
-        warnings.warn(f"the dataset will have {shards} shard files, and a reader maps each one with its own "
+        warnings.warn(f"the dataset will have up to {shards} shard files, and a reader maps each one with its own "
                       f"descriptor: more than the {soft} open files this process may have (ulimit -n). Raise the "
                       "limit where you read it, or compile with a larger --records-per-shard",
                       ReaderLimitWarning, stacklevel=3)

@@ -85,6 +85,7 @@ class SlotWriter:
     def _store(self, slot: int) -> None:
         shard, offset = fmt.record_offset(slot, self.job.records_per_shard, self.buffer.nbytes)
         if shard not in self.files:
+            self._close_files()  # a chunk's slots are consecutive: one shard file open at a time
             self.files[shard] = os.open(Path(self.job.stage) / fmt.shard_file(shard), os.O_WRONLY)
         data = memoryview(self.buffer).cast("B")
         while data:
@@ -92,7 +93,7 @@ class SlotWriter:
             data, offset = data[written:], offset + written
 
     def write(self, tasks: Chunk) -> list[SlotResult]:
-        """Fill these slots (consecutive ones: one or two shards), closing the shard files after."""
+        """Fill these slots (consecutive ones), closing the shard file after."""
         results = []
         try:
             for slot, source in tasks:
