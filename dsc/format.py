@@ -19,7 +19,9 @@ confined to the dataset folder — only then are the files memory-mapped.
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -42,6 +44,8 @@ LABELS_FILE = "labels.bin"
 SIZES_FILE = "sizes.bin"
 SOURCE_OFFSETS_FILE = "source_offsets.bin"
 SOURCES_FILE = "sources.bin"
+SKIP_LIST_FILE = "skipped.jsonl"  # 1.1: every skipped source, one JSON object a line
+SKIPPED_IN_MANIFEST = 100  # 1.1: the manifest's "skipped" holds only the first ones (it must stay small)
 INDEX_FILES = {"labels": LABELS_FILE, "sizes": SIZES_FILE,
                "source_offsets": SOURCE_OFFSETS_FILE, "sources": SOURCES_FILE}
 
@@ -63,6 +67,7 @@ MAX_FIELD_VALUES = 1 << 16  # values per record in one field
 MAX_MANIFEST_BYTES = 64 << 20  # refuse to parse more: a manifest is small, even with many skips
 MAX_SIDE = 1 << 16  # records are thumbnails for training, not posters
 HASH_CHUNK = 8 << 20
+SCAN_ITEMS = 1 << 20  # index values checked this many at a time: bounded memory at open
 # compile.decode (informative): how far the compiler let libjpeg-turbo scale JPEGs down in the
 # DCT domain; a manifest without the key was made before it existed, by today's "fast".
 DECODE_MODES = ("faithful", "fast")
@@ -125,6 +130,13 @@ def field_file(name: str) -> str:
 
 
 @dataclass(frozen=True)
+class SkipListEntry(FileEntry):
+    """The skip list file (1.1): `count` lines, one per skipped source."""
+
+    count: int = 0
+
+
+@dataclass(frozen=True)
 class Manifest:
     """Everything `manifest.json` says (see formats.md, "manifest.json")."""
 
@@ -135,10 +147,15 @@ class Manifest:
     classes: tuple[str, ...]
     shards: tuple[ShardEntry, ...]
     index: dict[str, FileEntry]
-    skipped: tuple[dict[str, str], ...] = ()
+    skipped: tuple[dict[str, str], ...] = ()  # all of them, or with `skipped_list` the first SKIPPED_IN_MANIFEST
     compile: dict[str, Any] = field(default_factory=dict)
     fields: tuple[FieldEntry, ...] = ()
     version: str = FORMAT_VERSION
+    skipped_list: SkipListEntry | None = None
+
+    @property
+    def skipped_count(self) -> int:
+        return self.skipped_list.count if self.skipped_list else len(self.skipped)
 
     @property
     def record_shape(self) -> tuple[int, int, int]:
@@ -155,7 +172,7 @@ class Manifest:
     @property
     def files(self) -> list[FileEntry]:
         """Every file the manifest names, with its size and SHA-256."""
-        return [*self.shards, *self.index.values(), *self.fields]
+        return [*self.shards, *self.index.values(), *self.fields, *filter(None, [self.skipped_list])]
 
     def to_json(self) -> str:
         doc = {
@@ -173,6 +190,8 @@ class Manifest:
         }
         if self.version != "1.0":
             doc["fields"] = [f.to_dict() for f in self.fields]
+        if self.skipped_list is not None:
+            doc["skipped_list"] = asdict(self.skipped_list)
         return json.dumps(doc, indent=1, ensure_ascii=True) + "\n"
 
 
@@ -213,17 +232,6 @@ def record_offset(record: int, records_per_shard: int, record_bytes: int) -> tup
     return shard, pos * record_bytes
 
 
-def move_records(shards: list[np.ndarray], src: int, dst: int, n: int, records_per_shard: int,
-                 piece: int = 256) -> None:
-    """Copy records [src, src + n) to [dst, dst + n), dst <= src, across shard boundaries."""
-    done = 0
-    while done < n:
-        (ss, so), (ds, do) = locate(src + done, records_per_shard), locate(dst + done, records_per_shard)
-        k = min(n - done, piece, records_per_shard - so, records_per_shard - do)
-        shards[ds][do:do + k] = shards[ss][so:so + k]
-        done += k
-
-
 def open_shard(path: Path, records: int, record_shape: tuple[int, int, int], mode: str = "r") -> np.memmap:
     """Map one shard as a uint8 array [records, H, W, 3]."""
     return np.memmap(path, dtype=RECORD_DTYPE, mode=mode, shape=(records, *record_shape))
@@ -249,13 +257,41 @@ def allocate_shards(root: Path, count: int, records_per_shard: int, record_bytes
 
 def reserve(fd: int, size: int) -> None:
     """Give a file its final size with its disk blocks allocated now: a full disk fails here,
-    with ENOSPC, instead of as SIGBUS when a worker later writes through the map."""
+    with ENOSPC, instead of as SIGBUS when a worker later writes through the map.
+
+    Linux's own `fallocate`, not `posix_fallocate`: where the file system cannot allocate (NFSv3,
+    many FUSE file systems) glibc's `posix_fallocate` emulates it by writing into every block, a
+    whole shard's worth of I/O before any decoding. There the file is made sparse instead."""
+    if _fallocate(fd, size):
+        return
+    if os.fstat(fd).st_size < size:
+        os.ftruncate(fd, size)  # the file system cannot reserve: a sparse file, extended only
+
+
+def _fallocate(fd: int, size: int) -> bool:
+    """Reserve [0, size) with the fallocate system call (never emulated); False where unsupported."""
+    if size == 0:
+        return True
+    call = _libc_fallocate()
+    if call is None:
+        return False
+    if call(fd, 0, 0, size) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+        return False
+    raise OSError(err, os.strerror(err))
+
+
+@functools.cache
+def _libc_fallocate():
     try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as e:
-        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-            raise
-        os.ftruncate(fd, size)  # the file system cannot reserve: fall back to a sparse file
+        call = ctypes.CDLL(None, use_errno=True).fallocate64
+    except (OSError, AttributeError):
+        return None  # not Linux/glibc: the sparse fallback
+    call.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    call.restype = ctypes.c_int
+    return call
 
 
 def trim_shards(root: Path, count: int, records_per_shard: int, record_bytes: int) -> None:
@@ -351,11 +387,58 @@ def shard_entries(root: Path, count: int, records_per_shard: int, record_bytes: 
     return tuple(ShardEntry(n, r * record_bytes, d, r) for n, r, d in zip(names, records, digests))
 
 
+# ----------------------------------------------------------------------------- skip list (1.1)
+
+def write_skip_list(root: Path, skipped: list[dict[str, str]]) -> SkipListEntry:
+    """Write every skipped source to SKIP_LIST_FILE (sorted as given) and return its manifest entry:
+    the manifest keeps only the first SKIPPED_IN_MANIFEST, so its size never grows with the skips."""
+    payload = "".join(json.dumps({"source": s["source"], "reason": s["reason"]}, ensure_ascii=True) + "\n"
+                      for s in skipped).encode("ascii")
+    write_durably(root / SKIP_LIST_FILE, payload)
+    return SkipListEntry(SKIP_LIST_FILE, len(payload), hashlib.sha256(payload).hexdigest(), len(skipped))
+
+
+def read_skipped(root: str | os.PathLike, manifest: Manifest) -> list[dict[str, str]]:
+    """Every skipped source of a dataset: the skip list file's lines (1.1), else the manifest's list."""
+    entry = manifest.skipped_list
+    if entry is None:
+        return [dict(s) for s in manifest.skipped]
+    folder = _Folder(Path(root))
+    try:
+        text = folder.read(entry.file, entry.bytes + 1)
+    finally:
+        folder.close()
+    path = Path(root) / entry.file
+    if len(text) != entry.bytes:
+        raise DatasetError(f"{path}: file is {len(text)} bytes, the manifest says {entry.bytes}; "
+                           "the dataset is damaged")
+    lines = text.splitlines()
+    if len(lines) != entry.count:
+        raise DatasetError(f"{path}: {len(lines)} lines, the manifest says {entry.count} skipped sources")
+    skipped = []
+    for number, line in enumerate(lines, 1):
+        try:
+            item = json.loads(line)
+        except ValueError as e:
+            raise DatasetError(f"{path}: line {number} is not valid JSON ({e})") from e
+        if not _is_skip(item, extra_ok=False):
+            raise DatasetError(f"{path}: line {number} must be a {{\"source\": str, \"reason\": str}} object")
+        skipped.append(item)
+    return skipped
+
+
+def _is_skip(item: Any, extra_ok: bool) -> bool:
+    return (isinstance(item, dict) and (set(item) >= {"source", "reason"} if extra_ok else
+                                        set(item) == {"source", "reason"})
+            and isinstance(item["source"], str) and isinstance(item["reason"], str))
+
+
 # ----------------------------------------------------------------------------- validation
 
 _MANIFEST_KEYS_1_0 = {"format", "version", "record", "count", "records_per_shard", "classes",
                       "shards", "index", "skipped", "compile"}
-_MANIFEST_KEYS = {0: _MANIFEST_KEYS_1_0, 1: _MANIFEST_KEYS_1_0 | {"fields"}}  # by MINOR version
+_MANIFEST_KEYS = {0: _MANIFEST_KEYS_1_0, 1: _MANIFEST_KEYS_1_0 | {"fields"}}  # required, by MINOR version
+_KEYS_SINCE_1_1 = frozenset({"skipped_list"})  # optional from 1.1 on
 _RECORD_KEYS = {"shape", "dtype", "layout", "color", "bytes"}
 _FILE_KEYS = {"file", "bytes", "sha256"}
 _FIELD_KEYS = _FILE_KEYS | {"name", "kind", "dtype", "shape", "classes"}
@@ -380,15 +463,16 @@ def _expect_int(root: Path, doc: dict, key: str, low: int, high: int, where: str
     return value
 
 
-def _expect_keys(root: Path, doc: Any, required: set[str], where: str, extra_ok: bool, version: str = "") -> None:
+def _expect_keys(root: Path, doc: Any, required: set[str], where: str, extra_ok: bool,
+                 optional: frozenset[str] = frozenset()) -> None:
     if not isinstance(doc, dict):
         raise _fail(root, f"{where or 'the manifest'} must be a JSON object, found {type(doc).__name__}")
     missing = required - doc.keys()
     if missing:
         raise _fail(root, f"{where}missing key(s) {sorted(missing)}")
-    unknown = doc.keys() - required
+    unknown = doc.keys() - required - optional
     if unknown and not extra_ok:
-        raise _fail(root, f"{where}unknown key(s) {sorted(unknown)} for version {version or FORMAT_VERSION}")
+        raise _fail(root, f"{where}unknown key(s) {sorted(unknown)} for version {doc.get('version', FORMAT_VERSION)}")
 
 
 def _check_version(root: Path, doc: dict) -> int:
@@ -526,7 +610,8 @@ def parse_manifest(root: str | os.PathLike, folder: _Folder | None = None) -> Ma
     root, doc = folder.root, _read_manifest(folder)
     minor = _check_version(root, doc)
     newer = minor > max(_MANIFEST_KEYS)
-    _expect_keys(root, doc, _MANIFEST_KEYS[min(minor, max(_MANIFEST_KEYS))], "", newer, doc["version"])
+    _expect_keys(root, doc, _MANIFEST_KEYS[min(minor, max(_MANIFEST_KEYS))], "", newer,
+                 _KEYS_SINCE_1_1 if minor >= 1 else frozenset())
 
     record = doc["record"]
     _expect_keys(root, record, _RECORD_KEYS, "record: ", newer)
@@ -578,15 +663,27 @@ def parse_manifest(root: str | os.PathLike, folder: _Folder | None = None) -> Ma
         index[key] = FileEntry(entry["file"], entry["bytes"], entry["sha256"])
 
     skipped = _expect(root, doc, "skipped", list)
-    if not all(isinstance(s, dict) and (set(s) >= {"source", "reason"} if newer else set(s) == {"source", "reason"})
-               and isinstance(s["source"], str) and isinstance(s["reason"], str) for s in skipped):
+    if not all(_is_skip(s, newer) for s in skipped):
         raise _fail(root, "'skipped' must be a list of {\"source\": str, \"reason\": str} objects")
     fields = _parse_fields(folder, doc.get("fields", []), count, seen, newer)
     return Manifest(height=height, width=width, count=count, records_per_shard=per_shard,
                     classes=tuple(classes), shards=tuple(shards), index=index,
                     skipped=tuple({"source": s["source"], "reason": s["reason"]} for s in skipped),
                     compile=_expect(root, doc, "compile", dict), fields=fields,
-                    version=doc["version"])
+                    version=doc["version"], skipped_list=_skip_list_entry(folder, doc, seen, newer))
+
+
+def _skip_list_entry(folder: _Folder, doc: dict, seen: set[str], newer: bool) -> SkipListEntry | None:
+    """The 1.1 `skipped_list` entry, checked like any file entry; None when absent."""
+    if "skipped_list" not in doc:
+        return None
+    entry = _file_entry(folder, doc["skipped_list"], "skipped_list", None, newer, _FILE_KEYS | {"count"})
+    if entry["file"] in seen:
+        raise _fail(folder.root, f"skipped_list: file {entry['file']!r} is also used elsewhere")
+    count = _expect_int(folder.root, entry, "count", 0, 1 << 40, "skipped_list: ")
+    if count < len(doc["skipped"]):
+        raise _fail(folder.root, f"skipped_list: 'count' = {count}, but 'skipped' already lists {len(doc['skipped'])}")
+    return SkipListEntry(entry["file"], entry["bytes"], entry["sha256"], count)
 
 
 def _parse_fields(folder: _Folder, fields_doc: Any, count: int, seen: set[str], newer: bool) -> tuple[FieldEntry, ...]:
@@ -683,44 +780,113 @@ def open_dataset(root: str | os.PathLike, shard_mode: str = "r") -> OpenedDatase
     raise AssertionError("unreachable")  # the loop returns or raises
 
 
+def validate(root: str | os.PathLike) -> Manifest:
+    """Everything `open_dataset` checks, without mapping anything: what a writer runs before it publishes."""
+    folder = _Folder(Path(root))
+    try:
+        manifest = parse_manifest(folder.root, folder)
+        _check_index(folder, manifest)
+        return manifest
+    finally:
+        folder.close()
+
+
 def _map_dataset(folder: _Folder, shard_mode: str) -> OpenedDataset:
     manifest = parse_manifest(folder.root, folder)
+    _check_index(folder, manifest)
     n, index = manifest.count, manifest.index
     labels = folder.map(index["labels"].file, LABEL_DTYPE, (n,))
     sizes = folder.map(index["sizes"].file, SIZE_DTYPE, (n, 2))
     offsets = folder.map(index["source_offsets"].file, OFFSET_DTYPE, (n + 1,))
     sources = folder.map(index["sources"].file, np.dtype(np.uint8), (index["sources"].bytes,))
-    _check_index(folder.root, manifest, labels, offsets, sources)
     fields = {f.name: folder.map(f.file, f.dtype, (n, *f.shape)) for f in manifest.fields}
-    for entry in manifest.fields:
-        _check_field(folder.root, entry, fields[entry.name])
     shards = tuple(folder.map(s.file, RECORD_DTYPE, (s.records, *manifest.record_shape), shard_mode)
                    for s in manifest.shards)
     return OpenedDataset(folder.root, manifest, shards, labels, sizes, offsets, sources, fields)
 
 
-def _check_index(root: Path, manifest: Manifest, labels: np.ndarray, offsets: np.ndarray,
-                 sources: np.ndarray) -> None:
-    k = len(manifest.classes)
+def _check_index(folder: _Folder, manifest: Manifest) -> None:
+    """Labels in range, source offsets rising from 0 to the size of sources.bin: read SCAN_ITEMS values
+    at a time, and holes of sparse files taken as the zeros they read as, so the cost follows the bytes
+    really stored, not what a manifest claims (a 1 KB manifest may claim 2^40 records over sparse files)."""
+    k, index = len(manifest.classes), manifest.index
     low, high = (0, k - 1) if k else (UNLABELED, UNLABELED)
-    if labels.size and (labels.min() < low or labels.max() > high):
-        raise DatasetError(f"{root / manifest.index['labels'].file}: labels must lie in [{low}, {high}] for {k} "
-                           f"classes, found [{labels.min()}, {labels.max()}]")
-    if offsets[0] != 0 or offsets[-1] != sources.size or np.any(offsets[1:] < offsets[:-1]):
-        raise DatasetError(f"{root / manifest.index['source_offsets'].file}: offsets must rise from 0 to the "
-                           f"size of {manifest.index['sources'].file} ({sources.size})")
+    found_low, found_high = high, low
+    for values in _scan_index(folder, index["labels"].file, LABEL_DTYPE, manifest.count):
+        found_low, found_high = min(found_low, int(values.min())), max(found_high, int(values.max()))
+    if found_low < low or found_high > high:
+        raise DatasetError(f"{folder.root / index['labels'].file}: labels must lie in [{low}, {high}] for {k} "
+                           f"classes, found [{found_low}, {found_high}]")
+    previous, rising = None, True
+    for values in _scan_index(folder, index["source_offsets"].file, OFFSET_DTYPE, manifest.count + 1):
+        joined = values[0] == 0 if previous is None else values[0] >= previous
+        rising = rising and bool(joined) and bool(np.all(values[1:] >= values[:-1]))
+        previous = int(values[-1])
+    if not rising or previous != index["sources"].bytes:
+        raise DatasetError(f"{folder.root / index['source_offsets'].file}: offsets must rise from 0 to the "
+                           f"size of {index['sources'].file} ({index['sources'].bytes})")
+    for entry in manifest.fields:
+        _check_field(folder, entry, manifest.count)
 
 
-def _check_field(root: Path, entry: FieldEntry, values: np.ndarray) -> None:
-    """Values a field's kind allows: class indices in [0, K-1], multi-hot 0 or 1, finite floats."""
-    if not values.size or entry.kind == "int":
+def _scan_index(folder: _Folder, name: str, dtype: np.dtype, count: int) -> Iterator[np.ndarray]:
+    """The `count` values of an index file in pieces of at most SCAN_ITEMS; a hole of a sparse file
+    comes as one zero (a run of zeros has the same minimum, maximum and order as one zero)."""
+    fd, size, item = folder.open(name, name), count * dtype.itemsize, dtype.itemsize
+    try:
+        position = 0
+        while position < size:
+            found = _seek(fd, position, "SEEK_DATA", size)
+            data = found // item * item  # >= position: positions stay on item boundaries
+            if data > position or found == size:
+                yield np.zeros(1, dtype)
+            hole = -(-_seek(fd, found, "SEEK_HOLE", size) // item) * item
+            for start in range(data, hole, SCAN_ITEMS * item):
+                yield np.frombuffer(_pread(fd, min(SCAN_ITEMS * item, hole - start), start), dtype)
+            position = hole
+    finally:
+        os.close(fd)
+
+
+def _seek(fd: int, position: int, whence: str, size: int) -> int:
+    """lseek's SEEK_DATA / SEEK_HOLE from `position`, within [position, size]; a file system
+    without them has no holes (its data runs from `position` to `size`)."""
+    try:
+        return min(size, os.lseek(fd, position, getattr(os, whence)))
+    except AttributeError:
+        return position if whence == "SEEK_DATA" else size
+    except OSError as e:
+        if e.errno == errno.ENXIO:  # no data (or hole) after `position`: the rest is a hole
+            return size
+        return position if whence == "SEEK_DATA" else size
+
+
+def _pread(fd: int, n: int, offset: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        piece = os.pread(fd, n - len(data), offset + len(data))
+        if not piece:
+            raise DatasetError(f"file ended early at byte {offset + len(data)} (it changed while being read?)")
+        data += piece
+    return data
+
+
+def _check_field(folder: _Folder, entry: FieldEntry, count: int) -> None:
+    """Values a field's kind allows (class indices in [0, K-1], multi-hot 0 or 1, finite floats),
+    scanned in pieces like the index."""
+    if entry.kind == "int" or not count:
         return
-    low, high = values.min(), values.max()
+    low = high = None
+    for values in _scan_index(folder, entry.file, entry.dtype, count * (entry.shape[0] if entry.shape else 1)):
+        low = values.min() if low is None else np.minimum(low, values.min())  # NaN propagates
+        high = values.max() if high is None else np.maximum(high, values.max())
+        if entry.kind == "float" and not (np.isfinite(low) and np.isfinite(high)):
+            break
     rule, wrong = {"class": (f"must lie in [0, {len(entry.classes) - 1}]", low < 0 or high >= len(entry.classes)),
                    "multilabel": ("must be 0 or 1", high > 1),
                    "float": ("must be finite", not (np.isfinite(low) and np.isfinite(high)))}[entry.kind]
     if wrong:
-        raise DatasetError(f"{root / entry.file}: values of field {entry.name!r} {rule}, found [{low}, {high}]")
+        raise DatasetError(f"{folder.root / entry.file}: values of field {entry.name!r} {rule}, found [{low}, {high}]")
 
 
 def verify_checksums(root: str | os.PathLike, manifest: Manifest,

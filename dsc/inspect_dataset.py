@@ -28,7 +28,7 @@ def summary(path: str | os.PathLike) -> dict[str, Any]:
         "path": str(Path(path).absolute()), "format_version": m.version, "records": m.count,
         "record_shape": list(m.record_shape), "dtype": "uint8", "labeled": m.labeled,
         "classes": {name: int(n) for name, n in zip(m.classes, counts)},
-        "skipped": [dict(s) for s in m.skipped],
+        "skipped": fmt.read_skipped(d.root, m),
         "shards": len(m.shards), "records_per_shard": m.records_per_shard,
         "bytes_on_disk": sum(f.bytes for f in m.files) + (d.root / fmt.MANIFEST_FILE).stat().st_size,
         "jpeg_decoder": m.compile.get("jpeg_decoder"), "compile": m.compile,

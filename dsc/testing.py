@@ -280,7 +280,7 @@ def _uncovered_sources(src: Path, ds: MemmapDataset, rows: dict[str, dict[str, A
     """Image files under `src` (none of the path hidden; only those the label table lists, if any)
     that are neither a record nor listed as skipped (themselves, or their skipped class folder)."""
     covered = {ds.opened.source(i) for i in range(len(ds))}
-    skipped = {s["source"] for s in ds.manifest.skipped}  # undecodable name bytes written as \xNN
+    skipped = {s["source"] for s in fmt.read_skipped(ds.path, ds.manifest)}  # undecodable name bytes as \xNN
     found = [p.relative_to(src).as_posix() for p in src.rglob("*") if p.is_file()]
     images = [s for s in found if is_image_name(s.rsplit("/", 1)[-1]) and "/." not in f"/{s}"]
     if rows is not None:

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import dsc.compiler
 from dsc import CompileError, compile_folder
 from dsc import format as fmt
+from dsc.compiler.engines.local import LocalEngine
 from dsc.compiler.publish import staging_path
 
 from conftest import make_folder, pattern, pillow_reference, save
@@ -407,9 +407,9 @@ def test_resume_decodes_only_what_is_missing(big_folder: Path, uninterrupted: di
     _interrupt_compile(big_folder, out, 80)
     written = _journal_lines(staging_path(out))
     decoded = []
-    real_fill = dsc.compiler.fill_slots
-    monkeypatch.setattr("dsc.compiler.fill_slots", lambda job, tasks, *a: (decoded.extend(tasks),
-                                                                         real_fill(job, tasks, *a))[1])
+    real_fill = LocalEngine.fill
+    monkeypatch.setattr(LocalEngine, "fill", lambda self, job, chunks, on_results: real_fill(
+        self, job, [decoded.extend(c) or c for c in chunks], on_results))
     compile_folder(big_folder, out, size=64, workers=2, records_per_shard=16, resume=True,
                    on_skip=lambda s, r: None)
     assert file_bytes(out) == uninterrupted

@@ -41,10 +41,11 @@ def write_tiny(root: Path, version: str = fmt.FORMAT_VERSION) -> fmt.Manifest:
     index = fmt.write_index(root, np.array([0, 0, 1, 0, 1]), np.array([[10, 20], [11, 21], [12, 22], [13, 23],
                                                                         [14, 24]]), TINY_SOURCES)
     fields = fmt.write_fields(root, TINY_FIELDS) if version != "1.0" else ()
+    skipped = ({"source": "b/bad.jpg", "reason": "empty file (0 bytes)"},)
     manifest = fmt.Manifest(height=2, width=3, count=5, records_per_shard=2, classes=("a", "b"),
-                            shards=fmt.shard_entries(root, 5, 2, record_bytes), index=index,
-                            skipped=({"source": "b/bad.jpg", "reason": "empty file (0 bytes)"},),
-                            compile={"size": [2, 3], "fit": "center-crop"}, fields=fields, version=version)
+                            shards=fmt.shard_entries(root, 5, 2, record_bytes), index=index, skipped=skipped,
+                            compile={"size": [2, 3], "fit": "center-crop"}, fields=fields, version=version,
+                            skipped_list=fmt.write_skip_list(root, list(skipped)) if version != "1.0" else None)
     fmt.write_manifest(root, manifest)
     return manifest
 
@@ -55,11 +56,12 @@ GOLDEN = {
     "fields/box.bin": "10fdafd06acfb09568faa775cb9d6cd3eecb7bfaa125203ea1abaafe0cb46a0a",
     "fields/tags.bin": "3d8948cc9de9c6b7d11fc57d32d1dd6e14a8728c218628fefe407ac23cf19869",
     "labels.bin": "e767c3048cadc9f414dfb85f7706ab1f32ecc03c54f37168b4f708590881ae72",
-    "manifest.json": "edcffbe142f67eb26b6495e98d153c0b38857cccb0cf5820dc720338e11f9e68",
+    "manifest.json": "17e2969a271c3792800dc88190ea746d3414938f237b440a925304f2c18c647f",
     "shards/00000.bin": "5d7e2d9b1dcbc85e7c890036a2cf2f9fe7b66554f2df08cec6aa9c0a25c99c21",
     "shards/00001.bin": "b6bda3532894fe14e260b28b68309d9947fee600de07ed4353412be70dc13b21",
     "shards/00002.bin": "c24577e1b2548f2402de01e22fc3465503b21a5cf00b6b1b76525776b206d81a",
     "sizes.bin": "5cdc1b78b8ee634e6e9c86894f6268a4831da2f379adfbf09277a90e51dbdeb4",
+    "skipped.jsonl": "08db8cd844c599b7fcaa524e3ef530cc2a05a7baeaaeb41817b2f4e7bdbd4dd3",
     "source_offsets.bin": "483522e75ed72d00fac2f6e3a20ded926f889cb8cff3d4d766c79f9183936270",
     "sources.bin": "9194c5e233d3775ab5854e88eac9c23da5133244e6470ce8c13ff5b49de11ec0",
 }
@@ -89,6 +91,7 @@ def test_golden_bytes(tiny: Path) -> None:
     assert (tiny / "sizes.bin").read_bytes()[:8] == (10).to_bytes(4, "little") + (20).to_bytes(4, "little")
     assert (tiny / "sources.bin").read_bytes() == "".join(TINY_SOURCES).encode()
     assert (tiny / "shards/00002.bin").read_bytes() == bytes(range(72, 90))
+    assert (tiny / "skipped.jsonl").read_bytes() == b'{"source": "b/bad.jpg", "reason": "empty file (0 bytes)"}\n'
     manifest = json.loads((tiny / "manifest.json").read_text())
     assert manifest["record"] == {"shape": [2, 3, 3], "dtype": "uint8", "layout": "HWC", "color": "RGB", "bytes": 18}
 

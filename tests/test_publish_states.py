@@ -20,6 +20,7 @@ import pytest
 import dsc.compiler
 from dsc import CompileError, compile_folder
 from dsc import format as fmt
+from dsc.compiler.engines.local import LocalEngine
 from dsc.compiler.publish import staging_path
 
 from conftest import make_folder, pattern, save
@@ -162,9 +163,9 @@ def test_a_kill_after_compaction_reuses_every_decoded_record(src: Path, tmp_path
     killed_compile(lambda: setattr(fmt, "sha256_file", lambda *a, **k: die()), src, out, size=8, workers=1,
                    records_per_shard=7)
     decoded = []
-    real_fill = dsc.compiler.fill_slots
-    monkeypatch.setattr("dsc.compiler.fill_slots", lambda job, tasks, *a: (decoded.extend(tasks),
-                                                                         real_fill(job, tasks, *a))[1])
+    real_fill = LocalEngine.fill
+    monkeypatch.setattr(LocalEngine, "fill", lambda self, job, chunks, on_results: real_fill(
+        self, job, [decoded.extend(c) or c for c in chunks], on_results))
     compile_folder(src, out, size=8, workers=1, records_per_shard=7, resume=True, on_skip=quiet)
     assert sorted(Path(s).name for _, s in decoded) == ["bad_0.jpg", "bad_1.jpg"]  # only the skipped, again
     assert file_bytes(out) == reference(src, tmp_path, size=8, records_per_shard=7)

@@ -43,9 +43,9 @@ def test_ray_output_is_byte_identical_to_the_local_engine(tmp_path: Path) -> Non
 
 
 def _kill_first_task_worker(stop: threading.Event, killed: list[int]) -> None:
-    """Kill -9 the first Ray worker seen running a dsc shard task, once."""
+    """Kill -9 the first Ray worker seen running a dsc chunk task, once."""
     while not stop.is_set() and not killed:
-        found = subprocess.run(["pgrep", "-f", "ray::write_shard"], capture_output=True, text=True).stdout.split()
+        found = subprocess.run(["pgrep", "-f", "ray::write_chunk"], capture_output=True, text=True).stdout.split()
         if found:
             os.kill(int(found[0]), signal.SIGKILL)
             killed.append(int(found[0]))

@@ -1,6 +1,9 @@
-"""The compiler: discover → order → decode/resize into shards → compact → index → publish.
+"""The compiler: discover → order → decode/resize into shards → finish (compact, index) → publish.
 
-`compile_folder` is the whole pipeline in one short function; each stage is its own module.
+`compile_folder` is the whole pipeline in one short function; each stage is its own module:
+`discover`, `write` (decode + resize into slots, run by an engine from `engines`), `journal`
+(what a partial build holds, for --resume), `finish` and `publish`. `jobs` holds the types
+they share.
 """
 
 from __future__ import annotations
@@ -11,7 +14,6 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,15 +21,17 @@ import numpy as np
 
 from dsc import __version__
 from dsc import format as fmt
-from dsc.compiler import journal, publish, ray_engine
+from dsc.compiler import journal, publish
 from dsc.compiler import labels as labels_module
 from dsc.compiler.decode import DEFAULT_MAX_PIXELS, decoder_name
-from dsc.compiler.discover import Discovery, discover, printable
+from dsc.compiler.discover import discover, printable
+from dsc.compiler.engines import check_workers, make_engine
+from dsc.compiler.finish import NothingDecoded, ReaderLimitWarning, Unpublishable, check_shard_count, finish
+from dsc.compiler.jobs import Engine, SlotResult, WriteJob, chunk_size, split
 from dsc.compiler.resize import INTERPOLATION, PAD_VALUE, Target, parse_size, resize_backend
-from dsc.compiler.write import SlotResult, WriteJob, check_workers, compact, fill_slots, fsync_files
 from dsc.errors import CompileError
 
-ENGINES = ("local", "ray")
+__all__ = ["CompileSummary", "ReaderLimitWarning", "compile_folder"]
 SHARD_TARGET_BYTES = 1 << 30  # ~1 GiB shards: few files, yet units small enough to copy or verify
 
 
@@ -93,13 +97,9 @@ class StrictFailure(CompileError):
     """A --strict compile met a source it could not decode: the build is discarded."""
 
 
-class NothingDecoded(CompileError):
-    """No source could be decoded: the build is discarded."""
-
-
-def _decode_all(job: WriteJob, sources: list[str], workers: int, strict: bool, done: dict[int, SlotResult],
+def _decode_all(job: WriteJob, sources: list[str], engine: Engine, strict: bool, done: dict[int, SlotResult],
                 log: journal.Journal, on_skip: Callable[[str, str], None],
-                progress: Callable[[int], None] | None, engine: tuple[str, str | None]):
+                progress: Callable[[int], None] | None):
     """Fill every slot not `done` already; return (ok mask, upright sizes, skipped (source, reason) list)."""
     ok = np.zeros(len(sources), dtype=bool)
     sizes = np.zeros((len(sources), 2), dtype=np.int64)
@@ -123,7 +123,8 @@ def _decode_all(job: WriteJob, sources: list[str], workers: int, strict: bool, d
 
     collect(list(done.values()))
     tasks = [(slot, source) for slot, source in enumerate(sources) if slot not in done]
-    fill_slots(job, tasks, workers, lambda results: (log.append(results), collect(results)), *engine)
+    chunks = split(tasks, chunk_size(len(tasks), engine.workers))
+    engine.fill(job, chunks, lambda results: (log.append(results), collect(results)))
     return ok, sizes, failed
 
 
@@ -148,28 +149,6 @@ def _options(target: Target, seed: int, shuffle: bool, max_pixels: int, src: Pat
             "source_order": "as listed in the label table" if listed else
                             "by label, then depth-first with folder entries sorted by name",
             "sources_found": found, **listed}
-
-
-def _finish(stage: Path, job: WriteJob, ok: np.ndarray, sizes: np.ndarray, found: Discovery, order: np.ndarray,
-            sources: list[str], skipped: list[tuple[str, str]], options: dict, threads: int) -> fmt.Manifest:
-    """Close up skipped slots, make the shards durable, write index and manifest (last)."""
-    journal.write_kept(stage, ok)  # state "compacting": a resume finds moved records through it
-    kept = compact(stage, ok, job)
-    if kept == 0:
-        raise NothingDecoded(f"none of the {len(sources)} images in {job.src_root} could be decoded; nothing written")
-    target, per_shard = job.target, job.records_per_shard
-    record_bytes = target.height * target.width * fmt.CHANNELS
-    fmt.trim_shards(stage, kept, per_shard, record_bytes)
-    fsync_files([stage / fmt.shard_file(i) for i in range(fmt.shard_count(kept, per_shard))])
-    with ThreadPoolExecutor(threads) as pool:
-        shards = fmt.shard_entries(stage, kept, per_shard, record_bytes, map_fn=pool.map)
-    index = fmt.write_index(stage, found.labels[order][ok], sizes[ok], [s for s, k in zip(sources, ok) if k])
-    fields = fmt.write_fields(stage, [(spec, values[order][ok]) for spec, values in found.fields])
-    manifest = fmt.Manifest(height=target.height, width=target.width, count=kept, records_per_shard=per_shard,
-                            classes=tuple(found.classes), shards=shards, index=index, compile=options,
-                            skipped=tuple({"source": printable(s), "reason": r} for s, r in skipped), fields=fields)
-    fmt.write_manifest(stage, manifest)
-    return manifest
 
 
 def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int | str | tuple[int, int] = 224,
@@ -200,10 +179,6 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
     started = time.perf_counter()
     target = Target(*parse_size(size), fit=fit)
     workers = check_workers(workers)
-    if engine not in ENGINES:
-        raise CompileError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
-    if address is not None and engine != "ray":
-        raise CompileError("an address is only for --engine ray")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise CompileError(f"seed must be a non-negative integer, got {seed!r}")
     if not isinstance(fast_decode, bool):
@@ -215,6 +190,7 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
     max_pixels = _positive_int("max_pixels", max_pixels)
     src, out = Path(src).absolute(), Path(out).absolute()
     _check_paths(src, out)
+    runner = make_engine(engine, workers, address)  # a Ray address is checked before any build exists
     vocabulary = None if classes is None else labels_module.load_classes(classes)
     if labels is not None:
         found = labels_module.discover_listed(src, labels, columns, vocabulary, skip_unknown_classes,
@@ -236,13 +212,12 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
         on_total(len(found.sources))
     order = source_order(len(found.sources), seed, shuffle)
     sources = [found.sources[i] for i in order]
-    listing = journal.source_listing(src, sources, found.labels[order], found.classes)
+    listing = journal.source_listing(sources, found.labels[order], [found.stamps[i] for i in order], found.classes)
+    check_shard_count(fmt.shard_count(len(sources), per_shard))
     plan = {"dsc_version": __version__, "decoder": decoder_name(), "resize": resize_backend(),
             "size": [target.height, target.width], "fit": target.fit, "decode": decode_mode, "seed": seed,
             "shuffle": shuffle, "max_pixels": max_pixels, "records_per_shard": per_shard, "count": len(sources),
             "sources": journal.listing_digest(listing), "fields": _fields_digest(found.fields)}
-    if engine == "ray":
-        ray_engine.check_address(address)  # before any partial build exists
     plan_digest = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
     lock_fd, log = publish.lock(out), None
     try:
@@ -258,15 +233,15 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
             job = WriteJob(str(src), str(stage), len(sources), per_shard, target, max_pixels, decode_mode)
             done = journal.reusable(stage, job) if resumed else {}
             log = journal.Journal(stage)
-            ok, sizes, failed = _decode_all(job, sources, workers, strict, done, log, on_skip, progress,
-                                            (engine, address))
+            ok, sizes, failed = _decode_all(job, sources, runner, strict, done, log, on_skip, progress)
             log.close()
             options = _options(target, seed, shuffle, max_pixels, src, len(sources), decode_mode, labels)
-            manifest = _finish(stage, job, ok, sizes, found, order, sources, sorted(found.skipped + failed), options,
-                               min(4, workers))
+            manifest = finish(stage, job, ok, sizes, found.labels[order], sources, found.classes,
+                              sorted(found.skipped + failed), options, min(4, workers),
+                              [(spec, values[order]) for spec, values in found.fields])
             publish.record_publish(out, plan_digest, publish.manifest_digest(stage))
             _finish_publish(stage, out, plan_digest, force)
-    except (StrictFailure, NothingDecoded):  # a verdict on the data: nothing worth resuming
+    except (StrictFailure, NothingDecoded, Unpublishable):  # a verdict on the data: nothing worth resuming
         publish.discard(stage)
         raise
     except OSError as e:  # a full disk, too many open files: say so, keep the work for --resume
@@ -279,7 +254,7 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
         finally:
             publish.unlock(out, lock_fd)
     size_on_disk = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    return CompileSummary(out, manifest.count, [(s["source"], s["reason"]) for s in manifest.skipped],
+    return CompileSummary(out, manifest.count, [(s["source"], s["reason"]) for s in fmt.read_skipped(out, manifest)],
                           list(manifest.classes), found.empty_classes, len(manifest.shards), size_on_disk,
                           time.perf_counter() - started, decoder_name(), manifest.record_shape, manifest.fields,
                           found.ignored)
@@ -305,4 +280,4 @@ def _finish_publish(stage: Path, out: Path, plan_digest: str, force: bool) -> fm
     else:
         raise CompileError(f"the finished build at {stage} is damaged or gone; pass --force to start over")
     publish.clear_publish(out)
-    return fmt.open_dataset(out).manifest
+    return fmt.parse_manifest(out)

@@ -5,11 +5,17 @@ them, except that hidden folders (``.ipynb_checkpoints``) are never classes. A f
 with images and no class folders is *unlabeled* (label -1). A fixed vocabulary (`classes`,
 e.g. the training split's) gives its own indices instead: a class without a folder keeps its
 index, a folder outside it is an error or, with `skip_unknown`, skipped.
+
+The walk also notes each file's size and modification time (the plan's fingerprint of the
+sources, see `journal.source_listing`), so no second pass stats every source. Class folders
+are walked by WALK_THREADS threads: on a network file system each stat is a round trip, and
+the threads overlap them (the calls release the GIL).
 """
 
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +26,7 @@ from dsc.format import FieldEntry
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".bmp", ".gif", ".webp",
                               ".tif", ".tiff", ".ppm", ".pgm", ".pbm", ".pnm"})
+WALK_THREADS = 16  # class folders walked at once: overlaps the round trips of a network file system
 
 
 @dataclass
@@ -32,6 +39,7 @@ class Discovery:
     classes: list[str]
     skipped: list[tuple[str, str]] = field(default_factory=list)
     empty_classes: list[str] = field(default_factory=list)
+    stamps: list[str] = field(default_factory=list)  # per source: "size:mtime_ns" at discovery
     fields: list[tuple[FieldEntry, np.ndarray]] = field(default_factory=list)  # per source, from a label table
     ignored: int = 0  # images in the folder that a label table does not list
 
@@ -44,8 +52,25 @@ def is_image_name(name: str) -> bool:
     return not name.startswith(".") and os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
 
 
-def _walk(top: Path, rel: str, ancestors: frozenset[tuple[int, int]], found: list[str],
-          skipped: list[tuple[str, str]]) -> None:
+@dataclass
+class _Found:
+    """What one walk collected (one per class folder, so walks can run in parallel)."""
+
+    sources: list[str] = field(default_factory=list)
+    stamps: list[str] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+
+
+def _stamp(entry: os.DirEntry) -> str:
+    """The file's "size:mtime_ns": a resume compares it to name a source that changed."""
+    try:
+        st = entry.stat()
+    except OSError:
+        return "missing"
+    return f"{st.st_size}:{st.st_mtime_ns}"
+
+
+def _walk(top: Path, rel: str, ancestors: frozenset[tuple[int, int]], found: _Found) -> None:
     """Collect image files below `top` recursively, following symlinks but never a loop.
 
     Only a folder that is its own ancestor is a loop: a folder reached twice by different
@@ -58,7 +83,7 @@ def _walk(top: Path, rel: str, ancestors: frozenset[tuple[int, int]], found: lis
         ancestors = ancestors | {(st.st_dev, st.st_ino)}
         entries = sorted(os.scandir(top), key=lambda e: e.name)
     except OSError as e:
-        skipped.append((rel or ".", f"cannot list folder: {e.strerror or e}"))
+        found.skipped.append((rel or ".", f"cannot list folder: {e.strerror or e}"))
         return
     for entry in entries:
         if entry.name.startswith("."):
@@ -68,17 +93,18 @@ def _walk(top: Path, rel: str, ancestors: frozenset[tuple[int, int]], found: lis
             is_dir = entry.is_dir()
             is_file = entry.is_file()
         except OSError as e:
-            skipped.append((child, f"cannot stat: {e.strerror or e}"))
+            found.skipped.append((child, f"cannot stat: {e.strerror or e}"))
             continue
         if is_dir:
-            _walk(Path(entry.path), child, ancestors, found, skipped)
+            _walk(Path(entry.path), child, ancestors, found)
         elif is_image_name(entry.name):
             if is_file:
-                found.append(child)
+                found.sources.append(child)
+                found.stamps.append(_stamp(entry))
             elif entry.is_symlink() and not os.path.exists(entry.path):
-                skipped.append((child, "broken symbolic link (its target does not exist)"))
+                found.skipped.append((child, "broken symbolic link (its target does not exist)"))
             else:
-                skipped.append((child, "not a regular file (a device, pipe or socket)"))
+                found.skipped.append((child, "not a regular file (a device, pipe or socket)"))
 
 
 def printable(source: str) -> str:
@@ -86,12 +112,12 @@ def printable(source: str) -> str:
     return os.fsencode(source).decode("utf-8", "backslashreplace")
 
 
-def list_images(root: Path) -> tuple[list[str], list[tuple[str, str]]]:
-    """Every image file below `root` (relative, '/'-separated, depth-first by name) and what was skipped."""
-    found: list[str] = []
-    skipped: list[tuple[str, str]] = []
-    _walk(root, "", frozenset(), found, skipped)
-    return found, skipped
+def list_images(root: Path) -> tuple[list[str], list[str], list[tuple[str, str]]]:
+    """Every image file below `root` (relative, '/'-separated, depth-first by name), their stamps,
+    and what was skipped."""
+    found = _Found()
+    _walk(root, "", frozenset(), found)  # adds the root itself
+    return found.sources, found.stamps, found.skipped
 
 
 def check_source_folder(root: Path) -> list[os.DirEntry]:
@@ -118,6 +144,7 @@ def discover(root: str | os.PathLike, classes: list[str] | None = None, skip_unk
             raise CompileError(f"class folder {os.fsencode(name)!r} in {root} has a name that is not valid "
                                "UTF-8; rename it (class names are stored as text)")
     sources: list[str] = []
+    stamps: list[str] = []
     labels: list[int] = []
     skipped: list[tuple[str, str]] = []
     empty: list[str] = []
@@ -131,20 +158,28 @@ def discover(root: str | os.PathLike, classes: list[str] | None = None, skip_unk
     if classes is None:
         classes = folders
     if folders or classes:
+        present = [name for name in classes if name in folders]
+        with ThreadPoolExecutor(max(1, min(WALK_THREADS, len(present)))) as pool:
+            walks = dict(zip(present, pool.map(lambda name: _walk_class(root, name, root_id), present)))
         for label, name in enumerate(classes):
-            found: list[str] = []
-            skips_before = len(skipped)
-            if name in folders:
-                _walk(root / name, name, root_id, found, skipped)
-            if not found and len(skipped) == skips_before:  # truly empty, not unreadable
+            found = walks.get(name, _Found())
+            if not found.sources and not found.skipped:  # truly empty, not unreadable
                 empty.append(name)
-            sources += found
-            labels += [label] * len(found)
+            sources += found.sources
+            stamps += found.stamps
+            labels += [label] * len(found.sources)
+            skipped += found.skipped
         skipped += [(e.name, "not inside a class folder") for e in top if e.is_file() and is_image_name(e.name)]
     else:
-        sources, skipped = list_images(root)  # unlabeled
+        sources, stamps, skipped = list_images(root)  # unlabeled
         labels = [-1] * len(sources)
     if not sources:
         raise CompileError(f"no images found in {root} (looked for {', '.join(sorted(IMAGE_EXTENSIONS))}, "
                            "in class sub-folders or directly in the folder)")
-    return Discovery(root, sources, np.asarray(labels, dtype=np.int64), classes, skipped, empty)
+    return Discovery(root, sources, np.asarray(labels, dtype=np.int64), list(classes), skipped, empty, stamps)
+
+
+def _walk_class(root: Path, name: str, ancestors: frozenset[tuple[int, int]]) -> _Found:
+    found = _Found()
+    _walk(root / name, name, ancestors, found)
+    return found

@@ -33,7 +33,8 @@ import numpy as np
 
 from dsc import format as fmt
 from dsc.compiler.discover import printable
-from dsc.compiler.write import SlotResult, WriteJob
+from dsc.compiler.jobs import SlotResult, WriteJob
+from dsc.compiler.shard_io import ShardFiles
 from dsc.errors import CompileError
 
 PLAN_FILE = "plan.json"
@@ -42,16 +43,12 @@ LISTING_FILE = "sources.jsonl"  # the planned listing, to name what changed
 KEPT_FILE = "kept.bin"  # the kept mask, written before compaction moves any record
 
 
-def source_listing(src: Path, sources: list[str], labels: np.ndarray, classes: list[str]) -> list[str]:
-    """The ordered listing a plan is made from: one line per source with its label, size and mtime."""
+def source_listing(sources: list[str], labels: np.ndarray, stamps: list[str], classes: list[str]) -> list[str]:
+    """The ordered listing a plan is made from: one line per source with its label and its
+    "size:mtime" stamp, as discovery's walk saw it (no second stat of every source)."""
     lines = [json.dumps(classes)]
-    for source, label in zip(sources, labels.tolist()):
-        try:
-            st = os.stat(src / source)
-            stamp = f"{st.st_size}:{st.st_mtime_ns}"
-        except OSError:
-            stamp = "missing"
-        lines.append(json.dumps([printable(source), label, stamp]))
+    lines += [json.dumps([printable(source), label, stamp])
+              for source, label, stamp in zip(sources, labels.tolist(), stamps)]
     return lines
 
 
@@ -167,25 +164,16 @@ def _undo_compaction(stage: Path, job: WriteJob, done: dict[int, SlotResult]) ->
     if len(ok) != job.count:
         return
     position = np.cumsum(ok) - 1  # where compaction puts slot s (when ok[s])
-    shape = (job.target.height, job.target.width, fmt.CHANNELS)
-    records = fmt.shard_records(job.count, job.records_per_shard)
-    shards = [fmt.open_shard(stage / fmt.shard_file(i), n, shape, "r+") for i, n in enumerate(records)]
-    per = job.records_per_shard
-    for slot in sorted(done, reverse=True):
-        at = int(position[slot])
-        if not ok[slot] or at == slot or _crc_at(shards, slot, per) == done[slot].crc:
-            continue
-        if _crc_at(shards, at, per) == done[slot].crc:
-            fmt.move_records(shards, at, slot, 1, per)
-    for shard in shards:
-        shard.flush()
-    del shards
+    record_bytes = job.target.height * job.target.width * fmt.CHANNELS
+    with ShardFiles(stage, job.records_per_shard, record_bytes) as shards:  # two files open at a time
+        for slot in sorted(done, reverse=True):
+            at = int(position[slot])
+            if not ok[slot] or at == slot or shards.crc(slot) == done[slot].crc:
+                continue
+            if shards.crc(at) == done[slot].crc:
+                shards.move(at, slot, 1)
+        shards.sync()
     (stage / KEPT_FILE).unlink()
-
-
-def _crc_at(shards: list[np.ndarray], position: int, records_per_shard: int) -> int:
-    shard, offset = fmt.locate(position, records_per_shard)
-    return zlib.crc32(shards[shard][offset])
 
 
 def reusable(stage: Path, job: WriteJob) -> dict[int, SlotResult]:

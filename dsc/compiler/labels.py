@@ -32,6 +32,7 @@ import math
 import os
 import posixpath
 import re
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -450,18 +451,30 @@ def discover_listed(src: str | os.PathLike, table_path: str | os.PathLike, kinds
             shape = ()
         fields.append((fmt.FieldEntry("", 0, "", name, kind, shape, tuple(field_classes)), values))
 
-    on_disk, walk_skipped = list_images(root)  # one walk, not a stat per row
-    found = set(on_disk)
+    on_disk, on_disk_stamps, walk_skipped = list_images(root)  # one walk, not a stat per row
+    found = dict(zip(on_disk, on_disk_stamps))
+    stamps = []
     for row, source in enumerate(table.sources):
-        if keep[row] and source not in found and not (root / source).is_file():  # is_file: hidden, other suffix
+        stamp = found.get(source) or _stamp(root / source)  # not walked: hidden, or another suffix
+        if keep[row] and stamp is None:
             keep[row] = False
             skipped.append((source, f"listed in {table.path.name} but not found"))
+        stamps.append(stamp)
     listed = set(table.sources)
-    ignored = len(found - listed)
+    ignored = len(found.keys() - listed)
     skipped += [s for s in walk_skipped if s[0] in listed]
     sources = [s for s, k in zip(table.sources, keep) if k]
     if not sources:
         raise CompileError(f"none of the {len(table.sources)} images listed in {table.path} exist under {root}")
     empty = [c for i, c in enumerate(vocabulary) if not np.any(labels[keep] == i)]
     return Discovery(root, sources, labels[keep], vocabulary, sorted(skipped), empty,
-                     [(spec, values[keep]) for spec, values in fields], ignored)
+                     [s for s, k in zip(stamps, keep) if k], [(spec, values[keep]) for spec, values in fields], ignored)
+
+
+def _stamp(path: Path) -> str | None:
+    """A listed file's "size:mtime_ns" (as discovery's walk stamps it), or None when it is not a file."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return f"{st.st_size}:{st.st_mtime_ns}" if stat.S_ISREG(st.st_mode) else None

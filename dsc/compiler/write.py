@@ -1,26 +1,19 @@
-"""Write: decode + resize every source straight into its record slot of the shard memory maps.
+"""Write: decode + resize sources straight into their record slots of the shard files.
 
 Record slot `i` belongs to source `order[i]`, fixed before any work starts, so the bytes
-do not depend on how many workers there are or which finishes first. Workers are
-processes (decoding is CPU-bound and partly holds the GIL); each writes its records straight
-into the shard files at their offsets, so no pixel ever crosses a pipe: only (slot, size or
-reason) comes back.
-Slots of skipped sources are closed up afterwards by `compact`.
+do not depend on which engine runs the work, how many workers it has or which finishes first.
+A `SlotWriter` lives wherever the work runs (a local worker process, a Ray task) and writes
+each record into its shard file at its offset, so no pixel ever crosses a pipe: only
+(slot, size or reason, CRC) goes back. Slots of skipped sources are closed up later, when the
+build is finished (`finish.compact`).
 """
 
 from __future__ import annotations
 
-import ctypes
 import errno
-import multiprocessing
 import os
-import signal
 import warnings
 import zlib
-from collections.abc import Callable, Iterator
-from concurrent.futures import ProcessPoolExecutor, as_completed
-from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,45 +21,14 @@ from PIL import Image
 
 from dsc import format as fmt
 from dsc.compiler.decode import IncompleteJpegWarning, decode, probe
+from dsc.compiler.jobs import Chunk, SlotResult, WriteJob
 from dsc.compiler.resize import Target, needed_size, resize_into
-from dsc.errors import CompileError, ImageError
+from dsc.errors import ImageError
 
-CHUNK = 16  # sources per task: small enough to keep every worker busy to the end
 # Errors that belong to a source file itself, so it is skipped. Any other OSError (too many open
 # files, an I/O error) stops the compile instead, to be resumed: never a good image lost.
 SOURCE_ERRNOS = frozenset({errno.ENOENT, errno.EACCES, errno.EPERM, errno.EISDIR, errno.ELOOP,
                            errno.ENAMETOOLONG, errno.ENXIO, errno.ENODEV})
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-# fork starts a worker in milliseconds; spawn re-imports torch in each (~1.3 s here). The
-# workers use no threads of the parent (torch is set to one thread before any work).
-START_METHOD = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-
-
-@dataclass(frozen=True)
-class WriteJob:
-    """All a worker needs to fill slots; small and picklable."""
-
-    src_root: str
-    stage: str
-    count: int
-    records_per_shard: int
-    target: Target
-    max_pixels: int
-    decode_mode: str = "faithful"  # format.DECODE_MODES
-
-
-@dataclass(frozen=True)
-class SlotResult:
-    slot: int
-    height: int = 0  # original, upright
-    width: int = 0
-    reason: str = ""  # why the source was skipped; empty when it was written
-    warning: str = ""  # what was odd about a source that was written anyway (e.g. a missing EOI)
-    crc: int = 0  # CRC-32 of the record's bytes, so a resume can check what it reuses
-
-    @property
-    def ok(self) -> bool:
-        return not self.reason
 
 
 def compile_image(path: str, target: Target, out: np.ndarray, max_pixels: int,
@@ -123,14 +85,15 @@ class SlotWriter:
     def _store(self, slot: int) -> None:
         shard, offset = fmt.record_offset(slot, self.job.records_per_shard, self.buffer.nbytes)
         if shard not in self.files:
+            self._close_files()  # a chunk's slots are consecutive: one shard file open at a time
             self.files[shard] = os.open(Path(self.job.stage) / fmt.shard_file(shard), os.O_WRONLY)
         data = memoryview(self.buffer).cast("B")
         while data:
             written = os.pwrite(self.files[shard], data, offset)
             data, offset = data[written:], offset + written
 
-    def write(self, tasks: list[tuple[int, str]]) -> list[SlotResult]:
-        """Fill these slots (consecutive ones: one or two shards), closing the shard files after."""
+    def write(self, tasks: Chunk) -> list[SlotResult]:
+        """Fill these slots (consecutive ones), closing the shard file after."""
         results = []
         try:
             for slot, source in tasks:
@@ -159,120 +122,10 @@ class SlotWriter:
         Image.MAX_IMAGE_PIXELS = self._pillow_limit
 
 
-_WRITER: SlotWriter | None = None
-
-
-def _die_with_parent(parent: int) -> None:
-    """Linux: have the kernel kill this worker when the compile process dies (kill -9 included),
-    so no orphan goes on writing into a partial build that a resumed compile now owns."""
+def write_chunk(job: WriteJob, chunk: Chunk) -> list[SlotResult]:
+    """Fill one chunk's slots with a writer of its own (a Ray task, a single-process compile)."""
+    writer = SlotWriter(job)
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # the parent died before the request was made
-        os._exit(1)
-
-
-def _init_worker(job: WriteJob, parent: int) -> None:
-    global _WRITER
-    _die_with_parent(parent)
-    # Ctrl-C and SIGTERM sent to the whole process group are the parent's to handle: it cleans up
-    # and then kills us. A worker that died of them first would read as a crash.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _WRITER = SlotWriter(job)
-
-
-def _work(tasks: list[tuple[int, str]]) -> list[SlotResult]:
-    assert _WRITER is not None, "worker used before _init_worker"
-    return _WRITER.write(tasks)
-
-
-def fill_slots(job: WriteJob, tasks: list[tuple[int, str]], workers: int,
-               on_results: Callable[[list[SlotResult]], None], engine: str = "local",
-               address: str | None = None) -> None:
-    """Fill each (slot, source) of `tasks`, calling `on_results` in the caller's thread per chunk.
-
-    `on_results` may raise (e.g. for --strict) to stop the remaining work at once. The "ray"
-    engine runs the same work as Ray tasks (see ray_engine); "local" uses processes here.
-    """
-    if engine == "ray":
-        from dsc.compiler.ray_engine import fill_with_ray
-
-        return fill_with_ray(job, tasks, workers, address, on_results)
-    chunks: Iterator[list[tuple[int, str]]] = (tasks[i:i + CHUNK] for i in range(0, len(tasks), CHUNK))
-    workers = min(workers, -(-len(tasks) // CHUNK))
-    if workers <= 1:
-        writer = SlotWriter(job)
-        try:
-            for chunk in chunks:
-                on_results(writer.write(chunk))
-        finally:
-            writer.close()
-        return
-    _fill_in_processes(job, chunks, workers, on_results)
-
-
-def _fill_in_processes(job: WriteJob, chunks: Iterator[list[tuple[int, str]]], workers: int,
-                       on_results: Callable[[list[SlotResult]], None]) -> None:
-    """`fill_slots` on worker processes; a worker that dies (OOM killer, a crash in a decoder)
-    fails the compile at once instead of hanging it, and any failure stops every worker."""
-    before = set(multiprocessing.active_children())
-    executor = ProcessPoolExecutor(workers, multiprocessing.get_context(START_METHOD), _init_worker,
-                                   (job, os.getpid()))
-    finished = False
-    try:
-        for future in as_completed([executor.submit(_work, chunk) for chunk in chunks]):
-            on_results(future.result())
-        finished = True
-    except BrokenProcessPool as e:
-        raise CompileError("a worker process died (killed by a signal, or out of memory?); the output was "
-                           "not written, and the same command with --resume continues the work") from e
+        return writer.write(chunk)
     finally:
-        executor.shutdown(wait=finished, cancel_futures=not finished)
-        for process in set(multiprocessing.active_children()) - before:
-            process.kill()  # SIGKILL: the workers ignore SIGINT and SIGTERM
-            process.join(timeout=10)
-
-
-def compact(stage: Path, ok: np.ndarray, job: WriteJob) -> int:
-    """Close up the slots of skipped sources, keeping the order of the rest; return the kept count."""
-    kept = int(ok.sum())
-    if kept == len(ok):
-        return kept
-    shape = (job.target.height, job.target.width, fmt.CHANNELS)
-    records = fmt.shard_records(job.count, job.records_per_shard)
-    shards = [fmt.open_shard(stage / fmt.shard_file(i), n, shape, "r+") for i, n in enumerate(records)]
-    # Runs of consecutive kept slots: each moves down by the number of skipped slots before it.
-    edges = np.flatnonzero(np.diff(np.concatenate(([0], ok.astype(np.int8), [0]))))
-    dst = 0
-    for start, stop in zip(edges[::2], edges[1::2]):
-        if start != dst:
-            fmt.move_records(shards, int(start), dst, int(stop - start), job.records_per_shard)
-        dst += int(stop - start)
-    for shard in shards:
-        shard.flush()
-    return kept
-
-
-def fsync_files(paths: list[Path]) -> None:
-    """Make the workers' writes through their maps durable before the dataset is published."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def available_cores() -> int:
-    """Cores this process may run on (CPU affinity, e.g. under a batch scheduler), not all cores."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-def check_workers(workers: int | None) -> int:
-    if workers is None:
-        return available_cores()
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise CompileError(f"workers must be a positive integer, got {workers!r}")
-    return workers
+        writer.close()

@@ -1,0 +1,111 @@
+"""Finish: turn a build whose slots are all filled into a dataset that can be published.
+
+Close up the slots of skipped sources (compaction), trim the shards to their final size,
+make them durable, hash them, write the index, the skip list and the manifest (last), and
+check the result as a reader will before it is published. Every step touches the shards one
+or two at a time (`ShardFiles`), so a build of any number of shards finishes under a small
+`ulimit -n`.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from dsc import format as fmt
+from dsc.compiler import journal
+from dsc.compiler.discover import printable
+from dsc.compiler.jobs import WriteJob
+from dsc.compiler.shard_io import ShardFiles
+from dsc.errors import CompileError, DatasetError
+
+MANIFEST_BYTES_PER_SHARD = 200  # a shard's entry in manifest.json, with room to spare
+READER_SPARE_DESCRIPTORS = 64  # what a reading process needs besides one descriptor per shard
+
+
+class NothingDecoded(CompileError):
+    """No source could be decoded: the build is discarded."""
+
+
+class Unpublishable(CompileError):
+    """The finished build is something the reader would refuse: it is discarded, never published."""
+
+
+class ReaderLimitWarning(UserWarning):
+    """The dataset will need more open files to read than this process may have (`ulimit -n`)."""
+
+
+def check_shard_count(shards: int) -> None:
+    """Before any work: refuse a dataset whose manifest the reader would refuse for its size, and
+    warn when reading it will need more descriptors (one per mapped shard) than this process may open."""
+    if shards * MANIFEST_BYTES_PER_SHARD > fmt.MAX_MANIFEST_BYTES:
+        raise CompileError(f"{shards} shards would make a manifest larger than the {fmt.MAX_MANIFEST_BYTES >> 20} "
+                           "MiB readers accept; use a larger --records-per-shard")
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and shards + READER_SPARE_DESCRIPTORS > soft:
+        warnings.warn(f"the dataset will have up to {shards} shard files, and a reader maps each one with its own "
+                      f"descriptor: more than the {soft} open files this process may have (ulimit -n). Raise the "
+                      "limit where you read it, or compile with a larger --records-per-shard",
+                      ReaderLimitWarning, stacklevel=3)
+
+
+def compact(stage: Path, ok: np.ndarray, job: WriteJob) -> int:
+    """Close up the slots of skipped sources, keeping the order of the rest; return the kept count."""
+    kept = int(ok.sum())
+    if kept == len(ok):
+        return kept
+    record_bytes = job.target.height * job.target.width * fmt.CHANNELS
+    # Runs of consecutive kept slots: each moves down by the number of skipped slots before it.
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], ok.astype(np.int8), [0]))))
+    dst = 0
+    with ShardFiles(stage, job.records_per_shard, record_bytes) as shards:
+        for start, stop in zip(edges[::2].tolist(), edges[1::2].tolist()):
+            if start != dst:
+                shards.move(start, dst, stop - start)
+            dst += stop - start
+    return kept
+
+
+def fsync_files(paths: list[Path]) -> None:
+    """Make the workers' writes durable before the dataset is published (one file open at a time)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def finish(stage: Path, job: WriteJob, ok: np.ndarray, sizes: np.ndarray, labels: np.ndarray,
+           sources: list[str], classes: list[str], skipped: list[tuple[str, str]], options: dict,
+           threads: int, fields: list[tuple[fmt.FieldEntry, np.ndarray]] = ()) -> fmt.Manifest:
+    """Close up skipped slots, make the shards durable, write index, fields (per slot, like `labels`),
+    skip list and manifest (last), and check the build as `open_dataset` will."""
+    journal.write_kept(stage, ok)  # state "compacting": a resume finds moved records through it
+    kept = compact(stage, ok, job)
+    if kept == 0:
+        raise NothingDecoded(f"none of the {len(sources)} images in {job.src_root} could be decoded; nothing written")
+    per_shard = job.records_per_shard
+    record_bytes = job.target.height * job.target.width * fmt.CHANNELS
+    fmt.trim_shards(stage, kept, per_shard, record_bytes)
+    fsync_files([stage / fmt.shard_file(i) for i in range(fmt.shard_count(kept, per_shard))])
+    with ThreadPoolExecutor(threads) as pool:  # `threads` files open at a time
+        shards = fmt.shard_entries(stage, kept, per_shard, record_bytes, map_fn=pool.map)
+    index = fmt.write_index(stage, labels[ok], sizes[ok], [s for s, k in zip(sources, ok) if k])
+    written_fields = fmt.write_fields(stage, [(spec, values[ok]) for spec, values in fields])
+    skip_list = [{"source": printable(s), "reason": r} for s, r in skipped]
+    manifest = fmt.Manifest(height=job.target.height, width=job.target.width, count=kept,
+                            records_per_shard=per_shard, classes=tuple(classes), shards=shards, index=index,
+                            compile=options, skipped=tuple(skip_list[:fmt.SKIPPED_IN_MANIFEST]),
+                            skipped_list=fmt.write_skip_list(stage, skip_list), fields=written_fields)
+    fmt.write_manifest(stage, manifest)
+    try:  # never publish what the reader would refuse
+        fmt.validate(stage)
+    except DatasetError as e:
+        raise Unpublishable(f"the finished build would not open as a dataset, so it was not published: {e}") from e
+    return manifest
