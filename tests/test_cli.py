@@ -88,7 +88,7 @@ def test_the_console_script_runs_without_the_system_libjpeg_turbo(folder: Path, 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_an_interrupted_cli_compile_with_workers_cleans_up(tmp_path: Path, sig: int) -> None:
     image = pattern(600, 800)
-    for i in range(120):
+    for i in range(240):
         save(tmp_path / "big" / f"c{i % 2}" / f"{i}.png", image, "PNG", compress_level=1)
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-m", "dsc.cli", "compile", str(tmp_path / "big"), str(out),
@@ -96,10 +96,13 @@ def test_an_interrupted_cli_compile_with_workers_cleans_up(tmp_path: Path, sig: 
                             text=True, start_new_session=True)
     deadline = time.monotonic() + 60
     journal = staging_path(out) / JOURNAL_FILE
-    while not (journal.exists() and journal.stat().st_size):  # workers are busy decoding: signal them now
+    while not (journal.exists() and journal.stat().st_size):  # workers are busy decoding
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.005)
+    os.killpg(proc.pid, signal.SIGSTOP)  # frozen mid-compile, however late this process was scheduled
+    assert proc.poll() is None and not out.exists(), "the compile finished before it could be interrupted"
     os.killpg(proc.pid, sig)  # as a terminal's Ctrl-C (or a scheduler) signals the whole group
+    os.killpg(proc.pid, signal.SIGCONT)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130
     assert stderr.strip().splitlines() == [  # one line, nothing from the workers
@@ -107,4 +110,4 @@ def test_an_interrupted_cli_compile_with_workers_cleans_up(tmp_path: Path, sig: 
         "add --resume to continue"]
     assert not out.exists() and staging_path(out).exists()
     resumed = runner.invoke(app, ["compile", str(tmp_path / "big"), str(out), "--size", "64", "--resume"])
-    assert resumed.exit_code == 0 and "120 records" in resumed.stdout
+    assert resumed.exit_code == 0 and "240 records" in resumed.stdout
