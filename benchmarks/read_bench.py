@@ -13,7 +13,10 @@ threads as cores; the fast rows run round-robin `--repeat` times and the best is
             contiguous copy into 4 buffers used in turn, as many as the loader has in flight at
             prefetch=2 (on a machine whose L3 holds a whole batch, one buffer stays cache-hot)
   dsc       ds.loader(order=...) for sequential, block, random (batches dropped as they come); and one
-            loader reading 10 sequential epochs back to back (with --copies 1, the many-small-epochs case)
+            loader reading 10 sequential epochs back to back (with --copies 1, the many-small-epochs case);
+            sequential and random again over a twin of the dataset (the same shard files, hard-linked) with
+            three per-record fields of format 1.1 (multi-hot [20], float32 [4], int64), which every batch
+            carries
   (b)       torch DataLoader over a per-item memmap dataset (`__getitem__` only), 0 and N workers;
             and DataLoader over MemmapDataset itself (its `__getitems__`)
   (c)       the tensordict approach: a TensorDict of MemoryMappedTensors (shard 0) through a DataLoader
@@ -27,7 +30,9 @@ DataLoader workers are other processes and are not counted; the page cache was w
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import shutil
 import statistics
 import tempfile
 import threading
@@ -88,6 +93,24 @@ def build(corpus: Path, out: Path, copies: int) -> MemmapDataset:
                 for k in range(copies):
                     (folder / f"r{k}_{f.name}").symlink_to(f.resolve())
             dsc.compile_folder(tmp, out, size=224, workers=CORES, seed=0)
+    return MemmapDataset(out)
+
+
+def with_fields(ds: MemmapDataset, out: Path) -> MemmapDataset:
+    """A twin of `ds` sharing its files (hard links) plus three fields: what labels from a table add."""
+    if out.exists():
+        shutil.rmtree(out)
+    (out / fmt.SHARD_DIR).mkdir(parents=True)
+    m = ds.manifest
+    for entry in m.files:
+        os.link(ds.path / entry.file, out / entry.file)
+    rng = np.random.default_rng(0)
+    fields = fmt.write_fields(out, [
+        (fmt.FieldEntry("", 0, "", "tags", "multilabel", (20,), tuple(f"t{k}" for k in range(20))),
+         rng.integers(0, 2, (m.count, 20))),
+        (fmt.FieldEntry("", 0, "", "box", "float", (4,)), rng.random((m.count, 4))),
+        (fmt.FieldEntry("", 0, "", "year", "int", ()), rng.integers(1990, 2025, m.count))])
+    fmt.write_manifest(out, dataclasses.replace(m, fields=fields, version=fmt.FORMAT_VERSION))
     return MemmapDataset(out)
 
 
@@ -178,7 +201,7 @@ class PillowFolder(Dataset):
         return torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1), self.classes[self.files[i].parent.name]
 
 
-def rows(ds: MemmapDataset, corpus: Path, batch: int) -> dict[str, Callable[[], int]]:
+def rows(ds: MemmapDataset, corpus: Path, batch: int, twin: MemmapDataset) -> dict[str, Callable[[], int]]:
     shuffle = dict(shuffle=True, generator=torch.Generator().manual_seed(0))
     td0 = ds.as_tensordict()["shards", "0"]  # shard 0's TensorDict {image, label}, batch size [n]
     files = sorted(p for p in corpus.rglob("*") if p.is_file())
@@ -194,6 +217,9 @@ def rows(ds: MemmapDataset, corpus: Path, batch: int) -> dict[str, Callable[[], 
     for order in ("sequential", "block", "random"):
         loader = ds.loader(batch, order=order, num_threads=CORES)
         table[f"dsc loader, {order}"] = lambda loader=loader: drain(loader)
+        fielded = twin.loader(batch, order=order, num_threads=CORES)
+        if order != "block":
+            table[f"dsc loader, {order}, + 3 fields"] = lambda loader=fielded: drain(loader)
     many = ds.loader(batch, order="sequential", num_threads=CORES)  # epochs back to back: their edges count
     table[f"dsc loader, sequential, {EPOCHS} epochs"] = lambda: sum(drain(many) for _ in range(EPOCHS))
     for w in (0, CORES):
@@ -248,6 +274,9 @@ def report(results: dict[str, dict]) -> None:
         (f"sequential, {EPOCHS} epochs in a row / 4 buffers in turn",
          s[f"dsc loader, sequential, {EPOCHS} epochs"] / s[f"limit: contiguous, {CORES} thr, 4 buffers in turn"], 0.9),
         ("random / gather limit", s["dsc loader, random"] / gather, 0.8),
+        ("sequential + 3 fields / sequential", s["dsc loader, sequential, + 3 fields"] / s["dsc loader, sequential"],
+         0.9),
+        ("random + 3 fields / random", s["dsc loader, random, + 3 fields"] / s["dsc loader, random"], 0.9),
         ("slowest dsc order / best per-item DataLoader (b)", slowest / per_item, 5),
         ("slowest dsc order / tensordict (c)", slowest / s["(c) tensordict memmap + DataLoader"], 8),
         ("slowest dsc order / Pillow ImageFolder (d)", slowest / s[f"(d) DataLoader + Pillow decode, {CORES} workers"],
@@ -272,10 +301,11 @@ def main() -> None:
     size = sum(p.stat().st_size for p in ds.opened.shard_paths())
     print(f"dataset {args.out}: {len(ds)} records of {ds.record_shape}, {len(ds.opened.shards)} shards, "
           f"{size / 2**30:.2f} GiB; {CORES} cores; batch {args.batch}; best of {args.repeat}")
+    twin = with_fields(ds, args.out.with_name(args.out.name + "_fields"))
     warm(ds)
     anon, file = rss_mb()
     print(f"this process before the rows: RssAnon {anon:,.0f} MB, RssFile {file:,.0f} MB")
-    table = {k: v for k, v in rows(ds, args.corpus, args.batch).items() if args.only in k}
+    table = {k: v for k, v in rows(ds, args.corpus, args.batch, twin).items() if args.only in k}
     results = measure(table, args.repeat, int(np.prod(ds.record_shape)))
     if not args.only:
         report(results)

@@ -6,35 +6,48 @@ Exit codes: 0 success, 1 a data or runtime error (one line on stderr), 2 a usage
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import signal
 import sys
-import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import typer
 from tqdm import tqdm
 
+from dsc import __version__
 from dsc.bench import run as run_bench
-from dsc.compiler import SourceWarning, compile_folder
+from dsc.compiler import compile_folder
 from dsc.compiler.decode import DEFAULT_MAX_PIXELS, turbojpeg_library
+from dsc.compiler.labels import parse_column_kinds
 from dsc.compiler.publish import pending_publish, staging_path
 from dsc.compiler.resize import FITS, Target, parse_size
 from dsc.errors import CompileError, DscError
 from dsc.format import open_dataset, verify_checksums
-from dsc.inspect_dataset import check_against_sources, summary
+from dsc.inspect_dataset import check_against_sources
+from dsc.inspect_dataset import summary as inspect_summary
 from dsc.sheet import pick_records, save_sheet
 
 SHOW_SKIPPED = 20  # skipped files listed by `dsc info` before "... and N more"
+SHOW_CLASSES = 20  # classes of a field listed with their counts
 DECODE_MEAN_LIMIT = 1.0  # `verify --decode`: the same pipeline gives identical pixels; allow other builds' rounding
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="dsc: compile image folders into memory-mappable uint8 shards, and read them fast.")
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"dsc {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def main() -> None:
+def main(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                      help="Print dsc's version and exit.")) -> None:
     """dsc: compile image folders into memory-mappable uint8 shards, and read them fast."""
 
 
@@ -77,28 +90,47 @@ def compile_command(
     src: Path = typer.Argument(..., metavar="SRC", help="Image folder: one sub-folder per class (or images directly)."),
     out: Path = typer.Argument(..., metavar="OUT",
                                help="Dataset folder to create (built aside, then renamed into place)."),
-    size: str = typer.Option("224", "--size", callback=_size_option,
+    size: str = typer.Option("224", "--size", callback=_size_option, metavar="N|HxW",
                              help="Record size: N for N x N, or HxW (height x width)."),
-    fit: str = typer.Option("center-crop", "--fit", help=f"How to reach the size: {', '.join(FITS)}."),
-    seed: int = typer.Option(0, "--seed", min=0, help="Seed of the record order."),
+    fit: str = typer.Option("center-crop", "--fit", metavar="FIT", help=f"How to reach the size: {', '.join(FITS)}."),
+    seed: int = typer.Option(0, "--seed", min=0, metavar="N", help="Seed of the record order."),
     shuffle: bool = typer.Option(True, "--shuffle/--no-shuffle",
                                  help="Store records in a seeded random order (default) or in sorted order."),
-    workers: int = typer.Option(None, "--workers", "-j", min=1, help="Worker processes [default: all cores]."),
+    workers: int = typer.Option(None, "--workers", "-j", min=1, metavar="N",
+                                help="Worker processes [default: all cores]."),
     strict: bool = typer.Option(False, "--strict", help="Fail on the first bad image instead of skipping it."),
     force: bool = typer.Option(False, "--force",
                                help="Replace an existing dataset at OUT (and discard a partial build)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the partial build an interrupted compile left."),
-    engine: str = typer.Option("local", "--engine", help="Where to decode: local (processes here) or ray."),
-    address: str = typer.Option(None, "--address", help="Ray cluster address for --engine ray [default: start "
+    engine: str = typer.Option("local", "--engine", metavar="local|ray",
+                               help="Where to decode: local (processes here) or ray."),
+    address: str = typer.Option(None, "--address", metavar="ADDRESS",
+                                help="Ray cluster address for --engine ray [default: start "
                                 "a local one]."),
-    records_per_shard: int = typer.Option(None, "--records-per-shard", min=1,
+    records_per_shard: int = typer.Option(None, "--records-per-shard", min=1, metavar="N",
                                           help="Records per shard file [default: as many as fit in 1 GiB]."),
-    max_pixels: int = typer.Option(DEFAULT_MAX_PIXELS, "--max-pixels", min=1,
+    max_pixels: int = typer.Option(DEFAULT_MAX_PIXELS, "--max-pixels", min=1, metavar="N",
                                    help="Skip images whose header declares more pixels (decompression bombs)."),
     fast_decode: bool = typer.Option(False, "--fast-decode",
                                      help="Scale JPEGs down in the DCT domain to just the needed size: faster, "
                                      "less faithful (mean |diff| per record up to ~6-10 of 255 at sizes 64-224, "
                                      "~20 at 32) [default: full decode]."),
+    classes: str = typer.Option(None, "--classes", metavar="NAMES|FILE",
+                                help="Fix the class vocabulary: comma-separated names, or a file of names "
+                                "(one per line); label k is the k-th name."),
+    classes_from: Path = typer.Option(None, "--classes-from", metavar="DATASET",
+                                      help="Take the class vocabulary from another dsc dataset (e.g. the "
+                                      "training split), so that every split gives a class the same label."),
+    skip_unknown_classes: bool = typer.Option(False, "--skip-unknown-classes",
+                                              help="Skip images of classes outside --classes/--classes-from "
+                                              "instead of failing."),
+    labels: Path = typer.Option(None, "--labels", metavar="TABLE",
+                                help="Labels from a CSV (header; path first) or JSONL (\"path\" key) table: only "
+                                "listed images are compiled; the 'label' column is the class label, other "
+                                "columns become fields."),
+    column: list[str] = typer.Option(None, "--column", metavar="NAME:KIND",
+                                     help="The kind of a --labels column: class, multilabel, float or int "
+                                     "[default: inferred]. Repeatable."),
 ) -> None:
     """Compile an image folder into a dsc dataset of fixed-shape uint8 records."""
     if fit not in FITS:
@@ -106,23 +138,38 @@ def compile_command(
     if turbojpeg_library() is None:
         typer.echo("note: libturbojpeg.so.0 not found, so JPEGs are decoded by Pillow's bundled libjpeg-turbo "
                    "(same pixels, slower). Install it with: apt-get install libturbojpeg0", err=True)
+    if classes is not None and classes_from is not None:
+        raise typer.BadParameter("give --classes or --classes-from, not both", param_hint="--classes")
+    if skip_unknown_classes and classes is None and classes_from is None:
+        raise typer.BadParameter("only with --classes or --classes-from (without, every class is known)",
+                                 param_hint="--skip-unknown-classes")
+    if classes_from is not None and not (classes_from / "manifest.json").is_file():
+        raise typer.BadParameter(f"{classes_from} is not a dsc dataset (no manifest.json); for a file of class "
+                                 "names use --classes FILE", param_hint="--classes-from")
+    vocabulary = classes_from if classes_from is not None else (
+        None if classes is None else classes if Path(classes).exists() else [c.strip() for c in classes.split(",")])
+    try:
+        kinds = parse_column_kinds(column or [])
+    except DscError as e:
+        raise typer.BadParameter(str(e), param_hint="--column") from None
     signal.signal(signal.SIGTERM, _interrupt)  # `timeout`, `docker stop`, schedulers: clean up as for Ctrl-C
-    bar = tqdm(unit="img", desc="compiling", disable=None, file=sys.stderr, dynamic_ncols=True)
+    bar = tqdm(unit="img", desc="discovering", disable=None, file=sys.stderr, dynamic_ncols=True)
+
+    def on_total(n: int) -> None:  # discovery is done: from here on, n/total, rate and ETA
+        bar.reset(total=n)
+        bar.set_description("compiling")
 
     def on_skip(source: str, reason: str) -> None:
         bar.write(f"skipped {_clean(source)}: {_clean(reason)}", file=sys.stderr)
 
-    def on_warning(message, category, *_args, **_kwargs) -> None:  # a kept source's oddity: one line, as skips
-        bar.write(f"warning: {_clean(str(message))}", file=sys.stderr)
-
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("always", category=SourceWarning)
-            warnings.showwarning = on_warning
+        with _log_lines(lambda line: bar.write(f"warning: {_clean(line)}", file=sys.stderr)):
             summary = compile_folder(src, out, size=size, fit=fit, seed=seed, shuffle=shuffle, workers=workers,
                                      strict=strict, force=force, records_per_shard=records_per_shard,
                                      max_pixels=max_pixels, resume=resume, engine=engine, address=address,
-                                     fast_decode=fast_decode, progress=bar.update, on_skip=on_skip)
+                                     fast_decode=fast_decode, classes=vocabulary,
+                                     skip_unknown_classes=skip_unknown_classes, labels=labels, columns=kinds or None,
+                                     progress=bar.update, on_total=on_total, on_skip=on_skip)
     except DscError as e:
         bar.close()
         _fail(str(e))
@@ -130,8 +177,13 @@ def compile_command(
         bar.close()
         _fail(_interrupted(out.absolute()), code=130)
     bar.close()
-    if not summary.labeled:
+    if not summary.labeled and labels is None:
         typer.echo(f"note: {src} has no class sub-folders, so the dataset is unlabeled (label -1)", err=True)
+    if summary.ignored:
+        typer.echo(f"note: {summary.ignored} image(s) in {src} are not listed in {labels} and were not compiled",
+                   err=True)
+    for f in inspect_summary(out)["fields"] if summary.fields else []:
+        typer.echo(f"field {f['name']}: {_describe_field(f)}", err=True)
     for name in summary.empty_classes:
         typer.echo(f"note: class folder {name!r} has no images (its label is kept)", err=True)
     h, w, c = summary.record_shape
@@ -139,6 +191,39 @@ def compile_command(
                f"{len(summary.classes)} classes, {len(summary.skipped)} skipped, "
                f"{_human_bytes(summary.bytes_on_disk)} on disk, {summary.seconds:.1f} s "
                f"({summary.images_per_second:.0f} images/s)")
+
+
+def _describe_field(f: dict) -> str:
+    """One line about a field (`inspect_dataset.field_summary`): kind, dtype, shape, vocabulary, values."""
+    shape = f"[{', '.join(map(str, f['shape']))}]" if f["shape"] else "scalar"
+    line = f"{f['kind']}, {f['dtype']} {shape}"
+    if f["classes"]:
+        line += f", {len(f['classes'])} classes"
+        if "counts" in f:
+            shown = list(zip(f["classes"], f["counts"]))[:SHOW_CLASSES]
+            line += ": " + _clean(", ".join(f"{k} ({n})" for k, n in shown))
+            line += ", ..." if len(f["classes"]) > SHOW_CLASSES else ""
+    if "min" in f:
+        line += f", values {f['min']:g} to {f['max']:g}"
+    return line
+
+
+@contextlib.contextmanager
+def _log_lines(write: Callable[[str], None]):
+    """Show what the library logs on the "dsc" logger (a kept source's oddity, splits that disagree) as
+    one line each through `write`, instead of Python's default stderr handler."""
+    class Lines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            write(record.getMessage())
+
+    logger, handler = logging.getLogger("dsc"), Lines(logging.WARNING)
+    logger.addHandler(handler)
+    propagate, logger.propagate = logger.propagate, False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
 
 
 def _interrupted(out: Path) -> str:
@@ -167,7 +252,7 @@ def info_command(
 ) -> None:
     """Summarise a dataset: records, shape, classes, skipped files, size, shards, compile options."""
     try:
-        s = summary(dataset)
+        s = inspect_summary(dataset)
     except DscError as e:
         _fail(str(e))
     if as_json:
@@ -180,6 +265,8 @@ def info_command(
         typer.echo(f"{len(s['classes'])} classes: " + ", ".join(f"{_clean(k)} ({n})" for k, n in s["classes"].items()))
     else:
         typer.echo("unlabeled (every label is -1)")
+    for f in s["fields"]:
+        typer.echo(f"field {f['name']}: {_describe_field(f)}")
     options = {k: v for k, v in s["compile"].items() if k not in ("source_root", "jpeg_decoder", "source_order")}
     typer.echo("compiled with: " + _clean(", ".join(f"{k}={v}" for k, v in options.items())))
     typer.echo(_clean(f"from: {s['compile'].get('source_root')}; JPEG decoder: {s['jpeg_decoder']}"))
@@ -195,17 +282,18 @@ def verify_command(
     dataset: Path = _dataset_argument(),
     decode: int = typer.Option(0, "--decode", min=0, metavar="N",
                                help="Also re-decode N random records from their source files and compare."),
-    seed: int = typer.Option(0, "--seed", min=0, help="Seed of the records --decode picks."),
+    seed: int = typer.Option(0, "--seed", min=0, metavar="N", help="Seed of the records --decode picks."),
 ) -> None:
     """Check a dataset: the manifest, every file size and checksum, and optionally records against sources."""
     try:
         manifest = open_dataset(dataset).manifest
-        total = sum(e.bytes for e in [*manifest.shards, *manifest.index.values()])
+        total = sum(e.bytes for e in manifest.files)
         with tqdm(total=total, unit="B", unit_scale=True, desc="checksums", disable=None, file=sys.stderr) as bar:
             verify_checksums(dataset, manifest, progress=bar.update)
     except DscError as e:
         _fail(*getattr(e, "problems", [str(e)]))
-    typer.echo(f"ok: manifest, {len(manifest.shards)} shard(s) and index files match ({_human_bytes(total)})")
+    fields = f", {len(manifest.fields)} field file(s)" if manifest.fields else ""
+    typer.echo(f"ok: manifest, {len(manifest.shards)} shard(s){fields} and index files match ({_human_bytes(total)})")
     if decode:
         try:
             check = check_against_sources(dataset, decode, seed)
@@ -225,12 +313,13 @@ def verify_command(
 @app.command("show")
 def show_command(
     dataset: Path = _dataset_argument(),
-    output: Path = typer.Option(..., "--output", "-o", help="Image file to write (PNG, JPEG, ...)."),
-    n: int = typer.Option(36, "--n", min=1, help="How many random records to show."),
-    indices: str = typer.Option(None, "--indices", help="Comma-separated record indices instead (e.g. 0,5,9)."),
-    class_name: str = typer.Option(None, "--class", help="Only records of this class."),
-    seed: int = typer.Option(0, "--seed", min=0, help="Seed of the random pick."),
-    columns: int = typer.Option(None, "--columns", min=1, help="Tiles per row [default: a square grid]."),
+    output: Path = typer.Option(..., "--output", "-o", metavar="FILE", help="Image file to write (PNG, JPEG, ...)."),
+    n: int = typer.Option(36, "--n", min=1, metavar="N", help="How many random records to show."),
+    indices: str = typer.Option(None, "--indices", metavar="I,J,...",
+                                help="Comma-separated record indices instead (e.g. 0,5,9)."),
+    class_name: str = typer.Option(None, "--class", metavar="NAME", help="Only records of this class."),
+    seed: int = typer.Option(0, "--seed", min=0, metavar="N", help="Seed of the random pick."),
+    columns: int = typer.Option(None, "--columns", min=1, metavar="N", help="Tiles per row [default: a square grid]."),
 ) -> None:
     """Draw a contact sheet of records with their index and label, to check a compile by eye."""
     try:
@@ -249,11 +338,12 @@ def show_command(
 @app.command("bench")
 def bench_command(
     dataset: Path = _dataset_argument(),
-    batch_size: int = typer.Option(256, "--batch-size", "-b", min=1, help="Records per batch."),
-    seconds: float = typer.Option(5.0, "--seconds", min=0.1, help="Time budget per measurement."),
-    threads: int = typer.Option(None, "--threads", min=1, help="Copy threads [default: up to 4 cores]."),
+    batch_size: int = typer.Option(256, "--batch-size", "-b", min=1, metavar="N", help="Records per batch."),
+    seconds: float = typer.Option(5.0, "--seconds", min=0.1, metavar="S", help="Time budget per measurement."),
+    threads: int = typer.Option(None, "--threads", min=1, metavar="N", help="Copy threads [default: up to 4 cores]."),
     cold: bool = typer.Option(True, "--cold/--no-cold", help="Also measure from a cold page cache."),
-    device: str = typer.Option(None, "--device", help="Add the host→device path, e.g. cuda (if present)."),
+    device: str = typer.Option(None, "--device", metavar="DEVICE",
+                               help="Add the host→device path, e.g. cuda (if present)."),
 ) -> None:
     """Measure read throughput of this dataset here, next to this machine's copy limit; name the bottleneck."""
     if device is not None and torch.device(device).type == "cuda" and not torch.cuda.is_available():

@@ -1,4 +1,4 @@
-"""The dsc dataset format, version 1: the only module that knows the on-disk layout.
+"""The dsc dataset format, version 1.1: the only module that knows the on-disk layout.
 
 The contract is ``formats.md`` at the repository root; this module uses the same
 names for the same things. In short::
@@ -11,6 +11,7 @@ names for the same things. In short::
       source_offsets.bin    uint64 LE [count + 1] byte ranges of each record's path in sources.bin
       sources.bin           source paths relative to SRC, '/'-separated, as the file system's bytes
       skipped.jsonl         (1.1) every skipped source; the manifest keeps only the first ones
+      fields/NAME.bin       (1.1) one typed per-record value per field: [count, *shape], little-endian
 
 Readers validate before they trust (`open_dataset`): the manifest's size, keys and
 types, its version, every count against every real file size, and every path
@@ -50,12 +51,21 @@ SKIPPED_IN_MANIFEST = 100  # 1.1: the manifest's "skipped" holds only the first 
 INDEX_FILES = {"labels": LABELS_FILE, "sizes": SIZES_FILE,
                "source_offsets": SOURCE_OFFSETS_FILE, "sources": SOURCES_FILE}
 
+FIELD_DIR = "fields"
+
 CHANNELS = 3  # records are RGB
 RECORD_DTYPE = np.dtype(np.uint8)
 LABEL_DTYPE = np.dtype("<i8")
 SIZE_DTYPE = np.dtype("<u4")
 OFFSET_DTYPE = np.dtype("<u8")
 UNLABELED = -1  # the label of every record of a folder without class sub-folders
+# Per-record fields (1.1): each kind has one on-disk dtype. class: an index into the field's
+# classes; multilabel: multi-hot [K] over its classes; float / int: numbers.
+FIELD_DTYPES = {"class": np.dtype("<i8"), "multilabel": np.dtype("u1"), "float": np.dtype("<f4"),
+                "int": np.dtype("<i8")}
+RESERVED_FIELD_NAMES = ("image", "label", "index", "size")  # what every batch already holds
+MAX_FIELD_NAME = 64
+MAX_FIELD_VALUES = 1 << 16  # values per record in one field
 MAX_MANIFEST_BYTES = 64 << 20  # refuse to parse more: a manifest is small, even with many skips
 MAX_SIDE = 1 << 16  # records are thumbnails for training, not posters
 HASH_CHUNK = 8 << 20
@@ -89,6 +99,39 @@ class ShardEntry(FileEntry):
 
 
 @dataclass(frozen=True)
+class FieldEntry(FileEntry):
+    """A per-record field file (1.1): `[count, *shape]` values of its kind's dtype, no header."""
+
+    name: str = ""
+    kind: str = ""
+    shape: tuple[int, ...] = ()
+    classes: tuple[str, ...] = ()
+
+    @property
+    def dtype(self) -> np.dtype:
+        return FIELD_DTYPES[self.kind]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": self.kind, "dtype": self.dtype.str, "shape": list(self.shape),
+                "classes": list(self.classes), "file": self.file, "bytes": self.bytes, "sha256": self.sha256}
+
+
+def field_name_problem(name: Any) -> str | None:
+    """Why `name` cannot name a field (it becomes a batch key and a file name), or None."""
+    if not isinstance(name, str) or not name or len(name) > MAX_FIELD_NAME or not name.isascii() \
+            or not (name[0].isalpha() or name[0] == "_") or not all(c.isalnum() or c == "_" for c in name):
+        return (f"{name!r:.80} is not a valid field name (letters, digits and '_', starting with a letter or "
+                f"'_', at most {MAX_FIELD_NAME} characters)")
+    if name in RESERVED_FIELD_NAMES:
+        return f"{name!r} is reserved (every batch has {', '.join(RESERVED_FIELD_NAMES)})"
+    return None
+
+
+def field_file(name: str) -> str:
+    return f"{FIELD_DIR}/{name}.bin"
+
+
+@dataclass(frozen=True)
 class SkipListEntry(FileEntry):
     """The skip list file (1.1): `count` lines, one per skipped source."""
 
@@ -108,6 +151,7 @@ class Manifest:
     index: dict[str, FileEntry]
     skipped: tuple[dict[str, str], ...] = ()  # all of them, or with `skipped_list` the first SKIPPED_IN_MANIFEST
     compile: dict[str, Any] = field(default_factory=dict)
+    fields: tuple[FieldEntry, ...] = ()
     version: str = FORMAT_VERSION
     skipped_list: SkipListEntry | None = None
 
@@ -127,6 +171,11 @@ class Manifest:
     def labeled(self) -> bool:
         return bool(self.classes)
 
+    @property
+    def files(self) -> list[FileEntry]:
+        """Every file the manifest names, with its size and SHA-256."""
+        return [*self.shards, *self.index.values(), *self.fields, *filter(None, [self.skipped_list])]
+
     def to_json(self) -> str:
         doc = {
             "format": FORMAT_NAME,
@@ -141,6 +190,8 @@ class Manifest:
             "skipped": [dict(s) for s in self.skipped],
             "compile": self.compile,
         }
+        if self.version != "1.0":
+            doc["fields"] = [f.to_dict() for f in self.fields]
         if self.skipped_list is not None:
             doc["skipped_list"] = asdict(self.skipped_list)
         return json.dumps(doc, indent=1, ensure_ascii=True) + "\n"
@@ -280,6 +331,23 @@ def write_index(root: Path, labels: np.ndarray, sizes: np.ndarray, sources: list
     return entries
 
 
+def write_fields(root: Path, fields: list[tuple[FieldEntry, np.ndarray]]) -> tuple[FieldEntry, ...]:
+    """Write each field's values (`[count, *shape]`; the entry's file, size and hash are filled in here)
+    and return their manifest entries, in the given order."""
+    entries = []
+    for spec, values in fields:
+        problem = field_name_problem(spec.name)
+        if problem:
+            raise ValueError(problem)
+        payload = np.ascontiguousarray(values, spec.dtype).tobytes()
+        name = field_file(spec.name)
+        (root / FIELD_DIR).mkdir(exist_ok=True)
+        write_durably(root / name, payload)
+        entries.append(FieldEntry(name, len(payload), hashlib.sha256(payload).hexdigest(), spec.name, spec.kind,
+                                  tuple(spec.shape), tuple(spec.classes)))
+    return tuple(entries)
+
+
 def write_durably(path: Path, payload: bytes) -> None:
     """Write `payload` to `path` atomically: a crash or a full disk leaves the old file or the new
     one whole, never an empty or torn one (a temporary file, fsynced, then renamed over)."""
@@ -369,11 +437,13 @@ def _is_skip(item: Any, extra_ok: bool) -> bool:
 
 # ----------------------------------------------------------------------------- validation
 
-_MANIFEST_KEYS = {"format", "version", "record", "count", "records_per_shard", "classes",
-                  "shards", "index", "skipped", "compile"}
-_KEYS_SINCE_1_1 = frozenset({"skipped_list"})
+_MANIFEST_KEYS_1_0 = {"format", "version", "record", "count", "records_per_shard", "classes",
+                      "shards", "index", "skipped", "compile"}
+_MANIFEST_KEYS = {0: _MANIFEST_KEYS_1_0, 1: _MANIFEST_KEYS_1_0 | {"fields"}}  # required, by MINOR version
+_KEYS_SINCE_1_1 = frozenset({"skipped_list"})  # optional from 1.1 on
 _RECORD_KEYS = {"shape", "dtype", "layout", "color", "bytes"}
 _FILE_KEYS = {"file", "bytes", "sha256"}
+_FIELD_KEYS = _FILE_KEYS | {"name", "kind", "dtype", "shape", "classes"}
 
 
 def _fail(root: Path, what: str) -> DatasetError:
@@ -407,8 +477,8 @@ def _expect_keys(root: Path, doc: Any, required: set[str], where: str, extra_ok:
         raise _fail(root, f"{where}unknown key(s) {sorted(unknown)} for version {doc.get('version', FORMAT_VERSION)}")
 
 
-def _check_version(root: Path, doc: dict) -> bool:
-    """Return whether the minor version is newer than ours (extra keys are then allowed)."""
+def _check_version(root: Path, doc: dict) -> int:
+    """Return the MINOR version (one newer than ours may add keys; they are then allowed)."""
     if doc.get("format") != FORMAT_NAME:
         raise _fail(root, f"'format' must be {FORMAT_NAME!r}, found {doc.get('format')!r:.60}")
     version = doc.get("version")
@@ -421,7 +491,7 @@ def _check_version(root: Path, doc: dict) -> bool:
         raise UnsupportedVersionError(
             f"{root}: dataset format version {version} is not supported by this dsc, which reads "
             f"{ours_major}.x; recompile the dataset or use a dsc that reads version {major}.x")
-    return minor > ours_minor
+    return minor
 
 
 class _Folder:
@@ -433,6 +503,8 @@ class _Folder:
         self.root = root
         try:
             self.fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError as e:
+            raise DatasetError(f"{root}: does not exist (expected a compiled dsc dataset)") from e
         except OSError as e:
             raise DatasetError(f"{root}: not a directory (expected a compiled dsc dataset)") from e
 
@@ -538,8 +610,10 @@ def parse_manifest(root: str | os.PathLike, folder: _Folder | None = None) -> Ma
     """Read and validate manifest.json and the sizes of every file it names."""
     folder = folder or _Folder(Path(root))
     root, doc = folder.root, _read_manifest(folder)
-    newer = _check_version(root, doc)
-    _expect_keys(root, doc, _MANIFEST_KEYS, "", newer, _KEYS_SINCE_1_1 if doc["version"] != "1.0" else frozenset())
+    minor = _check_version(root, doc)
+    newer = minor > max(_MANIFEST_KEYS)
+    _expect_keys(root, doc, _MANIFEST_KEYS[min(minor, max(_MANIFEST_KEYS))], "", newer,
+                 _KEYS_SINCE_1_1 if minor >= 1 else frozenset())
 
     record = doc["record"]
     _expect_keys(root, record, _RECORD_KEYS, "record: ", newer)
@@ -593,10 +667,11 @@ def parse_manifest(root: str | os.PathLike, folder: _Folder | None = None) -> Ma
     skipped = _expect(root, doc, "skipped", list)
     if not all(_is_skip(s, newer) for s in skipped):
         raise _fail(root, "'skipped' must be a list of {\"source\": str, \"reason\": str} objects")
+    fields = _parse_fields(folder, doc.get("fields", []), count, seen, newer)
     return Manifest(height=height, width=width, count=count, records_per_shard=per_shard,
                     classes=tuple(classes), shards=tuple(shards), index=index,
                     skipped=tuple({"source": s["source"], "reason": s["reason"]} for s in skipped),
-                    compile=_expect(root, doc, "compile", dict),
+                    compile=_expect(root, doc, "compile", dict), fields=fields,
                     version=doc["version"], skipped_list=_skip_list_entry(folder, doc, seen, newer))
 
 
@@ -613,6 +688,55 @@ def _skip_list_entry(folder: _Folder, doc: dict, seen: set[str], newer: bool) ->
     return SkipListEntry(entry["file"], entry["bytes"], entry["sha256"], count)
 
 
+def _parse_fields(folder: _Folder, fields_doc: Any, count: int, seen: set[str], newer: bool) -> tuple[FieldEntry, ...]:
+    """Validate the 1.1 "fields" list: names, kinds, dtypes, shapes and vocabularies, each file's size."""
+    root = folder.root
+    if not isinstance(fields_doc, list):
+        raise _fail(root, f"'fields' must be list, found {type(fields_doc).__name__}")
+    fields, names = [], set()
+    for i, entry in enumerate(fields_doc):
+        where = f"fields[{i}]"
+        _expect_keys(root, entry, _FIELD_KEYS, f"{where}: ", newer)
+        name = entry["name"]
+        problem = field_name_problem(name)
+        if problem:
+            raise _fail(root, f"{where}: {problem}")
+        if name in names:
+            raise _fail(root, f"{where}: field {name!r} is listed twice")
+        names.add(name)
+        kind = entry["kind"]
+        if not isinstance(kind, str) or kind not in FIELD_DTYPES:
+            raise _fail(root, f"{where}: 'kind' must be one of {', '.join(FIELD_DTYPES)}, found {kind!r:.40}")
+        if entry["dtype"] != FIELD_DTYPES[kind].str:
+            raise _fail(root, f"{where}: 'dtype' of a {kind} field must be {FIELD_DTYPES[kind].str!r}, "
+                              f"found {entry['dtype']!r:.40}")
+        shape = _expect(root, entry, "shape", list, f"{where}: ")
+        if len(shape) > 1 or any(isinstance(d, bool) or not isinstance(d, int) or not 1 <= d <= MAX_FIELD_VALUES
+                                 for d in shape):
+            raise _fail(root, f"{where}: 'shape' must be [] or [k] with 1 <= k <= {MAX_FIELD_VALUES}, "
+                              f"found {shape!r:.60}")
+        classes = _expect(root, entry, "classes", list, f"{where}: ")
+        if not all(isinstance(c, str) and c for c in classes) or len(set(classes)) != len(classes) \
+                or len(classes) > MAX_FIELD_VALUES:
+            raise _fail(root, f"{where}: 'classes' must be a list of at most {MAX_FIELD_VALUES} distinct, non-empty "
+                              "strings")
+        if kind == "class" and (shape != [] or not classes):
+            raise _fail(root, f"{where}: a class field has shape [] and at least one class")
+        if kind == "multilabel" and shape != [len(classes)]:
+            raise _fail(root, f"{where}: a multilabel field has shape [len(classes)] = [{len(classes)}], "
+                              f"found {shape}")
+        if kind in ("float", "int") and classes:
+            raise _fail(root, f"{where}: a {kind} field has no classes")
+        per_record = FIELD_DTYPES[kind].itemsize * (shape[0] if shape else 1)
+        _file_entry(folder, entry, where, count * per_record, newer, _FIELD_KEYS)
+        if entry["file"] in seen:
+            raise _fail(root, f"{where}: file {entry['file']!r} is also used elsewhere")
+        seen.add(entry["file"])
+        fields.append(FieldEntry(entry["file"], entry["bytes"], entry["sha256"], name, kind, tuple(shape),
+                                 tuple(classes)))
+    return tuple(fields)
+
+
 @dataclass(frozen=True)
 class OpenedDataset:
     """A validated dataset: its manifest and read-only memory maps of every file."""
@@ -624,6 +748,7 @@ class OpenedDataset:
     sizes: np.ndarray
     source_offsets: np.ndarray
     sources: np.ndarray
+    fields: dict[str, np.ndarray] = field(default_factory=dict)  # name -> [count, *shape], in manifest order
 
     def source(self, i: int) -> str:
         """Record `i`'s source path, relative to the compiled SRC folder."""
@@ -676,9 +801,10 @@ def _map_dataset(folder: _Folder, shard_mode: str) -> OpenedDataset:
     sizes = folder.map(index["sizes"].file, SIZE_DTYPE, (n, 2))
     offsets = folder.map(index["source_offsets"].file, OFFSET_DTYPE, (n + 1,))
     sources = folder.map(index["sources"].file, np.dtype(np.uint8), (index["sources"].bytes,))
+    fields = {f.name: folder.map(f.file, f.dtype, (n, *f.shape)) for f in manifest.fields}
     shards = tuple(folder.map(s.file, RECORD_DTYPE, (s.records, *manifest.record_shape), shard_mode)
                    for s in manifest.shards)
-    return OpenedDataset(folder.root, manifest, shards, labels, sizes, offsets, sources)
+    return OpenedDataset(folder.root, manifest, shards, labels, sizes, offsets, sources, fields)
 
 
 def _check_index(folder: _Folder, manifest: Manifest) -> None:
@@ -701,6 +827,8 @@ def _check_index(folder: _Folder, manifest: Manifest) -> None:
     if not rising or previous != index["sources"].bytes:
         raise DatasetError(f"{folder.root / index['source_offsets'].file}: offsets must rise from 0 to the "
                            f"size of {index['sources'].file} ({index['sources'].bytes})")
+    for entry in manifest.fields:
+        _check_field(folder, entry, manifest.count)
 
 
 def _scan_index(folder: _Folder, name: str, dtype: np.dtype, count: int) -> Iterator[np.ndarray]:
@@ -745,12 +873,30 @@ def _pread(fd: int, n: int, offset: int) -> bytes:
     return data
 
 
+def _check_field(folder: _Folder, entry: FieldEntry, count: int) -> None:
+    """Values a field's kind allows (class indices in [0, K-1], multi-hot 0 or 1, finite floats),
+    scanned in pieces like the index."""
+    if entry.kind == "int" or not count:
+        return
+    low = high = None
+    for values in _scan_index(folder, entry.file, entry.dtype, count * (entry.shape[0] if entry.shape else 1)):
+        low = values.min() if low is None else np.minimum(low, values.min())  # NaN propagates
+        high = values.max() if high is None else np.maximum(high, values.max())
+        if entry.kind == "float" and not (np.isfinite(low) and np.isfinite(high)):
+            break
+    rule, wrong = {"class": (f"must lie in [0, {len(entry.classes) - 1}]", low < 0 or high >= len(entry.classes)),
+                   "multilabel": ("must be 0 or 1", high > 1),
+                   "float": ("must be finite", not (np.isfinite(low) and np.isfinite(high)))}[entry.kind]
+    if wrong:
+        raise DatasetError(f"{folder.root / entry.file}: values of field {entry.name!r} {rule}, found [{low}, {high}]")
+
+
 def verify_checksums(root: str | os.PathLike, manifest: Manifest,
                      progress: Callable[[int], None] | None = None) -> None:
     """Recompute every file's SHA-256; raise ChecksumError naming every damaged file."""
     root = Path(root)
     bad = [f"{root / e.file}: SHA-256 is {digest}, the manifest says {e.sha256}; the file is damaged"
-           for e in [*manifest.shards, *manifest.index.values(), *filter(None, [manifest.skipped_list])]
+           for e in manifest.files
            if (digest := sha256_file(root / e.file, progress)) != e.sha256]
     if bad:
         error = ChecksumError("\n".join(bad))

@@ -24,16 +24,30 @@ def summary(path: str | os.PathLike) -> dict[str, Any]:
     d = fmt.open_dataset(path)
     m = d.manifest
     counts = np.bincount(d.labels[d.labels >= 0], minlength=len(m.classes)) if m.classes else []
-    files = [*m.shards, *m.index.values(), *filter(None, [m.skipped_list])]
     return {
         "path": str(Path(path).absolute()), "format_version": m.version, "records": m.count,
         "record_shape": list(m.record_shape), "dtype": "uint8", "labeled": m.labeled,
         "classes": {name: int(n) for name, n in zip(m.classes, counts)},
         "skipped": fmt.read_skipped(d.root, m),
         "shards": len(m.shards), "records_per_shard": m.records_per_shard,
-        "bytes_on_disk": sum(f.bytes for f in files) + (d.root / fmt.MANIFEST_FILE).stat().st_size,
+        "bytes_on_disk": sum(f.bytes for f in m.files) + (d.root / fmt.MANIFEST_FILE).stat().st_size,
         "jpeg_decoder": m.compile.get("jpeg_decoder"), "compile": m.compile,
+        "fields": [field_summary(f, d.fields[f.name]) for f in m.fields],
     }
+
+
+def field_summary(entry: fmt.FieldEntry, values: np.ndarray) -> dict[str, Any]:
+    """A field's kind, dtype, shape and vocabulary, and what its values span: the range of numbers,
+    or how many records have each class (for multilabel: each tag)."""
+    about: dict[str, Any] = {"name": entry.name, "kind": entry.kind, "dtype": entry.dtype.name,
+                             "shape": list(entry.shape), "classes": list(entry.classes)}
+    if entry.kind == "class":
+        about["counts"] = np.bincount(values, minlength=len(entry.classes)).tolist()
+    elif entry.kind == "multilabel":
+        about["counts"] = values.sum(axis=0, dtype=np.int64).tolist()
+    elif values.size:
+        about["min"], about["max"] = values.min().item(), values.max().item()
+    return about
 
 
 @dataclass(frozen=True)

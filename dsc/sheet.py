@@ -1,4 +1,4 @@
-"""Contact sheets (`dsc show`): a grid of records with their index and label, to check a compile by eye.
+"""Contact sheets (`dsc show`): a grid of records with their index, label and fields, to check a compile by eye.
 
 People look at data: a sheet shows at once whether the crop, the rotation and the colours are
 what was meant.
@@ -17,8 +17,28 @@ from PIL import Image, ImageDraw, ImageFont
 from dsc import format as fmt
 from dsc.errors import DscError
 
-CAPTION_HEIGHT = 14  # pixels under each tile for "#index label"
+CAPTION_HEIGHT = 14  # pixels under each tile per caption line: "#index label", then one per field
 MAX_TILES = 1024
+MAX_CAPTION_CHARS = 40
+
+
+def caption_lines(d: fmt.OpenedDataset, i: int) -> list[str]:
+    """What a tile says about record i: its index and label, then `name=value` for each field
+    (class names for class and multilabel fields, numbers otherwise)."""
+    m = d.manifest
+    label = int(d.labels[i])
+    lines = [f"#{i} {m.classes[label] if label >= 0 else 'unlabeled'}"]
+    for f in m.fields:
+        value = d.fields[f.name][i]
+        if f.kind == "class":
+            text = f.classes[int(value)]
+        elif f.kind == "multilabel":
+            text = "+".join(f.classes[k] for k in np.flatnonzero(value)) or "-"
+        else:
+            text = ",".join(f"{v:.4g}" if f.kind == "float" else str(v) for v in np.atleast_1d(value).tolist())
+        line = f"{f.name}={text}"
+        lines.append(line if len(line) <= MAX_CAPTION_CHARS else line[:MAX_CAPTION_CHARS - 3] + "...")
+    return lines
 
 
 def pick_records(d: fmt.OpenedDataset, n: int, indices: Sequence[int] | None = None,
@@ -42,12 +62,12 @@ def pick_records(d: fmt.OpenedDataset, n: int, indices: Sequence[int] | None = N
 
 
 def contact_sheet(path: str | os.PathLike, records: Sequence[int], columns: int | None = None) -> Image.Image:
-    """A grid of the given records, each captioned with its index and label name."""
+    """A grid of the given records, each captioned with its index, label name and fields."""
     d = fmt.open_dataset(path)
     m = d.manifest
     columns = columns or max(1, math.ceil(math.sqrt(len(records))))
     rows = max(1, math.ceil(len(records) / columns))
-    tile_h = m.height + CAPTION_HEIGHT
+    tile_h = m.height + CAPTION_HEIGHT * (1 + len(m.fields))
     sheet = Image.new("RGB", (columns * m.width, rows * tile_h), (255, 255, 255))
     draw = ImageDraw.Draw(sheet)
     font = ImageFont.load_default()
@@ -55,9 +75,8 @@ def contact_sheet(path: str | os.PathLike, records: Sequence[int], columns: int 
         x, y = (k % columns) * m.width, (k // columns) * tile_h
         shard, pos = fmt.locate(i, m.records_per_shard)
         sheet.paste(Image.fromarray(np.asarray(d.shards[shard][pos])), (x, y))
-        label = int(d.labels[i])
-        caption = f"#{i} {m.classes[label] if label >= 0 else 'unlabeled'}"
-        draw.text((x + 2, y + m.height + 1), caption, fill=(0, 0, 0), font=font)
+        for line, caption in enumerate(caption_lines(d, i)):
+            draw.text((x + 2, y + m.height + 1 + line * CAPTION_HEIGHT), caption, fill=(0, 0, 0), font=font)
     return sheet
 
 

@@ -25,6 +25,7 @@ from PIL import Image, ImageOps
 from dsc import format as fmt
 from dsc.compiler import compile_folder
 from dsc.compiler.discover import is_image_name
+from dsc.compiler.labels import LABEL_COLUMN, SEPARATOR, read_table
 from dsc.compiler.publish import is_dataset
 from dsc.errors import ChecksumError
 from dsc.reader import MemmapDataset
@@ -214,12 +215,52 @@ def _expected_label(source: str, classes: tuple[str, ...]) -> int | None:
     return classes.index(folder) if folder in classes else None
 
 
-def _check_record(src: Path, ds: MemmapDataset, i: int, fit: str) -> tuple[list[str], float]:
-    """Record i's label and size problems, and its pixels' mean abs diff from the reference."""
+def _table_rows(ds: MemmapDataset) -> dict[str, dict[str, Any]] | None:
+    """The label table the dataset was compiled from (its manifest names it), as {source: {column: cell}}."""
+    path = ds.manifest.compile.get("label_table")
+    if not isinstance(path, str):
+        return None
+    table = read_table(path)
+    return {source: {name: cells[row] for name, cells in table.columns.items()}
+            for row, source in enumerate(table.sources)}
+
+
+def _cell_items(cell: Any) -> list[str]:
+    """A table cell's values as text, however the table wrote them (a JSON list, or ';'-separated)."""
+    values = cell if isinstance(cell, list) else str(cell).split(SEPARATOR)
+    return [str(v).strip() for v in values if str(v).strip()]
+
+
+def _field_problems(ds: MemmapDataset, i: int, source: str, row: dict[str, Any]) -> list[str]:
+    """Record i's label and fields against its row of the label table, value by value."""
+    problems = []
+    if LABEL_COLUMN in row and ds.classes[int(ds.labels[i])] != _cell_items(row[LABEL_COLUMN])[0]:
+        problems.append(f"record {i} ({source}): label {ds.classes[int(ds.labels[i])]!r}, but the table says "
+                        f"{row[LABEL_COLUMN]!r}")
+    for f in ds.manifest.fields:
+        stored, cell = ds.fields[f.name][i], row[f.name]
+        if f.kind == "class":
+            ok = f.classes[int(stored)] == _cell_items(cell)[0]
+        elif f.kind == "multilabel":
+            ok = {f.classes[k] for k in np.flatnonzero(stored)} == set(_cell_items(cell))
+        else:
+            want = np.asarray([float(v) for v in _cell_items(cell)], dtype=f.dtype)
+            ok = np.array_equal(np.atleast_1d(stored), want)
+        if not ok:
+            problems.append(f"record {i} ({source}): field {f.name!r} holds {stored!r}, but the table says {cell!r}")
+    return problems
+
+
+def _check_record(src: Path, ds: MemmapDataset, i: int, fit: str,
+                  rows: dict[str, dict[str, Any]] | None) -> tuple[list[str], float]:
+    """Record i's label, field and size problems, and its pixels' mean abs diff from the reference."""
     opened, (height, width, _) = ds.opened, ds.record_shape
     source, problems = opened.source(i), []
     image, label = ds[i]
-    want = _expected_label(source, ds.manifest.classes)
+    if rows is not None:
+        problems += _field_problems(ds, i, source, rows[source]) if source in rows else \
+            [f"record {i} ({source}): not listed in the label table"]
+    want = label if rows is not None else _expected_label(source, ds.manifest.classes)
     if label != want:
         named = [f"{k} ({ds.classes[k]!r})" if k is not None and 0 <= k < len(ds.classes) else str(k)
                  for k in (label, want)]
@@ -235,14 +276,18 @@ def _check_record(src: Path, ds: MemmapDataset, i: int, fit: str) -> tuple[list[
     return problems, float(np.abs(got - _fit(upright, height, width, fit)).mean())
 
 
-def _uncovered_sources(src: Path, ds: MemmapDataset) -> list[str]:
-    """Image files under `src` (none of the path hidden) that are neither a record nor listed as skipped."""
+def _uncovered_sources(src: Path, ds: MemmapDataset, rows: dict[str, dict[str, Any]] | None) -> list[str]:
+    """Image files under `src` (none of the path hidden; only those the label table lists, if any)
+    that are neither a record nor listed as skipped (themselves, or their skipped class folder)."""
     covered = {ds.opened.source(i) for i in range(len(ds))}
     skipped = {s["source"] for s in fmt.read_skipped(ds.path, ds.manifest)}  # undecodable name bytes as \xNN
     found = [p.relative_to(src).as_posix() for p in src.rglob("*") if p.is_file()]
     images = [s for s in found if is_image_name(s.rsplit("/", 1)[-1]) and "/." not in f"/{s}"]
-    return sorted(s for s in images
-                  if s not in covered and os.fsencode(s).decode("utf-8", "backslashreplace") not in skipped)
+    if rows is not None:
+        images = sorted(rows)
+    printable = {s: os.fsencode(s).decode("utf-8", "backslashreplace") for s in images}
+    return sorted(s for s in images if s not in covered and printable[s] not in skipped
+                  and printable[s].split("/")[0] not in skipped)
 
 
 def _recorded_policy(ds: MemmapDataset) -> tuple[str, list[str]]:
@@ -260,9 +305,10 @@ def _recorded_policy(ds: MemmapDataset) -> tuple[str, list[str]]:
 def _check_dataset(src: Path, out: Path, limit: float) -> RoundTrip:
     ds = MemmapDataset(out)
     fit, problems = _recorded_policy(ds)
+    rows = _table_rows(ds)
     diffs = np.zeros(len(ds))
     for i in range(len(ds)):
-        record_problems, diffs[i] = _check_record(src, ds, i, fit)
+        record_problems, diffs[i] = _check_record(src, ds, i, fit, rows)
         problems += record_problems
     worst = int(np.argmax(diffs))
     over = int(np.sum(diffs > limit))
@@ -274,7 +320,7 @@ def _check_dataset(src: Path, out: Path, limit: float) -> RoundTrip:
     if len(set(sources)) != len(sources):
         problems.append(f"{len(sources) - len(set(sources))} sources are compiled more than once")
     problems += [f"{s}: found in {src} but neither a record nor listed in 'skipped'"
-                 for s in _uncovered_sources(src, ds)]
+                 for s in _uncovered_sources(src, ds, rows)]
     try:
         fmt.verify_checksums(out, ds.manifest)
     except ChecksumError as e:
@@ -295,7 +341,9 @@ def assert_roundtrip(src: str | os.PathLike, out: str | os.PathLike | None = Non
     that is already compiled is a ValueError, unless `force=True` asks to compile it again.
 
     Checked, against the sources in `src` (each record's source path is relative to it):
-    every record's label is its class folder's index in `classes` (-1 when unlabeled); its
+    every record's label is its class folder's index in `classes` (-1 when unlabeled) or, for a
+    dataset compiled from a label table (the manifest names it), its label and every field hold
+    what the record's row of the table says; its
     recorded size is the source's upright (height, width); its pixels are within
     `max_mean_abs_diff` mean absolute difference per channel value (0-255) of
     `pillow_reference` with the size and fit the manifest records. The default, 10, is twice
@@ -303,8 +351,8 @@ def assert_roundtrip(src: str | os.PathLike, out: str | os.PathLike | None = Non
     synthetic images with sources 2-8x the target; < 0.1 without it) and below what a wrong
     crop, a missed rotation, swapped colours or another image's pixels cause (> 14); for records
     under ~24 px a side from much larger sources, raise it (see DEFAULT_MAX_MEAN_ABS_DIFF). Also:
-    every image file under `src` (outside hidden folders) is a record or listed in the
-    manifest's "skipped", no source is compiled twice, and every file matches its checksum.
+    every image file under `src` (outside hidden folders; only those a label table lists) is a
+    record or listed in the manifest's "skipped", no source is compiled twice, and every file matches its checksum.
 
     Raises AssertionError listing every failed check, naming the worst pixel offender (record,
     source, its difference and the limit); a dataset that cannot be opened at all raises

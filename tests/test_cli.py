@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 from dsc import format as fmt
 from dsc.cli import app
+from dsc.compiler.journal import JOURNAL_FILE
 from dsc.compiler.publish import staging_path
 
 from conftest import pattern, save
@@ -58,10 +59,13 @@ def test_runtime_errors_are_one_line(folder: Path, tmp_path: Path) -> None:
     exists = runner.invoke(app, ["compile", str(folder), str(tmp_path / "out")])
     assert exists.exit_code == 1 and "already exists; pass --force" in exists.stderr
     assert (tmp_path / "out" / "mine.txt").read_text() == "keep"
-    orphan = runner.invoke(app, ["compile", str(folder), str(tmp_path / "no" / "such" / "out")])
-    assert orphan.exit_code == 1
-    assert orphan.stderr.strip().splitlines() == [f"error: the folder {tmp_path / 'no' / 'such'} that should "
-                                                  "hold out does not exist"]
+    nested = runner.invoke(app, ["compile", str(folder), str(tmp_path / "no" / "such" / "out")])
+    assert nested.exit_code == 0 and (tmp_path / "no" / "such" / "out" / "manifest.json").is_file()  # mkdir -p
+    (tmp_path / "file").write_text("")
+    blocked = runner.invoke(app, ["compile", str(folder), str(tmp_path / "file" / "out")])
+    assert blocked.exit_code == 1
+    assert blocked.stderr.strip().splitlines() == [f"error: {tmp_path / 'file'} is a file, not a folder, so it "
+                                                   "cannot hold out"]
 
 
 def test_help_lists_every_option() -> None:
@@ -91,10 +95,10 @@ def test_an_interrupted_cli_compile_with_workers_cleans_up(tmp_path: Path, sig: 
                              "--size", "64", "-j", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     deadline = time.monotonic() + 60
-    while not (staging_path(out) / "shards").exists():
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.01)
-    time.sleep(0.2)  # workers are busy decoding
+    journal = staging_path(out) / JOURNAL_FILE
+    while not (journal.exists() and journal.stat().st_size):  # workers are busy decoding: signal them now
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.005)
     os.killpg(proc.pid, sig)  # as a terminal's Ctrl-C (or a scheduler) signals the whole group
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130

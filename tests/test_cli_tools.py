@@ -137,7 +137,8 @@ def test_bench_prints_rows_ratios_and_a_diagnosis(compiled) -> None:
     for order in ("sequential", "block", "random"):
         assert any(line.startswith(f"dsc loader, {order}") for line in lines)
     assert any(line.startswith("cold: dsc loader") for line in lines) or "cold: not measured" in result.stdout
-    assert "- copy bandwidth:" in result.stdout or "- loader overhead:" in result.stdout
+    notes = ("copy bandwidth", "loader overhead", "above the copy limit")
+    assert sum(f"- {note}:" in result.stdout for note in notes) == 1
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
@@ -168,6 +169,9 @@ def test_diagnosis_names_the_bottleneck() -> None:
     assert [n.split(":")[0] for n in notes] == ["page cache too small", "disk", "copy bandwidth", "host→device"]
     slow = diagnose(BenchReport(10**9, 24 * 10**9, limit, [Rate("dsc loader, random", 300, 1.0, 150_000)]))
     assert slow[0].startswith("loader overhead: warm, the fastest order reaches only 30%")
+    cached = diagnose(BenchReport(10**8, 24 * 10**9, limit, [Rate("dsc loader, block", 1560, 1.0, 150_000)]))
+    assert cached[0].startswith("above the copy limit: the fastest order (block) runs at 156% of the plain copy "
+                                "limit, which can only be a cache effect")
 
 
 def test_device_rows_are_measured_against_the_host_to_device_limit() -> None:

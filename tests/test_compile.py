@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -115,10 +117,14 @@ def test_bad_images_are_skipped_reported_and_closed_up(folder: Path, tmp_path: P
         assert ds.labels[i] == clean.labels[[clean.source(j) for j in range(12)].index(ds.source(i))]
 
 
-def test_skips_warn_by_default(folder: Path, tmp_path: Path) -> None:
+def test_skips_are_logged_by_default(folder: Path, tmp_path: Path, caplog) -> None:
+    """A skip is about the data, not the caller's code: the "dsc" logger reports it, not a warning."""
     (folder / "class_0" / "zero.png").write_bytes(b"")
-    with pytest.warns(UserWarning, match="skipped class_0/zero.png: empty file"):
+    with caplog.at_level(logging.WARNING, logger="dsc"), warnings.catch_warnings():
+        warnings.simplefilter("error")
         compile_folder(folder, tmp_path / "out", size=8, workers=1)
+    assert [(r.name, r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("dsc", "WARNING", "skipped class_0/zero.png: empty file (0 bytes)")]
 
 
 def test_strict_fails_and_leaves_nothing(folder: Path, tmp_path: Path) -> None:
@@ -149,8 +155,7 @@ def test_discovery_rules(tmp_path: Path) -> None:
     (src / "c").mkdir()
     (src / "b" / "loop").symlink_to(src / "b")
     (src / "a" / "gone.jpg").symlink_to(tmp_path / "missing.jpg")
-    with pytest.warns(UserWarning, match="skipped"):
-        summary = compile_folder(src, tmp_path / "out", size=8, workers=1, shuffle=False)
+    summary = compile_folder(src, tmp_path / "out", size=8, workers=1, shuffle=False, on_skip=lambda *_: None)
     ds = fmt.open_dataset(tmp_path / "out")
     assert ds.manifest.classes == ("a", "b", "c") and summary.empty_classes == ["c"]
     assert [ds.source(i) for i in range(ds.manifest.count)] == ["a/y.PnG", "b/deep/er/x.JPG"]
@@ -386,7 +391,7 @@ def test_force_swaps_datasets_atomically(folder: Path, tmp_path: Path, monkeypat
     # one renameat2(RENAME_EXCHANGE): OUT never missing, never mixed; then the old one gets a name of its own
     assert [name.startswith(".out.dsc-old-") for name in renames] == [True]
     assert fmt.open_dataset(out).manifest.height == 12 and (out / "manifest.json").read_bytes() != old_manifest
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.dsc-lock", "out", "src"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
 
 
 def test_source_inside_out_is_refused_even_with_force(tmp_path: Path) -> None:

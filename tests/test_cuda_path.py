@@ -64,3 +64,20 @@ def test_the_consumer_stream_waits_for_a_slow_upload(ds: MemmapDataset, monkeypa
     for got, ref in zip(copies, reference_batches(ds, 4, order="block"), strict=True):
         for key in ("image", "label", "index", "size"):
             assert torch.equal(got[key].cpu(), ref[key]), key
+
+
+def test_fields_of_every_dtype_arrive_on_the_device_with_the_batch(tmp_path) -> None:
+    """Label-table fields (uint8 multi-hot, float32 vectors, int64) share one packed pinned upload."""
+    src = make_image_folder(tmp_path / "src", classes=2, per_class=5, size=(20, 24), seed=2)
+    names = sorted(p.relative_to(src).as_posix() for p in src.rglob("*") if p.is_file())
+    table = tmp_path / "labels.csv"
+    table.write_text("path,label,tags,box,year\n" + "".join(
+        f"{n},{n.split('/')[0]},{'a;c' if k % 2 else 'b'},{k / 4};{k};{-k},{2000 + k}\n" for k, n in enumerate(names)))
+    dsc.compile_folder(src, tmp_path / "ds", size=8, workers=1, records_per_shard=3, labels=table)
+    fielded = MemmapDataset(tmp_path / "ds")
+    device = torch.device("cuda", torch.cuda.current_device())
+    for cpu, gpu in zip(fielded.loader(4, order="random", seed=3), fielded.loader(4, order="random", seed=3,
+                                                                                   device="cuda")):
+        for key in ("image", "label", "index", "size", "tags", "box", "year"):
+            assert gpu[key].device == device and gpu[key].dtype == cpu[key].dtype, key
+            assert torch.equal(gpu[key].cpu(), cpu[key]), key

@@ -11,6 +11,7 @@ margin, see benchmarks/decode_fidelity.py).
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,6 @@ from typer.testing import CliRunner
 
 from dsc import MemmapDataset, compile_folder
 from dsc.cli import app
-from dsc.compiler import SourceWarning
 from dsc.compiler.decode import turbojpeg_library
 from dsc.inspect_dataset import check_against_sources
 
@@ -72,15 +72,17 @@ def test_the_manifest_records_the_decode_mode(sources: Path, tmp_path: Path) -> 
 
 
 @pytest.mark.skipif(turbojpeg_library() is None, reason="only libjpeg-turbo's warnings tell the two apart")
-def test_a_compile_keeps_a_jpeg_missing_only_its_eoi_and_skips_a_cut_one(tmp_path: Path) -> None:
+def test_a_compile_keeps_a_jpeg_missing_only_its_eoi_and_skips_a_cut_one(tmp_path: Path, caplog) -> None:
     data = (save(tmp_path / "whole.jpg", pattern(60, 80), quality=90)).read_bytes()
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "no_eoi.jpg").write_bytes(data[:-2])
     (tmp_path / "src" / "cut.jpg").write_bytes(data[: len(data) * 3 // 4])
     skipped = []
-    with pytest.warns(SourceWarning, match=r"no_eoi\.jpg: no end-of-image marker"):
+    with caplog.at_level(logging.WARNING, logger="dsc"):
         summary = compile_folder(tmp_path / "src", tmp_path / "out", size=32, workers=2,
                                  on_skip=lambda source, reason: skipped.append(source))
+    assert [r.getMessage() for r in caplog.records] == [
+        "no_eoi.jpg: no end-of-image marker (FF D9) after a complete scan; decoded and kept"]
     assert summary.kept == 1 and skipped == ["cut.jpg"]
     assert MemmapDataset(tmp_path / "out").source(0).name == "no_eoi.jpg"
     result = CliRunner().invoke(app, ["compile", str(tmp_path / "src"), str(tmp_path / "cli"), "--size", "32"])

@@ -21,8 +21,15 @@ RECORD_SHAPE = (2, 3, 3)
 TINY_SOURCES = ["a/0.jpg", "a/1.jpg", "b/ünï cödé.png", "a/3.jpg", "b/4.gif"]
 
 
-def write_tiny(root: Path) -> fmt.Manifest:
-    """A 5-record dataset of known bytes, written through the format module only."""
+TINY_FIELDS = [
+    (fmt.FieldEntry("", 0, "", "tags", "multilabel", (3,), ("x", "y", "z")),
+     np.array([[1, 0, 0], [0, 1, 1], [0, 0, 0], [1, 1, 1], [0, 0, 1]])),
+    (fmt.FieldEntry("", 0, "", "box", "float", (2,)), np.array([[0.5, -1], [1, 2], [3, 4], [5, 6], [7, 8.25]])),
+]
+
+
+def write_tiny(root: Path, version: str = fmt.FORMAT_VERSION) -> fmt.Manifest:
+    """A 5-record dataset of known bytes, written through the format module only (1.0: without fields)."""
     root.mkdir()
     record_bytes = int(np.prod(RECORD_SHAPE))
     fmt.allocate_shards(root, 5, 2, record_bytes)
@@ -33,11 +40,12 @@ def write_tiny(root: Path) -> fmt.Manifest:
         out.flush()
     index = fmt.write_index(root, np.array([0, 0, 1, 0, 1]), np.array([[10, 20], [11, 21], [12, 22], [13, 23],
                                                                         [14, 24]]), TINY_SOURCES)
+    fields = fmt.write_fields(root, TINY_FIELDS) if version != "1.0" else ()
     skipped = ({"source": "b/bad.jpg", "reason": "empty file (0 bytes)"},)
     manifest = fmt.Manifest(height=2, width=3, count=5, records_per_shard=2, classes=("a", "b"),
                             shards=fmt.shard_entries(root, 5, 2, record_bytes), index=index, skipped=skipped,
-                            compile={"size": [2, 3], "fit": "center-crop"},
-                            skipped_list=fmt.write_skip_list(root, list(skipped)))
+                            compile={"size": [2, 3], "fit": "center-crop"}, fields=fields, version=version,
+                            skipped_list=fmt.write_skip_list(root, list(skipped)) if version != "1.0" else None)
     fmt.write_manifest(root, manifest)
     return manifest
 
@@ -45,8 +53,10 @@ def write_tiny(root: Path) -> fmt.Manifest:
 # The bytes of every file of the tiny dataset, pinned: a change here is a format change,
 # which needs a new version in formats.md, not a new pin.
 GOLDEN = {
+    "fields/box.bin": "10fdafd06acfb09568faa775cb9d6cd3eecb7bfaa125203ea1abaafe0cb46a0a",
+    "fields/tags.bin": "3d8948cc9de9c6b7d11fc57d32d1dd6e14a8728c218628fefe407ac23cf19869",
     "labels.bin": "e767c3048cadc9f414dfb85f7706ab1f32ecc03c54f37168b4f708590881ae72",
-    "manifest.json": "ff28662fcb93a0753172e309938c8cbe138bfc2db8fa7e296653ddc34b61934e",
+    "manifest.json": "17e2969a271c3792800dc88190ea746d3414938f237b440a925304f2c18c647f",
     "shards/00000.bin": "5d7e2d9b1dcbc85e7c890036a2cf2f9fe7b66554f2df08cec6aa9c0a25c99c21",
     "shards/00001.bin": "b6bda3532894fe14e260b28b68309d9947fee600de07ed4353412be70dc13b21",
     "shards/00002.bin": "c24577e1b2548f2402de01e22fc3465503b21a5cf00b6b1b76525776b206d81a",
@@ -55,6 +65,7 @@ GOLDEN = {
     "source_offsets.bin": "483522e75ed72d00fac2f6e3a20ded926f889cb8cff3d4d766c79f9183936270",
     "sources.bin": "9194c5e233d3775ab5854e88eac9c23da5133244e6470ce8c13ff5b49de11ec0",
 }
+GOLDEN_1_0_MANIFEST = "4a1301d9fa462a874250d998dd46f94cfde2d0c05381dabdefbced8ce0ea34ff"  # as dsc wrote 1.0
 
 
 def digests(root: Path) -> dict[str, str]:
@@ -70,6 +81,11 @@ def tiny(tmp_path: Path) -> Path:
 
 def test_golden_bytes(tiny: Path) -> None:
     assert digests(tiny) == GOLDEN
+    assert (tiny / "fields/tags.bin").read_bytes() == bytes([1, 0, 0, 0, 1, 1, 0, 0, 0, 1, 1, 1, 0, 0, 1])
+    assert (tiny / "fields/box.bin").read_bytes()[:8] == np.float32(0.5).tobytes() + np.float32(-1).tobytes()
+    assert json.loads((tiny / "manifest.json").read_text())["fields"][0] == {
+        "name": "tags", "kind": "multilabel", "dtype": "|u1", "shape": [3], "classes": ["x", "y", "z"],
+        "file": "fields/tags.bin", "bytes": 15, "sha256": GOLDEN["fields/tags.bin"]}
     # ...and the bytes are the ones formats.md describes, spelled out independently:
     assert (tiny / "labels.bin").read_bytes() == b"".join(v.to_bytes(8, "little", signed=True) for v in [0, 0, 1, 0, 1])
     assert (tiny / "sizes.bin").read_bytes()[:8] == (10).to_bytes(4, "little") + (20).to_bytes(4, "little")
@@ -82,6 +98,7 @@ def test_golden_bytes(tiny: Path) -> None:
 
 def test_golden_dataset_reads_back(tiny: Path) -> None:
     ds = fmt.open_dataset(tiny)
+    assert ds.fields["tags"].tolist() == TINY_FIELDS[0][1].tolist() and ds.fields["box"][4].tolist() == [7, 8.25]
     assert [s.records for s in ds.manifest.shards] == [2, 2, 1]
     assert ds.shards[2][0, 1, 2].tolist() == [87, 88, 89]  # record 4, row 1, column 2
     assert [ds.source(i) for i in range(5)] == TINY_SOURCES
@@ -95,9 +112,18 @@ def formats_md_script() -> str:
     return section[section.index("```python\n") + 10:section.index("\n```", section.index("```python"))]
 
 
-def test_the_numpy_script_of_formats_md_reads_records_without_dsc(tmp_path: Path) -> None:
+@pytest.mark.parametrize("with_fields", [False, True])
+def test_the_numpy_script_of_formats_md_reads_records_without_dsc(tmp_path: Path, with_fields: bool) -> None:
+    """Also a 1.1 dataset with fields: the 1.x script ignores what it does not know."""
     src = make_folder(tmp_path / "src", classes=2, per_class=4)
-    compile_folder(src, tmp_path / "out", size=(12, 10), records_per_shard=3, workers=1)
+    table = None
+    if with_fields:
+        table = tmp_path / "labels.csv"
+        names = sorted(p.relative_to(src).as_posix() for p in src.rglob("*") if p.is_file())
+        table.write_text("path,label,score\n" + "".join(f"{n},{n.split('/')[0]},{k / 2}\n"
+                                                        for k, n in enumerate(names)))
+    compile_folder(src, tmp_path / "out", size=(12, 10), records_per_shard=3, workers=1, labels=table)
+    assert bool(fmt.open_dataset(tmp_path / "out").fields) == with_fields
     script = formats_md_script()
     assert len(script.splitlines()) <= 30 and "dsc" not in script.replace('"dsc"', "").replace("dsc 1.x", "")
     probe = ("import sys, hashlib\nroot, i = sys.argv[1], int(sys.argv[2])\n" + script.replace('root, i = "out", 5', "")
@@ -175,6 +201,70 @@ def test_a_newer_minor_version_may_add_keys(tiny: Path) -> None:
     assert manifest.count == 5 and manifest.skipped == ({"source": "x", "reason": "y"},)
 
 
+def test_a_1_0_dataset_opens_without_fields_and_1_0_keys_are_exact(tmp_path: Path) -> None:
+    write_tiny(tmp_path / "old", version="1.0")
+    doc = json.loads((tmp_path / "old" / fmt.MANIFEST_FILE).read_text())
+    assert doc["version"] == "1.0" and "fields" not in doc
+    assert digests(tmp_path / "old")["manifest.json"] == GOLDEN_1_0_MANIFEST
+    opened = fmt.open_dataset(tmp_path / "old")
+    assert opened.fields == {} and opened.manifest.count == 5 and opened.labels.tolist() == [0, 0, 1, 0, 1]
+    edit_manifest(tmp_path / "old", set_key("fields", []))
+    with pytest.raises(DatasetError, match=r"unknown key\(s\) \['fields'\] for version 1.0"):
+        fmt.open_dataset(tmp_path / "old")
+
+
+def write_field(root: Path, name: str, values: np.ndarray) -> None:
+    """Overwrite a field file and its manifest entry's hash: only the value checks can catch it."""
+    payload = values.tobytes()
+    (root / "fields" / f"{name}.bin").write_bytes(payload)
+    edit_manifest(root, lambda d: [f.update(sha256=hashlib.sha256(payload).hexdigest()) for f in d["fields"]
+                                   if f["name"] == name])
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    (lambda d: d.pop("fields"), r"missing key\(s\) \['fields'\]"),
+    (set_key("fields", {}), "'fields' must be list"),
+    (set_key("fields", 0, "kind", "image"), "'kind' must be one of class, multilabel, float, int"),
+    (set_key("fields", 0, "kind", ["class"]), "'kind' must be one of class, multilabel, float, int"),
+    (set_key("fields", 0, "classes", [str(k) for k in range(70000)]), "at most 65536 distinct"),
+    (set_key("fields", 0, "dtype", "<f4"), r"'dtype' of a multilabel field must be '\|u1'"),
+    (set_key("fields", 0, "shape", [2]), r"multilabel field has shape \[len\(classes\)\] = \[3\]"),
+    (set_key("fields", 1, "shape", [3]), r"fields\[1\]: declares 40 bytes, but its record count needs 60"),
+    (set_key("fields", 1, "shape", [1, 2]), r"'shape' must be \[\] or \[k\]"),
+    (set_key("fields", 1, "classes", ["q"]), "a float field has no classes"),
+    (set_key("fields", 1, "name", "tags"), "field 'tags' is listed twice"),
+    (set_key("fields", 1, "name", "label"), "'label' is reserved"),
+    (set_key("fields", 1, "name", "../x"), "not a valid field name"),
+    (set_key("fields", 1, "file", "labels.bin"), "declares 80 bytes|also used elsewhere"),
+    (set_key("fields", 0, "file", "fields/gone.bin"), "missing"),
+    (set_key("fields", 0, "extra", 1), r"unknown key\(s\) \['extra'\]"),
+])
+def test_a_lying_field_entry_is_refused(tiny: Path, change, match) -> None:
+    edit_manifest(tiny, change)
+    with pytest.raises(DatasetError, match=match):
+        fmt.open_dataset(tiny)
+
+
+@pytest.mark.parametrize(("name", "values", "match"), [
+    ("tags", np.array([[1, 0, 0], [0, 2, 1], [0, 0, 0], [1, 1, 1], [0, 0, 1]], np.uint8), "must be 0 or 1"),
+    ("box", np.array([[0.5, -1], [1, np.nan], [3, 4], [5, 6], [7, 8]], "<f4"), "must be finite"),
+])
+def test_field_values_are_checked_before_they_are_trusted(tiny: Path, name, values, match) -> None:
+    write_field(tiny, name, values)
+    with pytest.raises(DatasetError, match=rf"fields/{name}.bin: values of field '{name}' {match}"):
+        fmt.open_dataset(tiny)
+
+
+def test_a_class_field_out_of_its_vocabulary_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "ds"
+    write_tiny(root)
+    entry = fmt.write_fields(root, [(fmt.FieldEntry("", 0, "", "kind", "class", (), ("p", "q")),
+                                     np.array([0, 1, 2, 0, 1]))])[0]
+    edit_manifest(root, lambda d: d["fields"].append(entry.to_dict()))
+    with pytest.raises(DatasetError, match=r"values of field 'kind' must lie in \[0, 1\], found \[0, 2\]"):
+        fmt.open_dataset(root)
+
+
 def test_a_number_too_long_to_parse_is_a_dataset_error(tiny: Path) -> None:
     text = (tiny / fmt.MANIFEST_FILE).read_text().replace('"count": 5', '"count": ' + "9" * 5000)
     (tiny / fmt.MANIFEST_FILE).write_text(text)
@@ -215,7 +305,7 @@ def test_an_oversized_manifest_is_not_parsed(tiny: Path) -> None:
 
 
 def test_missing_manifest_and_missing_folder(tmp_path: Path) -> None:
-    with pytest.raises(DatasetError, match="not a directory"):
+    with pytest.raises(DatasetError, match="does not exist"):
         fmt.open_dataset(tmp_path / "nothing")
     (tmp_path / "half").mkdir()
     with pytest.raises(DatasetError, match="no manifest.json; not a dsc dataset, or its compile never finished"):

@@ -106,3 +106,16 @@ def test_an_unreachable_cluster_fails_fast_and_leaves_nothing(tmp_path: Path) ->
         compile_folder(src, tmp_path / "out", engine="ray", address="127.0.0.1:1")
     assert time.monotonic() - started < 30
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no partial build to explain
+
+
+def test_ray_carries_label_table_fields_byte_identically(tmp_path: Path) -> None:
+    src = make_folder(tmp_path / "src", classes=2, per_class=4)
+    names = sorted(p.relative_to(src).as_posix() for p in src.rglob("*") if p.is_file())
+    table = tmp_path / "labels.csv"
+    table.write_text("path,label,tags,score\n" + "".join(f"{n},{n.split('/')[0]},{'a;b' if k % 2 else 'b'},{k / 3}\n"
+                                                         for k, n in enumerate(names)))
+    options = {"size": (12, 16), "records_per_shard": 3, "labels": table}
+    compile_folder(src, tmp_path / "local", workers=2, **options)
+    compile_folder(src, tmp_path / "ray", engine="ray", **options)
+    local, by_ray = file_bytes(tmp_path / "local"), file_bytes(tmp_path / "ray")
+    assert {"fields/tags.bin", "fields/score.bin"} <= set(local) and local == by_ray

@@ -304,8 +304,11 @@ def test_damaged_dataset_fails_at_construction(tiny: Path, tmp_path: Path, case:
 
 
 def test_not_a_dataset(tmp_path: Path) -> None:
-    with pytest.raises(DatasetError, match="not a directory"):
+    with pytest.raises(DatasetError, match="nothing: does not exist"):
         MemmapDataset(tmp_path / "nothing")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(DatasetError, match="file: not a directory"):
+        MemmapDataset(tmp_path / "file")
 
 
 def test_spawned_workers_find_the_dataset_after_the_parent_changed_directory(tmp_path: Path, monkeypatch) -> None:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import time
-import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +22,7 @@ import numpy as np
 from dsc import __version__
 from dsc import format as fmt
 from dsc.compiler import journal, publish
+from dsc.compiler import labels as labels_module
 from dsc.compiler.decode import DEFAULT_MAX_PIXELS, decoder_name
 from dsc.compiler.discover import discover, printable
 from dsc.compiler.engines import check_workers, make_engine
@@ -30,16 +31,14 @@ from dsc.compiler.jobs import Engine, SlotResult, WriteJob, chunk_size, split
 from dsc.compiler.resize import INTERPOLATION, PAD_VALUE, Target, parse_size, resize_backend
 from dsc.errors import CompileError
 
-__all__ = ["CompileSummary", "ReaderLimitWarning", "SkippedImageWarning", "SourceWarning", "compile_folder"]
+__all__ = ["CompileSummary", "ReaderLimitWarning", "compile_folder"]
 SHARD_TARGET_BYTES = 1 << 30  # ~1 GiB shards: few files, yet units small enough to copy or verify
 
 
-class SkippedImageWarning(UserWarning):
-    """A source image was skipped; the dataset records it under "skipped"."""
-
-
-class SourceWarning(UserWarning):
-    """A source image was compiled, but something about its file was wrong (e.g. a missing EOI)."""
+# What a compile finds in the data (skips, odd files, splits that disagree) is reported on this
+# logger, at WARNING: not Python warnings, which are about the caller's code. Unconfigured, Python
+# prints them on stderr; the CLI shows them between its progress bar's lines.
+logger = logging.getLogger("dsc")
 
 
 @dataclass
@@ -56,6 +55,8 @@ class CompileSummary:
     seconds: float
     decoder: str
     record_shape: tuple[int, int, int] = field(default=(0, 0, 0))
+    fields: tuple[fmt.FieldEntry, ...] = ()
+    ignored: int = 0  # images under SRC that the label table does not list
 
     @property
     def labeled(self) -> bool:
@@ -66,8 +67,8 @@ class CompileSummary:
         return (self.kept + len(self.skipped)) / self.seconds if self.seconds > 0 else 0.0
 
 
-def _warn_skip(source: str, reason: str) -> None:
-    warnings.warn(f"skipped {source}: {reason}", SkippedImageWarning, stacklevel=3)
+def _log_skip(source: str, reason: str) -> None:
+    logger.warning("skipped %s: %s", source, reason)
 
 
 def source_order(n: int, seed: int, shuffle: bool) -> np.ndarray:
@@ -108,7 +109,7 @@ def _decode_all(job: WriteJob, sources: list[str], engine: Engine, strict: bool,
         for result in results:
             if result.ok:
                 if result.warning:
-                    warnings.warn(f"{sources[result.slot]}: {result.warning}", SourceWarning, stacklevel=2)
+                    logger.warning("%s: %s", sources[result.slot], result.warning)
                 ok[result.slot] = True
                 sizes[result.slot] = (result.height, result.width)
             elif strict:
@@ -127,16 +128,27 @@ def _decode_all(job: WriteJob, sources: list[str], engine: Engine, strict: bool,
     return ok, sizes, failed
 
 
+def _fields_digest(fields: list[tuple[fmt.FieldEntry, np.ndarray]]) -> str:
+    """Fingerprint of the fields' kinds, vocabularies and values: a resume must write the same ones."""
+    digest = hashlib.sha256()
+    for spec, values in fields:
+        digest.update(json.dumps([spec.name, spec.kind, list(spec.shape), list(spec.classes)]).encode())
+        digest.update(np.ascontiguousarray(values, spec.dtype).tobytes())
+    return digest.hexdigest()
+
+
 def _options(target: Target, seed: int, shuffle: bool, max_pixels: int, src: Path, found: int,
-             decode_mode: str) -> dict:
+             decode_mode: str, label_table: str | os.PathLike | None) -> dict:
     """How the pixels were made, recorded in the manifest (formats.md, "compile")."""
+    listed = {} if label_table is None else {"label_table": printable(str(Path(label_table).absolute()))}
     return {"dsc_version": __version__, "size": [target.height, target.width], "fit": target.fit,
             "interpolation": INTERPOLATION, "pad_value": PAD_VALUE, "alpha": "composited onto black",
             "exif_orientation": "applied", "jpeg_decoder": decoder_name(),
             "decode": decode_mode, "dct_scaling": fmt.DCT_SCALING[decode_mode],
             "shuffle": shuffle, "seed": seed, "max_pixels": max_pixels, "source_root": printable(str(src)),
-            "source_order": "by label, then depth-first with folder entries sorted by name",
-            "sources_found": found}
+            "source_order": "as listed in the label table" if listed else
+                            "by label, then depth-first with folder entries sorted by name",
+            "sources_found": found, **listed}
 
 
 def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int | str | tuple[int, int] = 224,
@@ -144,16 +156,25 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
                    strict: bool = False, force: bool = False, records_per_shard: int | None = None,
                    max_pixels: int = DEFAULT_MAX_PIXELS, resume: bool = False, engine: str = "local",
                    address: str | None = None, fast_decode: bool = False,
-                   progress: Callable[[int], None] | None = None,
+                   classes: str | os.PathLike | Sequence[str] | None = None, skip_unknown_classes: bool = False,
+                   labels: str | os.PathLike | None = None, columns: dict[str, str] | None = None,
+                   progress: Callable[[int], None] | None = None, on_total: Callable[[int], None] | None = None,
                    on_skip: Callable[[str, str], None] | None = None) -> CompileSummary:
     """Compile an image folder into a dsc dataset at `out`; see `dsc compile --help` for the options.
 
-    `progress(n)` is called as n more sources are done; `on_skip(source, reason)` for each
-    skipped source (default: a SkippedImageWarning). Raises CompileError; OUT is then untouched.
+    `on_total(n)` is called once discovery has found the n sources to decode (for a progress
+    bar's total), `progress(n)` as n more of them are done; `on_skip(source, reason)` for each
+    skipped source (default: a line on the "dsc" logger). Raises CompileError; OUT is then untouched.
     An interrupted compile leaves its partial build beside OUT; `resume=True` continues it.
     `engine="ray"` runs the decoding as Ray tasks on the cluster at `address` (or a local one);
     the output is byte-identical to the local engine's. `fast_decode=True` lets JPEGs be scaled
     down in the DCT domain to just the needed size: faster, visibly less faithful.
+
+    Labels: `classes` fixes the class vocabulary (names, a file of names, or another dataset's
+    folder, e.g. the training split's) so that every split gives a class the same index.
+    `labels` is a CSV or JSONL label table (see `dsc.compiler.labels`): only the images it lists
+    are compiled, its `label` column is the label and its other columns become typed fields,
+    their kinds inferred or given by `columns` ({name: "class" | "multilabel" | "float" | "int"}).
     """
     started = time.perf_counter()
     target = Target(*parse_size(size), fit=fit)
@@ -170,13 +191,25 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
     src, out = Path(src).absolute(), Path(out).absolute()
     _check_paths(src, out)
     runner = make_engine(engine, workers, address)  # a Ray address is checked before any build exists
-    found = discover(src)
+    vocabulary = None if classes is None else labels_module.load_classes(classes)
+    if labels is not None:
+        found = labels_module.discover_listed(src, labels, columns, vocabulary, skip_unknown_classes,
+                                              labels_module.reference_fields(classes))
+    elif columns:
+        raise CompileError("column kinds are for a label table (--labels)")
+    else:
+        found = discover(src, vocabulary, skip_unknown_classes)
+    if vocabulary is None and found.classes:
+        for message in labels_module.sibling_class_mismatch(out, found.classes):
+            logger.warning("%s", message)
     if strict and found.skipped:
         source, reason = found.skipped[0]
         raise StrictFailure(f"{src / source}: {reason} (--strict: nothing written)")
-    on_skip = on_skip or _warn_skip
+    on_skip = on_skip or _log_skip
     for source, reason in found.skipped:
         on_skip(source, reason)
+    if on_total:
+        on_total(len(found.sources))
     order = source_order(len(found.sources), seed, shuffle)
     sources = [found.sources[i] for i in order]
     listing = journal.source_listing(sources, found.labels[order], [found.stamps[i] for i in order], found.classes)
@@ -184,7 +217,7 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
     plan = {"dsc_version": __version__, "decoder": decoder_name(), "resize": resize_backend(),
             "size": [target.height, target.width], "fit": target.fit, "decode": decode_mode, "seed": seed,
             "shuffle": shuffle, "max_pixels": max_pixels, "records_per_shard": per_shard, "count": len(sources),
-            "sources": journal.listing_digest(listing)}
+            "sources": journal.listing_digest(listing), "fields": _fields_digest(found.fields)}
     plan_digest = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
     lock_fd, log = publish.lock(out), None
     try:
@@ -202,9 +235,10 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
             log = journal.Journal(stage)
             ok, sizes, failed = _decode_all(job, sources, runner, strict, done, log, on_skip, progress)
             log.close()
+            options = _options(target, seed, shuffle, max_pixels, src, len(sources), decode_mode, labels)
             manifest = finish(stage, job, ok, sizes, found.labels[order], sources, found.classes,
-                              sorted(found.skipped + failed), _options(target, seed, shuffle, max_pixels, src,
-                                                                       len(sources), decode_mode), min(4, workers))
+                              sorted(found.skipped + failed), options, min(4, workers),
+                              [(spec, values[order]) for spec, values in found.fields])
             publish.record_publish(out, plan_digest, publish.manifest_digest(stage))
             _finish_publish(stage, out, plan_digest, force)
     except (StrictFailure, NothingDecoded, Unpublishable):  # a verdict on the data: nothing worth resuming
@@ -218,11 +252,12 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
             if log is not None:
                 log.close()
         finally:
-            os.close(lock_fd)
+            publish.unlock(out, lock_fd)
     size_on_disk = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     return CompileSummary(out, manifest.count, [(s["source"], s["reason"]) for s in fmt.read_skipped(out, manifest)],
                           list(manifest.classes), found.empty_classes, len(manifest.shards), size_on_disk,
-                          time.perf_counter() - started, decoder_name(), manifest.record_shape)
+                          time.perf_counter() - started, decoder_name(), manifest.record_shape, manifest.fields,
+                          found.ignored)
 
 
 def _finish_publish(stage: Path, out: Path, plan_digest: str, force: bool) -> fmt.Manifest | None:

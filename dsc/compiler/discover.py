@@ -2,7 +2,9 @@
 
 Labels are the sorted class-folder names, 0..K-1, as torchvision's ImageFolder gives
 them, except that hidden folders (``.ipynb_checkpoints``) are never classes. A folder
-with images and no class folders is *unlabeled* (label -1).
+with images and no class folders is *unlabeled* (label -1). A fixed vocabulary (`classes`,
+e.g. the training split's) gives its own indices instead: a class without a folder keeps its
+index, a folder outside it is an error or, with `skip_unknown`, skipped.
 
 The walk also notes each file's size and modification time (the plan's fingerprint of the
 sources, see `journal.source_listing`), so no second pass stats every source. Class folders
@@ -20,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from dsc.errors import CompileError
+from dsc.format import FieldEntry
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".bmp", ".gif", ".webp",
                               ".tif", ".tiff", ".ppm", ".pgm", ".pbm", ".pnm"})
@@ -37,6 +40,8 @@ class Discovery:
     skipped: list[tuple[str, str]] = field(default_factory=list)
     empty_classes: list[str] = field(default_factory=list)
     stamps: list[str] = field(default_factory=list)  # per source: "size:mtime_ns" at discovery
+    fields: list[tuple[FieldEntry, np.ndarray]] = field(default_factory=list)  # per source, from a label table
+    ignored: int = 0  # images in the folder that a label table does not list
 
     @property
     def labeled(self) -> bool:
@@ -107,19 +112,34 @@ def printable(source: str) -> str:
     return os.fsencode(source).decode("utf-8", "backslashreplace")
 
 
-def discover(root: str | os.PathLike) -> Discovery:
-    """List every image under `root`; raise CompileError when there is nothing to compile."""
-    root = Path(root)
+def list_images(root: Path) -> tuple[list[str], list[str], list[tuple[str, str]]]:
+    """Every image file below `root` (relative, '/'-separated, depth-first by name), their stamps,
+    and what was skipped."""
+    found = _Found()
+    _walk(root, "", frozenset(), found)  # adds the root itself
+    return found.sources, found.stamps, found.skipped
+
+
+def check_source_folder(root: Path) -> list[os.DirEntry]:
+    """The entries of SRC, sorted by name; CompileError when it is not a readable folder."""
     if not root.exists():
         raise CompileError(f"source folder {root} does not exist")
     if not root.is_dir():
         raise CompileError(f"source {root} is not a folder")
     try:
-        top = sorted(os.scandir(root), key=lambda e: e.name)
+        return sorted(os.scandir(root), key=lambda e: e.name)
     except OSError as e:
         raise CompileError(f"cannot list source folder {root}: {e.strerror or e}") from e
-    classes = [e.name for e in top if not e.name.startswith(".") and e.is_dir()]
-    for name in classes:
+
+
+def discover(root: str | os.PathLike, classes: list[str] | None = None, skip_unknown: bool = False) -> Discovery:
+    """List every image under `root`; raise CompileError when there is nothing to compile.
+
+    `classes` fixes the vocabulary (label k is classes[k]); without it, the class folders are it."""
+    root = Path(root)
+    top = check_source_folder(root)
+    folders = [e.name for e in top if not e.name.startswith(".") and e.is_dir()]
+    for name in folders:
         if not name.isprintable() or os.fsencode(name) != name.encode("utf-8", "surrogateescape"):
             raise CompileError(f"class folder {os.fsencode(name)!r} in {root} has a name that is not valid "
                                "UTF-8; rename it (class names are stored as text)")
@@ -129,10 +149,20 @@ def discover(root: str | os.PathLike) -> Discovery:
     skipped: list[tuple[str, str]] = []
     empty: list[str] = []
     root_id = frozenset({(root.stat().st_dev, root.stat().st_ino)})  # a link back to SRC is a loop too
-    if classes:
-        with ThreadPoolExecutor(min(WALK_THREADS, len(classes))) as pool:
-            walks = list(pool.map(lambda name: _walk_class(root, name, root_id), classes))
-        for label, (name, found) in enumerate(zip(classes, walks)):
+    unknown = [name for name in folders if classes is not None and name not in classes]
+    if unknown and not skip_unknown:
+        raise CompileError(f"class folder(s) {', '.join(map(repr, unknown[:10]))} in {root} are not among the "
+                           f"{len(classes)} given classes; add them to the classes, or pass --skip-unknown-classes "
+                           "to leave them out")
+    skipped += [(name, "class folder not among the given classes") for name in unknown]
+    if classes is None:
+        classes = folders
+    if folders or classes:
+        present = [name for name in classes if name in folders]
+        with ThreadPoolExecutor(max(1, min(WALK_THREADS, len(present)))) as pool:
+            walks = dict(zip(present, pool.map(lambda name: _walk_class(root, name, root_id), present)))
+        for label, name in enumerate(classes):
+            found = walks.get(name, _Found())
             if not found.sources and not found.skipped:  # truly empty, not unreadable
                 empty.append(name)
             sources += found.sources
@@ -141,13 +171,12 @@ def discover(root: str | os.PathLike) -> Discovery:
             skipped += found.skipped
         skipped += [(e.name, "not inside a class folder") for e in top if e.is_file() and is_image_name(e.name)]
     else:
-        found = _Found()
-        _walk(root, "", frozenset(), found)  # adds the root itself
-        sources, stamps, skipped, labels = found.sources, found.stamps, found.skipped, [-1] * len(found.sources)
+        sources, stamps, skipped = list_images(root)  # unlabeled
+        labels = [-1] * len(sources)
     if not sources:
         raise CompileError(f"no images found in {root} (looked for {', '.join(sorted(IMAGE_EXTENSIONS))}, "
                            "in class sub-folders or directly in the folder)")
-    return Discovery(root, sources, np.asarray(labels, dtype=np.int64), classes, skipped, empty, stamps)
+    return Discovery(root, sources, np.asarray(labels, dtype=np.int64), list(classes), skipped, empty, stamps)
 
 
 def _walk_class(root: Path, name: str, ancestors: frozenset[tuple[int, int]]) -> _Found:

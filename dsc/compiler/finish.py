@@ -83,9 +83,9 @@ def fsync_files(paths: list[Path]) -> None:
 
 def finish(stage: Path, job: WriteJob, ok: np.ndarray, sizes: np.ndarray, labels: np.ndarray,
            sources: list[str], classes: list[str], skipped: list[tuple[str, str]], options: dict,
-           threads: int) -> fmt.Manifest:
-    """Close up skipped slots, make the shards durable, write index, skip list and manifest (last),
-    and check the build as `open_dataset` will."""
+           threads: int, fields: list[tuple[fmt.FieldEntry, np.ndarray]] = ()) -> fmt.Manifest:
+    """Close up skipped slots, make the shards durable, write index, fields (per slot, like `labels`),
+    skip list and manifest (last), and check the build as `open_dataset` will."""
     journal.write_kept(stage, ok)  # state "compacting": a resume finds moved records through it
     kept = compact(stage, ok, job)
     if kept == 0:
@@ -97,11 +97,12 @@ def finish(stage: Path, job: WriteJob, ok: np.ndarray, sizes: np.ndarray, labels
     with ThreadPoolExecutor(threads) as pool:  # `threads` files open at a time
         shards = fmt.shard_entries(stage, kept, per_shard, record_bytes, map_fn=pool.map)
     index = fmt.write_index(stage, labels[ok], sizes[ok], [s for s, k in zip(sources, ok) if k])
+    written_fields = fmt.write_fields(stage, [(spec, values[ok]) for spec, values in fields])
     skip_list = [{"source": printable(s), "reason": r} for s, r in skipped]
     manifest = fmt.Manifest(height=job.target.height, width=job.target.width, count=kept,
                             records_per_shard=per_shard, classes=tuple(classes), shards=shards, index=index,
                             compile=options, skipped=tuple(skip_list[:fmt.SKIPPED_IN_MANIFEST]),
-                            skipped_list=fmt.write_skip_list(stage, skip_list))
+                            skipped_list=fmt.write_skip_list(stage, skip_list), fields=written_fields)
     fmt.write_manifest(stage, manifest)
     try:  # never publish what the reader would refuse
         fmt.validate(stage)

@@ -118,26 +118,53 @@ def _check_out(out: Path, force: bool) -> None:
 
 
 def lock(out: Path, wait_s: float = LOCK_WAIT_S) -> int:
-    """Hold OUT's lock for this compile (the caller closes the descriptor when done).
+    """Hold OUT's lock for this compile (the caller gives it back with `unlock`).
 
     Waits a few seconds first: the workers of a compile killed a moment ago may still be exiting.
     """
-    if not out.parent.is_dir():
-        raise CompileError(f"the folder {out.parent} that should hold {out.name} does not exist")
+    if out.parent.exists() and not out.parent.is_dir():
+        raise CompileError(f"{out.parent} is a file, not a folder, so it cannot hold {out.name}")
     try:
-        fd = os.open(lock_path(out), os.O_RDWR | os.O_CREAT, 0o644)
+        out.parent.mkdir(parents=True, exist_ok=True)  # like mkdir -p: out/train needs no out/ first
     except OSError as e:
-        raise CompileError(f"cannot write in {out.parent}: {e.strerror or e}") from e
+        raise CompileError(f"cannot create the folder {out.parent} to hold {out.name}: {e.strerror or e}") from e
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return fd
+            fd = os.open(lock_path(out), os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
+            raise CompileError(f"cannot write in {out.parent}: {e.strerror or e}") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
             if time.monotonic() >= deadline:
-                os.close(fd)
                 raise CompileError(f"another dsc compile is writing {out} right now; wait for it to finish") from e
             time.sleep(0.05)
+            continue
+        if _names(fd, lock_path(out)):
+            return fd
+        os.close(fd)  # the holder before us removed this file on its way out: lock the one there now
+
+
+def unlock(out: Path, fd: int) -> None:
+    """Remove the lock file, then release it: a compile waiting on the removed file finds that
+    the name no longer leads to it and locks a new one, so two never hold OUT at once."""
+    try:
+        if _names(fd, lock_path(out)):
+            lock_path(out).unlink()
+    finally:
+        os.close(fd)
+
+
+def _names(fd: int, path: Path) -> bool:
+    """Whether `path` is the file open as `fd`."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
 
 
 def prepare(out: Path, force: bool, resume: bool, lock_fd: int) -> tuple[Path, bool]:

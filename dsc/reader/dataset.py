@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -36,19 +36,29 @@ from dsc.reader.gather import check_indices, fill
 class Sample(NamedTuple):
     """One record, as torchvision datasets return it: `image, label = ds[i]`."""
 
-    image: torch.Tensor  # uint8 [3, H, W], a view of the map
-    label: int
+    image: Any  # uint8 [3, H, W], a view of the map (or what `transform` made of it)
+    label: Any  # the target: an int for a class, a float, or a tensor for a vector field
+
+
+class IndexedSample(NamedTuple):
+    """One record with its index (`MemmapDataset(..., return_index=True)`): `image, label, index = ds[i]`."""
+
+    image: Any
+    label: Any
+    index: int
 
 
 class GatheredBatch(Sequence):
-    """What `__getitems__` returns: a whole batch already copied into two tensors.
+    """What `__getitems__` returns: a whole batch already copied into tensors.
 
-    It is a sequence of `Sample`s for generic code; torch's default collate hands over its
-    tensors as ``[images, labels]`` without touching the records again (see `_collate`).
+    It is a sequence of samples for generic code; torch's default collate hands over its
+    tensors as ``[images, targets]`` (``[images, targets, indices]`` with `return_index`)
+    without touching the records again (see `_collate`).
     """
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, indices: np.ndarray) -> None:
-        self.images, self.labels, self.indices = images, labels, indices
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, indices: np.ndarray,
+                 return_index: bool = False) -> None:
+        self.images, self.labels, self.indices, self.return_index = images, labels, indices, return_index
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -56,15 +66,35 @@ class GatheredBatch(Sequence):
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[k] for k in range(*i.indices(len(self)))]
-        return Sample(self.images[i], int(self.labels[i]))
+        target = _target_value(self.labels[i])
+        if self.return_index:
+            return IndexedSample(self.images[i], target, int(self.indices[i]))
+        return Sample(self.images[i], target)
+
+
+def _target_value(value: torch.Tensor | np.ndarray) -> Any:
+    """A record's target as torchvision gives it: a Python number for a scalar, else a tensor."""
+    if value.ndim == 0:
+        return value.item()
+    return torch.as_tensor(value)
 
 
 def _collate(batch, *, collate_fn_map=None) -> list[torch.Tensor]:
-    """Default-collate rule for `Sample`: a gathered batch passes through, loose samples are stacked."""
+    """Default-collate rule for samples: a gathered batch passes through, loose samples are stacked."""
     if isinstance(batch, GatheredBatch):
-        return [batch.images, batch.labels]
-    images = torch.stack([s.image for s in batch]).contiguous(memory_format=torch.channels_last)
-    return [images, torch.tensor([s.label for s in batch], dtype=torch.int64)]
+        return [batch.images, batch.labels] + ([torch.from_numpy(batch.indices)] if batch.return_index else [])
+    first = batch[0]
+    images = torch.stack([s.image for s in batch])
+    if images.dtype == torch.uint8 and images.dim() == 4:
+        images = images.contiguous(memory_format=torch.channels_last)
+    if isinstance(first.label, torch.Tensor):
+        targets = torch.stack([s.label for s in batch])
+    else:
+        targets = torch.tensor([s.label for s in batch])
+    out = [images, targets]
+    if isinstance(first, IndexedSample):
+        out.append(torch.tensor([s.index for s in batch], dtype=torch.int64))
+    return out
 
 
 def _register_collate() -> None:
@@ -75,6 +105,7 @@ def _register_collate() -> None:
     except ImportError:
         return
     default_collate_fn_map[Sample] = _collate
+    default_collate_fn_map[IndexedSample] = _collate
 
 
 _register_collate()
@@ -103,23 +134,41 @@ def batch_buffer(batch: int, record_shape: tuple[int, int, int], shared: bool) -
 class MemmapDataset(Dataset):
     """A compiled dsc dataset: `len`, `ds[i]`, batched `__getitems__`, `loader(...)`.
 
+    As a torchvision dataset, `ds[i]` is ``(image, target)``: `target` names what the second
+    element is, "label" (the class index) or any field of the dataset (`ds.fields`), and
+    `transform` / `target_transform` apply to each sample as torchvision's do (the image is a
+    uint8 [3, H, W] tensor). `return_index=True` adds the record index: ``(image, target, i)``.
+    Without transforms, a DataLoader's batches are copied whole (`__getitems__`).
+
     Picklable by path: a copy (e.g. in a DataLoader worker) re-opens the maps on first use,
     so no process ever copies the records; it refuses (`DatasetError`) a folder that was
     recompiled into another dataset since the original was opened.
     """
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, *, target: str = "label",
+                 transform: Callable[[Any], Any] | None = None,
+                 target_transform: Callable[[Any], Any] | None = None, return_index: bool = False) -> None:
         self.path = Path(os.path.abspath(path))  # a spawned worker may start in another directory
         self._data: fmt.OpenedDataset | None = _open(self.path)  # validates now, fails here
         self._fingerprint = fingerprint(self._data.manifest)
         self._tensors: tuple[torch.Tensor, ...] | None = None
+        if target != "label" and target not in self._data.fields:
+            raise ValueError(f"target={target!r}: {self.path} has no such field; choose 'label' or one of "
+                             f"{sorted(self._data.fields) or 'its fields (it has none)'}")
+        self.target, self.transform, self.target_transform = target, transform, target_transform
+        self.return_index = bool(return_index)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"path": str(self.path), "fingerprint": self._fingerprint}
+        return {"path": str(self.path), "fingerprint": self._fingerprint, "target": self.target,
+                "transform": self.transform, "target_transform": self.target_transform,
+                "return_index": self.return_index}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.path = Path(state["path"])
         self._fingerprint = state["fingerprint"]
+        self.target = state.get("target", "label")
+        self.transform, self.target_transform = state.get("transform"), state.get("target_transform")
+        self.return_index = state.get("return_index", False)
         self._data, self._tensors = None, None
 
     @property
@@ -174,6 +223,21 @@ class MemmapDataset(Dataset):
         """All labels, int64 [N], read-only (-1 everywhere for an unlabeled dataset)."""
         return self.opened.labels
 
+    @property
+    def fields(self) -> dict[str, np.ndarray]:
+        """The dataset's own per-record fields (format 1.1), each read-only [N, *shape], by name."""
+        return dict(self.opened.fields)
+
+    def field_classes(self, name: str) -> list[str]:
+        """The vocabulary of a class or multilabel field: value k (or multi-hot position k) is its k-th name."""
+        for entry in self.manifest.fields:
+            if entry.name == name:
+                return list(entry.classes)
+        raise KeyError(f"{self.path} has no field {name!r} (fields: {', '.join(self.opened.fields) or 'none'})")
+
+    def _targets(self) -> np.ndarray:
+        return self.opened.labels if self.target == "label" else self.opened.fields[self.target]
+
     def source(self, i: int) -> Path:
         """The original image file of record `i` (under the folder it was compiled from)."""
         i = int(check_indices([i], len(self))[0])
@@ -187,21 +251,29 @@ class MemmapDataset(Dataset):
             self._tensors = tuple(torch.from_numpy(s) for s in self.opened.shards)
         return self._tensors
 
-    def __getitem__(self, i: int) -> Sample:
-        """Record `i`: a uint8 [3, H, W] view of the map (no copy) and its label."""
+    def __getitem__(self, i: int) -> Sample | IndexedSample:
+        """Record `i`: a uint8 [3, H, W] view of the map (no copy) and its target, transformed if asked."""
         i = int(check_indices([i], len(self))[0])
         shard, pos = fmt.locate(i, self.manifest.records_per_shard)
         image = self._shard_tensors()[shard][pos].permute(2, 0, 1)
-        return Sample(image, int(self.opened.labels[i]))
+        target = _target_value(np.array(self._targets()[i]))
+        if self.transform is not None:
+            image = self.transform(image)
+        if self.target_transform is not None:
+            target = self.target_transform(target)
+        return IndexedSample(image, target, i) if self.return_index else Sample(image, target)
 
-    def __getitems__(self, indices: Sequence[int]) -> GatheredBatch:
-        """A whole batch with one copy per run or per shard (what DataLoader calls per batch)."""
+    def __getitems__(self, indices: Sequence[int]) -> GatheredBatch | list[Sample | IndexedSample]:
+        """A whole batch with one copy per run or per shard (what DataLoader calls per batch);
+        sample by sample when there are transforms to apply."""
+        if self.transform is not None or self.target_transform is not None:
+            return [self[i] for i in indices]
         idx = check_indices(indices, len(self))
         d = self.opened
         buf = batch_buffer(len(idx), self.record_shape, shared=get_worker_info() is not None)
         fill(buf.numpy(), d.shards, idx, self.manifest.records_per_shard)
-        labels = torch.from_numpy(np.take(d.labels, idx))
-        return GatheredBatch(buf.permute(0, 3, 1, 2), labels, idx)
+        targets = torch.from_numpy(np.take(self._targets(), idx, axis=0))
+        return GatheredBatch(buf.permute(0, 3, 1, 2), targets, idx, self.return_index)
 
     def as_tensordict(self):
         """The dataset as MemoryMappedTensors over its own files (zero copy), keyed per shard.
@@ -210,9 +282,11 @@ class MemmapDataset(Dataset):
         one ``[N]`` tensor. The TensorDict (batch size ``[]``) holds:
 
         - ``"label"``: int64 ``[N]`` over labels.bin, indexed by record;
+        - ``"fields"``: a TensorDict of batch size ``[N]`` with each of the dataset's own fields
+          (``[N, *shape]`` over its file), by name;
         - ``"shards"``: a TensorDict with one entry per shard, keyed ``str(s)``: a TensorDict of
           batch size ``[n_s]`` with ``"image"`` (uint8 ``[n_s, H, W, 3]`` as stored, mapping the
-          shard file) and ``"label"`` (its slice of labels.bin).
+          shard file), ``"label"`` (its slice of labels.bin) and each field's slice by name.
 
         Record ``i`` is ``td["shards", str(s)][j]`` with ``s, j = dsc.format.locate(i, records_per_shard)``.
         Indexing by record at the top (``td[i]``) raises (its batch size is empty), and so does
@@ -234,15 +308,34 @@ class MemmapDataset(Dataset):
         d, m = self.opened, self.manifest
         labels = MemoryMappedTensor.from_filename(d.root / m.index["labels"].file, torch.int64, (m.count,),
                                                   mode="r")
+        dtypes = {f.name: torch.from_numpy(np.empty(0, f.dtype)).dtype for f in m.fields}
+        fields = {f.name: MemoryMappedTensor.from_filename(d.root / f.file, dtypes[f.name], (m.count, *f.shape),
+                                                           mode="r") for f in m.fields}
         shards, first = {}, 0
         for s, (path, records) in enumerate(zip(d.shard_paths(), fmt.shard_records(m.count, m.records_per_shard))):
             image = MemoryMappedTensor.from_filename(path, torch.uint8, (records, *m.record_shape), mode="r")
-            shards[str(s)] = TensorDict(image=image, label=labels[first:first + records], batch_size=[records])
+            shards[str(s)] = TensorDict(image=image, label=labels[first:first + records],
+                                        **{k: v[first:first + records] for k, v in fields.items()},
+                                        batch_size=[records])
             first += records
-        return TensorDict(label=labels, shards=TensorDict(shards, batch_size=[]), batch_size=[])
+        return TensorDict(label=labels, fields=TensorDict(fields, batch_size=[m.count]),
+                          shards=TensorDict(shards, batch_size=[]), batch_size=[])
 
-    def loader(self, batch_size: int, **options):
-        """Batches as TensorDicts, fast; see `dsc.reader.loader.Loader` for the options."""
+    def loader(self, batch_size: int, *, order: str | None = None, seed: int = 0, drop_last: bool = False,
+               device: str | torch.device | None = None, prefetch: int = 2, num_threads: int | None = None,
+               rank: int | None = None, world_size: int | None = None, locality: str | None = None,
+               shuffle: bool | None = None):
+        """Batches as TensorDicts {image, label, index, size, and any fields}, fast (`dsc.reader.loader.Loader`).
+
+        order: "block" (default: shuffled runs of contiguous records, contiguous reads), "random"
+            (a full permutation) or "sequential"; `shuffle=True`/`False` means "random"/"sequential".
+        seed: with the epoch, fixes every order. drop_last: drop each rank's last partial batch.
+        device: e.g. "cuda" or f"cuda:{local_rank}": pinned buffers and side-stream uploads.
+        prefetch: batches made ahead. num_threads: copy threads (default: up to 4 cores).
+        rank, world_size: this rank's share [default: from torch.distributed when an epoch starts].
+        locality: "shard" (with order="block") gives each rank whole shard files.
+        """
         from dsc.reader.loader import Loader
 
-        return Loader(self, batch_size, **options)
+        return Loader(self, batch_size, order=order, seed=seed, drop_last=drop_last, device=device, prefetch=prefetch,
+                      num_threads=num_threads, rank=rank, world_size=world_size, locality=locality, shuffle=shuffle)

@@ -19,7 +19,37 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-INT_SLOT_PER_RECORD = 4  # int64s per record in the small-field slot: label, index, size (height, width)
+FIELD_ALIGN = 8  # each field starts at a multiple of this in the small-field slot: any dtype views it
+
+
+def packed_bytes(field_specs: dict[str, tuple[np.dtype, tuple[int, ...]]], batch_size: int) -> int:
+    """Bytes of the small-field slot for a full batch of these fields, each padded to FIELD_ALIGN."""
+    return sum(_aligned(batch_size * dtype.itemsize * int(np.prod(shape))) for dtype, shape in field_specs.values())
+
+
+def _aligned(n: int) -> int:
+    return -(-n // FIELD_ALIGN) * FIELD_ALIGN
+
+
+def pack_fields(fields: dict[str, np.ndarray], slot: np.ndarray) -> list[tuple[str, int, np.ndarray]]:
+    """Copy each field's bytes into the uint8 `slot`, one after the other at aligned offsets;
+    return (name, offset, field) for `unpack_fields`."""
+    layout, at = [], 0
+    for name, value in fields.items():
+        value = np.ascontiguousarray(value)
+        slot[at:at + value.nbytes] = value.reshape(-1).view(np.uint8)
+        layout.append((name, at, value))
+        at = _aligned(at + value.nbytes)
+    return layout
+
+
+def unpack_fields(packed: torch.Tensor, layout: list[tuple[str, int, np.ndarray]]) -> dict[str, torch.Tensor]:
+    """Each field as a view of `packed` (a uint8 copy of the slot, on any device), in its dtype and shape."""
+    views = {}
+    for name, at, value in layout:
+        dtype = torch.from_numpy(value[:0]).dtype
+        views[name] = packed[at:at + value.nbytes].view(dtype).view(value.shape)
+    return views
 
 
 class CudaSink:
@@ -29,18 +59,20 @@ class CudaSink:
     copy has completed (`fill` waits on it), under a lock, so two producers can never share a
     slot. The copy lands in fresh device tensors, so the batch the user holds never aliases the
     ring: it stays valid however long it is kept. The small per-record fields (label, index,
-    size) travel packed one after the other in one contiguous pinned int64 slot: one
-    asynchronous copy, each field a contiguous view of it on the device.
+    size and the dataset's own fields, whatever their dtypes) travel packed one after the other
+    in one contiguous pinned byte slot: one asynchronous copy, each field a view of it on the
+    device.
     """
 
-    def __init__(self, device: torch.device, slots: int, batch_size: int, record_shape: tuple[int, int, int]) -> None:
+    def __init__(self, device: torch.device, slots: int, batch_size: int, record_shape: tuple[int, int, int],
+                 field_specs: dict[str, tuple[np.dtype, tuple[int, ...]]]) -> None:
         self.device = device
         with torch.cuda.device(device):  # no stray context on another GPU, whatever this thread's device
             self.stream = torch.cuda.Stream(device)
             self.images = [torch.empty((batch_size, *record_shape), dtype=torch.uint8, pin_memory=True)
                            for _ in range(slots)]
-            self.ints = [torch.empty(INT_SLOT_PER_RECORD * batch_size, dtype=torch.int64, pin_memory=True)
-                         for _ in range(slots)]
+            self.small = [torch.empty(packed_bytes(field_specs, batch_size), dtype=torch.uint8, pin_memory=True)
+                          for _ in range(slots)]
         self.events: list[torch.cuda.Event | None] = [None] * slots
         self._next = 0
         self._lock = threading.Lock()
@@ -57,18 +89,16 @@ class CudaSink:
             if self.events[slot] is not None:
                 self.events[slot].synchronize()
             gather(self.images[slot][:n].numpy())
-            packed = self.ints[slot][:sum(v.size for v in fields.values())]
-            np.concatenate([v.ravel() for v in fields.values()], out=packed.numpy())
+            layout = pack_fields(fields, self.small[slot].numpy())
+            used = layout[-1][1] + layout[-1][2].nbytes
             with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
                 image = self.images[slot][:n].to(self.device, non_blocking=True)
-                small = packed.to(self.device, non_blocking=True)
+                small = self.small[slot][:used].to(self.device, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self.stream)
             self.events[slot] = event
-        views, at = {}, 0
-        for name, value in fields.items():
-            views[name], at = small[at:at + value.size].view(value.shape), at + value.size
-        return TensorDict(image=image.permute(0, 3, 1, 2), **views, batch_size=[n], device=self.device), event
+        return TensorDict(image=image.permute(0, 3, 1, 2), **unpack_fields(small, layout), batch_size=[n],
+                          device=self.device), event
 
     def hand_over(self, item: tuple[TensorDict, torch.cuda.Event]) -> TensorDict:
         """On the consumer's thread: make its current stream wait for the upload, then give the batch."""

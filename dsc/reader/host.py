@@ -5,8 +5,9 @@ A sink is what the loader's producer thread fills and its consumer hands out; th
 
 - `prepare_thread()`: on the producer thread, before any other call;
 - `fill(fields, gather) -> item`: on the producer thread; `fields` are the batch's small
-  per-record int64 arrays ({"label": [n], "index": [n], "size": [n, 2]}), `gather(host)`
-  copies its records into a host array [n, H, W, 3];
+  per-record arrays ({"label": [n], "index": [n], "size": [n, 2]} in int64, then the dataset's
+  own fields, as `loader.field_specs` describes them), `gather(host)` copies its records into
+  a host array [n, H, W, 3];
 - `hand_over(item) -> TensorDict`: on the consumer's thread, the batch as the user gets it.
 """
 
@@ -53,7 +54,7 @@ class HostSink:
     """Batches in host buffers; a non-CUDA `device` (e.g. "mps") gets them with a plain `.to` on the consumer."""
 
     def __init__(self, device: torch.device | None, slots: int, batch_size: int,
-                 record_shape: tuple[int, int, int]) -> None:
+                 record_shape: tuple[int, int, int], field_specs: dict[str, tuple[np.dtype, tuple[int, ...]]]) -> None:
         self.device = None if device is None or device.type == "cpu" else device
         self._buffers = HostBuffers(record_shape, keep=slots)
 

@@ -18,6 +18,7 @@ import os
 import queue
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -219,9 +220,18 @@ class _Threads:
 
 
 def batch_fields(opened, idx: np.ndarray) -> dict[str, np.ndarray]:
-    """The small per-record fields of a batch besides its images, as int64 arrays (the sinks' `fields`)."""
+    """The small per-record values of a batch besides its images (the sinks' `fields`): label,
+    index and size as int64, then the dataset's own fields (format 1.1) in their dtypes."""
     return {"label": np.take(opened.labels, idx), "index": idx,
-            "size": np.take(opened.sizes, idx, axis=0).astype(np.int64)}  # each source's (height, width)
+            "size": np.take(opened.sizes, idx, axis=0).astype(np.int64),  # each source's (height, width)
+            **{name: np.take(values, idx, axis=0) for name, values in opened.fields.items()}}
+
+
+def field_specs(opened) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+    """Dtype and per-record shape of each of `batch_fields`, for sinks that size buffers up front."""
+    int64 = np.dtype(np.int64)
+    return {"label": (int64, ()), "index": (int64, ()), "size": (int64, (2,)),
+            **{f.name: (f.dtype, f.shape) for f in opened.manifest.fields}}
 
 
 def _batch_maker(sink, opened, pool: ThreadPoolExecutor | None, num_threads: int,
@@ -240,6 +250,19 @@ def _batch_maker(sink, opened, pool: ThreadPoolExecutor | None, num_threads: int
 
         return sink.fill(batch_fields(opened, idx), gather), took[0]
     return make
+
+
+def order_for_shuffle(order: str | None, shuffle: bool | None) -> str:
+    """torch's spelling: `shuffle=True` is order "random", `shuffle=False` "sequential"; the default "block"."""
+    if shuffle is None:
+        return "block" if order is None else order
+    if not isinstance(shuffle, bool):
+        raise TypeError(f"shuffle must be True or False, got {shuffle!r}")
+    wanted = "random" if shuffle else "sequential"
+    if order is not None and (order == "sequential") == shuffle:
+        raise ValueError(f"shuffle={shuffle} contradicts order={order!r}; give one of them (orders: "
+                         f"sequential; block, shuffled in contiguous runs, the fast default; random)")
+    return order or wanted
 
 
 def _check_int(name: str, value: Any, low: int) -> int:
@@ -268,7 +291,8 @@ class EpochHook:
 class Loader:
     """Iterate to get one epoch of TensorDicts {image uint8 [B,3,H,W] channels_last, label, index, size}.
 
-    `size` is each record's source image's original (height, width), int64 [B, 2].
+    `size` is each record's source image's original (height, width), int64 [B, 2]. A dataset with
+    fields (format 1.1, from a label table) adds each of them by name, in its own dtype.
 
     Epochs: the next iteration serves the next epoch as soon as the last batch of an epoch has
     been handed out, whether or not the consumer goes on to exhaust the iterator (Lightning,
@@ -286,9 +310,11 @@ class Loader:
     files every epoch instead of a slice of one global order (`order.shard_share`).
     """
 
-    def __init__(self, dataset, batch_size: int, *, order: str = "block", seed: int = 0, drop_last: bool = False,
+    def __init__(self, dataset, batch_size: int, *, order: str | None = None, seed: int = 0, drop_last: bool = False,
                  device: str | torch.device | None = None, prefetch: int = 2, num_threads: int | None = None,
-                 rank: int | None = None, world_size: int | None = None, locality: str | None = None) -> None:
+                 rank: int | None = None, world_size: int | None = None, locality: str | None = None,
+                 shuffle: bool | None = None) -> None:
+        order = order_for_shuffle(order, shuffle)
         if order not in orders.ORDERS:
             raise ValueError(f"order must be one of {orders.ORDERS}, got {order!r}")
         orders.check_locality(order, locality)
@@ -304,7 +330,7 @@ class Loader:
         self._position: tuple[int, list[progress.Round]] = (0, [])  # where the next iteration starts
         self._progress: tuple[int, list[progress.Round]] = (0, [])  # what state_dict() reports
         self._sink = _sink_class(self.device)(self.device, self.prefetch + 2, self.batch_size,  # ahead, held,
-                                              dataset.record_shape)                             # being let go
+                                              dataset.record_shape, field_specs(dataset.opened))  # being let go
         self._threads = _Threads(self.num_threads)
         weakref.finalize(self, self._threads.close)
         self._iteration = 0  # which iteration is the live one: an older iterator refuses to go on
@@ -326,6 +352,11 @@ class Loader:
 
     def _split(self) -> progress.Split:
         return progress.Split(self.world_size, self.batch_size, self.drop_last, self.locality)
+
+    def __repr__(self) -> str:
+        device = f", device={str(self.device)!r}" if self.device is not None else ""
+        return (f"Loader({str(self.dataset.path)!r}, batch_size={self.batch_size}, order={self.order!r}, "
+                f"seed={self.seed}, drop_last={self.drop_last}{device}, epoch={self.epoch}, batches={len(self)})")
 
     def __len__(self) -> int:
         """Batches of a whole epoch on this rank (a resumed epoch serves what it has left)."""
@@ -396,6 +427,10 @@ class Loader:
     def _start_pass(self) -> tuple[progress.Pass, _Producer | None]:
         """The pass the loader's position asks for, and the producer making it: the running one when it
         is already making exactly that (the epoch after the one it finished), else a new one."""
+        if self.drop_last and len(self) == 0:  # the epoch still moves on: a training loop must not spin
+            warnings.warn(f"drop_last=True, but the {len(self.dataset)} records split over {self.world_size} "
+                          f"rank(s) give each rank fewer than batch_size={self.batch_size}: every epoch is empty; "
+                          "lower batch_size or keep the last partial batch (drop_last=False)", stacklevel=3)
         split = self._split()
         epoch, rounds = self._position
         done, start = progress.resume_point(rounds, split)

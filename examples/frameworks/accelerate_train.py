@@ -38,6 +38,7 @@ def main() -> None:
                 break
         if steps.done == args.max_steps:
             break
+    net, optimizer = accelerator.free_memory(net, optimizer)  # the DDP model before the group (torchrun_train.py)
     accelerator.end_training()  # ends the process group before the interpreter does
 
 

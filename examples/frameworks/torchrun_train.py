@@ -46,7 +46,7 @@ def main() -> None:
                 break
         if step == args.max_steps:
             break
-    del net  # before the group: DDP freeing the last reference to it can deadlock in gloo's teardown (torch)
+    del net  # before the group: DDP dropping the last reference to a gloo group can deadlock at exit (torch)
     dist.destroy_process_group()
 
 

@@ -1,0 +1,480 @@
+"""Labels beyond folder names: class vocabularies shared across splits, and label tables.
+
+Two jobs, both ending in what `discover` gives the compiler (sources, their labels, fields):
+
+- `load_classes`: a fixed class vocabulary — names, a text file of names (one per line), or
+  another dsc dataset (`--classes-from out/train`), so that every split gives a class the same
+  index, whatever classes it happens to lack.
+- `discover_listed`: a label table (`--labels labels.csv` or `.jsonl`) names the images to
+  compile (paths relative to SRC) and their values, one row each. Its `label` column (a class)
+  becomes the dataset's label; every other column becomes a typed per-record field (format 1.1),
+  of a kind inferred from its values or given (`--column NAME:KIND`):
+
+  ========== ================================== =============================================
+  kind       values                             stored as
+  ========== ================================== =============================================
+  class      a class name or integer            int64 index into the field's classes
+  multilabel ``;``-separated class names        uint8 multi-hot [K] over the field's classes
+  float      one or more numbers (``;``)        float32 [] or [k]
+  int        one or more integers (``;``)       int64 [] or [k]
+  ========== ================================== =============================================
+
+Every problem in a table (a duplicate path, a path leaving SRC, a malformed row, a bad number)
+is a CompileError naming the file, line and column: a label is never silently shifted.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import posixpath
+import re
+import stat
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dsc import format as fmt
+from dsc.compiler.discover import Discovery, check_source_folder, list_images
+from dsc.errors import CompileError, DatasetError
+
+KINDS = tuple(fmt.FIELD_DTYPES)
+LABEL_COLUMN = "label"  # the table column that becomes the dataset's label (labels.bin, `classes`)
+SEPARATOR = ";"  # between the values of one cell: tags, or the numbers of a vector
+MAX_TABLE_BYTES = 1 << 30
+
+
+# ----------------------------------------------------------------------------- class vocabularies
+
+def load_classes(value: str | os.PathLike | Sequence[str]) -> list[str]:
+    """A class vocabulary from names, a text file (one name per line), or a dsc dataset folder."""
+    if isinstance(value, (str, os.PathLike)) and Path(value).is_dir():
+        try:
+            manifest = fmt.parse_manifest(value)
+        except DatasetError as e:
+            raise CompileError(f"cannot take classes from {value}: {e}") from e
+        if not manifest.classes:
+            raise CompileError(f"cannot take classes from {value}: that dataset is unlabeled")
+        return list(manifest.classes)
+    if isinstance(value, (str, os.PathLike)):
+        path = Path(value)
+        if not path.is_file():
+            raise CompileError(f"classes file {path} does not exist (give a file of class names, one per line, "
+                               "or a dsc dataset folder)")
+        try:
+            names = [line.strip() for line in path.read_text(encoding="utf-8-sig").splitlines()]
+        except (OSError, UnicodeDecodeError) as e:
+            raise CompileError(f"cannot read classes file {path}: {e}") from e
+        return check_classes([n for n in names if n], str(path))
+    return check_classes(list(value), "classes")
+
+
+def reference_fields(value: Any) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """The fields of the dataset `value` names, if it names one ({name: (kind, classes)}): a split
+    compiled with `--classes-from` it gives its class and tag columns the same positions."""
+    if not isinstance(value, (str, os.PathLike)) or not Path(value).is_dir():
+        return {}
+    return {f.name: (f.kind, f.classes) for f in fmt.parse_manifest(value).fields}
+
+
+def check_classes(names: list[Any], where: str) -> list[str]:
+    if not names:
+        raise CompileError(f"{where}: no class names")
+    for name in names:
+        if not isinstance(name, str) or not name or not name.isprintable():
+            raise CompileError(f"{where}: class names must be non-empty printable text, found {name!r:.60}")
+    seen = set()
+    for name in names:
+        if name in seen:
+            raise CompileError(f"{where}: class {name!r} is listed twice")
+        seen.add(name)
+    return names
+
+
+def sibling_class_mismatch(out: Path, classes: list[str]) -> list[str]:
+    """Messages for each labeled dsc dataset beside OUT (out/val next to out/train) that shares
+    classes with `classes` but gives them other indices: splits compiled apart disagree silently."""
+    messages = []
+    try:
+        siblings = sorted(p for p in out.parent.iterdir() if p != out and (p / fmt.MANIFEST_FILE).is_file())
+    except OSError:
+        return []
+    for sibling in siblings:
+        try:
+            theirs = list(fmt.parse_manifest(sibling).classes)
+        except (DatasetError, OSError):
+            continue
+        if theirs and theirs != classes and set(theirs) & set(classes):
+            missing, extra = sorted(set(theirs) - set(classes)), sorted(set(classes) - set(theirs))
+            why = "; ".join(filter(None, [missing and f"{out.name} lacks {', '.join(missing[:5])}",
+                                          extra and f"{out.name} adds {', '.join(extra[:5])}"])) \
+                or "their order differs"
+            messages.append(f"the classes of {out.name} differ from those of the dataset beside it, {sibling} "
+                            f"({why}), so a class has another label index in each; to use {sibling.name}'s "
+                            f"indices, compile with --classes-from {sibling}")
+    return messages
+
+
+# ----------------------------------------------------------------------------- label tables
+
+@dataclass
+class Table:
+    """A label table as read: source paths, and per column its name and one raw value per row."""
+
+    path: Path
+    sources: list[str]
+    lines: list[int]  # the file's line number of each row, for messages
+    columns: dict[str, list[Any]]
+
+
+def _problem(table_path: Path, line: int, what: str, column: str | None = None) -> CompileError:
+    where = f"{table_path}, line {line}" + (f", column {column!r}" if column else "")
+    return CompileError(f"{where}: {what}")
+
+
+def _clean_source(table_path: Path, line: int, value: Any) -> str:
+    """A table path as a relative, '/'-separated path that stays inside SRC."""
+    if not isinstance(value, str) or not value.strip():
+        raise _problem(table_path, line, f"the image path must be non-empty text, found {value!r:.60}")
+    path = value.strip()
+    normal = posixpath.normpath(path)
+    if path.startswith("/") or normal == ".." or normal.startswith("../") or "\0" in path:
+        raise _problem(table_path, line, f"image path {value!r:.80} leaves the source folder (give paths "
+                                         "relative to SRC, without '..')")
+    return normal
+
+
+def read_table(path: str | os.PathLike) -> Table:
+    """Read a CSV (header row; the first column is the image path) or JSONL (one object per line
+    with a "path" key) label table; a malformed row is a CompileError naming its line."""
+    path = Path(path)
+    try:
+        if path.stat().st_size > MAX_TABLE_BYTES:
+            raise CompileError(f"{path}: larger than {MAX_TABLE_BYTES >> 20} MiB; not a label table")
+        text = path.read_text(encoding="utf-8-sig")
+    except FileNotFoundError:
+        raise CompileError(f"label table {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CompileError(f"cannot read label table {path}: {e}") from e
+    rows = _read_jsonl(path, text) if path.suffix.lower() in (".jsonl", ".ndjson") else _read_csv(path, text)
+    header, body = rows
+    sources, lines, seen = [], [], {}
+    columns: dict[str, list[Any]] = {name: [] for name in header}
+    for line, source, values in body:
+        source = _clean_source(path, line, source)
+        if source in seen:
+            raise _problem(path, line, f"image {source!r} is listed twice (first on line {seen[source]})")
+        seen[source] = line
+        sources.append(source)
+        lines.append(line)
+        for name, value in zip(header, values):
+            columns[name].append(value)
+    if not sources:
+        raise CompileError(f"{path}: no rows; a label table lists one image per row")
+    return Table(path, sources, lines, columns)
+
+
+def _read_csv(path: Path, text: str) -> tuple[list[str], list[tuple[int, Any, list[Any]]]]:
+    reader = csv.reader(io.StringIO(text, newline=""), strict=True)  # not str.splitlines: U+2028 is no line end
+    try:
+        header = next(reader, None)
+        if not header or len(header) < 1:
+            raise CompileError(f"{path}: empty; a CSV label table starts with a header row (path, then columns)")
+        names = [h.strip() for h in header[1:]]
+        _check_column_names(path, names)
+        body = []
+        for row in reader:
+            if not row or (len(row) == 1 and not row[0].strip()):
+                continue  # a blank line
+            if len(row) != len(header):
+                raise _problem(path, reader.line_num, f"{len(row)} values, but the header has {len(header)}")
+            body.append((reader.line_num, row[0], [v.strip() for v in row[1:]]))
+    except csv.Error as e:
+        raise _problem(path, reader.line_num, f"malformed CSV ({e})") from e
+    return names, body
+
+
+def _read_jsonl(path: Path, text: str) -> tuple[list[str], list[tuple[int, Any, list[Any]]]]:
+    names: list[str] | None = None
+    body = []
+    for line, raw in enumerate(text.split("\n"), 1):
+        if not raw.strip():
+            continue
+        try:
+            row = json.loads(raw)
+        except ValueError as e:
+            raise _problem(path, line, f"not valid JSON ({e})") from e
+        if not isinstance(row, dict) or "path" not in row:
+            raise _problem(path, line, 'each line must be a JSON object with a "path" key')
+        keys = [k for k in row if k != "path"]
+        if names is None:
+            names = keys
+            _check_column_names(path, names)
+        elif set(keys) != set(names):
+            differ = sorted(set(keys) ^ set(names))
+            raise _problem(path, line, f"keys differ from the first line's: {', '.join(map(repr, differ))}")
+        body.append((line, row["path"], [row[k] for k in names]))
+    return names or [], body
+
+
+def _check_column_names(path: Path, names: list[str]) -> None:
+    for name in names:
+        if name == LABEL_COLUMN:
+            continue
+        problem = fmt.field_name_problem(name)
+        if problem:
+            raise CompileError(f"{path}: column {problem}; rename the column")
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise CompileError(f"{path}: column(s) {', '.join(map(repr, duplicates))} appear twice in the header")
+
+
+def parse_column_kinds(specs: Sequence[str]) -> dict[str, str]:
+    """`--column NAME:KIND` options as {name: kind}."""
+    kinds = {}
+    for spec in specs:
+        name, sep, kind = spec.rpartition(":")
+        if not sep or not name or kind not in KINDS:
+            raise CompileError(f"--column {spec!r}: expected NAME:KIND with KIND one of {', '.join(KINDS)}")
+        kinds[name] = kind
+    return kinds
+
+
+# ----------------------------------------------------------------------------- column kinds and values
+
+def _items(value: Any) -> list[Any]:
+    """The values of one cell: a JSON list as is, text split at ';' (empty parts dropped)."""
+    if isinstance(value, list):
+        return value
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(SEPARATOR) if part.strip()]
+    return [value]
+
+
+INT_TEXT = re.compile(r"[+-]?[0-9]+")
+NUMBER_TEXT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")  # no nan, inf, 1_000, ٣
+
+
+def _is_int(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return True
+    return isinstance(value, str) and INT_TEXT.fullmatch(value.strip()) is not None
+
+
+def _is_number(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, (int, float)):
+        return True
+    return isinstance(value, str) and NUMBER_TEXT.fullmatch(value.strip()) is not None
+
+
+def infer_kind(table: Table, name: str) -> str:
+    """The kind a column's values suggest (`--column NAME:KIND` overrides it): integers are int
+    (classes in the label column), other numbers float, a list or ';' or an empty cell marks
+    multilabel tags, and any other text is a class name. A column of numbers with a cell that is
+    not one (NA, a typo) is refused, naming the cell: read as names, it would be silently wrong."""
+    values = table.columns[name]
+    multi = any(isinstance(v, list) or (isinstance(v, str) and SEPARATOR in v) for v in values)
+    items = [(line, item) for line, v in zip(table.lines, values) for item in _items(v)]
+    numbers = [_is_number(item) for _, item in items]
+    if items and all(numbers):
+        if all(_is_int(i) for _, i in items):
+            return "class" if name == LABEL_COLUMN and not multi else "int"
+        return "float"
+    if any(numbers):
+        line, item = items[numbers.index(False)]
+        raise _problem(table.path, line, f"{item!r:.40} is not a number, but the column's other values are; fix "
+                       f"the cell, or give --column {name}:class (or multilabel) to read the values as names", name)
+    if multi or any(isinstance(v, str) and not v.strip() for v in values):
+        return "multilabel"
+    return "class"
+
+
+def _class_name(value: Any) -> str | None:
+    """A cell as a class name; integers as their plain decimal form ("01" is class "1")."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    if isinstance(value, str) and value.strip():
+        return str(int(value)) if _is_int(value) else value.strip()
+    return None
+
+
+def _vocabulary(names: set[str]) -> list[str]:
+    """Sorted names. Integer classes 0..K-1 keep their numbers as indices: the vocabulary is every
+    integer from 0 to the largest, so a class missing from one split moves no other."""
+    if names and all(_is_int(n) for n in names):
+        numbers = [int(n) for n in names]
+        if min(numbers) >= 0 and max(numbers) < fmt.MAX_FIELD_VALUES:
+            return [str(k) for k in range(max(numbers) + 1)]
+        return sorted(names, key=int)
+    return sorted(names)
+
+
+def _numbers(table: Table, name: str, kind: str) -> tuple[np.ndarray, tuple[int, ...]]:
+    """A float or int column as [n] (one value per row) or [n, k]."""
+    rows = []
+    for line, value in zip(table.lines, table.columns[name]):
+        items = _items(value)
+        numbers = []
+        for item in items:
+            try:
+                if kind == "int":
+                    if not _is_int(item):
+                        raise ValueError
+                    number = int(item)
+                    if not -(1 << 63) <= number < (1 << 63):
+                        raise ValueError
+                else:
+                    if not _is_number(item):
+                        raise ValueError
+                    number = float(item)
+                    if not math.isfinite(number) or abs(number) > float(np.finfo(np.float32).max):
+                        raise ValueError
+            except (ValueError, OverflowError):
+                raise _problem(table.path, line, f"{item!r:.40} is not a{'n integer' if kind == 'int' else ' finite'}"
+                               f" number{' in float32 range' if kind == 'float' else ''}", name) from None
+            numbers.append(number)
+        if not numbers:
+            raise _problem(table.path, line, "no value", name)
+        if rows and len(numbers) != len(rows[0]):
+            raise _problem(table.path, line, f"{len(numbers)} values, but line {table.lines[0]} has {len(rows[0])}",
+                           name)
+        rows.append(numbers)
+    array = np.asarray(rows, dtype=fmt.FIELD_DTYPES[kind])
+    return (array[:, 0], ()) if array.shape[1] == 1 else (array, (array.shape[1],))
+
+
+def _class_indices(table: Table, name: str, classes: Sequence[str] | None) -> tuple[np.ndarray, list[str], list[int]]:
+    """A class column as indices over `classes` (or over its own sorted names); rows whose class is
+    not in a given vocabulary are returned apart (their positions), for the caller to refuse or skip."""
+    names = []
+    for line, value in zip(table.lines, table.columns[name]):
+        class_name = _class_name(value)
+        if class_name is None:
+            raise _problem(table.path, line, f"a class name or integer is needed, found {value!r:.40}", name)
+        names.append(class_name)
+    vocabulary = list(classes) if classes is not None else _vocabulary(set(names))
+    index = {c: i for i, c in enumerate(vocabulary)}
+    unknown = [row for row, n in enumerate(names) if n not in index]
+    return np.asarray([index.get(n, -1) for n in names], dtype=np.int64), vocabulary, unknown
+
+
+def _multi_hot(table: Table, name: str, classes: Sequence[str] | None = None) -> tuple[np.ndarray, list[str]]:
+    tags = []
+    for line, value in zip(table.lines, table.columns[name]):
+        items = _items(value)
+        if not all(isinstance(i, str) and i.strip() for i in items):
+            raise _problem(table.path, line, f"tags must be text, found {value!r:.60}", name)
+        tags.append({i.strip() for i in items})
+    vocabulary = list(classes) if classes is not None else sorted(set().union(*tags))
+    if not vocabulary:
+        raise CompileError(f"{table.path}: column {name!r} has no tags in any row")
+    index = {c: i for i, c in enumerate(vocabulary)}
+    for line, names in zip(table.lines, tags):
+        unknown = sorted(names - set(index))
+        if unknown:
+            raise _problem(table.path, line, f"tag {unknown[0]!r} is not among the {len(vocabulary)} tags of the "
+                           "dataset the classes come from", name)
+    hot = np.zeros((len(tags), len(vocabulary)), dtype=np.uint8)
+    for row, names in enumerate(tags):
+        hot[row, [index[n] for n in names]] = 1
+    return hot, vocabulary
+
+
+def discover_listed(src: str | os.PathLike, table_path: str | os.PathLike, kinds: dict[str, str] | None = None,
+                    classes: list[str] | None = None, skip_unknown: bool = False,
+                    reference: dict[str, tuple[str, tuple[str, ...]]] | None = None) -> Discovery:
+    """What to compile from a label table: its rows whose image exists under `src`, their label
+    (the `label` column over `classes` or its own sorted names) and fields (the other columns).
+
+    A listed image that is missing is skipped (recorded like a bad image); images under `src`
+    that the table does not list are ignored and counted. `classes` applies to the label;
+    `reference` ({name: (kind, classes)}, another split's fields) fixes the kind and vocabulary of
+    the columns it names, so that a tag or class has the same position in every split."""
+    reference = reference or {}
+    root = Path(src)
+    check_source_folder(root)
+    table = read_table(table_path)
+    kinds = dict(kinds or {})
+    for name in kinds:
+        if name not in table.columns:
+            raise CompileError(f"--column {name}: {table.path} has no column {name!r} "
+                               f"(it has {', '.join(map(repr, table.columns)) or 'only the path'})")
+    kinds = {name: kinds.get(name) or (reference.get(name) or (None,))[0] or infer_kind(table, name)
+             for name in table.columns}
+    if LABEL_COLUMN in kinds and kinds[LABEL_COLUMN] != "class":
+        raise CompileError(f"{table.path}: column {LABEL_COLUMN!r} holds {kinds[LABEL_COLUMN]} values, but the "
+                           f"{LABEL_COLUMN!r} column is the dataset's class label; name a numeric target otherwise "
+                           "(e.g. 'target')")
+    if classes is not None and LABEL_COLUMN not in kinds:
+        raise CompileError(f"{table.path}: the given classes are for the {LABEL_COLUMN!r} column, which it lacks")
+
+    keep = np.ones(len(table.sources), dtype=bool)
+    skipped: list[tuple[str, str]] = []
+    labels, vocabulary = np.full(len(table.sources), fmt.UNLABELED, dtype=np.int64), []
+    if LABEL_COLUMN in kinds:
+        labels, vocabulary, unknown = _class_indices(table, LABEL_COLUMN, classes)
+        if unknown and not skip_unknown:
+            row = unknown[0]
+            raise _problem(table.path, table.lines[row], f"class {_class_name(table.columns[LABEL_COLUMN][row])!r} "
+                           f"is not among the {len(vocabulary)} given classes ({len(unknown)} row(s) like it); "
+                           "pass --skip-unknown-classes to leave them out", LABEL_COLUMN)
+        for row in unknown:
+            keep[row] = False
+            skipped.append((table.sources[row], "its class is not among the given classes"))
+    fields = []
+    for name, kind in kinds.items():
+        if name == LABEL_COLUMN:
+            continue
+        field_classes: list[str] = []
+        fixed = reference[name][1] if name in reference and reference[name][0] == kind else None
+        if kind in ("float", "int"):
+            values, shape = _numbers(table, name, kind)
+        elif kind == "multilabel":
+            values, field_classes = _multi_hot(table, name, fixed)
+            shape = (len(field_classes),)
+        else:
+            values, field_classes, unknown_rows = _class_indices(table, name, fixed)
+            if unknown_rows:
+                row = unknown_rows[0]
+                raise _problem(table.path, table.lines[row], f"class {_class_name(table.columns[name][row])!r} is "
+                               "not among the classes of the dataset the classes come from", name)
+            shape = ()
+        fields.append((fmt.FieldEntry("", 0, "", name, kind, shape, tuple(field_classes)), values))
+
+    on_disk, on_disk_stamps, walk_skipped = list_images(root)  # one walk, not a stat per row
+    found = dict(zip(on_disk, on_disk_stamps))
+    stamps = []
+    for row, source in enumerate(table.sources):
+        stamp = found.get(source) or _stamp(root / source)  # not walked: hidden, or another suffix
+        if keep[row] and stamp is None:
+            keep[row] = False
+            skipped.append((source, f"listed in {table.path.name} but not found"))
+        stamps.append(stamp)
+    listed = set(table.sources)
+    ignored = len(found.keys() - listed)
+    skipped += [s for s in walk_skipped if s[0] in listed]
+    sources = [s for s, k in zip(table.sources, keep) if k]
+    if not sources:
+        raise CompileError(f"none of the {len(table.sources)} images listed in {table.path} exist under {root}")
+    empty = [c for i, c in enumerate(vocabulary) if not np.any(labels[keep] == i)]
+    return Discovery(root, sources, labels[keep], vocabulary, sorted(skipped), empty,
+                     [s for s, k in zip(stamps, keep) if k], [(spec, values[keep]) for spec, values in fields], ignored)
+
+
+def _stamp(path: Path) -> str | None:
+    """A listed file's "size:mtime_ns" (as discovery's walk stamps it), or None when it is not a file."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return f"{st.st_size}:{st.st_mtime_ns}" if stat.S_ISREG(st.st_mode) else None

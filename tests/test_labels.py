@@ -1,0 +1,455 @@
+"""Labels beyond folder names: class vocabularies shared across splits, label tables (CSV/JSONL) with
+class, multilabel, float and int columns, and their fields end to end (format 1.1)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import dsc
+from dsc import CompileError, MemmapDataset
+from dsc.cli import app
+from dsc.reader.device import pack_fields, packed_bytes, unpack_fields
+from dsc.reader.loader import field_specs
+from dsc.sheet import caption_lines
+from dsc.testing import assert_roundtrip, make_image_folder
+
+runner = CliRunner(env={"COLUMNS": "250", "TERMINAL_WIDTH": "250", "NO_COLOR": "1"})
+
+
+def images(root: Path, classes: list[str], per_class: int = 3, seed: int = 0) -> Path:
+    """An ImageFolder with the given class names (real JPEG and PNG files)."""
+    make_image_folder(root / "tmp", classes=len(classes), per_class=per_class, size=(20, 24), seed=seed)
+    for k, name in enumerate(classes):
+        (root / "tmp" / f"class_{k}").rename(root / name)
+    (root / "tmp").rmdir()
+    return root
+
+
+def folder_of(ds: MemmapDataset, i: int) -> str:
+    return ds.opened.source(i).split("/")[0]
+
+
+# ----------------------------------------------------------------------------- splits
+
+def test_a_validation_split_lacking_a_class_keeps_the_training_indices(tmp_path: Path) -> None:
+    (tmp_path / "out").mkdir()
+    images(tmp_path / "train", ["bird", "cat", "dog"])
+    images(tmp_path / "val", ["bird", "dog"], seed=1)
+    dsc.compile_folder(tmp_path / "train", tmp_path / "out" / "train", size=8, workers=1)
+    summary = dsc.compile_folder(tmp_path / "val", tmp_path / "out" / "val", size=8, workers=1,
+                                 classes=tmp_path / "out" / "train")
+    train, val = MemmapDataset(tmp_path / "out" / "train"), MemmapDataset(tmp_path / "out" / "val")
+    assert val.classes == train.classes == ["bird", "cat", "dog"]
+    assert all(val.classes[val[i].label] == folder_of(val, i) for i in range(len(val)))
+    assert sorted(set(val.labels.tolist())) == [0, 2]  # dog keeps index 2
+    assert summary.empty_classes == ["cat"]  # a vocabulary class without images keeps its index
+
+
+def test_splits_compiled_apart_are_flagged_when_their_classes_differ(tmp_path: Path, caplog) -> None:
+    (tmp_path / "out").mkdir()
+    images(tmp_path / "train", ["bird", "cat", "dog"])
+    images(tmp_path / "val", ["bird", "dog"], seed=1)
+    images(tmp_path / "other", ["car", "truck"], seed=2)
+    dsc.compile_folder(tmp_path / "train", tmp_path / "out" / "train", size=8, workers=1)
+    with caplog.at_level(logging.WARNING, logger="dsc"):
+        dsc.compile_folder(tmp_path / "val", tmp_path / "out" / "val", size=8, workers=1)
+        assert len(caplog.records) == 1
+        assert re.search(r"classes of val differ .*/out/train \(val lacks cat\).*--classes-from .*train$",
+                         caplog.records[0].getMessage())
+        dsc.compile_folder(tmp_path / "other", tmp_path / "out" / "other", size=8, workers=1)  # no shared class
+        dsc.compile_folder(tmp_path / "val", tmp_path / "out" / "val2", size=8, workers=1,
+                           classes=tmp_path / "out" / "train")  # fixed vocabulary: nothing to flag
+        assert len(caplog.records) == 1
+
+
+def test_a_class_folder_outside_the_vocabulary_is_refused_or_skipped(tmp_path: Path) -> None:
+    images(tmp_path / "val", ["bird", "cat", "emu"])
+    with pytest.raises(CompileError, match=r"'emu' .* not among the 2 given classes.*--skip-unknown-classes"):
+        dsc.compile_folder(tmp_path / "val", tmp_path / "out", size=8, workers=1, classes=["bird", "cat"])
+    assert not (tmp_path / "out").exists()
+    summary = dsc.compile_folder(tmp_path / "val", tmp_path / "out", size=8, workers=1, classes=["cat", "bird"],
+                                 skip_unknown_classes=True)
+    ds = MemmapDataset(tmp_path / "out")
+    assert ds.classes == ["cat", "bird"] and summary.kept == 6
+    assert all(ds.classes[ds[i].label] == folder_of(ds, i) for i in range(len(ds)))
+    assert ("emu", "class folder not among the given classes") in summary.skipped
+    assert_roundtrip(tmp_path / "val", tmp_path / "out")
+
+
+def test_the_cli_takes_classes_from_a_list_a_file_or_a_dataset(tmp_path: Path) -> None:
+    images(tmp_path / "src", ["bird", "cat"])
+    (tmp_path / "classes.txt").write_text("cat\n\nbird\nemu\n")
+    for args in (["--classes", "cat,bird,emu"], ["--classes", str(tmp_path / "classes.txt")]):
+        out = tmp_path / f"out{len(args[1])}"
+        result = runner.invoke(app, ["compile", str(tmp_path / "src"), str(out), "--size", "8", "-j", "1", *args])
+        assert result.exit_code == 0, result.output
+        assert MemmapDataset(out).classes == ["cat", "bird", "emu"]
+        assert "class folder 'emu' has no images (its label is kept)" in result.stderr
+    result = runner.invoke(app, ["compile", str(tmp_path / "src"), str(tmp_path / "again"), "--size", "8",
+                                 "--classes-from", str(out)])
+    assert result.exit_code == 0 and MemmapDataset(tmp_path / "again").classes == ["cat", "bird", "emu"]
+    result = runner.invoke(app, ["compile", str(tmp_path / "src"), str(tmp_path / "x"), "--classes", "cat",
+                                 "--classes-from", str(out)])
+    assert result.exit_code == 2 and "not both" in result.output
+    result = runner.invoke(app, ["compile", str(tmp_path / "src"), str(tmp_path / "x"), "--skip-unknown-classes"])
+    assert result.exit_code == 2 and "only with --classes or --classes-from" in result.output
+    result = runner.invoke(app, ["compile", str(tmp_path / "src"), str(tmp_path / "x"), "--classes-from",
+                                 str(tmp_path)])
+    assert result.exit_code == 2 and "is not a dsc dataset (no manifest.json)" in result.output
+
+
+# ----------------------------------------------------------------------------- label tables
+
+@pytest.fixture
+def flat(tmp_path: Path) -> tuple[Path, list[str]]:
+    """12 images in a flat-ish folder (label tables do not need class folders), and their paths."""
+    src = make_image_folder(tmp_path / "src", classes=3, per_class=4, size=(20, 24), seed=3)
+    return src, sorted(p.relative_to(src).as_posix() for p in src.rglob("*") if p.is_file())
+
+
+def rows_for(paths: list[str]) -> list[dict]:
+    return [{"path": p, "label": ["cat", "dog", "emu"][k % 3], "tags": ["a", "b"][:k % 3],
+             "target": [k / 4, -k], "count": k} for k, p in enumerate(paths)]
+
+
+def write_csv(path: Path, rows: list[dict]) -> Path:
+    lines = ["filename,label,tags,target,count"]
+    lines += [f'{r["path"]},{r["label"]},"{";".join(r["tags"])}",{";".join(map(str, r["target"]))},{r["count"]}'
+              for r in rows]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_a_csv_table_gives_labels_and_typed_fields(flat, tmp_path: Path) -> None:
+    src, paths = flat
+    rows = rows_for(paths[:9])  # 3 images are not listed
+    summary = dsc.compile_folder(src, tmp_path / "out", size=8, workers=1,
+                                 labels=write_csv(tmp_path / "labels.csv", rows))
+    assert summary.kept == 9 and summary.ignored == 3
+    ds = MemmapDataset(tmp_path / "out")
+    assert ds.manifest.version == "1.1" and ds.classes == ["cat", "dog", "emu"]
+    assert {f.name: (f.kind, f.shape) for f in ds.manifest.fields} == {
+        "tags": ("multilabel", (2,)), "target": ("float", (2,)), "count": ("int", ())}
+    assert ds.field_classes("tags") == ["a", "b"]
+    by_path = {r["path"]: r for r in rows}
+    for i in range(len(ds)):
+        row = by_path[ds.opened.source(i)]
+        assert ds.classes[ds.labels[i]] == row["label"]
+        assert [ds.field_classes("tags")[k] for k in np.flatnonzero(ds.fields["tags"][i])] == row["tags"]
+        assert ds.fields["target"][i].tolist() == row["target"] and ds.fields["target"].dtype == np.float32
+        assert int(ds.fields["count"][i]) == row["count"]
+    assert_roundtrip(src, tmp_path / "out")
+
+
+def test_a_jsonl_table_gives_the_same_dataset_as_the_csv(flat, tmp_path: Path) -> None:
+    src, paths = flat
+    rows = rows_for(paths)
+    dsc.compile_folder(src, tmp_path / "csv", size=8, workers=1, labels=write_csv(tmp_path / "t.csv", rows))
+    dsc.compile_folder(src, tmp_path / "jsonl", size=8, workers=1, labels=write_jsonl(tmp_path / "t.jsonl", rows))
+    for name in ("labels.bin", "fields/tags.bin", "fields/target.bin", "fields/count.bin", "shards/00000.bin"):
+        assert (tmp_path / "csv" / name).read_bytes() == (tmp_path / "jsonl" / name).read_bytes(), name
+
+
+def test_a_listed_image_that_is_missing_or_undecodable_is_skipped_and_recorded(flat, tmp_path: Path) -> None:
+    src, paths = flat
+    (src / "broken.jpg").write_bytes(b"not a jpeg")
+    rows = rows_for([*paths[:4], "gone/missing.jpg", "broken.jpg"])
+    summary = dsc.compile_folder(src, tmp_path / "out", size=8, workers=1,
+                                 labels=write_csv(tmp_path / "labels.csv", rows))
+    skipped = dict(summary.skipped)
+    assert summary.kept == 4 and set(skipped) == {"gone/missing.jpg", "broken.jpg"}
+    assert "listed in labels.csv but not found" in skipped["gone/missing.jpg"]
+    ds = MemmapDataset(tmp_path / "out")
+    by_path = {r["path"]: r for r in rows}
+    assert all(int(ds.fields["count"][i]) == by_path[ds.opened.source(i)]["count"] for i in range(4))
+
+
+def test_column_kinds_are_inferred_or_given(flat, tmp_path: Path) -> None:
+    src, paths = flat
+    table = tmp_path / "t.csv"
+    table.write_text("path,label,species,score\n" + "".join(
+        f"{p},{k % 2},{['owl', 'emu'][k % 2]},{k}\n" for k, p in enumerate(paths)))
+    dsc.compile_folder(src, tmp_path / "a", size=8, workers=1, labels=table)
+    ds = MemmapDataset(tmp_path / "a")
+    assert ds.classes == ["0", "1"]  # integers in the label column are classes, in numeric order
+    assert {f.name: f.kind for f in ds.manifest.fields} == {"species": "class", "score": "int"}
+    assert ds.field_classes("species") == ["emu", "owl"]
+    dsc.compile_folder(src, tmp_path / "b", size=8, workers=1, labels=table, columns={"score": "float"})
+    assert MemmapDataset(tmp_path / "b").fields["score"].dtype == np.float32
+
+
+def test_integer_classes_are_their_own_indices(flat, tmp_path: Path) -> None:
+    """Labels 1, 2 and 10 stay 1, 2 and 10 (a 1-based table, or a split missing a class, moves nothing);
+    "01" is class 1."""
+    src, paths = flat
+    table = tmp_path / "t.csv"
+    table.write_text("path,label\n" + "".join(f"{p},{['2', '10', '01'][k % 3]}\n" for k, p in enumerate(paths)))
+    dsc.compile_folder(src, tmp_path / "out", size=8, workers=1, labels=table)
+    ds = MemmapDataset(tmp_path / "out")
+    assert ds.classes == [str(k) for k in range(11)]
+    by_path = {p: [2, 10, 1][k % 3] for k, p in enumerate(paths)}
+    assert all(ds.labels[i] == by_path[ds.opened.source(i)] for i in range(len(ds)))
+
+
+@pytest.mark.parametrize("cells", [["1.5", "2.25", "NA", "10"], ["0", "1", "1x", "2"], ["3", "4", "nan", "5"]])
+def test_a_number_column_with_one_bad_cell_stops_instead_of_becoming_classes(flat, tmp_path: Path, cells) -> None:
+    src, paths = flat
+    table = tmp_path / "t.csv"
+    table.write_text("path,label,age\n" + "".join(f"{p},a,{cells[k % 4]}\n" for k, p in enumerate(paths)))
+    with pytest.raises(CompileError, match=rf"t.csv, line 4, column 'age': '{cells[2]}' is not a number, but the "
+                                           r"column's other values are; .* --column age:class"):
+        dsc.compile_folder(src, tmp_path / "out", size=8, workers=1, labels=table)
+    dsc.compile_folder(src, tmp_path / "out", size=8, workers=1, labels=table, columns={"age": "class"})
+
+
+def test_a_validation_table_takes_the_training_fields_vocabularies(flat, tmp_path: Path) -> None:
+    """--classes-from also fixes the kind and vocabulary of same-named class and tag columns."""
+    src, paths = flat
+    train, val = tmp_path / "train.csv", tmp_path / "val.csv"
+    train.write_text("path,label,species,tags\n" + "".join(
+        f"{p},a,{['cat', 'dog', 'fox'][k % 3]},{['indoor;red', 'outdoor', 'red'][k % 3]}\n"
+        for k, p in enumerate(paths[:6])))
+    val.write_text("path,label,species,tags\n" + "".join(
+        f"{p},a,{['dog', 'fox'][k % 2]},{['red', 'outdoor'][k % 2]}\n" for k, p in enumerate(paths[6:])))
+    dsc.compile_folder(src, tmp_path / "out" / "train", size=8, workers=1, labels=train)
+    dsc.compile_folder(src, tmp_path / "out" / "val", size=8, workers=1, labels=val,
+                       classes=tmp_path / "out" / "train")
+    t, v = MemmapDataset(tmp_path / "out" / "train"), MemmapDataset(tmp_path / "out" / "val")
+    assert v.field_classes("species") == t.field_classes("species") == ["cat", "dog", "fox"]
+    assert v.field_classes("tags") == t.field_classes("tags") == ["indoor", "outdoor", "red"]
+    assert {f.name: f.kind for f in v.manifest.fields} == {"species": "class", "tags": "multilabel"}  # no ';' in val
+    val.write_text(val.read_text().replace(",dog,", ",emu,", 1))
+    with pytest.raises(CompileError, match=r"val.csv, line 2, column 'species': class 'emu' is not among"):
+        dsc.compile_folder(src, tmp_path / "out" / "val2", size=8, workers=1, labels=val,
+                           classes=tmp_path / "out" / "train")
+
+
+def test_a_table_label_uses_the_training_vocabulary(flat, tmp_path: Path) -> None:
+    src, paths = flat
+    table = tmp_path / "t.csv"
+    table.write_text("path,label\n" + "".join(f"{p},{['dog', 'cat'][k % 2]}\n" for k, p in enumerate(paths)))
+    dsc.compile_folder(src, tmp_path / "out", size=8, workers=1, labels=table, classes=["ant", "cat", "dog"])
+    ds = MemmapDataset(tmp_path / "out")
+    assert ds.classes == ["ant", "cat", "dog"] and sorted(set(ds.labels.tolist())) == [1, 2]
+    table.write_text("path,label\n" + "".join(f"{p},{['dog', 'yak'][k % 2]}\n" for k, p in enumerate(paths)))
+    with pytest.raises(CompileError, match=r"t.csv, line 3, column 'label': class 'yak' is not among"):
+        dsc.compile_folder(src, tmp_path / "out2", size=8, workers=1, labels=table, classes=["cat", "dog"])
+    summary = dsc.compile_folder(src, tmp_path / "out3", size=8, workers=1, labels=table, classes=["cat", "dog"],
+                                 skip_unknown_classes=True)
+    assert summary.kept == 6 and len(summary.skipped) == 6
+
+
+@pytest.mark.parametrize(("content", "kinds", "match"), [
+    ("path,label\nA,cat\nA,dog\n", None, r"line 3: image 'A' is listed twice \(first on line 2\)"),
+    ("path,label\n../secret.jpg,cat\n", None, r"line 2: image path '../secret.jpg' leaves the source folder"),
+    ("path,label\n/etc/x.jpg,cat\n", None, r"line 2: image path '/etc/x.jpg' leaves"),
+    ("path,label\nA,cat,extra\n", None, r"line 2: 3 values, but the header has 2"),
+    ("path,target\nA,1.5\nB,abc\n", {"target": "float"}, r"line 3, column 'target': 'abc' is not a finite number"),
+    ("path,target\nA,1.5\nB,nan\n", {"target": "float"}, r"line 3, column 'target': 'nan' is not a finite"),
+    ("path,target\nA,1e39\n", {"target": "float"}, r"line 2, column 'target': '1e39' is not a finite number in"),
+    ("path,n\nA,1\nB,2.5\n", {"n": "int"}, r"line 3, column 'n': '2.5' is not an integer"),
+    ("path,v\nA,1;2\nB,3\n", None, r"line 3, column 'v': 1 values, but line 2 has 2"),
+    ("path,label\nA,\n", {"label": "class"}, r"line 2, column 'label': a class name or integer is needed"),
+    ("path,label\nA,0.5\n", None, r"column 'label' holds float values"),
+    ("path,index\nA,1\n", None, r"column 'index' is reserved"),
+    ("path,a b\nA,1\n", None, r"'a b' is not a valid field name"),
+    ("path,x,x\nA,1,2\n", None, r"column\(s\) 'x' appear twice"),
+    ("path,label\n", None, r"no rows"),
+    ("", None, r"empty"),
+    ('path,label\n"A,cat\n', None, r"malformed CSV|values, but the header"),
+    ("path,label\nA,cat\n", {"nope": "int"}, r"--column nope: .* has no column 'nope'"),
+])
+def test_a_malformed_csv_table_names_the_file_line_and_column(flat, tmp_path: Path, content, kinds, match) -> None:
+    src, paths = flat
+    table = tmp_path / "bad.csv"
+    table.write_text(content.replace("A", paths[0]).replace("B", paths[1]) if content else "")
+    with pytest.raises(CompileError, match=match.replace("'A'", f"'{paths[0]}'")) as error:
+        dsc.compile_folder(src, tmp_path / "out", size=8, workers=1, labels=table, columns=kinds)
+    assert "bad.csv" in str(error.value)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("lines", "match"), [
+    (['{"path": "A", "label": "cat"}', "{not json"], r"line 2: not valid JSON"),
+    (['{"path": "A", "label": "cat"}', '{"path": "B"}'], r"line 2: keys differ from the first line's: 'label'"),
+    (['["A", "cat"]'], r'line 1: each line must be a JSON object with a "path" key'),
+    (['{"path": 5, "label": "cat"}'], r"line 1: the image path must be non-empty text"),
+    (['{"path": "A", "tags": [1, "x"]}'], r"line 1, column 'tags': 'x' is not a number"),
+    (['{"path": "A", "tags": ["x", 2]}'], r"line 1, column 'tags': 'x' is not a number"),
+])
+def test_a_malformed_jsonl_table_names_the_line(flat, tmp_path: Path, lines, match) -> None:
+    src, paths = flat
+    table = tmp_path / "bad.jsonl"
+    table.write_text("\n".join(lines).replace('"A"', json.dumps(paths[0])).replace('"B"', json.dumps(paths[1])))
+    with pytest.raises(CompileError, match=match):
+        dsc.compile_folder(src, tmp_path / "out", size=8, workers=1, labels=table)
+
+
+def test_the_cli_compiles_a_table_and_info_lists_its_fields(flat, tmp_path: Path) -> None:
+    src, paths = flat
+    table = write_csv(tmp_path / "labels.csv", rows_for(paths[:10]))
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["compile", str(src), str(out), "--size", "8", "-j", "1", "--labels", str(table),
+                                 "--column", "count:float"])
+    assert result.exit_code == 0, result.output
+    assert "note: 2 image(s) in" in result.stderr
+    assert "field count: float, float32 scalar, values 0 to 9" in result.stderr
+    info = runner.invoke(app, ["info", str(out)])
+    assert info.exit_code == 0 and "dsc format 1.1" in info.stdout
+    assert "field tags: multilabel, uint8 [2], 2 classes: a (6), b (3)" in info.stdout
+    assert "field target: float, float32 [2], values -9 to 2.25" in info.stdout
+    as_json = json.loads(runner.invoke(app, ["info", str(out), "--json"]).stdout)
+    assert [f["name"] for f in as_json["fields"]] == ["tags", "target", "count"]
+    bad = runner.invoke(app, ["compile", str(src), str(tmp_path / "x"), "--labels", str(table), "--column", "count"])
+    assert bad.exit_code == 2 and "expected NAME:KIND" in bad.output
+    verify = runner.invoke(app, ["verify", str(out)])
+    assert verify.exit_code == 0 and "3 field file(s)" in verify.stdout
+    field_file = out / "fields" / "target.bin"
+    field_file.write_bytes(b"\x00" * field_file.stat().st_size)
+    verify = runner.invoke(app, ["verify", str(out)])
+    assert verify.exit_code == 1 and "fields/target.bin: SHA-256 is" in verify.stderr
+
+
+def test_show_captions_every_field(flat, tmp_path: Path) -> None:
+    src, paths = flat
+    rows = rows_for(paths[:3])
+    dsc.compile_folder(src, tmp_path / "out", size=8, workers=1, shuffle=False,
+                       labels=write_csv(tmp_path / "labels.csv", rows))
+    from dsc.format import open_dataset
+    assert caption_lines(open_dataset(tmp_path / "out"), 2) == ["#2 emu", "tags=a+b", "target=0.5,-2", "count=2"]
+    result = runner.invoke(app, ["show", str(tmp_path / "out"), "-o", str(tmp_path / "s.png"), "--n", "3"])
+    assert result.exit_code == 0 and "3 records" in result.stdout
+
+
+def test_assert_roundtrip_catches_a_field_that_disagrees_with_the_table(flat, tmp_path: Path) -> None:
+    src, paths = flat
+    table = write_csv(tmp_path / "labels.csv", rows_for(paths))
+    dsc.compile_folder(src, tmp_path / "out", size=8, workers=1, labels=table)
+    assert_roundtrip(src, tmp_path / "out")
+    table.write_text(table.read_text().replace(f"{paths[3]},cat", f"{paths[3]},dog"))  # the table changed since
+    with pytest.raises(AssertionError, match=rf"\({paths[3]}\): label 'cat', but the table says 'dog'"):
+        assert_roundtrip(src, tmp_path / "out")
+
+
+def test_a_resume_carries_the_fields_and_refuses_another_table(flat, tmp_path: Path) -> None:
+    src, paths = flat
+    rows = rows_for(paths)
+    table = write_csv(tmp_path / "labels.csv", rows)
+    dsc.compile_folder(src, tmp_path / "ref", size=8, workers=1, labels=table)
+
+    def stop(n: int) -> None:
+        raise KeyboardInterrupt  # after the first results are journalled
+
+    with pytest.raises(KeyboardInterrupt):
+        dsc.compile_folder(src, tmp_path / "out", size=8, workers=1, labels=table, progress=stop)
+    rows[0]["count"] = 99
+    write_csv(tmp_path / "changed.csv", rows)
+    with pytest.raises(CompileError, match="other settings: fields"):
+        dsc.compile_folder(src, tmp_path / "out", size=8, workers=1, labels=tmp_path / "changed.csv", resume=True)
+    dsc.compile_folder(src, tmp_path / "out", size=8, workers=1, labels=table, resume=True)
+    for name in ("labels.bin", "fields/tags.bin", "fields/target.bin", "fields/count.bin", "shards/00000.bin"):
+        assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "ref" / name).read_bytes(), name
+
+
+# ----------------------------------------------------------------------------- reading fields
+
+@pytest.fixture
+def with_fields(flat, tmp_path: Path) -> Path:
+    src, paths = flat
+    dsc.compile_folder(src, tmp_path / "out", size=8, workers=1, records_per_shard=5,
+                       labels=write_csv(tmp_path / "labels.csv", rows_for(paths)))
+    return tmp_path / "out"
+
+
+def test_loader_batches_carry_every_field_in_its_dtype(with_fields: Path) -> None:
+    ds = MemmapDataset(with_fields)
+    seen = []
+    for batch in ds.loader(5, order="random", seed=1):
+        idx = batch["index"].numpy()
+        assert batch["tags"].dtype == torch.uint8 and batch["target"].dtype == torch.float32
+        assert batch["count"].dtype == torch.int64 and batch["target"].shape == (len(idx), 2)
+        for name, values in ds.fields.items():
+            assert np.array_equal(batch[name].numpy(), values[idx]), name
+        assert np.array_equal(batch["label"].numpy(), ds.labels[idx])
+        seen += idx.tolist()
+    assert sorted(seen) == list(range(len(ds)))
+
+
+def test_the_packed_upload_slot_gives_back_every_field(with_fields: Path) -> None:
+    """What the CUDA ring does with the small fields (one byte slot, aligned views), on CPU tensors."""
+    from dsc.reader.loader import batch_fields
+
+    ds = MemmapDataset(with_fields)
+    idx = np.array([7, 2, 9])
+    fields = batch_fields(ds.opened, idx)
+    slot = torch.zeros(packed_bytes(field_specs(ds.opened), 4), dtype=torch.uint8)
+    layout = pack_fields(fields, slot.numpy())
+    views = unpack_fields(slot.clone(), layout)
+    assert list(views) == list(fields)
+    for name, value in fields.items():
+        assert views[name].dtype == torch.from_numpy(value).dtype and np.array_equal(views[name].numpy(), value)
+
+
+def test_the_dataloader_drop_in_takes_a_target_transforms_and_the_index(with_fields: Path) -> None:
+    ds = MemmapDataset(with_fields, target="target", return_index=True)
+    image, target, index = ds[3]
+    assert image.shape == (3, 8, 8) and torch.equal(target, torch.from_numpy(ds.fields["target"][3].copy()))
+    assert index == 3
+    images_, targets, indices = next(iter(torch.utils.data.DataLoader(ds, batch_size=4, shuffle=False)))
+    assert targets.dtype == torch.float32 and torch.equal(targets, torch.from_numpy(ds.fields["target"][:4].copy()))
+    assert indices.tolist() == [0, 1, 2, 3]
+    scaled = MemmapDataset(with_fields, target="count", transform=lambda x: x.float() / 255,
+                           target_transform=lambda t: t * 10)
+    images_, targets = next(iter(torch.utils.data.DataLoader(scaled, batch_size=4, num_workers=1)))
+    assert images_.dtype == torch.float32 and images_.max() <= 1
+    assert targets.tolist() == [10 * int(c) for c in scaled.fields["count"][:4]]
+    with pytest.raises(ValueError, match="no such field"):
+        MemmapDataset(with_fields, target="nope")
+
+
+def test_as_tensordict_maps_the_fields(with_fields: Path) -> None:
+    ds = MemmapDataset(with_fields)
+    td = ds.as_tensordict()
+    assert torch.equal(td["fields", "tags"], torch.from_numpy(ds.fields["tags"].copy()))
+    assert torch.equal(td["shards", "1", "target"], torch.from_numpy(ds.fields["target"][5:10].copy()))
+
+
+def test_the_readme_labels_section_runs_as_written(tmp_path: Path, monkeypatch) -> None:
+    """Its commands (with a val folder lacking a class), its CSV and its Python, in a fresh folder."""
+    root = Path(__file__).parent.parent
+    readme = (root / "README.md").read_text()
+    section = readme[readme.index("## Labels and splits"):readme.index("## Read\n")]
+    commands = [line[2:].split() for line in section.splitlines() if line.startswith("$ dsc ")]
+    csv = section[section.index("```csv\n") + 7:section.index("```", section.index("```csv\n") + 7)]
+    python = section[section.index("```python\n") + 10:section.index("```", section.index("```python\n") + 10)]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "examples").symlink_to(root / "examples")
+    for name in ("cat", "people", "space"):  # lacks coffee and texture
+        shutil.copytree(root / "examples" / "images" / name, tmp_path / "val_images" / name)
+    (tmp_path / "labels.csv").write_text(csv)
+    assert len(commands) == 3
+    for command in commands:
+        result = runner.invoke(app, command[1:])
+        assert result.exit_code == 0, (command, result.output)
+    assert "note: 16 image(s) in examples/images are not listed in labels.csv" in result.stderr
+    namespace: dict = {}
+    exec(compile(python, "README.md", "exec"), namespace)
+    val, train = namespace["val"], MemmapDataset("out/train")
+    assert val.classes == train.classes and namespace["label"] == train.classes.index(folder_of(val, 0))
+    assert namespace["tag_names"] == ["animal", "drink", "indoor"]
+    assert namespace["weight"].dtype == torch.float32 and namespace["tags"].shape == (4, 3)
+    assert_roundtrip(tmp_path / "examples" / "images", "out/tagged")
