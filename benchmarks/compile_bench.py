@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-CHUNK = 16  # files per task, as dsc's compiler uses
+CHUNK = 16  # files per task, the smallest chunk dsc's compiler uses
 
 
 def pick_sources(corpus: Path, limit: int | None) -> list[str]:
@@ -73,7 +73,7 @@ def _wait(barrier) -> None:
 
 def start_pool(n: int, init=_wait) -> tuple[Pool, float]:
     """A Pool of n processes started like dsc's workers, returned once all run `init`; and how long that took."""
-    from dsc.compiler.write import START_METHOD
+    from dsc.compiler.engines.local import START_METHOD
 
     ctx = mp.get_context(START_METHOD)
     barrier = ctx.Barrier(n + 1)

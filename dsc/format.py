@@ -10,11 +10,13 @@ names for the same things. In short::
       sizes.bin             uint32 LE [count, 2]  original (height, width), EXIF-oriented
       source_offsets.bin    uint64 LE [count + 1] byte ranges of each record's path in sources.bin
       sources.bin           source paths relative to SRC, '/'-separated, as the file system's bytes
+      skipped.jsonl         (1.1) every skipped source; the manifest keeps only the first ones
       fields/NAME.bin       (1.1) one typed per-record value per field: [count, *shape], little-endian
 
 Readers validate before they trust (`open_dataset`): the manifest's size, keys and
 types, its version, every count against every real file size, and every path
-confined to the dataset folder — only then are the files memory-mapped.
+confined to the dataset folder; then the index values, a bounded piece at a time (holes
+of sparse files are not read) — only then are the files memory-mapped.
 """
 
 from __future__ import annotations

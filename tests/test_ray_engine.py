@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from dsc import CompileError, compile_folder
 from dsc import format as fmt
 from dsc.cli import app
+from dsc.compiler.jobs import MAX_CHUNK
 
 from conftest import make_folder, pattern, save
 
@@ -39,6 +40,22 @@ def test_ray_output_is_byte_identical_to_the_local_engine(tmp_path: Path) -> Non
     compile_folder(src, tmp_path / "local", workers=2, **quiet)
     summary = compile_folder(src, tmp_path / "ray", engine="ray", **quiet)
     assert summary.kept == 18 and summary.shards == 5 and len(summary.skipped) == 1
+    assert file_bytes(tmp_path / "ray") == file_bytes(tmp_path / "local")
+
+
+def test_ray_splits_one_shard_into_many_bounded_tasks_with_identical_bytes(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    for i in range(2000):  # one shard at the default 1 GiB: a task per shard would be one task
+        save(src / f"c{i % 4}" / f"{i:04d}.png", pattern(6, 7, seed=i % 11), "PNG")
+    (src / "c1" / "junk.jpg").write_bytes(b"no image")
+    quiet = {"on_skip": lambda s, r: None, "size": 8}
+    compile_folder(src, tmp_path / "local", workers=2, **quiet)
+    tasks: list[int] = []  # the Ray engine reports each finished task's results at once
+    summary = compile_folder(src, tmp_path / "ray", engine="ray", progress=tasks.append, **quiet)
+    tasks = [n for n in tasks if n]  # (a resume first reports the records it reuses: none here)
+    assert summary.shards == 1 and sum(tasks) == 2001
+    assert len(tasks) >= 16 * 2, f"{len(tasks)} tasks for 2 CPUs"  # no long tail on one slow task
+    assert max(tasks) <= MAX_CHUNK
     assert file_bytes(tmp_path / "ray") == file_bytes(tmp_path / "local")
 
 

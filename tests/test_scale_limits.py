@@ -217,3 +217,26 @@ def test_the_index_scan_finds_what_numpy_finds_in_sparse_files(tmp_path: Path) -
             f.write(values.astype("<i8").tobytes())
     with pytest.raises(DatasetError, match=rf"found \[{labels.min()}, {labels.max()}\]"):
         fmt.open_dataset(root)
+
+
+def test_reserving_a_shard_writes_nothing_where_the_file_system_cannot_allocate(tmp_path: Path) -> None:
+    """ext3 (no extents) has no fallocate, like NFSv3: glibc's posix_fallocate then writes every block."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a loop file system needs root")
+    image, mount = tmp_path / "ext3.img", tmp_path / "ext3"
+    with open(image, "wb") as f:
+        f.truncate(96 << 20)
+    mount.mkdir()
+    made = subprocess.run(["mkfs.ext3", "-q", "-F", str(image)], capture_output=True, text=True)
+    if made.returncode or subprocess.run(["mount", "-o", "loop", str(image), str(mount)]).returncode:
+        pytest.skip(f"cannot make or mount an ext3 loop file system here {made.stderr.strip()}")
+    try:
+        fd = os.open(mount / "shard.bin", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fmt.reserve(fd, 64 << 20)
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=True)
+    assert st.st_size == 64 << 20 and st.st_blocks * 512 < 1 << 20, f"{st.st_blocks * 512} bytes written"
