@@ -153,23 +153,17 @@ def compile_command(
     except DscError as e:
         raise typer.BadParameter(str(e), param_hint="--column") from None
     signal.signal(signal.SIGTERM, _interrupt)  # `timeout`, `docker stop`, schedulers: clean up as for Ctrl-C
-    bar = tqdm(unit="img", desc="discovering", disable=None, file=sys.stderr, dynamic_ncols=True)
-
-    def on_total(n: int) -> None:  # discovery is done: from here on, n/total, rate and ETA
-        bar.reset(total=n)
-        bar.set_description("compiling")
-
-    def on_skip(source: str, reason: str) -> None:
-        bar.write(f"skipped {_clean(source)}: {_clean(reason)}", file=sys.stderr)
-
+    bar = _CompileProgress()
     try:
-        with _log_lines(lambda line: bar.write(f"warning: {_clean(line)}", file=sys.stderr)):
+        with _log_lines(lambda line: bar.write(f"warning: {_clean(line)}")):
             summary = compile_folder(src, out, size=size, fit=fit, seed=seed, shuffle=shuffle, workers=workers,
                                      strict=strict, force=force, records_per_shard=records_per_shard,
                                      max_pixels=max_pixels, resume=resume, engine=engine, address=address,
                                      fast_decode=fast_decode, classes=vocabulary,
                                      skip_unknown_classes=skip_unknown_classes, labels=labels, columns=kinds or None,
-                                     progress=bar.update, on_total=on_total, on_skip=on_skip)
+                                     on_found=bar.found, on_total=bar.total, progress=bar.done,
+                                     on_skip=lambda source, reason: bar.write(f"skipped {_clean(source)}: "
+                                                                              f"{_clean(reason)}"))
     except DscError as e:
         bar.close()
         _fail(str(e))
@@ -191,6 +185,31 @@ def compile_command(
                f"{len(summary.classes)} classes, {len(summary.skipped)} skipped, "
                f"{_human_bytes(summary.bytes_on_disk)} on disk, {summary.seconds:.1f} s "
                f"({summary.images_per_second:.0f} images/s)")
+
+
+class _CompileProgress:
+    """The compile's two bars on stderr (only on a terminal): a running count of the images
+    discovery finds, left on screen once it is done, then n/total with rate and ETA."""
+
+    def __init__(self) -> None:
+        self._bar = tqdm(unit="img", desc="discovering", disable=None, file=sys.stderr, dynamic_ncols=True)
+
+    def found(self, n: int) -> None:
+        self._bar.update(n)
+
+    def total(self, n: int) -> None:  # discovery is done: from here on, n/total, rate and ETA
+        self._bar.close()
+        self._bar = tqdm(total=n, unit="img", desc="compiling", disable=None, file=sys.stderr, dynamic_ncols=True)
+
+    def done(self, n: int) -> None:
+        self._bar.update(n)
+
+    def write(self, line: str) -> None:
+        """A line above the bar (a skip, a warning), which keeps drawing below it."""
+        self._bar.write(line, file=sys.stderr)
+
+    def close(self) -> None:
+        self._bar.close()
 
 
 def _describe_field(f: dict) -> str:

@@ -109,3 +109,36 @@ def test_an_interrupted_cli_compile_with_workers_cleans_up(tmp_path: Path, sig: 
     assert not out.exists() and staging_path(out).exists()
     resumed = runner.invoke(app, ["compile", str(tmp_path / "big"), str(out), "--size", "64", "--resume"])
     assert resumed.exit_code == 0 and "240 records" in resumed.stdout
+
+
+def test_on_a_terminal_the_bar_counts_discovery_then_shows_total_rate_and_eta(folder: Path, tmp_path: Path) -> None:
+    """The progress bar as a person sees it: stderr is a real pseudo-terminal, stdout a pipe."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))  # 100 columns, as a terminal has
+    proc = subprocess.Popen([sys.executable, "-m", "dsc.cli", "compile", str(folder), str(tmp_path / "out"),
+                             "--size", "16", "-j", "1"], stdout=subprocess.PIPE, stderr=follower, text=True)
+    os.close(follower)
+    screen = b""
+    while True:
+        try:
+            data = os.read(leader, 65536)
+        except OSError:  # EIO: the compile closed its end of the terminal
+            break
+        if not data:
+            break
+        screen += data
+    stdout = proc.stdout.read()
+    assert proc.wait(timeout=60) == 0
+    os.close(leader)
+    text = screen.decode()
+    assert "wrote" not in text and stdout.startswith(f"wrote {tmp_path / 'out'}: 12 records")
+    lines = text.replace("\r\n", "\n").split("\n")
+    discovered = [line.rsplit("\r", 1)[-1] for line in lines if "discovering:" in line]
+    assert len(discovered) == 1 and discovered[0].startswith("discovering: 12img [")  # left on screen, final count
+    final = lines[lines.index(next(line for line in lines if "compiling:" in line))].rsplit("\r", 1)[-1]
+    assert re.match(r"compiling: 100%\|[^|]+\| 12/12 \[\d\d:\d\d<\d\d:\d\d, +[\d.]+img/s\]", final), final

@@ -92,17 +92,26 @@ def test_usage_errors_are_plain_lines_like_data_errors(tmp_path: Path) -> None:
     assert "Error: Invalid value for '--size': size 'x' is not N or HxW" in result.output
 
 
-def test_a_compile_tells_its_total_before_its_progress(tmp_path: Path) -> None:
-    """What the CLI's bar needs for n/total, percent and ETA: the total once discovery is done."""
+def test_a_compile_counts_discovery_then_tells_its_total_before_its_progress(tmp_path: Path) -> None:
+    """What the CLI's bars need: a running count while discovery walks (each image once, nested
+    folders too), then the total for n/total, percent and ETA, then progress."""
+    import shutil
+
     from dsc.testing import make_image_folder
 
     src = make_image_folder(tmp_path / "src", classes=2, per_class=3, size=(16, 16))
     (src / "class_0" / "bad.jpg").write_bytes(b"no")
+    (src / "class_1" / "deeper" / "deepest").mkdir(parents=True)
+    for n, folder in enumerate(["deeper", "deeper/deepest", "deeper/deepest"]):
+        shutil.copy(next((src / "class_0").glob("*.png")), src / "class_1" / folder / f"copy_{n}.png")
     events: list[tuple[str, int]] = []
-    dsc.compile_folder(src, tmp_path / "out", size=8, workers=1, on_total=lambda n: events.append(("total", n)),
-                       progress=lambda n: events.append(("done", n)), on_skip=lambda *_: None)
-    assert events[0] == ("total", 7) and sum(n for kind, n in events[1:] if kind == "done") == 7
-    assert all(kind == "done" for kind, _ in events[1:])
+    dsc.compile_folder(src, tmp_path / "out", size=8, workers=1, on_found=lambda n: events.append(("found", n)),
+                       on_total=lambda n: events.append(("total", n)), progress=lambda n: events.append(("done", n)),
+                       on_skip=lambda *_: None)
+    kinds = [kind for kind, _ in events]
+    assert kinds == sorted(kinds, key=["found", "total", "done"].index) and kinds.count("total") == 1
+    assert sum(n for kind, n in events if kind == "found") == 10 and kinds.count("found") == 4  # one per folder
+    assert ("total", 10) in events and sum(n for kind, n in events if kind == "done") == 10
 
 
 def test_the_lock_file_goes_away_and_two_compiles_never_hold_out_at_once(tmp_path: Path) -> None:
@@ -157,3 +166,36 @@ def test_the_readmes_compile_and_look_commands_run_as_written(tmp_path: Path, mo
             assert real[0].split(" (")[0] == shown[0].split(" (")[0]
         else:
             assert real[0] == shown[0]  # the bench table's header
+
+
+@pytest.mark.parametrize("layout", ["unlabeled", "label table"])
+def test_discovery_counts_images_without_class_folders_too(tmp_path: Path, layout: str) -> None:
+    from dsc.testing import make_image_folder
+
+    src = make_image_folder(tmp_path / "src", classes=2, per_class=3, size=(16, 16))
+    options = {}
+    if layout == "unlabeled":
+        for image in list(src.glob("*/*")):
+            image.rename(src / f"{image.parent.name}_{image.name}")
+        for folder in [p for p in src.iterdir() if p.is_dir()]:
+            folder.rmdir()
+    else:
+        table = tmp_path / "labels.csv"
+        table.write_text("path,label\n" + "".join(f"{p.relative_to(src)},x\n" for p in sorted(src.glob("*/*"))[:4]))
+        options = {"labels": table}
+    found: list[int] = []
+    summary = dsc.compile_folder(src, tmp_path / "out", size=8, workers=1, on_found=found.append, **options)
+    assert sum(found) == 6 and summary.kept == (6 if layout == "unlabeled" else 4)
+
+
+def test_images_beside_empty_class_folders_are_not_called_missing(tmp_path: Path) -> None:
+    from dsc.testing import make_image_folder
+
+    src = make_image_folder(tmp_path / "src", classes=1, per_class=2, size=(16, 16))
+    for image in list((src / "class_0").iterdir()):
+        image.rename(src / image.name)  # an empty class folder left behind
+    result = runner.invoke(app, ["compile", str(src), str(tmp_path / "out")])
+    assert result.exit_code == 1 and result.stdout == ""
+    assert result.stderr.splitlines()[-1] == (f"error: the 2 image(s) directly in {src} are outside every class "
+                                             "folder, and the class folders hold none: move the images into class "
+                                             "folders, or remove the empty folders to compile them unlabeled")

@@ -158,12 +158,14 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
                    address: str | None = None, fast_decode: bool = False,
                    classes: str | os.PathLike | Sequence[str] | None = None, skip_unknown_classes: bool = False,
                    labels: str | os.PathLike | None = None, columns: dict[str, str] | None = None,
-                   progress: Callable[[int], None] | None = None, on_total: Callable[[int], None] | None = None,
+                   on_found: Callable[[int], None] | None = None, on_total: Callable[[int], None] | None = None,
+                   progress: Callable[[int], None] | None = None,
                    on_skip: Callable[[str, str], None] | None = None) -> CompileSummary:
     """Compile an image folder into a dsc dataset at `out`; see `dsc compile --help` for the options.
 
-    `on_total(n)` is called once discovery has found the n sources to decode (for a progress
-    bar's total), `progress(n)` as n more of them are done; `on_skip(source, reason)` for each
+    `on_found(n)` is called as discovery finds n more images (a long walk's running count),
+    `on_total(n)` once it is done, with the n sources to decode (for a progress bar's total),
+    `progress(n)` as n more of them are done; `on_skip(source, reason)` for each
     skipped source (default: a line on the "dsc" logger). Raises CompileError; OUT is then untouched.
     An interrupted compile leaves its partial build beside OUT; `resume=True` continues it.
     `engine="ray"` runs the decoding as Ray tasks on the cluster at `address` (or a local one);
@@ -194,11 +196,11 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
     vocabulary = None if classes is None else labels_module.load_classes(classes)
     if labels is not None:
         found = labels_module.discover_listed(src, labels, columns, vocabulary, skip_unknown_classes,
-                                              labels_module.reference_fields(classes))
+                                              labels_module.reference_fields(classes), on_found)
     elif columns:
         raise CompileError("column kinds are for a label table (--labels)")
     else:
-        found = discover(src, vocabulary, skip_unknown_classes)
+        found = discover(src, vocabulary, skip_unknown_classes, on_found)
     if vocabulary is None and found.classes:
         for message in labels_module.sibling_class_mismatch(out, found.classes):
             logger.warning("%s", message)

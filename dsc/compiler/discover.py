@@ -9,12 +9,15 @@ index, a folder outside it is an error or, with `skip_unknown`, skipped.
 The walk also notes each file's size and modification time (the plan's fingerprint of the
 sources, see `journal.source_listing`), so no second pass stats every source. Class folders
 are walked by WALK_THREADS threads: on a network file system each stat is a round trip, and
-the threads overlap them (the calls release the GIL).
+the threads overlap them (the calls release the GIL). `on_found(n)` hears of every n images
+found as each folder is listed, so a progress bar can count while a long walk runs.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +55,9 @@ def is_image_name(name: str) -> bool:
     return not name.startswith(".") and os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
 
 
+OnFound = Callable[[int], None]  # "n more images found"
+
+
 @dataclass
 class _Found:
     """What one walk collected (one per class folder, so walks can run in parallel)."""
@@ -59,6 +65,19 @@ class _Found:
     sources: list[str] = field(default_factory=list)
     stamps: list[str] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
+    on_found: OnFound | None = None  # told of each folder's images as it is listed
+
+
+def _serialized(on_found: OnFound | None) -> OnFound | None:
+    """`on_found` called by one walk thread at a time (a progress bar's counter is not thread-safe)."""
+    if on_found is None:
+        return None
+    lock = threading.Lock()
+
+    def report(n: int) -> None:
+        with lock:
+            on_found(n)
+    return report
 
 
 def _stamp(entry: os.DirEntry) -> str:
@@ -85,6 +104,7 @@ def _walk(top: Path, rel: str, ancestors: frozenset[tuple[int, int]], found: _Fo
     except OSError as e:
         found.skipped.append((rel or ".", f"cannot list folder: {e.strerror or e}"))
         return
+    images_here = 0  # reported once the folder is listed (sub-folders report their own)
     for entry in entries:
         if entry.name.startswith("."):
             continue
@@ -101,10 +121,13 @@ def _walk(top: Path, rel: str, ancestors: frozenset[tuple[int, int]], found: _Fo
             if is_file:
                 found.sources.append(child)
                 found.stamps.append(_stamp(entry))
+                images_here += 1
             elif entry.is_symlink() and not os.path.exists(entry.path):
                 found.skipped.append((child, "broken symbolic link (its target does not exist)"))
             else:
                 found.skipped.append((child, "not a regular file (a device, pipe or socket)"))
+    if found.on_found and images_here:
+        found.on_found(images_here)
 
 
 def printable(source: str) -> str:
@@ -112,10 +135,10 @@ def printable(source: str) -> str:
     return os.fsencode(source).decode("utf-8", "backslashreplace")
 
 
-def list_images(root: Path) -> tuple[list[str], list[str], list[tuple[str, str]]]:
+def list_images(root: Path, on_found: OnFound | None = None) -> tuple[list[str], list[str], list[tuple[str, str]]]:
     """Every image file below `root` (relative, '/'-separated, depth-first by name), their stamps,
     and what was skipped."""
-    found = _Found()
+    found = _Found(on_found=on_found)
     _walk(root, "", frozenset(), found)  # adds the root itself
     return found.sources, found.stamps, found.skipped
 
@@ -132,11 +155,14 @@ def check_source_folder(root: Path) -> list[os.DirEntry]:
         raise CompileError(f"cannot list source folder {root}: {e.strerror or e}") from e
 
 
-def discover(root: str | os.PathLike, classes: list[str] | None = None, skip_unknown: bool = False) -> Discovery:
+def discover(root: str | os.PathLike, classes: list[str] | None = None, skip_unknown: bool = False,
+             on_found: OnFound | None = None) -> Discovery:
     """List every image under `root`; raise CompileError when there is nothing to compile.
 
-    `classes` fixes the vocabulary (label k is classes[k]); without it, the class folders are it."""
+    `classes` fixes the vocabulary (label k is classes[k]); without it, the class folders are it.
+    `on_found(n)` is called as n more images are found (from one walk thread at a time)."""
     root = Path(root)
+    on_found = _serialized(on_found)
     top = check_source_folder(root)
     folders = [e.name for e in top if not e.name.startswith(".") and e.is_dir()]
     for name in folders:
@@ -160,7 +186,7 @@ def discover(root: str | os.PathLike, classes: list[str] | None = None, skip_unk
     if folders or classes:
         present = [name for name in classes if name in folders]
         with ThreadPoolExecutor(max(1, min(WALK_THREADS, len(present)))) as pool:
-            walks = dict(zip(present, pool.map(lambda name: _walk_class(root, name, root_id), present)))
+            walks = dict(zip(present, pool.map(lambda name: _walk_class(root, name, root_id, on_found), present)))
         for label, name in enumerate(classes):
             found = walks.get(name, _Found())
             if not found.sources and not found.skipped:  # truly empty, not unreadable
@@ -171,15 +197,20 @@ def discover(root: str | os.PathLike, classes: list[str] | None = None, skip_unk
             skipped += found.skipped
         skipped += [(e.name, "not inside a class folder") for e in top if e.is_file() and is_image_name(e.name)]
     else:
-        sources, stamps, skipped = list_images(root)  # unlabeled
+        sources, stamps, skipped = list_images(root, on_found)  # unlabeled
         labels = [-1] * len(sources)
+    outside = [source for source, reason in skipped if reason == "not inside a class folder"]
+    if not sources and outside:
+        raise CompileError(f"the {len(outside)} image(s) directly in {root} are outside every class folder, and "
+                           "the class folders hold none: move the images into class folders, or remove the empty "
+                           "folders to compile them unlabeled")
     if not sources:
         raise CompileError(f"no images found in {root} (looked for {', '.join(sorted(IMAGE_EXTENSIONS))}, "
                            "in class sub-folders or directly in the folder)")
     return Discovery(root, sources, np.asarray(labels, dtype=np.int64), list(classes), skipped, empty, stamps)
 
 
-def _walk_class(root: Path, name: str, ancestors: frozenset[tuple[int, int]]) -> _Found:
-    found = _Found()
+def _walk_class(root: Path, name: str, ancestors: frozenset[tuple[int, int]], on_found: OnFound | None) -> _Found:
+    found = _Found(on_found=on_found)
     _walk(root / name, name, ancestors, found)
     return found

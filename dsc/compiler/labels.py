@@ -33,7 +33,7 @@ import os
 import posixpath
 import re
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -392,14 +392,16 @@ def _multi_hot(table: Table, name: str, classes: Sequence[str] | None = None) ->
 
 def discover_listed(src: str | os.PathLike, table_path: str | os.PathLike, kinds: dict[str, str] | None = None,
                     classes: list[str] | None = None, skip_unknown: bool = False,
-                    reference: dict[str, tuple[str, tuple[str, ...]]] | None = None) -> Discovery:
+                    reference: dict[str, tuple[str, tuple[str, ...]]] | None = None,
+                    on_found: Callable[[int], None] | None = None) -> Discovery:
     """What to compile from a label table: its rows whose image exists under `src`, their label
     (the `label` column over `classes` or its own sorted names) and fields (the other columns).
 
     A listed image that is missing is skipped (recorded like a bad image); images under `src`
     that the table does not list are ignored and counted. `classes` applies to the label;
     `reference` ({name: (kind, classes)}, another split's fields) fixes the kind and vocabulary of
-    the columns it names, so that a tag or class has the same position in every split."""
+    the columns it names, so that a tag or class has the same position in every split.
+    `on_found(n)`: n more images found under `src` (listed or not), as the walk goes."""
     reference = reference or {}
     root = Path(src)
     check_source_folder(root)
@@ -451,7 +453,7 @@ def discover_listed(src: str | os.PathLike, table_path: str | os.PathLike, kinds
             shape = ()
         fields.append((fmt.FieldEntry("", 0, "", name, kind, shape, tuple(field_classes)), values))
 
-    on_disk, on_disk_stamps, walk_skipped = list_images(root)  # one walk, not a stat per row
+    on_disk, on_disk_stamps, walk_skipped = list_images(root, on_found)  # one walk, not a stat per row
     found = dict(zip(on_disk, on_disk_stamps))
     stamps = []
     for row, source in enumerate(table.sources):
