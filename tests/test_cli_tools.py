@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -189,13 +190,23 @@ def test_device_rows_are_measured_against_the_host_to_device_limit() -> None:
     assert "the upload path itself" in diagnose(slow)[-1]
 
 
-def test_the_training_example_trains(tmp_path: Path) -> None:
+TRAIN_LINES = (r"step +(\d+)  epoch +\d+  loss (\d+\.\d{3})  [\d,]+ samples/s on (cpu|cuda:?\d*)",
+               r"data: (\d+) batches, waited \d+\.\d\d s of \d+\.\d\d s \(\d+\.\d%\); "
+               r"per batch: gather \d+\.\d\d ms, upload \d+\.\d\d ms")
+
+
+def test_the_training_example_trains_and_prints_what_the_readme_shows(tmp_path: Path) -> None:
     example = Path(__file__).parent.parent / "examples" / "train.py"
     run = subprocess.run([sys.executable, str(example), "--steps", "10", "--batch-size", "4",
                           "--data", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert (tmp_path / "out" / "manifest.json").exists()
     *_, last, data = run.stdout.strip().splitlines()
-    last = last.split()
-    assert last[:2] == ["step", "10"] and last[4] == "loss" and 0 < float(last[5]) < 10
-    assert data.startswith("data: 10 batches, waited ")  # the wait meter, printed
+    step = re.fullmatch(TRAIN_LINES[0], last)
+    assert step and step[1] == "10" and 0 < float(step[2]) < 10
+    assert re.fullmatch(TRAIN_LINES[1], data)[1] == "10"  # the wait meter, printed
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    command = "(`python examples/train.py --steps 40`; CUDA when available):\n\n```console\n"
+    shown = readme[readme.index(command) + len(command):].split("```")[0].splitlines()
+    assert [int(re.fullmatch(TRAIN_LINES[0], line)[1]) for line in shown[:-1]] == [10, 20, 30, 40]
+    assert re.fullmatch(TRAIN_LINES[1], shown[-1])[1] == "40"
