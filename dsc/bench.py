@@ -22,7 +22,7 @@ import torch
 from dsc import format as fmt
 from dsc.reader import MemmapDataset
 from dsc.reader.gather import split
-from dsc.reader.loader import LoaderStats, default_threads
+from dsc.reader.loader import LoaderStats, default_threads, resolve_device
 
 ORDERS = ("sequential", "block", "random")
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -46,6 +46,14 @@ class Rate:
     @property
     def gb_per_s(self) -> float:
         return self.samples_per_s * self.record_bytes / 1e9
+
+    def producer_costs(self) -> str:
+        """A loader row's cost of making a batch. Not `LoaderStats`' wait share: bench has no training
+        loop, it takes batches as fast as they come, so it always waits, and that reads as a bottleneck."""
+        stats = self.stats or LoaderStats(0, 0.0, 0.0, 0.0, 0.0)
+        per = 1e3 / max(stats.batches, 1)
+        return (f"producer: {stats.batches} batches; per batch gather {stats.gather_s * per:.2f} ms, "
+                f"upload {stats.upload_s * per:.2f} ms")
 
 
 @dataclass
@@ -130,7 +138,7 @@ def loader_rate(path: Path, order: str, batch_size: int, threads: int, budget_s:
                               finish=(lambda: torch.cuda.synchronize(loader.device)) if on_cuda else lambda: None)
     stats = loader.stats()
     loader.close()
-    return Rate(f"{label}dsc loader, {order}" + (f", to {loader.device}" if device else ""), samples, seconds,
+    return Rate(f"{label}dsc loader, {order}" + (f", to {loader.device}" if on_cuda else ""), samples, seconds,
                 ds.manifest.record_bytes, stats)
 
 
@@ -259,7 +267,7 @@ def run(path: str | os.PathLike, batch_size: int = 256, threads: int | None = No
     for order in ORDERS:
         log(f"warm {order}")
         report.warm.append(loader_rate(path, order, batch_size, threads, budget_s))
-    if device is not None and torch.device(device).type == "cuda":
+    if resolve_device(device) is not None:  # a CUDA device; "cpu" is the host path measured above
         report.h2d = h2d_limit(batch_size, shape, device, budget_s)
         report.device.append(loader_rate(path, "block", batch_size, threads, budget_s, device=device))
     report.notes += diagnose(report)

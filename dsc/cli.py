@@ -14,7 +14,6 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
 import typer
 from tqdm import tqdm
 
@@ -22,6 +21,7 @@ from dsc import __version__
 from dsc.bench import run as run_bench
 from dsc.compiler import compile_folder
 from dsc.compiler.decode import DEFAULT_MAX_PIXELS, turbojpeg_library
+from dsc.compiler.engines import ENGINES
 from dsc.compiler.labels import parse_column_kinds
 from dsc.compiler.publish import pending_publish, staging_path
 from dsc.compiler.resize import FITS, Target, parse_size
@@ -29,6 +29,7 @@ from dsc.errors import CompileError, DscError
 from dsc.format import open_dataset, verify_checksums
 from dsc.inspect_dataset import check_against_sources
 from dsc.inspect_dataset import summary as inspect_summary
+from dsc.reader.loader import resolve_device  # bench refuses a device as the loader does
 from dsc.sheet import pick_records, save_sheet
 
 SHOW_SKIPPED = 20  # skipped files listed by `dsc info` before "... and N more"
@@ -85,11 +86,20 @@ def _human_bytes(n: float) -> str:
     return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
 
 
+def _path(value: str) -> Path:
+    """A path argument, refusing an empty one: Path("") is ".", so `dsc compile $SRC out` with $SRC
+    unset would otherwise compile the current folder."""
+    if not value:
+        raise typer.BadParameter("is empty (an unset shell variable?)")
+    return Path(value)
+
+
 @app.command("compile")
 def compile_command(
-    src: Path = typer.Argument(..., metavar="SRC", help="Image folder: one sub-folder per class (or images directly)."),
-    out: Path = typer.Argument(..., metavar="OUT",
-                               help="Dataset folder to create (built aside, then renamed into place)."),
+    src: str = typer.Argument(..., metavar="SRC", callback=_path,
+                              help="Image folder: one sub-folder per class (or images directly)."),
+    out: str = typer.Argument(..., metavar="OUT", callback=_path,
+                              help="Dataset folder to create (built aside, then renamed into place)."),
     size: str = typer.Option("224", "--size", callback=_size_option, metavar="N|HxW",
                              help="Record size: N for N x N, or HxW (height x width)."),
     fit: str = typer.Option("center-crop", "--fit", metavar="FIT", help=f"How to reach the size: {', '.join(FITS)}."),
@@ -101,7 +111,8 @@ def compile_command(
     strict: bool = typer.Option(False, "--strict", help="Fail on the first bad image instead of skipping it."),
     force: bool = typer.Option(False, "--force",
                                help="Replace an existing dataset at OUT (and discard a partial build)."),
-    resume: bool = typer.Option(False, "--resume", help="Continue the partial build an interrupted compile left."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the partial build an interrupted compile left "
+                                "(with --force: one that was to replace the dataset at OUT)."),
     engine: str = typer.Option("local", "--engine", metavar="local|ray",
                                help="Where to decode: local (processes here) or ray."),
     address: str = typer.Option(None, "--address", metavar="ADDRESS",
@@ -135,6 +146,12 @@ def compile_command(
     """Compile an image folder into a dsc dataset of fixed-shape uint8 records."""
     if fit not in FITS:
         raise typer.BadParameter(f"{fit!r} is not one of {', '.join(FITS)}", param_hint="--fit")
+    if engine not in ENGINES:
+        raise typer.BadParameter(f"{engine!r} is not one of {', '.join(ENGINES)}", param_hint="--engine")
+    if address is not None and engine != "ray":
+        raise typer.BadParameter("only with --engine ray", param_hint="--address")
+    if column and labels is None:
+        raise typer.BadParameter("only with --labels (it gives a label table column its kind)", param_hint="--column")
     if turbojpeg_library() is None:
         typer.echo("note: libturbojpeg.so.0 not found, so JPEGs are decoded by Pillow's bundled libjpeg-turbo "
                    "(same pixels, slower). Install it with: apt-get install libturbojpeg0", err=True)
@@ -144,10 +161,10 @@ def compile_command(
         raise typer.BadParameter("only with --classes or --classes-from (without, every class is known)",
                                  param_hint="--skip-unknown-classes")
     if classes_from is not None and not (classes_from / "manifest.json").is_file():
-        raise typer.BadParameter(f"{classes_from} is not a dsc dataset (no manifest.json); for a file of class "
+        raise typer.BadParameter(f"{classes_from} does not exist" if not classes_from.exists() else
+                                 f"{classes_from} is not a dsc dataset (no manifest.json); for a file of class "
                                  "names use --classes FILE", param_hint="--classes-from")
-    vocabulary = classes_from if classes_from is not None else (
-        None if classes is None else classes if Path(classes).exists() else [c.strip() for c in classes.split(",")])
+    vocabulary = classes_from if classes_from is not None else classes  # names or a path: labels.classes_option
     try:
         kinds = parse_column_kinds(column or [])
     except DscError as e:
@@ -171,6 +188,9 @@ def compile_command(
         bar.close()
         _fail(_interrupted(out.absolute()), code=130)
     bar.close()
+    if summary.reused:
+        typer.echo(f"note: resumed: {summary.reused} of {summary.kept + len(summary.skipped)} sources were done "
+                   "already", err=True)
     if not summary.labeled and labels is None:
         typer.echo(f"note: {src} has no class sub-folders, so the dataset is unlabeled (label -1)", err=True)
     if summary.ignored:
@@ -179,7 +199,8 @@ def compile_command(
     for f in inspect_summary(out)["fields"] if summary.fields else []:
         typer.echo(f"field {f['name']}: {_describe_field(f)}", err=True)
     for name in summary.empty_classes:
-        typer.echo(f"note: class folder {name!r} has no images (its label is kept)", err=True)
+        typer.echo(f"note: class {name!r} has no images (its label index is kept)" if labels is not None else
+                   f"note: class folder {name!r} has no images (its label is kept)", err=True)
     h, w, c = summary.record_shape
     typer.echo(f"wrote {out}: {summary.kept} records of {h}x{w}x{c} uint8 in {summary.shards} shard(s), "
                f"{len(summary.classes)} classes, {len(summary.skipped)} skipped, "
@@ -264,6 +285,15 @@ def _dataset_argument() -> Path:
     return typer.Argument(..., metavar="DATASET", help="A compiled dsc dataset folder.")
 
 
+def _fail_dataset(dataset: Path, e: DscError) -> None:
+    """A dataset that cannot be opened; where it is missing because a compile was interrupted, say so."""
+    problems = getattr(e, "problems", None) or [str(e)]
+    if not dataset.exists() and staging_path(dataset.absolute()).is_dir():
+        problems.append(f"an interrupted compile left its work in {staging_path(dataset.absolute())}: run that "
+                        "compile again with --resume to finish it")
+    _fail(*problems)
+
+
 @app.command("info")
 def info_command(
     dataset: Path = _dataset_argument(),
@@ -273,7 +303,7 @@ def info_command(
     try:
         s = inspect_summary(dataset)
     except DscError as e:
-        _fail(str(e))
+        _fail_dataset(dataset, e)
     if as_json:
         typer.echo(json.dumps(s, indent=1))
         return
@@ -310,7 +340,7 @@ def verify_command(
         with tqdm(total=total, unit="B", unit_scale=True, desc="checksums", disable=None, file=sys.stderr) as bar:
             verify_checksums(dataset, manifest, progress=bar.update)
     except DscError as e:
-        _fail(*getattr(e, "problems", [str(e)]))
+        _fail_dataset(dataset, e)
     fields = f", {len(manifest.fields)} field file(s)" if manifest.fields else ""
     typer.echo(f"ok: manifest, {len(manifest.shards)} shard(s){fields} and index files match ({_human_bytes(total)})")
     if decode:
@@ -341,6 +371,8 @@ def show_command(
     columns: int = typer.Option(None, "--columns", min=1, metavar="N", help="Tiles per row [default: a square grid]."),
 ) -> None:
     """Draw a contact sheet of records with their index and label, to check a compile by eye."""
+    if indices is not None and class_name is not None:
+        raise typer.BadParameter("give --class or --indices, not both", param_hint="--class")
     try:
         picked = [int(v) for v in indices.split(",") if v.strip()] if indices else None
     except ValueError:
@@ -350,7 +382,7 @@ def show_command(
         records = pick_records(open_dataset(dataset), n, picked, class_name, seed)
         width, height = save_sheet(dataset, output, records, columns)
     except DscError as e:
-        _fail(str(e))
+        _fail_dataset(dataset, e)
     typer.echo(f"wrote {output}: {len(records)} records, {width}x{height} pixels")
 
 
@@ -365,18 +397,23 @@ def bench_command(
                                help="Add the host→device path, e.g. cuda (if present)."),
 ) -> None:
     """Measure read throughput of this dataset here, next to this machine's copy limit; name the bottleneck."""
-    if device is not None and torch.device(device).type == "cuda" and not torch.cuda.is_available():
-        raise typer.BadParameter("no CUDA device is available here", param_hint="--device")
+    try:
+        on_host = device is not None and resolve_device(device) is None
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--device") from None
+    if on_host:
+        typer.echo(f"note: --device {device} is the host path the other rows already measure", err=True)
+        device = None
     try:
         report = run_bench(dataset, batch_size, threads, seconds, cold, device,
                            log=lambda line: typer.echo(f"measuring: {line}", err=True))
     except DscError as e:
-        _fail(str(e))
+        _fail_dataset(dataset, e)
     typer.echo(f"{'row':<44} {'samples/s':>10} {'GB/s':>7} {'x limit':>8}")
     for rate, ratio in report.rows():
         typer.echo(f"{rate.name:<44} {rate.samples_per_s:>10,.0f} {rate.gb_per_s:>7.2f} {ratio:>8.2f}")
     for rate, _ in report.rows():
         if rate.stats is not None:
-            typer.echo(f"{rate.name}: {rate.stats}")
+            typer.echo(f"{rate.name}: {rate.producer_costs()}")
     for note in report.notes:
         typer.echo(f"- {note}")

@@ -83,9 +83,16 @@ def contact_sheet(path: str | os.PathLike, records: Sequence[int], columns: int 
 def save_sheet(path: str | os.PathLike, output: str | os.PathLike, records: Sequence[int],
                columns: int | None = None) -> tuple[int, int]:
     """Write the sheet as an image file (format from the suffix); return its (width, height)."""
+    output = Path(output)
+    if output.is_dir():
+        raise DscError(f"{output} is a folder; give an image file to write, e.g. {output / 'sheet.png'}")
+    if not output.parent.is_dir():
+        raise DscError(f"cannot write {output}: the folder {output.parent} does not exist")
+    if output.suffix.lower() not in Image.registered_extensions():
+        raise DscError(f"cannot write {output}: its name does not say an image format; end it in .png or .jpg")
     sheet = contact_sheet(path, records, columns)
     try:
-        sheet.save(Path(output))
+        sheet.save(output)
     except (OSError, ValueError) as e:
-        raise DscError(f"cannot write {output}: {e}") from e
+        raise DscError(f"cannot write {output}: {getattr(e, 'strerror', None) or e}") from e
     return sheet.size

@@ -220,7 +220,8 @@ def _table_rows(ds: MemmapDataset) -> dict[str, dict[str, Any]] | None:
     path = ds.manifest.compile.get("label_table")
     if not isinstance(path, str):
         return None
-    table = read_table(path)
+    source_root = ds.manifest.compile.get("source_root")
+    table = read_table(path, source_root if isinstance(source_root, str) else None)  # absolute paths inside SRC
     return {source: {name: cells[row] for name, cells in table.columns.items()}
             for row, source in enumerate(table.sources)}
 

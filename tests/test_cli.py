@@ -57,7 +57,7 @@ def test_runtime_errors_are_one_line(folder: Path, tmp_path: Path) -> None:
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "mine.txt").write_text("keep")
     exists = runner.invoke(app, ["compile", str(folder), str(tmp_path / "out")])
-    assert exists.exit_code == 1 and "already exists; pass --force" in exists.stderr
+    assert exists.exit_code == 1 and "is a folder that is not a dsc dataset" in exists.stderr
     assert (tmp_path / "out" / "mine.txt").read_text() == "keep"
     nested = runner.invoke(app, ["compile", str(folder), str(tmp_path / "no" / "such" / "out")])
     assert nested.exit_code == 0 and (tmp_path / "no" / "such" / "out" / "manifest.json").is_file()  # mkdir -p
@@ -142,3 +142,50 @@ def test_on_a_terminal_the_bar_counts_discovery_then_shows_total_rate_and_eta(fo
     assert len(discovered) == 1 and discovered[0].startswith("discovering: 12img [")  # left on screen, final count
     final = lines[lines.index(next(line for line in lines if "compiling:" in line))].rsplit("\r", 1)[-1]
     assert re.match(r"compiling: 100%\|[^|]+\| 12/12 \[\d\d:\d\d<\d\d:\d\d, +[\d.]+img/s\]", final), final
+
+
+@pytest.mark.parametrize(("args", "option", "message"), [
+    (["--engine", "spark"], "--engine", "'spark' is not one of local, ray"),
+    (["--address", "1.2.3.4:6379"], "--address", "only with --engine ray"),
+    (["--column", "weight:float"], "--column", "only with --labels"),
+])
+def test_option_mistakes_are_usage_errors(folder: Path, tmp_path: Path, args: list[str], option: str,
+                                          message: str) -> None:
+    result = runner.invoke(app, ["compile", str(folder), str(tmp_path / "out"), *args])
+    assert result.exit_code == 2 and result.stdout == ""
+    assert f"Error: Invalid value for {option}: {message}" in result.stderr
+    assert not (tmp_path / "out").exists() and not staging_path(tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("which", ["SRC", "OUT"])
+def test_an_empty_path_is_not_taken_for_the_current_folder(folder: Path, tmp_path: Path, monkeypatch,
+                                                           which: str) -> None:
+    monkeypatch.chdir(tmp_path)
+    args = ["", str(tmp_path / "out")] if which == "SRC" else [str(folder), ""]
+    result = runner.invoke(app, ["compile", *args])
+    assert result.exit_code == 2 and f"Invalid value for '{which}': is empty (an unset shell variable?)" in \
+        result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_swapped_or_identical_src_and_out_are_named(folder: Path, tmp_path: Path) -> None:
+    same = runner.invoke(app, ["compile", str(folder), str(folder)])
+    assert same.exit_code == 1 and same.stderr == (f"error: the source folder and the output are the same folder, "
+                                                   f"{folder}; give OUT another name\n")
+    runner.invoke(app, ["compile", str(folder), str(tmp_path / "ds"), "--size", "8"])
+    swapped = runner.invoke(app, ["compile", str(tmp_path / "ds"), str(tmp_path / "new")])
+    assert swapped.exit_code == 1 and swapped.stderr == (f"error: source {tmp_path / 'ds'} is a compiled dsc dataset, "
+                                                         "not an image folder; did you swap SRC and OUT?\n")
+
+
+def test_a_resume_says_what_it_reused_or_that_there_was_nothing(folder: Path, tmp_path: Path) -> None:
+    fresh = runner.invoke(app, ["compile", str(folder), str(tmp_path / "out"), "--size", "8", "--resume"])
+    assert fresh.exit_code == 0 and "resumed:" not in fresh.stderr
+    assert f"warning: nothing to resume at {staging_path(tmp_path / 'out')}: compiling from scratch" in fresh.stderr
+    proc = subprocess.run([sys.executable, "-c", "import os, sys, dsc, dsc.compiler.publish as p\n"
+                           "p.publish = lambda *a: os._exit(9)\n"  # dies right before publishing
+                           "dsc.compile_folder(sys.argv[1], sys.argv[2], size=8, workers=1)",
+                           str(folder), str(tmp_path / "again")], capture_output=True, text=True)
+    assert proc.returncode == 9 and not (tmp_path / "again").exists()
+    resumed = runner.invoke(app, ["compile", str(folder), str(tmp_path / "again"), "--size", "8", "--resume"])
+    assert resumed.exit_code == 0 and "note: resumed: 12 of 12 sources were done already" in resumed.stderr

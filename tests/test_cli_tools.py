@@ -128,6 +128,33 @@ def test_show_picks_one_class_and_reports_bad_choices(compiled, tmp_path: Path) 
     assert outside.exit_code == 1 and "record index 99 is out of range" in outside.stderr
     garbled = invoke("show", compiled[1], "-o", tmp_path / "x.png", "--indices", "a,b")
     assert garbled.exit_code == 2 and not (tmp_path / "x.png").exists()
+    both = invoke("show", compiled[1], "-o", tmp_path / "x.png", "--class", "class_1", "--indices", "0")
+    assert both.exit_code == 2 and "give --class or --indices, not both" in both.stderr  # was: --class ignored
+    assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.parametrize(("output", "message"), [
+    ("nodir/s.png", "cannot write {tmp}/nodir/s.png: the folder {tmp}/nodir does not exist"),
+    (".", "{tmp} is a folder; give an image file to write, e.g. {tmp}/sheet.png"),
+    ("sheet", "cannot write {tmp}/sheet: its name does not say an image format; end it in .png or .jpg"),
+])
+def test_show_names_what_is_wrong_with_its_output(compiled, tmp_path: Path, output: str, message: str) -> None:
+    result = invoke("show", compiled[1], "-o", f"{tmp_path}/{output}".rstrip("/."))
+    assert result.exit_code == 1 and result.stdout == ""
+    assert result.stderr == f"error: {message.format(tmp=tmp_path)}\n"
+
+
+def test_a_dataset_missing_because_its_compile_was_interrupted_says_how_to_finish_it(compiled, tmp_path: Path) -> None:
+    from dsc.compiler.publish import staging_path
+
+    out = tmp_path / "out"
+    staging_path(out).mkdir()
+    for command in (["info"], ["verify"], ["show", "-o", tmp_path / "s.png"]):
+        result = invoke(command[0], out, *command[1:])
+        assert result.exit_code == 1 and result.stderr.splitlines() == [
+            f"error: {out}: does not exist (expected a compiled dsc dataset)",
+            f"error: an interrupted compile left its work in {staging_path(out)}: run that compile again with "
+            "--resume to finish it"]
 
 
 def test_bench_prints_rows_ratios_and_a_diagnosis(compiled) -> None:

@@ -193,9 +193,14 @@ def test_existing_out_needs_force_and_force_only_replaces_datasets(folder: Path,
     precious = tmp_path / "precious"
     precious.mkdir()
     (precious / "thesis.tex").write_text("years of work")
-    with pytest.raises(CompileError, match="not a dsc dataset; refusing"):
-        compile_folder(folder, precious, size=8, workers=1, force=True)
+    for force in (True, False):  # said up front: --force would not help
+        with pytest.raises(CompileError, match=f"output {precious} is a folder that is not a dsc dataset; dsc replaces "
+                                               "only a dsc dataset or an empty folder \\(even with --force\\)"):
+            compile_folder(folder, precious, size=8, workers=1, force=force)
     assert (precious / "thesis.tex").read_text() == "years of work"
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(CompileError, match="is a file; dsc replaces only"):
+        compile_folder(folder, tmp_path / "a_file", size=8, workers=1)
 
 
 def _start_compile(src: Path, out: Path) -> subprocess.Popen:
@@ -264,14 +269,16 @@ def test_resume_refuses_other_settings_or_a_changed_source(big_folder: Path, tmp
     _interrupt_compile(big_folder, out, 10)
     with pytest.raises(CompileError, match=r"cannot resume .* size \[64, 64\] \(now \[48, 48\]\)"):
         compile_folder(big_folder, out, size=48, workers=1, records_per_shard=16, resume=True)
-    with pytest.raises(CompileError, match=r"seed 0 \(now 5\)"):
+    with pytest.raises(CompileError, match=r"other settings: seed 0 \(now 5\)\. Run it with its own settings and "
+                                           r"--resume, or pass --force to start over$"):  # no source is named
         compile_folder(big_folder, out, size=64, seed=5, workers=1, records_per_shard=16, resume=True)
     with pytest.raises(CompileError, match=r"decode 'faithful' \(now 'fast'\)"):
         compile_folder(big_folder, out, size=64, workers=1, records_per_shard=16, resume=True, fast_decode=True)
     extra = big_folder / "c0" / "zz_new.png"
     save(extra, pattern(30, 30), "PNG")
     try:
-        with pytest.raises(CompileError, match="the source listing"):
+        with pytest.raises(CompileError, match=r"the sources changed since it began \(1 added, e\.g\. "
+                                               r"'c0/zz_new\.png'\), and a resume would mix old and new files"):
             compile_folder(big_folder, out, size=64, workers=1, records_per_shard=16, resume=True)
     finally:
         extra.unlink()

@@ -63,12 +63,30 @@ def test_splits_compiled_apart_are_flagged_when_their_classes_differ(tmp_path: P
     with caplog.at_level(logging.WARNING, logger="dsc"):
         dsc.compile_folder(tmp_path / "val", tmp_path / "out" / "val", size=8, workers=1)
         assert len(caplog.records) == 1
-        assert re.search(r"classes of val differ .*/out/train \(val lacks cat\).*--classes-from .*train$",
-                         caplog.records[0].getMessage())
+        assert re.search(r"classes of val differ .*/out/train \(val lacks cat\): 'dog' is label 1 here and 2 in "
+                         r".*/out/train; .*--classes-from .*train$", caplog.records[0].getMessage())
         dsc.compile_folder(tmp_path / "other", tmp_path / "out" / "other", size=8, workers=1)  # no shared class
         dsc.compile_folder(tmp_path / "val", tmp_path / "out" / "val2", size=8, workers=1,
                            classes=tmp_path / "out" / "train")  # fixed vocabulary: nothing to flag
         assert len(caplog.records) == 1
+
+
+def test_a_split_is_flagged_only_when_a_shared_class_moves_and_told_a_fix_that_works(tmp_path: Path, caplog) -> None:
+    """A val split lacking only the last class numbers the rest alike; one with a class train lacks
+    cannot take --classes-from train (it would be refused), so it is told --classes with the union."""
+    (tmp_path / "out").mkdir()
+    images(tmp_path / "train", ["bird", "cat", "dog"])
+    images(tmp_path / "val", ["bird", "cat"], seed=1)
+    images(tmp_path / "more", ["bird", "dog", "emu"], seed=2)
+    dsc.compile_folder(tmp_path / "train", tmp_path / "out" / "train", size=8, workers=1)
+    with caplog.at_level(logging.WARNING, logger="dsc"):
+        dsc.compile_folder(tmp_path / "val", tmp_path / "out" / "val", size=8, workers=1)
+        assert caplog.records == []
+        dsc.compile_folder(tmp_path / "more", tmp_path / "out" / "more", size=8, workers=1)
+    message = caplog.records[-1].getMessage()
+    assert re.search(r"\(more lacks cat; more adds emu\): 'dog' is label 1 here and 2 in .*/out/train; to keep "
+                     r"train's indices, compile with --classes bird,cat,dog,emu$", message)
+    assert "--classes-from" not in message
 
 
 def test_a_class_folder_outside_the_vocabulary_is_refused_or_skipped(tmp_path: Path) -> None:
@@ -105,6 +123,34 @@ def test_the_cli_takes_classes_from_a_list_a_file_or_a_dataset(tmp_path: Path) -
     result = runner.invoke(app, ["compile", str(tmp_path / "src"), str(tmp_path / "x"), "--classes-from",
                                  str(tmp_path)])
     assert result.exit_code == 2 and "is not a dsc dataset (no manifest.json)" in result.output
+
+
+def test_a_classes_value_is_read_alike_by_the_cli_and_python(tmp_path: Path, monkeypatch) -> None:
+    """Names or a file, by one rule: an empty value, or a missing file, is said, not taken as a class."""
+    images(tmp_path / "src", ["bird", "cat"])
+    monkeypatch.chdir(tmp_path)
+    compile_ = ["compile", "src", "x", "--size", "8", "-j", "1"]
+    result = runner.invoke(app, [*compile_, "--classes", ""])
+    assert result.exit_code == 1 and result.stderr.endswith("error: --classes is empty\n")
+    result = runner.invoke(app, [*compile_, "--classes", "classes.txt"])
+    assert result.exit_code == 1 and result.stderr.endswith("error: classes file classes.txt does not exist\n")
+    result = runner.invoke(app, [*compile_, "--classes-from", "nothere"])
+    assert result.exit_code == 2 and "Invalid value for --classes-from: nothere does not exist\n" in result.output
+    dsc.compile_folder(tmp_path / "src", tmp_path / "out", size=8, workers=1, classes="cat,bird")
+    assert MemmapDataset(tmp_path / "out").classes == ["cat", "bird"]
+    with pytest.raises(CompileError, match=r"^classes file cat/bird does not exist$"):
+        dsc.compile_folder(tmp_path / "src", tmp_path / "out2", size=8, workers=1, classes="cat/bird")
+
+
+def test_a_table_class_without_images_is_not_called_a_folder(flat, tmp_path: Path) -> None:
+    src, paths = flat
+    table = tmp_path / "t.csv"
+    table.write_text("path,label\n" + "".join(f"{p},{['cat', 'dog'][k % 2]}\n" for k, p in enumerate(paths)))
+    result = runner.invoke(app, ["compile", str(src), str(tmp_path / "out"), "--size", "8", "-j", "1",
+                                 "--labels", str(table), "--classes", "cat,dog,emu"])
+    assert result.exit_code == 0, result.output
+    assert "note: class 'emu' has no images (its label index is kept)\n" in result.stderr
+    assert "folder" not in result.stderr
 
 
 # ----------------------------------------------------------------------------- label tables
@@ -263,7 +309,8 @@ def test_a_table_label_uses_the_training_vocabulary(flat, tmp_path: Path) -> Non
     ("path,target\nA,1e39\n", {"target": "float"}, r"line 2, column 'target': '1e39' is not a finite number in"),
     ("path,n\nA,1\nB,2.5\n", {"n": "int"}, r"line 3, column 'n': '2.5' is not an integer"),
     ("path,v\nA,1;2\nB,3\n", None, r"line 3, column 'v': 1 values, but line 2 has 2"),
-    ("path,label\nA,\n", {"label": "class"}, r"line 2, column 'label': a class name or integer is needed"),
+    ("path,label\nA,\n", {"label": "class"}, r"bad.csv, line 2, column 'label': empty label$"),
+    ("path,label\nA,cat\nB,\n", None, r"bad.csv, line 3, column 'label': empty label$"),
     ("path,label\nA,0.5\n", None, r"column 'label' holds float values"),
     ("path,index\nA,1\n", None, r"column 'index' is reserved"),
     ("path,a b\nA,1\n", None, r"'a b' is not a valid field name"),
@@ -281,6 +328,86 @@ def test_a_malformed_csv_table_names_the_file_line_and_column(flat, tmp_path: Pa
         dsc.compile_folder(src, tmp_path / "out", size=8, workers=1, labels=table, columns=kinds)
     assert "bad.csv" in str(error.value)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_misspelt_label_column_is_warned_about(flat, tmp_path: Path, caplog) -> None:
+    """`lable` or `Label` would quietly give an unlabeled dataset; a warning, for a field may be meant."""
+    src, paths = flat
+    for k, header in enumerate(["lable", "Label", "labels", "lbl"]):
+        table = tmp_path / f"t{k}.csv"
+        table.write_text(f"path,{header},weight\n" + "".join(f"{p},cat,1\n" for p in paths))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="dsc"):
+            summary = dsc.compile_folder(src, tmp_path / f"out{k}", size=8, workers=1, labels=table)
+        assert not summary.labeled
+        assert [r.getMessage() for r in caplog.records] == [
+            f"{table} has no 'label' column, so the records are unlabeled and '{header}' becomes a field; if "
+            f"'{header}' is the class label, rename it to 'label'"]
+    caplog.clear()
+    table.write_text("path,level,weight\n" + "".join(f"{p},cat,1\n" for p in paths))
+    with caplog.at_level(logging.WARNING, logger="dsc"):
+        dsc.compile_folder(src, tmp_path / "plain", size=8, workers=1, labels=table)
+    assert caplog.records == []
+
+
+def test_a_table_that_is_a_folder_or_a_json_document_is_named_as_such(flat, tmp_path: Path) -> None:
+    src, paths = flat
+    (tmp_path / "t.json").write_text(json.dumps([{"path": p, "label": "cat"} for p in paths]))
+    compile_ = ["compile", str(src), str(tmp_path / "out"), "--size", "8", "-j", "1", "--labels"]
+    result = runner.invoke(app, [*compile_, str(tmp_path)])
+    assert result.exit_code == 1 and result.stderr.endswith(
+        f"error: {tmp_path} is a folder; --labels takes a CSV or JSONL file\n")
+    result = runner.invoke(app, [*compile_, str(tmp_path / "t.json")])
+    assert result.exit_code == 1 and result.stderr.endswith(
+        f"error: {tmp_path / 't.json'}: only CSV (.csv, header row) and JSON Lines (.jsonl, one object per line) "
+        "label tables are read, not a .json document\n")
+
+
+@pytest.mark.parametrize(("table", "first", "hint"), [
+    ("path;label\n{p};cat\n", "{p};cat", "the header 'path;label' is one column: is the table separated by ';'? "
+                                         "A CSV table is read with ','"),
+    ("path\tlabel\n{p}\tcat\n", "{p}\tcat", "the header 'path\\tlabel' is one column: is the table separated by "
+                                           "tabs? A CSV table is read with ','"),
+    ("path,label\n{w},cat\n", "{w}", "its paths hold '\\': write them with '/'"),
+    ("path,label\nsrc/{p},cat\n", "src/{p}", "its paths start with src/, SRC's own name: give them relative to SRC"),
+])
+def test_when_no_listed_image_exists_the_message_says_where_it_looked_and_why(flat, tmp_path: Path, table, first,
+                                                                               hint) -> None:
+    """A ';'- or tab-separated file, Windows paths, paths that repeat SRC's name: the usual causes."""
+    src, paths = flat
+    spell = {"p": paths[0], "w": paths[0].replace("/", "\\")}
+    (tmp_path / "t.csv").write_text(table.format(**spell))
+    with pytest.raises(CompileError) as error:
+        dsc.compile_folder(src, tmp_path / "out", size=8, workers=1, labels=tmp_path / "t.csv")
+    assert str(error.value) == (f"none of the 1 images listed in {tmp_path / 't.csv'} exist under {src} (the first "
+                                f"was looked up as {src / first.format(**spell)}); {hint}")
+
+
+def test_an_absolute_path_inside_src_is_the_relative_one(flat, tmp_path: Path) -> None:
+    """Accepted as the same source (so a duplicate in the other spelling is caught); outside SRC, refused."""
+    src, paths = flat
+    table = tmp_path / "t.csv"
+    table.write_text("path,label\n" + "".join(f"{src / p},cat\n" for p in paths[:2]) + f"{paths[2]},dog\n")
+    dsc.compile_folder(src, tmp_path / "out", size=8, workers=1, labels=table)
+    ds = MemmapDataset(tmp_path / "out")
+    assert sorted(ds.opened.source(i) for i in range(len(ds))) == paths[:3]
+    table.write_text(f"path,label\n{src / paths[0]},cat\n{paths[0]},cat\n")
+    with pytest.raises(CompileError, match=rf"t.csv, line 3: image '{paths[0]}' is listed twice \(first on line 2\)"):
+        dsc.compile_folder(src, tmp_path / "out2", size=8, workers=1, labels=table)
+    table.write_text(f"path,label\n{tmp_path / 'elsewhere' / paths[0]},cat\n")
+    with pytest.raises(CompileError, match=r"t.csv, line 2: image path '/.*/elsewhere/.* leaves the source folder"):
+        dsc.compile_folder(src, tmp_path / "out2", size=8, workers=1, labels=table)
+
+
+def test_the_path_and_label_columns_take_no_other_kind(flat, tmp_path: Path) -> None:
+    src, paths = flat
+    table = write_csv(tmp_path / "t.csv", rows_for(paths))  # its path column is named 'filename'
+    with pytest.raises(CompileError, match=r"^--column filename:int: 'filename' is the image path column of .*t.csv; "
+                                           r"it takes no kind$"):
+        dsc.compile_folder(src, tmp_path / "out", size=8, workers=1, labels=table, columns={"filename": "int"})
+    with pytest.raises(CompileError, match=r"^--column label:float: 'label' is the class label column; its kind is "
+                                           r"always class; name a numeric target otherwise \(e.g. 'target'\)$"):
+        dsc.compile_folder(src, tmp_path / "out", size=8, workers=1, labels=table, columns={"label": "float"})
 
 
 @pytest.mark.parametrize(("lines", "match"), [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -12,8 +13,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image, ImageOps
+from typer.testing import CliRunner
 
 import dsc
+from dsc.cli import app
 from dsc.reader import MemmapDataset
 from dsc.reader import loader as loader_module
 from dsc.reader import order as orders
@@ -351,6 +354,48 @@ def test_cpu_device_and_batch_layout(ds: MemmapDataset) -> None:
         with Image.open(ds.source(i)) as img:
             width, height = ImageOps.exif_transpose(img).size
         assert batch["size"][k].tolist() == [height, width]
+
+
+@pytest.mark.parametrize(("device", "message"), [
+    ("gpu", "unknown device 'gpu'; use 'cuda', 'cuda:N' or None"),
+    ("cuda:x", "unknown device 'cuda:x'; use 'cuda', 'cuda:N' or None"),
+    ("mps", "the loader copies to CUDA devices only; got 'mps'"),
+    (torch.device("meta"), "the loader copies to CUDA devices only; got 'meta'")])
+def test_devices_that_are_not_cuda_are_refused_where_the_loader_is_made(ds: MemmapDataset, device,
+                                                                         message: str) -> None:
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        ds.loader(4, device=device)
+
+
+@pytest.mark.parametrize("device", ["cpu", torch.device("cpu"), "cpu:0"])
+def test_cpu_device_is_the_same_as_none(ds: MemmapDataset, device) -> None:
+    loader, plain = ds.loader(4, device=device, seed=3), ds.loader(4, seed=3)
+    assert loader.device is None and repr(loader) == repr(plain)
+    for a, b in zip(loader, plain, strict=True):
+        assert a.device is None and (a == b).all()
+
+
+def bench(*args: str):
+    return CliRunner().invoke(app, ["bench", *map(str, args)])
+
+
+@pytest.mark.parametrize(("device", "message"), [("gpu", "unknown device 'gpu'"), ("cuda:x", "unknown device"),
+                                                 ("mps", "the loader copies to CUDA devices only; got 'mps'")])
+def test_bench_refuses_a_device_as_the_loader_does(ds: MemmapDataset, device: str, message: str) -> None:
+    result = bench(ds.path, "--device", device)
+    assert result.exit_code == 2 and result.stdout == ""
+    assert re.search(rf"Invalid value for '?--device'?: {re.escape(message)}", result.stderr)
+    assert "Traceback" not in result.stderr
+
+
+def test_bench_device_cpu_is_noted_and_rows_give_producer_costs_not_waits(ds: MemmapDataset) -> None:
+    result = bench(ds.path, "--device", "cpu", "--seconds", "0.1", "--batch-size", "4", "--no-cold")
+    assert result.exit_code == 0, result.stderr
+    assert "note: --device cpu is the host path the other rows already measure\n" in result.stderr
+    assert "waited" not in result.stdout and ", to " not in result.stdout
+    for order in orders.ORDERS:
+        assert re.search(rf"^dsc loader, {order}: producer: \d+ batches; per batch gather \d+\.\d\d ms, "
+                         r"upload \d+\.\d\d ms$", result.stdout, re.M), result.stdout
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

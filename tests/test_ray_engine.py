@@ -94,7 +94,9 @@ def test_the_cli_runs_the_ray_engine_and_checks_its_options(tmp_path: Path) -> N
     assert ran.exit_code == 0, ran.stderr
     assert fmt.open_dataset(tmp_path / "out").manifest.count == 6
     wrong = runner.invoke(app, ["compile", str(src), str(tmp_path / "o2"), "--address", "127.0.0.1:1"])
-    assert wrong.exit_code == 1 and "an address is only for --engine ray" in wrong.stderr
+    assert wrong.exit_code == 2 and "Invalid value for --address: only with --engine ray" in wrong.stderr
+    with pytest.raises(CompileError, match="an address is only for --engine ray"):  # the library says so too
+        compile_folder(src, tmp_path / "o2", address="127.0.0.1:1")
     with pytest.raises(CompileError, match="unknown engine 'spark'"):
         compile_folder(src, tmp_path / "o3", engine="spark")
 

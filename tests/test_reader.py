@@ -105,6 +105,43 @@ def test_getitem_is_a_zero_copy_view(ds: MemmapDataset, tiny: Path) -> None:
             ds[bad]
 
 
+@pytest.mark.parametrize(("bad", "got"), [([0, 1], "list"), (1.5, "float"), ("5", "str"), (True, "bool"),
+                                          (np.bool_(True), "bool"), (slice(0, 3), "slice"),
+                                          (torch.tensor([3]), r"Tensor of dtype torch.int64, shape \(1,\)"),
+                                          (torch.tensor(True), "Tensor of dtype torch.bool")])
+def test_getitem_takes_exactly_one_integer(ds: MemmapDataset, bad, got: str) -> None:
+    with pytest.raises(TypeError, match=rf"^record index must be an integer, got {got}.*; for many records use "
+                                        r"ds.__getitems__\(indices\) or ds.loader\(...\)$"):
+        ds[bad]
+
+
+def test_getitem_takes_numpy_and_torch_integers(ds: MemmapDataset) -> None:
+    for i in [np.int64(7), np.uint8(7), torch.tensor(7), np.array(7), -14]:
+        assert torch.equal(ds[i].image, ds[7].image) and ds.source(i) == ds.source(7)
+
+
+@pytest.mark.parametrize("bad", [-22, 21])
+def test_out_of_range_names_the_index_given_and_the_valid_range(ds: MemmapDataset, bad: int) -> None:
+    message = rf"^record index {bad} is out of range for a dataset of 21 records \(valid: -21\.\.20\)$"
+    with pytest.raises(IndexError, match=message):
+        ds[bad]
+    with pytest.raises(IndexError, match=message):
+        ds.__getitems__([0, bad, -1])
+    with pytest.raises(IndexError, match=message):
+        ds.source(bad)
+
+
+@pytest.mark.parametrize(("bad", "got"), [([1.5, 2.0], "floats"), ([True, False], "bools"), (["5"], "strings"),
+                                          ([[0, 1], [2, 3]], "2-D input"), (5, "0-D input"),
+                                          (torch.tensor([0.0, 1.0]), "floats")])
+@pytest.mark.parametrize("transform", [None, lambda image: image])
+def test_getitems_refuses_indices_that_are_not_integers(tiny: Path, bad, got: str, transform) -> None:
+    ds = MemmapDataset(tiny, transform=transform)  # with a transform, records are taken one by one
+    with pytest.raises(TypeError, match=rf"^record indices must be a 1-D sequence of integers \(a list of ints, "
+                                        rf"as DataLoader passes\), got {got}$"):
+        ds.__getitems__(bad)
+
+
 INTERLEAVED = [0, 5, 10, 15, 20, 1, 6, 11, 16, 2, 7, 12, 17, 3, 8, 13, 18, 4, 9, 14, 19]  # shard changes every record
 
 

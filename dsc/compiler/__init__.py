@@ -26,12 +26,12 @@ from dsc.compiler import labels as labels_module
 from dsc.compiler.decode import DEFAULT_MAX_PIXELS, decoder_name
 from dsc.compiler.discover import discover, printable
 from dsc.compiler.engines import check_workers, make_engine
-from dsc.compiler.finish import NothingDecoded, ReaderLimitWarning, Unpublishable, check_shard_count, finish
+from dsc.compiler.finish import NothingDecoded, Unpublishable, check_shard_count, finish
 from dsc.compiler.jobs import Engine, SlotResult, WriteJob, chunk_size, split
 from dsc.compiler.resize import INTERPOLATION, PAD_VALUE, Target, parse_size, resize_backend
 from dsc.errors import CompileError
 
-__all__ = ["CompileSummary", "ReaderLimitWarning", "compile_folder"]
+__all__ = ["CompileSummary", "compile_folder"]
 SHARD_TARGET_BYTES = 1 << 30  # ~1 GiB shards: few files, yet units small enough to copy or verify
 
 
@@ -57,6 +57,7 @@ class CompileSummary:
     record_shape: tuple[int, int, int] = field(default=(0, 0, 0))
     fields: tuple[fmt.FieldEntry, ...] = ()
     ignored: int = 0  # images under SRC that the label table does not list
+    reused: int = 0  # sources a resume found done already (decoded or skipped by the interrupted compile)
 
     @property
     def labeled(self) -> bool:
@@ -64,7 +65,8 @@ class CompileSummary:
 
     @property
     def images_per_second(self) -> float:
-        return (self.kept + len(self.skipped)) / self.seconds if self.seconds > 0 else 0.0
+        """Sources decoded (or found bad) per second by this call; what a resume reused is not counted."""
+        return max(0, self.kept + len(self.skipped) - self.reused) / self.seconds if self.seconds > 0 else 0.0
 
 
 def _log_skip(source: str, reason: str) -> None:
@@ -87,7 +89,9 @@ def _positive_int(name: str, value: object) -> int:
 def _check_paths(src: Path, out: Path) -> None:
     """OUT and SRC must not contain each other: a compile must never read or replace its sources."""
     s, o = src.resolve(), out.resolve()
-    if o == s or s in o.parents:
+    if o == s:
+        raise CompileError(f"the source folder and the output are the same folder, {src}; give OUT another name")
+    if s in o.parents:
         raise CompileError(f"output {out} must not be inside the source folder {src}")
     if o in s.parents:
         raise CompileError(f"the source folder {src} must not be inside the output {out}")
@@ -221,10 +225,13 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
             "shuffle": shuffle, "max_pixels": max_pixels, "records_per_shard": per_shard, "count": len(sources),
             "sources": journal.listing_digest(listing), "fields": _fields_digest(found.fields)}
     plan_digest = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
-    lock_fd, log = publish.lock(out), None
+    lock_fd, log, reused = publish.lock(out), None, 0
     try:
         stage, resumed = publish.prepare(out, force, resume, lock_fd)
+        if resume and not resumed:
+            logger.warning("nothing to resume at %s: compiling from scratch", stage)
         manifest = _finish_publish(stage, out, plan_digest, force) if resumed else None
+        reused = len(sources) if manifest is not None else 0
         if manifest is None:
             if resumed and not journal.has_plan(stage):  # the plan never got written: nothing to reuse
                 publish.discard(stage)
@@ -234,6 +241,7 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
             fmt.allocate_shards(stage, len(sources), per_shard, record_bytes)
             job = WriteJob(str(src), str(stage), len(sources), per_shard, target, max_pixels, decode_mode)
             done = journal.reusable(stage, job) if resumed else {}
+            reused = len(done)
             log = journal.Journal(stage)
             ok, sizes, failed = _decode_all(job, sources, runner, strict, done, log, on_skip, progress)
             log.close()
@@ -259,7 +267,7 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
     return CompileSummary(out, manifest.count, [(s["source"], s["reason"]) for s in fmt.read_skipped(out, manifest)],
                           list(manifest.classes), found.empty_classes, len(manifest.shards), size_on_disk,
                           time.perf_counter() - started, decoder_name(), manifest.record_shape, manifest.fields,
-                          found.ignored)
+                          found.ignored, reused)
 
 
 def _finish_publish(stage: Path, out: Path, plan_digest: str, force: bool) -> fmt.Manifest | None:

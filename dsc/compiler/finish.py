@@ -9,9 +9,9 @@ or two at a time (`ShardFiles`), so a build of any number of shards finishes und
 
 from __future__ import annotations
 
+import logging
 import os
 import resource
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -25,6 +25,7 @@ from dsc.compiler.shard_io import ShardFiles
 from dsc.errors import CompileError, DatasetError
 
 MANIFEST_BYTES_PER_SHARD = 200  # a shard's entry in manifest.json, with room to spare
+logger = logging.getLogger("dsc")  # what a compile finds is reported here (see dsc.compiler)
 READER_SPARE_DESCRIPTORS = 64  # what a reading process needs besides one descriptor per shard
 
 
@@ -36,10 +37,6 @@ class Unpublishable(CompileError):
     """The finished build is something the reader would refuse: it is discarded, never published."""
 
 
-class ReaderLimitWarning(UserWarning):
-    """The dataset will need more open files to read than this process may have (`ulimit -n`)."""
-
-
 def check_shard_count(shards: int) -> None:
     """Before any work: refuse a dataset whose manifest the reader would refuse for its size, and
     warn when reading it will need more descriptors (one per mapped shard) than this process may open."""
@@ -48,10 +45,10 @@ def check_shard_count(shards: int) -> None:
                            "MiB readers accept; use a larger --records-per-shard")
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and shards + READER_SPARE_DESCRIPTORS > soft:
-        warnings.warn(f"the dataset will have up to {shards} shard files, and a reader maps each one with its own "
-                      f"descriptor: more than the {soft} open files this process may have (ulimit -n). Raise the "
-                      "limit where you read it, or compile with a larger --records-per-shard",
-                      ReaderLimitWarning, stacklevel=3)
+        logger.warning(f"reading this dataset will need about {shards + READER_SPARE_DESCRIPTORS} open files (a "
+                       f"descriptor for each of up to {shards} shard files, plus {READER_SPARE_DESCRIPTORS} to spare "
+                       f"for the rest of a training process), more than the {soft} this process may have (ulimit "
+                       "-n). Raise the limit where you read it, or compile with a larger --records-per-shard")
 
 
 def compact(stage: Path, ok: np.ndarray, job: WriteJob) -> int:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 import zlib
 from collections.abc import Iterable
 from itertools import groupby
@@ -75,30 +76,52 @@ def check_plan(stage: Path, plan: dict[str, Any], listing: list[str]) -> None:
     """Refuse to resume a partial build made with other options or from another source listing."""
     saved = json.loads((stage / PLAN_FILE).read_bytes())
     changed = [f"{key} {saved.get(key)!r} (now {plan[key]!r})" for key in plan
-               if key != "sources" and saved.get(key) != plan[key]]
-    if saved.get("sources") != plan["sources"]:
-        changed.append(f"the source listing: {_first_change(stage, listing)}")
+               if key not in ("sources", "count") and saved.get(key) != plan[key]
+               and not (key == "records_per_shard" and saved.get("size") != plan["size"])]  # follows from --size
     if changed:
-        raise CompileError(f"cannot resume {stage}: it was made with other settings: {'; '.join(changed)}. "
-                           "Run the original command, or pass --force to start over")
+        raise CompileError(f"cannot resume {stage}: it was made with other settings: {'; '.join(changed)}. Run it "
+                           "with its own settings and --resume, or pass --force to start over")
+    if saved.get("sources") != plan["sources"]:
+        raise CompileError(f"cannot resume {stage}: the sources changed since it began ({_changes(stage, listing)}), "
+                           "and a resume would mix old and new files; pass --force to start over")
 
 
-def _first_change(stage: Path, listing: list[str]) -> str:
-    """Name the first source that was added, removed, renamed or modified since the plan."""
+def _changes(stage: Path, listing: list[str]) -> str:
+    """Name what was added, removed, modified or relabelled since the plan was made."""
     try:
-        saved = (stage / LISTING_FILE).read_text(encoding="utf-8").splitlines()
-    except (OSError, ValueError):
-        saved = []
-    for before, now in zip(saved, listing):
-        if before != now:
-            try:
-                (name, _, b), (name_now, _, n) = json.loads(before), json.loads(now)
-            except (ValueError, TypeError):
-                return "the class folders changed"
-            if name != name_now:
-                return f"{name!r} became {name_now!r} (a file added, removed or renamed)"
-            return f"{name!r} was modified (size:mtime {b} then, {n} now)"
-    return f"{abs(len(saved) - len(listing))} file(s) added or removed at the end"
+        saved_lines = (stage / LISTING_FILE).read_text(encoding="utf-8").splitlines()
+        if saved_lines[:1] != listing[:1]:  # the first line holds the classes
+            return f"the classes were {', '.join(json.loads(saved_lines[0]))}, now {', '.join(json.loads(listing[0]))}"
+        saved, now = _by_name(saved_lines[1:]), _by_name(listing[1:])
+    except (OSError, ValueError, TypeError, IndexError):
+        return "the saved listing is unreadable"
+    added, removed = sorted(now.keys() - saved.keys()), sorted(saved.keys() - now.keys())
+    both = sorted(saved.keys() & now.keys())
+    relabelled = [name for name in both if saved[name][0] != now[name][0]]
+    modified = [name for name in both if saved[name][1] != now[name][1]]
+    parts = [f"{len(names)} {what}, e.g. {names[0]!r}{detail(names[0]) if detail else ''}"
+             for names, what, detail in ((added, "added", None), (removed, "removed", None),
+                                         (relabelled, "now in another class", None),
+                                         (modified, "modified", lambda name: _stamp_change(*saved[name][1:],
+                                                                                           now[name][1])))
+             if names]
+    return "; ".join(parts) or "the same files in another order"
+
+
+def _by_name(lines: list[str]) -> dict[str, tuple]:
+    """Listing lines ([source, label, stamp]) by source name."""
+    return {entry[0]: tuple(entry[1:]) for entry in map(json.loads, lines)}
+
+
+def _stamp_change(before: str, now: str) -> str:
+    """A stamp ("size:mtime_ns") change in words."""
+    def words(stamp: str) -> str:
+        if ":" not in stamp:
+            return stamp
+        size, mtime_ns = stamp.split(":")
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(int(mtime_ns) / 1e9))
+        return f"{int(size):,} bytes, modified {when}"
+    return f" ({words(before)} then, {words(now)} now)"
 
 
 class Journal:

@@ -6,7 +6,7 @@ Two jobs, both ending in what `discover` gives the compiler (sources, their labe
   another dsc dataset (`--classes-from out/train`), so that every split gives a class the same
   index, whatever classes it happens to lack.
 - `discover_listed`: a label table (`--labels labels.csv` or `.jsonl`) names the images to
-  compile (paths relative to SRC) and their values, one row each. Its `label` column (a class)
+  compile (paths relative to SRC, or absolute inside it) and their values, one row each. Its `label` column (a class)
   becomes the dataset's label; every other column becomes a typed per-record field (format 1.1),
   of a kind inferred from its values or given (`--column NAME:KIND`):
 
@@ -26,8 +26,10 @@ is a CompileError naming the file, line and column: a label is never silently sh
 from __future__ import annotations
 
 import csv
+import difflib
 import io
 import json
+import logging
 import math
 import os
 import posixpath
@@ -48,13 +50,33 @@ KINDS = tuple(fmt.FIELD_DTYPES)
 LABEL_COLUMN = "label"  # the table column that becomes the dataset's label (labels.bin, `classes`)
 SEPARATOR = ";"  # between the values of one cell: tags, or the numbers of a vector
 MAX_TABLE_BYTES = 1 << 30
+CLASS_FILE_SUFFIXES = (".txt", ".csv", ".json", ".names")  # a --classes value ending so names a file
+JSONL_SUFFIXES = (".jsonl", ".ndjson")  # a label table is JSON Lines by its suffix, else CSV
+SHOW_UNION = 20  # a --classes hint lists at most this many names
+
+logger = logging.getLogger("dsc")
 
 
 # ----------------------------------------------------------------------------- class vocabularies
 
+def classes_option(value: str) -> Path | list[str]:
+    """`--classes` (or `compile_folder(classes="a,b")`) as a path that exists, else comma-separated
+    names; a value that looks like a file name must exist, or a typo would become one class."""
+    if not value.strip():
+        raise CompileError("--classes is empty")
+    if Path(value).exists():
+        return Path(value)
+    if "/" in value or Path(value).suffix.lower() in CLASS_FILE_SUFFIXES:
+        raise CompileError(f"classes file {value} does not exist")
+    return [name.strip() for name in value.split(",")]
+
+
 def load_classes(value: str | os.PathLike | Sequence[str]) -> list[str]:
-    """A class vocabulary from names, a text file (one name per line), or a dsc dataset folder."""
-    if isinstance(value, (str, os.PathLike)) and Path(value).is_dir():
+    """A class vocabulary from names (a sequence, or text by `classes_option`), a text file (one name
+    per line), or a dsc dataset folder."""
+    if isinstance(value, str):
+        value = classes_option(value)
+    if isinstance(value, os.PathLike) and Path(value).is_dir():
         try:
             manifest = fmt.parse_manifest(value)
         except DatasetError as e:
@@ -62,7 +84,7 @@ def load_classes(value: str | os.PathLike | Sequence[str]) -> list[str]:
         if not manifest.classes:
             raise CompileError(f"cannot take classes from {value}: that dataset is unlabeled")
         return list(manifest.classes)
-    if isinstance(value, (str, os.PathLike)):
+    if isinstance(value, os.PathLike):
         path = Path(value)
         if not path.is_file():
             raise CompileError(f"classes file {path} does not exist (give a file of class names, one per line, "
@@ -98,8 +120,9 @@ def check_classes(names: list[Any], where: str) -> list[str]:
 
 
 def sibling_class_mismatch(out: Path, classes: list[str]) -> list[str]:
-    """Messages for each labeled dsc dataset beside OUT (out/val next to out/train) that shares
-    classes with `classes` but gives them other indices: splits compiled apart disagree silently."""
+    """Messages for each labeled dsc dataset beside OUT (out/val next to out/train) that gives a class
+    they share another index: splits compiled apart would disagree silently. A split that only lacks
+    or adds classes at the end numbers the rest alike, and is not flagged."""
     messages = []
     try:
         siblings = sorted(p for p in out.parent.iterdir() if p != out and (p / fmt.MANIFEST_FILE).is_file())
@@ -110,15 +133,30 @@ def sibling_class_mismatch(out: Path, classes: list[str]) -> list[str]:
             theirs = list(fmt.parse_manifest(sibling).classes)
         except (DatasetError, OSError):
             continue
-        if theirs and theirs != classes and set(theirs) & set(classes):
-            missing, extra = sorted(set(theirs) - set(classes)), sorted(set(classes) - set(theirs))
-            why = "; ".join(filter(None, [missing and f"{out.name} lacks {', '.join(missing[:5])}",
-                                          extra and f"{out.name} adds {', '.join(extra[:5])}"])) \
-                or "their order differs"
-            messages.append(f"the classes of {out.name} differ from those of the dataset beside it, {sibling} "
-                            f"({why}), so a class has another label index in each; to use {sibling.name}'s "
-                            f"indices, compile with --classes-from {sibling}")
+        moved = [(c, i, theirs.index(c)) for i, c in enumerate(classes) if c in theirs and theirs.index(c) != i]
+        if not moved:
+            continue
+        missing, extra = [c for c in theirs if c not in classes], [c for c in classes if c not in theirs]
+        why = "; ".join(filter(None, [missing and f"{out.name} lacks {', '.join(missing[:5])}",
+                                      extra and f"{out.name} adds {', '.join(extra[:5])}"])) or "their order differs"
+        name, here, there = moved[0]
+        more = f" (and {len(moved) - 1} more)" if len(moved) > 1 else ""
+        messages.append(f"the classes of {out.name} differ from those of the dataset beside it, {sibling} ({why}): "
+                        f"{name!r} is label {here} here and {there} in {sibling}{more}; "
+                        f"{_renumber_hint(sibling, theirs, extra)}")
     return messages
+
+
+def _renumber_hint(sibling: Path, theirs: list[str], extra: list[str]) -> str:
+    """How to give this split the sibling's indices: --classes-from it, unless this split has classes it
+    lacks (that would be refused); then --classes with its classes followed by the extra ones."""
+    if not extra:
+        return f"to use {sibling.name}'s indices, compile with --classes-from {sibling}"
+    union = theirs + extra
+    if len(union) > SHOW_UNION:
+        return (f"to keep {sibling.name}'s indices, compile with --classes FILE listing its {len(theirs)} classes "
+                f"in order, then {', '.join(extra[:5])}{', ...' if len(extra) > 5 else ''}")
+    return f"to keep {sibling.name}'s indices, compile with --classes {','.join(union)}"
 
 
 # ----------------------------------------------------------------------------- label tables
@@ -131,6 +169,7 @@ class Table:
     sources: list[str]
     lines: list[int]  # the file's line number of each row, for messages
     columns: dict[str, list[Any]]
+    path_column: str = "path"  # the header's name of the image path column
 
 
 def _problem(table_path: Path, line: int, what: str, column: str | None = None) -> CompileError:
@@ -138,22 +177,34 @@ def _problem(table_path: Path, line: int, what: str, column: str | None = None) 
     return CompileError(f"{where}: {what}")
 
 
-def _clean_source(table_path: Path, line: int, value: Any) -> str:
-    """A table path as a relative, '/'-separated path that stays inside SRC."""
+def _clean_source(table_path: Path, line: int, value: Any, root: Path | None = None) -> str:
+    """A table path as a relative, '/'-separated path that stays inside SRC. An absolute path inside
+    `root` is made relative to it, so that both spellings of one image are the same source."""
     if not isinstance(value, str) or not value.strip():
         raise _problem(table_path, line, f"the image path must be non-empty text, found {value!r:.60}")
     path = value.strip()
     normal = posixpath.normpath(path)
+    if root is not None and path.startswith("/"):  # SRC as given, or with its symlinks resolved
+        for base in (Path(os.path.abspath(root)), root.resolve()):
+            if Path(normal).is_relative_to(base):
+                path = normal = Path(normal).relative_to(base).as_posix()
+                break
     if path.startswith("/") or normal == ".." or normal.startswith("../") or "\0" in path:
         raise _problem(table_path, line, f"image path {value!r:.80} leaves the source folder (give paths "
                                          "relative to SRC, without '..')")
     return normal
 
 
-def read_table(path: str | os.PathLike) -> Table:
+def read_table(path: str | os.PathLike, root: str | os.PathLike | None = None) -> Table:
     """Read a CSV (header row; the first column is the image path) or JSONL (one object per line
-    with a "path" key) label table; a malformed row is a CompileError naming its line."""
+    with a "path" key) label table; a malformed row is a CompileError naming its line. Absolute
+    paths inside `root` (SRC) are taken relative to it."""
     path = Path(path)
+    if path.is_dir():
+        raise CompileError(f"{path} is a folder; --labels takes a CSV or JSONL file")
+    if path.suffix.lower() == ".json":  # read as CSV, a JSON document would fail at its first '"'
+        raise CompileError(f"{path}: only CSV (.csv, header row) and JSON Lines (.jsonl, one object per line) label "
+                           "tables are read, not a .json document")
     try:
         if path.stat().st_size > MAX_TABLE_BYTES:
             raise CompileError(f"{path}: larger than {MAX_TABLE_BYTES >> 20} MiB; not a label table")
@@ -162,12 +213,12 @@ def read_table(path: str | os.PathLike) -> Table:
         raise CompileError(f"label table {path} does not exist") from None
     except (OSError, UnicodeDecodeError) as e:
         raise CompileError(f"cannot read label table {path}: {e}") from e
-    rows = _read_jsonl(path, text) if path.suffix.lower() in (".jsonl", ".ndjson") else _read_csv(path, text)
-    header, body = rows
+    jsonl = path.suffix.lower() in JSONL_SUFFIXES
+    path_column, header, body = ("path", *_read_jsonl(path, text)) if jsonl else _read_csv(path, text)
     sources, lines, seen = [], [], {}
     columns: dict[str, list[Any]] = {name: [] for name in header}
     for line, source, values in body:
-        source = _clean_source(path, line, source)
+        source = _clean_source(path, line, source, Path(root) if root is not None else None)
         if source in seen:
             raise _problem(path, line, f"image {source!r} is listed twice (first on line {seen[source]})")
         seen[source] = line
@@ -177,10 +228,10 @@ def read_table(path: str | os.PathLike) -> Table:
             columns[name].append(value)
     if not sources:
         raise CompileError(f"{path}: no rows; a label table lists one image per row")
-    return Table(path, sources, lines, columns)
+    return Table(path, sources, lines, columns, path_column)
 
 
-def _read_csv(path: Path, text: str) -> tuple[list[str], list[tuple[int, Any, list[Any]]]]:
+def _read_csv(path: Path, text: str) -> tuple[str, list[str], list[tuple[int, Any, list[Any]]]]:
     reader = csv.reader(io.StringIO(text, newline=""), strict=True)  # not str.splitlines: U+2028 is no line end
     try:
         header = next(reader, None)
@@ -197,7 +248,7 @@ def _read_csv(path: Path, text: str) -> tuple[list[str], list[tuple[int, Any, li
             body.append((reader.line_num, row[0], [v.strip() for v in row[1:]]))
     except csv.Error as e:
         raise _problem(path, reader.line_num, f"malformed CSV ({e})") from e
-    return names, body
+    return header[0].strip(), names, body
 
 
 def _read_jsonl(path: Path, text: str) -> tuple[list[str], list[tuple[int, Any, list[Any]]]]:
@@ -390,6 +441,52 @@ def _multi_hot(table: Table, name: str, classes: Sequence[str] | None = None) ->
     return hot, vocabulary
 
 
+def _check_given_kinds(table: Table, kinds: dict[str, str]) -> None:
+    """`--column NAME:KIND` names a column of the table other than the path, and gives `label` no kind
+    but class (the user asked for it, so "the column holds floats" would be wrong)."""
+    for name, kind in kinds.items():
+        if name == LABEL_COLUMN and kind != "class":
+            raise CompileError(f"--column {name}:{kind}: {LABEL_COLUMN!r} is the class label column; its kind is "
+                               "always class; name a numeric target otherwise (e.g. 'target')")
+        if name not in table.columns and name == table.path_column:
+            raise CompileError(f"--column {name}:{kind}: {name!r} is the image path column of {table.path}; it "
+                               "takes no kind")
+        if name not in table.columns:
+            raise CompileError(f"--column {name}: {table.path} has no column {name!r} "
+                               f"(it has {', '.join(map(repr, table.columns)) or 'only the path'})")
+
+
+def _check_label_column(table: Table) -> None:
+    """An empty label is an error (read as an empty tag list it would make the column multilabel), and
+    a header typo of `label` (`lable`, `Label`) a warning: the dataset would quietly be unlabeled.
+    Only a warning, for a field may well be named `labels`."""
+    if LABEL_COLUMN not in table.columns:
+        close = [n for n in table.columns if difflib.get_close_matches(n.lower(), [LABEL_COLUMN], cutoff=0.7)]
+        if close:
+            logger.warning("%s has no %r column, so the records are unlabeled and %r becomes a field; if %r is the "
+                           "class label, rename it to %r", table.path, LABEL_COLUMN, close[0], close[0], LABEL_COLUMN)
+        return
+    for line, value in zip(table.lines, table.columns[LABEL_COLUMN]):
+        if value is None or (isinstance(value, str) and not value.strip()):
+            raise _problem(table.path, line, "empty label", LABEL_COLUMN)
+
+
+def _none_found(table: Table, root: Path) -> CompileError:
+    """None of the listed images exist: name the first path as looked up, and the likely cause."""
+    first, hints = table.sources[0], []
+    separator = next((name for c, name in ((";", "';'"), ("\t", "tabs")) if c in table.path_column), None)
+    if separator:
+        hints.append(f"the header {table.path_column!r} is one column: is the table separated by {separator}? "
+                     "A CSV table is read with ','")
+    if "\\" in first:
+        hints.append("its paths hold '\\': write them with '/'")
+    if first.split("/")[0] == root.name:
+        hints.append(f"its paths start with {root.name}/, SRC's own name: give them relative to SRC")
+    looked_up = Path(os.path.abspath(root)) / first
+    return CompileError(f"none of the {len(table.sources)} images listed in {table.path} exist under {root} "
+                        f"(the first was looked up as {looked_up})" + "".join(f"; {h}" for h in hints))
+
+
 def discover_listed(src: str | os.PathLike, table_path: str | os.PathLike, kinds: dict[str, str] | None = None,
                     classes: list[str] | None = None, skip_unknown: bool = False,
                     reference: dict[str, tuple[str, tuple[str, ...]]] | None = None,
@@ -405,13 +502,10 @@ def discover_listed(src: str | os.PathLike, table_path: str | os.PathLike, kinds
     reference = reference or {}
     root = Path(src)
     check_source_folder(root)
-    table = read_table(table_path)
-    kinds = dict(kinds or {})
-    for name in kinds:
-        if name not in table.columns:
-            raise CompileError(f"--column {name}: {table.path} has no column {name!r} "
-                               f"(it has {', '.join(map(repr, table.columns)) or 'only the path'})")
-    kinds = {name: kinds.get(name) or (reference.get(name) or (None,))[0] or infer_kind(table, name)
+    table = read_table(table_path, root)
+    _check_given_kinds(table, kinds or {})
+    _check_label_column(table)
+    kinds = {name: (kinds or {}).get(name) or (reference.get(name) or (None,))[0] or infer_kind(table, name)
              for name in table.columns}
     if LABEL_COLUMN in kinds and kinds[LABEL_COLUMN] != "class":
         raise CompileError(f"{table.path}: column {LABEL_COLUMN!r} holds {kinds[LABEL_COLUMN]} values, but the "
@@ -467,7 +561,7 @@ def discover_listed(src: str | os.PathLike, table_path: str | os.PathLike, kinds
     skipped += [s for s in walk_skipped if s[0] in listed]
     sources = [s for s, k in zip(table.sources, keep) if k]
     if not sources:
-        raise CompileError(f"none of the {len(table.sources)} images listed in {table.path} exist under {root}")
+        raise _none_found(table, root)
     empty = [c for i, c in enumerate(vocabulary) if not np.any(labels[keep] == i)]
     return Discovery(root, sources, labels[keep], vocabulary, sorted(skipped), empty,
                      [s for s, k in zip(stamps, keep) if k], [(spec, values[keep]) for spec, values in fields], ignored)

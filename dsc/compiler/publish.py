@@ -103,11 +103,12 @@ def _check_out(out: Path, force: bool) -> None:
     if out.is_symlink():
         raise CompileError(f"output {out} is a symbolic link; give the folder it points to instead")
     if out.exists():
+        if not replaceable(out):  # say so first: --force would not help
+            what = "a file" if not out.is_dir() else "a folder that is not a dsc dataset"
+            raise CompileError(f"output {out} is {what}; dsc replaces only a dsc dataset or an empty folder "
+                               "(even with --force): give another OUT, or move it away first")
         if not force:
             raise CompileError(f"output {out} already exists; pass --force to replace it")
-        if not replaceable(out):
-            raise CompileError(f"output {out} exists and is not a dsc dataset; refusing to replace it, "
-                               "even with --force")
     if not out.parent.is_dir():
         raise CompileError(f"the folder {out.parent} that should hold {out.name} does not exist")
     if out.is_dir() and os.path.ismount(out):
@@ -133,7 +134,8 @@ def lock(out: Path, wait_s: float = LOCK_WAIT_S) -> int:
         try:
             fd = os.open(lock_path(out), os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
-            raise CompileError(f"cannot write in {out.parent}: {e.strerror or e}") from e
+            raise CompileError(f"cannot write in {out.parent} (creating the lock file {lock_path(out).name} failed: "
+                               f"{e.strerror or e})") from e
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -184,8 +186,9 @@ def prepare(out: Path, force: bool, resume: bool, lock_fd: int) -> tuple[Path, b
         if resume and stage.is_dir() and not stage.is_symlink():
             return stage, True
         if not force:
-            raise CompileError(f"an interrupted compile left a partial build at {stage}: run the same command "
-                               "with --resume to continue it, or pass --force to discard it")
+            raise CompileError(f"an interrupted compile left a partial build at {stage}: run the command that "
+                               "started it again with --resume to continue it (other options are refused), or pass "
+                               "--force to discard it")
         stage.unlink() if stage.is_symlink() or not stage.is_dir() else shutil.rmtree(stage)
     try:
         stage.mkdir()

@@ -18,6 +18,7 @@ and raises `DatasetError` instead of serving other records than the original.
 from __future__ import annotations
 
 import hashlib
+import operator
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -30,7 +31,7 @@ from torch.utils.data import Dataset, get_worker_info
 
 from dsc import format as fmt
 from dsc.errors import DatasetError
-from dsc.reader.gather import check_indices, fill
+from dsc.reader.gather import check_indices, fill, out_of_range
 
 
 class Sample(NamedTuple):
@@ -109,6 +110,27 @@ def _register_collate() -> None:
 
 
 _register_collate()
+
+
+def record_index(i: Any, count: int) -> int:
+    """`i` as a non-negative record index: an int, numpy integer or 0-d integer tensor, negatives from the end.
+
+    Anything else (a list, slice, float, bool, string) is refused rather than cast, which would
+    serve some other record silently; torch map-style datasets take one index at a time too.
+    """
+    bool_or_array = isinstance(i, (bool, np.bool_)) or (
+        isinstance(i, torch.Tensor) and (i.ndim > 0 or i.dtype == torch.bool))  # operator.index takes these
+    try:
+        k = None if bool_or_array else operator.index(i)
+    except TypeError:
+        k = None
+    if k is None:
+        got = type(i).__name__ + (f" of dtype {i.dtype}, shape {tuple(i.shape)}" if hasattr(i, "shape") else "")
+        raise TypeError(f"record index must be an integer, got {got}; for many records use "
+                        "ds.__getitems__(indices) or ds.loader(...)")
+    if not -count <= k < count:
+        raise IndexError(out_of_range(k, count))
+    return k % count
 
 
 def _open(root: Path) -> fmt.OpenedDataset:
@@ -240,7 +262,7 @@ class MemmapDataset(Dataset):
 
     def source(self, i: int) -> Path:
         """The original image file of record `i` (under the folder it was compiled from)."""
-        i = int(check_indices([i], len(self))[0])
+        i = record_index(i, len(self))
         root = self.manifest.compile.get("source_root")
         if not isinstance(root, str):
             raise DatasetError(f"{self.path / fmt.MANIFEST_FILE}: 'compile' has no 'source_root' string")
@@ -252,8 +274,9 @@ class MemmapDataset(Dataset):
         return self._tensors
 
     def __getitem__(self, i: int) -> Sample | IndexedSample:
-        """Record `i`: a uint8 [3, H, W] view of the map (no copy) and its target, transformed if asked."""
-        i = int(check_indices([i], len(self))[0])
+        """Record `i` (one integer): a uint8 [3, H, W] view of the map (no copy) and its target,
+        transformed if asked."""
+        i = record_index(i, len(self))
         shard, pos = fmt.locate(i, self.manifest.records_per_shard)
         image = self._shard_tensors()[shard][pos].permute(2, 0, 1)
         target = _target_value(np.array(self._targets()[i]))
@@ -265,10 +288,10 @@ class MemmapDataset(Dataset):
 
     def __getitems__(self, indices: Sequence[int]) -> GatheredBatch | list[Sample | IndexedSample]:
         """A whole batch with one copy per run or per shard (what DataLoader calls per batch);
-        sample by sample when there are transforms to apply."""
-        if self.transform is not None or self.target_transform is not None:
-            return [self[i] for i in indices]
+        sample by sample when there are transforms to apply. `indices`: a 1-D sequence of integers."""
         idx = check_indices(indices, len(self))
+        if self.transform is not None or self.target_transform is not None:
+            return [self[i] for i in idx.tolist()]
         d = self.opened
         buf = batch_buffer(len(idx), self.record_shape, shared=get_worker_info() is not None)
         fill(buf.numpy(), d.shards, idx, self.manifest.records_per_shard)
@@ -330,7 +353,8 @@ class MemmapDataset(Dataset):
         order: "block" (default: shuffled runs of contiguous records, contiguous reads), "random"
             (a full permutation) or "sequential"; `shuffle=True`/`False` means "random"/"sequential".
         seed: with the epoch, fixes every order. drop_last: drop each rank's last partial batch.
-        device: e.g. "cuda" or f"cuda:{local_rank}": pinned buffers and side-stream uploads.
+        device: e.g. "cuda" or f"cuda:{local_rank}": pinned buffers and side-stream uploads; None or
+            "cpu": batches in host memory. Other devices are refused here.
         prefetch: batches made ahead. num_threads: copy threads (default: up to 4 cores).
         rank, world_size: this rank's share [default: from torch.distributed when an epoch starts].
         locality: "shard" (with order="block") gives each rank whole shard files.

@@ -32,20 +32,27 @@ INTERLEAVED = 2  # a batch with this many shard changes per shard or more is cop
 
 
 def check_indices(indices, count: int) -> np.ndarray:
-    """Indices as int64, negatives counted from the end; IndexError when any is out of range.
+    """Indices (a 1-D sequence of integers) as int64, negatives counted from the end.
 
     Checked once per batch here, so the copies below may use `mode="clip"` (no per-record check).
+    Floats, bools and strings are refused, not cast: a cast would serve other records silently.
     """
-    idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-    if idx.size == 0:
-        return idx
-    if idx.min() < 0:
-        idx = np.where(idx < 0, idx + count, idx)
-    low, high = int(idx.min()), int(idx.max())
-    if low < 0 or high >= count:
-        bad = low if low < 0 else high
-        raise IndexError(f"record index {bad} is out of range for a dataset of {count} records")
-    return idx
+    idx = np.asarray(indices)
+    if idx.ndim != 1 or (idx.size and idx.dtype.kind not in "iu"):
+        kinds = {"b": "bools", "f": "floats", "c": "complex numbers", "U": "strings", "S": "bytes", "O": "objects"}
+        got = f"{idx.ndim}-D input" if idx.ndim != 1 else kinds.get(idx.dtype.kind, idx.dtype.name)
+        raise TypeError(f"record indices must be a 1-D sequence of integers (a list of ints, as DataLoader "
+                        f"passes), got {got}")
+    idx = idx.astype(np.int64, copy=False)
+    if idx.size and (idx.min() < -count or idx.max() >= count):
+        raise IndexError(out_of_range(int(idx[(idx < -count) | (idx >= count)][0]), count))
+    return np.where(idx < 0, idx + count, idx) if idx.size and idx.min() < 0 else idx
+
+
+def out_of_range(i: int, count: int) -> str:
+    """The message for index `i` as the caller gave it, with the range that would have been valid."""
+    valid = f"valid: {-count}..{count - 1}" if count else "it has none"
+    return f"record index {i} is out of range for a dataset of {count} records ({valid})"
 
 
 def _bounds(starts: np.ndarray, n: int) -> list[tuple[int, int]]:

@@ -51,11 +51,10 @@ class HostBuffers:
 
 
 class HostSink:
-    """Batches in host buffers; a non-CUDA `device` (e.g. "mps") gets them with a plain `.to` on the consumer."""
+    """Batches in host buffers, handed out as they are (`device` is None: the loader refuses other devices)."""
 
     def __init__(self, device: torch.device | None, slots: int, batch_size: int,
                  record_shape: tuple[int, int, int], field_specs: dict[str, tuple[np.dtype, tuple[int, ...]]]) -> None:
-        self.device = None if device is None or device.type == "cpu" else device
         self._buffers = HostBuffers(record_shape, keep=slots)
 
     def prepare_thread(self) -> None:
@@ -69,4 +68,4 @@ class HostSink:
                           **{k: torch.from_numpy(v) for k, v in fields.items()}, batch_size=[n])
 
     def hand_over(self, batch: TensorDict) -> TensorDict:
-        return batch if self.device is None else batch.to(self.device)
+        return batch

@@ -62,22 +62,34 @@ def resolve_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device | None:
-    """"cuda" becomes cuda:{current_device()} here, where the loader is made (after the user's set_device)."""
+    """The CUDA device batches go to, or None for host batches ("cpu" means the same as None).
+
+    Checked where the loader is made, so a device that is not there fails here, not at the first
+    batch; "cuda" becomes cuda:{current_device()} here (after the user's set_device).
+    """
     if device is None:
         return None
-    device = torch.device(device)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device={str(device)!r}, but this torch build or machine has no CUDA "
-                             "(torch.cuda.is_available() is False); leave device unset for CPU batches")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {device!r}; use 'cuda', 'cuda:N' or None") from None
+    if device.type == "cpu":
+        return None
+    if device.type != "cuda":
+        raise ValueError(f"the loader copies to CUDA devices only; got {str(device)!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r}: no CUDA device is available here (torch.cuda.is_available() "
+                         "is False); leave device unset for CPU batches")
+    if device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    if device.index >= torch.cuda.device_count():
+        raise ValueError(f"device={str(device)!r}, but this machine has {torch.cuda.device_count()} CUDA device(s)")
     return device
 
 
 def _sink_class(device: torch.device | None) -> type:
     """Host buffers, or the CUDA ring: two implementations of one interface (see `host`)."""
-    if device is not None and device.type == "cuda":
+    if device is not None:  # resolve_device lets only CUDA devices through
         from dsc.reader.device import CudaSink
 
         return CudaSink
