@@ -1,9 +1,15 @@
-"""dsc: compile an image folder once into fixed-shape uint8 shards; read them into the GPU fast."""
+"""dsc: compile an image folder once into fixed-shape uint8 shards; read them into the GPU fast.
 
-__version__ = "0.1.0"
+The names below are imported when first used (PEP 562), not with the package: `import dsc`
+alone does not import torch, so the `dsc` command can start quietly (see `dsc.__main__`).
+"""
 
-from dsc.compiler import CompileSummary, compile_folder  # noqa: E402
-from dsc.errors import (  # noqa: E402
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from dsc.errors import (
     ChecksumError,
     CompileError,
     DatasetError,
@@ -12,7 +18,35 @@ from dsc.errors import (  # noqa: E402
     LoaderError,
     UnsupportedVersionError,
 )
-from dsc.reader import MemmapDataset  # noqa: E402
+
+__version__ = "0.1.0"
+
+_LAZY = {"compile_folder": "dsc.compiler", "CompileSummary": "dsc.compiler", "MemmapDataset": "dsc.reader"}
+
+if TYPE_CHECKING:
+    from dsc.compiler import CompileSummary, compile_folder
+    from dsc.reader import MemmapDataset
 
 __all__ = ["compile_folder", "CompileSummary", "MemmapDataset", "DscError", "DatasetError", "CompileError",
            "ImageError", "LoaderError", "ChecksumError", "UnsupportedVersionError", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    """`dsc.MemmapDataset`, `from dsc import compile_folder`, `dsc.transforms`...: imported on first use."""
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    elif not name.startswith("__"):
+        try:
+            value = importlib.import_module(f"dsc.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"dsc.{name}":
+                raise
+            raise AttributeError(f"module 'dsc' has no attribute {name!r}") from None
+    else:
+        raise AttributeError(f"module 'dsc' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -189,3 +189,19 @@ def test_a_resume_says_what_it_reused_or_that_there_was_nothing(folder: Path, tm
     assert proc.returncode == 9 and not (tmp_path / "again").exists()
     resumed = runner.invoke(app, ["compile", str(folder), str(tmp_path / "again"), "--size", "8", "--resume"])
     assert resumed.exit_code == 0 and "note: resumed: 12 of 12 sources were done already" in resumed.stderr
+
+
+def test_a_ctrl_c_while_the_command_is_still_starting_ends_it_quietly(folder: Path, tmp_path: Path) -> None:
+    """The `dsc` script as installed, interrupted while it imports torch (seconds on a cold start)."""
+    script = Path(sys.executable).parent / "dsc"
+    proc = subprocess.Popen([str(script), "compile", str(folder), str(tmp_path / "out")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as in a terminal
+    deadline = time.monotonic() + 60
+    while "libtorch" not in Path(f"/proc/{proc.pid}/maps").read_text():  # torch's import has begun
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.001)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in stderr and stdout == ""
+    assert not (tmp_path / "out").exists()

@@ -29,7 +29,7 @@ def ds(tmp_path_factory) -> MemmapDataset:
 
 def test_the_distribution_is_not_pypis_other_dsc_and_ships_its_type_hints() -> None:
     installed = importlib.metadata.distribution("dsc-images")  # "dsc" on PyPI is Dynamic Statistical Comparisons
-    assert installed.version == dsc.__version__ and "dsc = dsc.cli:app" in installed.read_text("entry_points.txt")
+    assert installed.version == dsc.__version__ and "dsc = dsc.__main__:main" in installed.read_text("entry_points.txt")
     assert 'dsc = ["py.typed"]' in (ROOT / "pyproject.toml").read_text()
     assert (Path(dsc.__file__).parent / "py.typed").is_file()
 
