@@ -164,7 +164,7 @@ def compile_command(
         raise typer.BadParameter(f"{classes_from} does not exist" if not classes_from.exists() else
                                  f"{classes_from} is not a dsc dataset (no manifest.json); for a file of class "
                                  "names use --classes FILE", param_hint="--classes-from")
-    vocabulary = classes_from if classes_from is not None else classes  # names or a path: labels.classes_option
+    vocabulary = classes_from if classes_from is not None else classes  # names or a path: classes.classes_option
     try:
         kinds = parse_column_kinds(column or [])
     except DscError as e:

@@ -21,6 +21,7 @@ import numpy as np
 
 from dsc import __version__
 from dsc import format as fmt
+from dsc.compiler import classes as classes_module
 from dsc.compiler import journal, publish
 from dsc.compiler import labels as labels_module
 from dsc.compiler.decode import DEFAULT_MAX_PIXELS, decoder_name
@@ -197,16 +198,16 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
     src, out = Path(src).absolute(), Path(out).absolute()
     _check_paths(src, out)
     runner = make_engine(engine, workers, address)  # a Ray address is checked before any build exists
-    vocabulary = None if classes is None else labels_module.load_classes(classes)
+    vocabulary = None if classes is None else classes_module.load_classes(classes)
     if labels is not None:
         found = labels_module.discover_listed(src, labels, columns, vocabulary, skip_unknown_classes,
-                                              labels_module.reference_fields(classes), on_found)
+                                              classes_module.reference_fields(classes), on_found)
     elif columns:
         raise CompileError("column kinds are for a label table (--labels)")
     else:
         found = discover(src, vocabulary, skip_unknown_classes, on_found)
     if vocabulary is None and found.classes:
-        for message in labels_module.sibling_class_mismatch(out, found.classes):
+        for message in classes_module.sibling_class_mismatch(out, found.classes):
             logger.warning("%s", message)
     if strict and found.skipped:
         source, reason = found.skipped[0]

@@ -1,14 +1,10 @@
-"""Labels beyond folder names: class vocabularies shared across splits, and label tables.
+"""Labels beyond folder names: label tables (class vocabularies are `classes.py`).
 
-Two jobs, both ending in what `discover` gives the compiler (sources, their labels, fields):
-
-- `load_classes`: a fixed class vocabulary — names, a text file of names (one per line), or
-  another dsc dataset (`--classes-from out/train`), so that every split gives a class the same
-  index, whatever classes it happens to lack.
-- `discover_listed`: a label table (`--labels labels.csv` or `.jsonl`) names the images to
-  compile (paths relative to SRC, or absolute inside it) and their values, one row each. Its `label` column (a class)
-  becomes the dataset's label; every other column becomes a typed per-record field (format 1.1),
-  of a kind inferred from its values or given (`--column NAME:KIND`):
+`discover_listed` ends in what `discover` gives the compiler (sources, their labels, fields):
+a label table (`--labels labels.csv` or `.jsonl`) names the images to compile (paths relative
+to SRC, or absolute inside it) and their values, one row each. Its `label` column (a class)
+becomes the dataset's label; every other column becomes a typed per-record field (format 1.1),
+of a kind inferred from its values or given (`--column NAME:KIND`):
 
   ========== ================================== =============================================
   kind       values                             stored as
@@ -44,119 +40,15 @@ import numpy as np
 
 from dsc import format as fmt
 from dsc.compiler.discover import Discovery, check_source_folder, list_images
-from dsc.errors import CompileError, DatasetError
+from dsc.errors import CompileError
 
 KINDS = tuple(fmt.FIELD_DTYPES)
 LABEL_COLUMN = "label"  # the table column that becomes the dataset's label (labels.bin, `classes`)
 SEPARATOR = ";"  # between the values of one cell: tags, or the numbers of a vector
 MAX_TABLE_BYTES = 1 << 30
-CLASS_FILE_SUFFIXES = (".txt", ".csv", ".json", ".names")  # a --classes value ending so names a file
 JSONL_SUFFIXES = (".jsonl", ".ndjson")  # a label table is JSON Lines by its suffix, else CSV
-SHOW_UNION = 20  # a --classes hint lists at most this many names
 
 logger = logging.getLogger("dsc")
-
-
-# ----------------------------------------------------------------------------- class vocabularies
-
-def classes_option(value: str) -> Path | list[str]:
-    """`--classes` (or `compile_folder(classes="a,b")`) as a path that exists, else comma-separated
-    names; a value that looks like a file name must exist, or a typo would become one class."""
-    if not value.strip():
-        raise CompileError("--classes is empty")
-    if Path(value).exists():
-        return Path(value)
-    if "/" in value or Path(value).suffix.lower() in CLASS_FILE_SUFFIXES:
-        raise CompileError(f"classes file {value} does not exist")
-    return [name.strip() for name in value.split(",")]
-
-
-def load_classes(value: str | os.PathLike | Sequence[str]) -> list[str]:
-    """A class vocabulary from names (a sequence, or text by `classes_option`), a text file (one name
-    per line), or a dsc dataset folder."""
-    if isinstance(value, str):
-        value = classes_option(value)
-    if isinstance(value, os.PathLike) and Path(value).is_dir():
-        try:
-            manifest = fmt.parse_manifest(value)
-        except DatasetError as e:
-            raise CompileError(f"cannot take classes from {value}: {e}") from e
-        if not manifest.classes:
-            raise CompileError(f"cannot take classes from {value}: that dataset is unlabeled")
-        return list(manifest.classes)
-    if isinstance(value, os.PathLike):
-        path = Path(value)
-        if not path.is_file():
-            raise CompileError(f"classes file {path} does not exist (give a file of class names, one per line, "
-                               "or a dsc dataset folder)")
-        try:
-            names = [line.strip() for line in path.read_text(encoding="utf-8-sig").splitlines()]
-        except (OSError, UnicodeDecodeError) as e:
-            raise CompileError(f"cannot read classes file {path}: {e}") from e
-        return check_classes([n for n in names if n], str(path))
-    return check_classes(list(value), "classes")
-
-
-def reference_fields(value: Any) -> dict[str, tuple[str, tuple[str, ...]]]:
-    """The fields of the dataset `value` names, if it names one ({name: (kind, classes)}): a split
-    compiled with `--classes-from` it gives its class and tag columns the same positions."""
-    if not isinstance(value, (str, os.PathLike)) or not Path(value).is_dir():
-        return {}
-    return {f.name: (f.kind, f.classes) for f in fmt.parse_manifest(value).fields}
-
-
-def check_classes(names: list[Any], where: str) -> list[str]:
-    if not names:
-        raise CompileError(f"{where}: no class names")
-    for name in names:
-        if not isinstance(name, str) or not name or not name.isprintable():
-            raise CompileError(f"{where}: class names must be non-empty printable text, found {name!r:.60}")
-    seen = set()
-    for name in names:
-        if name in seen:
-            raise CompileError(f"{where}: class {name!r} is listed twice")
-        seen.add(name)
-    return names
-
-
-def sibling_class_mismatch(out: Path, classes: list[str]) -> list[str]:
-    """Messages for each labeled dsc dataset beside OUT (out/val next to out/train) that gives a class
-    they share another index: splits compiled apart would disagree silently. A split that only lacks
-    or adds classes at the end numbers the rest alike, and is not flagged."""
-    messages = []
-    try:
-        siblings = sorted(p for p in out.parent.iterdir() if p != out and (p / fmt.MANIFEST_FILE).is_file())
-    except OSError:
-        return []
-    for sibling in siblings:
-        try:
-            theirs = list(fmt.parse_manifest(sibling).classes)
-        except (DatasetError, OSError):
-            continue
-        moved = [(c, i, theirs.index(c)) for i, c in enumerate(classes) if c in theirs and theirs.index(c) != i]
-        if not moved:
-            continue
-        missing, extra = [c for c in theirs if c not in classes], [c for c in classes if c not in theirs]
-        why = "; ".join(filter(None, [missing and f"{out.name} lacks {', '.join(missing[:5])}",
-                                      extra and f"{out.name} adds {', '.join(extra[:5])}"])) or "their order differs"
-        name, here, there = moved[0]
-        more = f" (and {len(moved) - 1} more)" if len(moved) > 1 else ""
-        messages.append(f"the classes of {out.name} differ from those of the dataset beside it, {sibling} ({why}): "
-                        f"{name!r} is label {here} here and {there} in {sibling}{more}; "
-                        f"{_renumber_hint(sibling, theirs, extra)}")
-    return messages
-
-
-def _renumber_hint(sibling: Path, theirs: list[str], extra: list[str]) -> str:
-    """How to give this split the sibling's indices: --classes-from it, unless this split has classes it
-    lacks (that would be refused); then --classes with its classes followed by the extra ones."""
-    if not extra:
-        return f"to use {sibling.name}'s indices, compile with --classes-from {sibling}"
-    union = theirs + extra
-    if len(union) > SHOW_UNION:
-        return (f"to keep {sibling.name}'s indices, compile with --classes FILE listing its {len(theirs)} classes "
-                f"in order, then {', '.join(extra[:5])}{', ...' if len(extra) > 5 else ''}")
-    return f"to keep {sibling.name}'s indices, compile with --classes {','.join(union)}"
 
 
 # ----------------------------------------------------------------------------- label tables
