@@ -199,3 +199,35 @@ def test_images_beside_empty_class_folders_are_not_called_missing(tmp_path: Path
     assert result.stderr.splitlines()[-1] == (f"error: the 2 image(s) directly in {src} are outside every class "
                                              "folder, and the class folders hold none: move the images into class "
                                              "folders, or remove the empty folders to compile them unlabeled")
+
+
+def test_the_demo_runs_as_the_readme_shows_and_leaves_nothing_but_its_dataset(tmp_path: Path) -> None:
+    """scripts/demo.sh's commands after set-up, in a copy of examples/: the lines the README shows
+    (machine-independent parts), and no lock or partial-build file left beside the dataset."""
+    import shutil
+    import subprocess
+    import sys
+
+    shutil.copytree(ROOT / "examples" / "images", tmp_path / "examples" / "images")
+    shutil.copy(ROOT / "examples" / "read_back.py", tmp_path / "examples")
+    commands = [line.split() for line in (ROOT / "scripts" / "demo.sh").read_text().splitlines()
+                if line.startswith(".venv/bin/")]
+    assert [c[0] for c in commands] == [".venv/bin/dsc", ".venv/bin/python"]
+    printed = []
+    for command in commands:
+        program = [sys.executable, "-m", "dsc"] if command[0].endswith("/dsc") else [sys.executable]
+        run = subprocess.run(program + command[1:], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        printed += run.stdout.splitlines()
+    readme = (ROOT / "README.md").read_text()
+    shown = readme[readme.index("```console\n$ dsc compile examples/images"):].split("```")[1].splitlines()[2:]
+    shown += readme[readme.index("`examples/read_back.py`:\n\n```console\n"):].split("```")[1].splitlines()[1:]
+    assert printed[0].split(" on disk")[0] == shown[0].split(" on disk")[0]
+    assert printed[1] == shown[1]
+    assert printed[2].split(", from ")[0] == shown[2].split(", from ")[0]
+    assert printed[2].endswith("examples/images/coffee/coffee_0.jpg")
+    for real, readme_line in zip(printed[3:6], shown[3:6]):
+        assert real.split()[0] == readme_line.split()[0] and real.split("per class")[1] == readme_line.split(
+            "per class")[1]
+    assert len(printed) == len(shown) == 7
+    assert sorted(p.name for p in (tmp_path / "examples").iterdir()) == ["images", "out", "read_back.py"]
