@@ -77,6 +77,11 @@ def _size_option(value: str) -> str:
     return value
 
 
+def _count(n: int, one: str, many: str | None = None) -> str:
+    """'1 record', '2 records'."""
+    return f"{n:,} {one if n == 1 else many or one + 's'}"
+
+
 def _human_bytes(n: float) -> str:
     unit = "B"
     for unit in ("B", "KB", "MB", "GB", "TB"):
@@ -202,8 +207,8 @@ def compile_command(
         typer.echo(f"note: class {name!r} has no images (its label index is kept)" if labels is not None else
                    f"note: class folder {name!r} has no images (its label is kept)", err=True)
     h, w, c = summary.record_shape
-    typer.echo(f"wrote {out}: {summary.kept} records of {h}x{w}x{c} uint8 in {summary.shards} shard(s), "
-               f"{len(summary.classes)} classes, {len(summary.skipped)} skipped, "
+    typer.echo(f"wrote {out}: {_count(summary.kept, 'record')} of {h}x{w}x{c} uint8 in {summary.shards} shard(s), "
+               f"{_count(len(summary.classes), 'class', 'classes')}, {len(summary.skipped)} skipped, "
                f"{_human_bytes(summary.bytes_on_disk)} on disk, {summary.seconds:.1f} s "
                f"({summary.images_per_second:.0f} images/s)")
 

@@ -205,3 +205,10 @@ def test_a_ctrl_c_while_the_command_is_still_starting_ends_it_quietly(folder: Pa
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "Traceback" not in stderr and stdout == ""
     assert not (tmp_path / "out").exists()
+
+
+def test_the_summary_counts_in_words(tmp_path: Path) -> None:
+    save(tmp_path / "one" / "only.png", pattern(20, 20), "PNG")
+    result = runner.invoke(app, ["compile", str(tmp_path / "one"), str(tmp_path / "out"), "--size", "8"])
+    assert result.exit_code == 0
+    assert result.stdout.startswith(f"wrote {tmp_path / 'out'}: 1 record of 8x8x3 uint8 in 1 shard(s), 0 classes, ")
