@@ -132,7 +132,7 @@ class TreeMemory:
 
 
 def compile_command(src: Path, out: Path, engine: str, workers: int, resume: bool = False) -> list[str]:
-    return [sys.executable, "-m", "dsc.cli", "compile", str(src), str(out), "--size", str(SIDE), "--engine", engine,
+    return [sys.executable, "-m", "dsc", "compile", str(src), str(out), "--size", str(SIDE), "--engine", engine,
             "-j", str(workers), "--force", *(["--resume"] if resume else [])]
 
 

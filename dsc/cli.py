@@ -101,10 +101,10 @@ def _path(value: str) -> Path:
 
 @app.command("compile")
 def compile_command(
-    src: str = typer.Argument(..., metavar="SRC", callback=_path,
-                              help="Image folder: one sub-folder per class (or images directly)."),
-    out: str = typer.Argument(..., metavar="OUT", callback=_path,
-                              help="Dataset folder to create (built aside, then renamed into place)."),
+    src: Path = typer.Argument(..., metavar="SRC", parser=_path,
+                               help="Image folder: one sub-folder per class (or images directly)."),
+    out: Path = typer.Argument(..., metavar="OUT", parser=_path,
+                               help="Dataset folder to create (built aside, then renamed into place)."),
     size: str = typer.Option("224", "--size", callback=_size_option, metavar="N|HxW",
                              help="Record size: N for N x N, or HxW (height x width)."),
     fit: str = typer.Option("center-crop", "--fit", metavar="FIT", help=f"How to reach the size: {', '.join(FITS)}."),
@@ -194,8 +194,7 @@ def compile_command(
         _fail(_interrupted(out.absolute()), code=130)
     bar.close()
     if summary.reused:
-        typer.echo(f"note: resumed: {summary.reused} of {summary.kept + len(summary.skipped)} sources were done "
-                   "already", err=True)
+        typer.echo(f"note: resumed: {summary.reused} of {summary.built} sources were done already", err=True)
     if not summary.labeled and labels is None:
         typer.echo(f"note: {src} has no class sub-folders, so the dataset is unlabeled (label -1)", err=True)
     if summary.ignored:
@@ -282,17 +281,13 @@ def _interrupted(out: Path) -> str:
     return f"interrupted; {out} was not written"
 
 
-if __name__ == "__main__":
-    app()
-
-
 def _dataset_argument() -> Path:
     return typer.Argument(..., metavar="DATASET", help="A compiled dsc dataset folder.")
 
 
 def _fail_dataset(dataset: Path, e: DscError) -> None:
     """A dataset that cannot be opened; where it is missing because a compile was interrupted, say so."""
-    problems = getattr(e, "problems", None) or [str(e)]
+    problems = [*(getattr(e, "problems", None) or [str(e)])]
     if not dataset.exists() and staging_path(dataset.absolute()).is_dir():
         problems.append(f"an interrupted compile left its work in {staging_path(dataset.absolute())}: run that "
                         "compile again with --resume to finish it")

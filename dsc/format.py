@@ -494,6 +494,16 @@ def _check_version(root: Path, doc: dict) -> int:
     return minor
 
 
+def is_dataset(path: str | os.PathLike) -> bool:
+    """Whether `path` looks like a dsc dataset: its manifest names this format (a cheap check, not
+    validation; an image folder may hold a manifest.json of its own)."""
+    try:
+        with open(Path(path) / MANIFEST_FILE, "rb") as f:
+            return json.loads(f.read(MAX_MANIFEST_BYTES)).get("format") == FORMAT_NAME
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 class _Folder:
     """A dataset folder held open by a descriptor. Every file is opened relative to it, never
     through a symbolic link: a dataset swapped for another while it is opened (`dsc compile

@@ -26,7 +26,6 @@ from dsc import format as fmt
 from dsc.compiler import compile_folder
 from dsc.compiler.discover import is_image_name
 from dsc.compiler.labels import LABEL_COLUMN, SEPARATOR, read_table
-from dsc.compiler.publish import is_dataset
 from dsc.errors import ChecksumError
 from dsc.reader import MemmapDataset
 
@@ -363,7 +362,7 @@ def assert_roundtrip(src: str | os.PathLike, out: str | os.PathLike | None = Non
         with tempfile.TemporaryDirectory(prefix="dsc-roundtrip-") as tmp:
             return assert_roundtrip(src, Path(tmp) / "out", max_mean_abs_diff=max_mean_abs_diff, **compile_options)
     src, out = Path(src), Path(out)
-    if compile_options.get("force") or not is_dataset(out):
+    if compile_options.get("force") or not fmt.is_dataset(out):
         compile_folder(src, out, **compile_options)
     elif compile_options:
         raise ValueError(f"{out} is already compiled, so compile options {sorted(compile_options)} would be "

@@ -131,7 +131,8 @@ def test_a_classes_value_is_read_alike_by_the_cli_and_python(tmp_path: Path, mon
     monkeypatch.chdir(tmp_path)
     compile_ = ["compile", "src", "x", "--size", "8", "-j", "1"]
     result = runner.invoke(app, [*compile_, "--classes", ""])
-    assert result.exit_code == 1 and result.stderr.endswith("error: --classes is empty\n")
+    assert result.exit_code == 1 and result.stderr.endswith("error: the classes are empty (give names, a file of "
+                                                            "names or a dataset)\n")
     result = runner.invoke(app, [*compile_, "--classes", "classes.txt"])
     assert result.exit_code == 1 and result.stderr.endswith("error: classes file classes.txt does not exist\n")
     result = runner.invoke(app, [*compile_, "--classes-from", "nothere"])
@@ -140,6 +141,8 @@ def test_a_classes_value_is_read_alike_by_the_cli_and_python(tmp_path: Path, mon
     assert MemmapDataset(tmp_path / "out").classes == ["cat", "bird"]
     with pytest.raises(CompileError, match=r"^classes file cat/bird does not exist$"):
         dsc.compile_folder(tmp_path / "src", tmp_path / "out2", size=8, workers=1, classes="cat/bird")
+    with pytest.raises(CompileError, match=r"class folder\(s\) 'bird' .* not among the 2 given classes"):
+        dsc.compile_folder(tmp_path / "src", tmp_path / "out3", size=8, workers=1, classes="cat,bird.txt")  # names
 
 
 def test_a_table_class_without_images_is_not_called_a_folder(flat, tmp_path: Path) -> None:
@@ -485,7 +488,8 @@ def test_a_resume_carries_the_fields_and_refuses_another_table(flat, tmp_path: P
         dsc.compile_folder(src, tmp_path / "out", size=8, workers=1, labels=table, progress=stop)
     rows[0]["count"] = 99
     write_csv(tmp_path / "changed.csv", rows)
-    with pytest.raises(CompileError, match="other settings: fields"):
+    with pytest.raises(CompileError, match=r"the label table.s values changed since it began, and a resume would "
+                                           "mix old and new values; pass --force to start over$"):
         dsc.compile_folder(src, tmp_path / "out", size=8, workers=1, labels=tmp_path / "changed.csv", resume=True)
     dsc.compile_folder(src, tmp_path / "out", size=8, workers=1, labels=table, resume=True)
     for name in ("labels.bin", "fields/tags.bin", "fields/target.bin", "fields/count.bin", "shards/00000.bin"):

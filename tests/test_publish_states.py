@@ -222,6 +222,21 @@ def test_a_touched_source_is_named_when_resume_is_refused(src: Path, tmp_path: P
         compile_folder(src, out, size=8, workers=1, resume=True, on_skip=quiet)
 
 
+def test_a_build_begun_by_another_dsc_is_not_called_other_settings(src: Path, tmp_path: Path) -> None:
+    """A plan made by another dsc version or decoder: no option of the user's differs, so none is named."""
+    import json
+
+    out = tmp_path / "out"
+    _interrupted(src, out)
+    plan_file = staging_path(out) / "plan.json"
+    plan = json.loads(plan_file.read_text())
+    plan_file.write_text(json.dumps({**plan, "decoder": "another decoder"}))
+    with pytest.raises(CompileError, match=r"it was begun by another dsc or decoder \(decoder 'another decoder' "
+                                           r"\(now '.+'\)\), and a resume would mix records made two ways; pass "
+                                           r"--force to start over$"):
+        compile_folder(src, out, size=8, workers=1, resume=True, on_skip=quiet)
+
+
 # 7: journal lines protect the sizes; no resume file is ever published.
 def test_an_edited_size_in_the_journal_is_decoded_again(src: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"

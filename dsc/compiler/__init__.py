@@ -59,6 +59,7 @@ class CompileSummary:
     fields: tuple[fmt.FieldEntry, ...] = ()
     ignored: int = 0  # images under SRC that the label table does not list
     reused: int = 0  # sources a resume found done already (decoded or skipped by the interrupted compile)
+    built: int = 0  # sources the build decoded or tried (discovery's skips never reach it)
 
     @property
     def labeled(self) -> bool:
@@ -67,7 +68,7 @@ class CompileSummary:
     @property
     def images_per_second(self) -> float:
         """Sources decoded (or found bad) per second by this call; what a resume reused is not counted."""
-        return max(0, self.kept + len(self.skipped) - self.reused) / self.seconds if self.seconds > 0 else 0.0
+        return (self.built - self.reused) / self.seconds if self.seconds > 0 else 0.0
 
 
 def _log_skip(source: str, reason: str) -> None:
@@ -268,7 +269,7 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
     return CompileSummary(out, manifest.count, [(s["source"], s["reason"]) for s in fmt.read_skipped(out, manifest)],
                           list(manifest.classes), found.empty_classes, len(manifest.shards), size_on_disk,
                           time.perf_counter() - started, decoder_name(), manifest.record_shape, manifest.fields,
-                          found.ignored, reused)
+                          found.ignored, reused, len(sources))
 
 
 def _finish_publish(stage: Path, out: Path, plan_digest: str, force: bool) -> fmt.Manifest | None:

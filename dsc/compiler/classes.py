@@ -24,10 +24,10 @@ def classes_option(value: str) -> Path | list[str]:
     """`--classes` (or `compile_folder(classes="a,b")`) as a path that exists, else comma-separated
     names; a value that looks like a file name must exist, or a typo would become one class."""
     if not value.strip():
-        raise CompileError("--classes is empty")
+        raise CompileError("the classes are empty (give names, a file of names or a dataset)")
     if Path(value).exists():
         return Path(value)
-    if "/" in value or Path(value).suffix.lower() in CLASS_FILE_SUFFIXES:
+    if "," not in value and ("/" in value or Path(value).suffix.lower() in CLASS_FILE_SUFFIXES):
         raise CompileError(f"classes file {value} does not exist")
     return [name.strip() for name in value.split(",")]
 
@@ -94,10 +94,12 @@ def sibling_class_mismatch(out: Path, classes: list[str]) -> list[str]:
             theirs = list(fmt.parse_manifest(sibling).classes)
         except (DatasetError, OSError):
             continue
-        moved = [(c, i, theirs.index(c)) for i, c in enumerate(classes) if c in theirs and theirs.index(c) != i]
+        position = {c: k for k, c in enumerate(theirs)}
+        moved = [(c, i, position[c]) for i, c in enumerate(classes) if position.get(c, i) != i]
         if not moved:
             continue
-        missing, extra = [c for c in theirs if c not in classes], [c for c in classes if c not in theirs]
+        ours = set(classes)
+        missing, extra = [c for c in theirs if c not in ours], [c for c in classes if c not in position]
         why = "; ".join(filter(None, [missing and f"{out.name} lacks {', '.join(missing[:5])}",
                                       extra and f"{out.name} adds {', '.join(extra[:5])}"])) or "their order differs"
         name, here, there = moved[0]

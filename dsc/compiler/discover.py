@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from dsc.errors import CompileError
-from dsc.format import MANIFEST_FILE, FieldEntry
+from dsc.format import FieldEntry, is_dataset
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".bmp", ".gif", ".webp",
                               ".tif", ".tiff", ".ppm", ".pgm", ".pbm", ".pnm"})
@@ -149,7 +149,7 @@ def check_source_folder(root: Path) -> list[os.DirEntry]:
         raise CompileError(f"source folder {root} does not exist")
     if not root.is_dir():
         raise CompileError(f"source {root} is not a folder")
-    if (root / MANIFEST_FILE).is_file():
+    if is_dataset(root):
         raise CompileError(f"source {root} is a compiled dsc dataset, not an image folder; did you swap SRC and OUT?")
     try:
         return sorted(os.scandir(root), key=lambda e: e.name)

@@ -25,8 +25,9 @@ from dsc.compiler.shard_io import ShardFiles
 from dsc.errors import CompileError, DatasetError
 
 MANIFEST_BYTES_PER_SHARD = 200  # a shard's entry in manifest.json, with room to spare
-logger = logging.getLogger("dsc")  # what a compile finds is reported here (see dsc.compiler)
 READER_SPARE_DESCRIPTORS = 64  # what a reading process needs besides one descriptor per shard
+
+logger = logging.getLogger("dsc")  # what a compile finds is reported here (see dsc.compiler)
 
 
 class NothingDecoded(CompileError):
@@ -45,10 +46,11 @@ def check_shard_count(shards: int) -> None:
                            "MiB readers accept; use a larger --records-per-shard")
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and shards + READER_SPARE_DESCRIPTORS > soft:
-        logger.warning(f"reading this dataset will need about {shards + READER_SPARE_DESCRIPTORS} open files (a "
-                       f"descriptor for each of up to {shards} shard files, plus {READER_SPARE_DESCRIPTORS} to spare "
-                       f"for the rest of a training process), more than the {soft} this process may have (ulimit "
-                       "-n). Raise the limit where you read it, or compile with a larger --records-per-shard")
+        logger.warning("reading this dataset will need about %d open files (a descriptor for each of up to %d shard "
+                       "files, plus %d to spare for the rest of a training process), more than the %d this process "
+                       "may have (ulimit -n). Raise the limit where you read it, or compile with a larger "
+                       "--records-per-shard", shards + READER_SPARE_DESCRIPTORS, shards, READER_SPARE_DESCRIPTORS,
+                       soft)
 
 
 def compact(stage: Path, ok: np.ndarray, job: WriteJob) -> int:

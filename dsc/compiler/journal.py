@@ -72,15 +72,28 @@ def write_plan(stage: Path, plan: dict[str, Any], listing: list[str]) -> None:
     fmt.write_durably(stage / PLAN_FILE, json.dumps(plan, indent=1, sort_keys=True).encode())
 
 
+ENVIRONMENT_KEYS = ("dsc_version", "decoder", "resize")  # what this machine's dsc is, not an option
+INPUT_KEYS = ("sources", "count", "fields")  # fingerprints of the sources and the label table's values
+
+
 def check_plan(stage: Path, plan: dict[str, Any], listing: list[str]) -> None:
     """Refuse to resume a partial build made with other options or from another source listing."""
     saved = json.loads((stage / PLAN_FILE).read_bytes())
-    changed = [f"{key} {saved.get(key)!r} (now {plan[key]!r})" for key in plan
-               if key not in ("sources", "count") and saved.get(key) != plan[key]
-               and not (key == "records_per_shard" and saved.get("size") != plan["size"])]  # follows from --size
-    if changed:
-        raise CompileError(f"cannot resume {stage}: it was made with other settings: {'; '.join(changed)}. Run it "
+
+    def differ(keys) -> list[str]:
+        return [f"{key} {saved.get(key)!r} (now {plan[key]!r})" for key in keys if saved.get(key) != plan[key]
+                and not (key == "records_per_shard" and saved.get("size") != plan["size"])]  # follows from --size
+    options = differ(k for k in plan if k not in ENVIRONMENT_KEYS + INPUT_KEYS)
+    if options:
+        raise CompileError(f"cannot resume {stage}: it was made with other settings: {'; '.join(options)}. Run it "
                            "with its own settings and --resume, or pass --force to start over")
+    environment = differ(ENVIRONMENT_KEYS)
+    if environment:
+        raise CompileError(f"cannot resume {stage}: it was begun by another dsc or decoder ({'; '.join(environment)}), "
+                           "and a resume would mix records made two ways; pass --force to start over")
+    if saved.get("fields") != plan["fields"]:
+        raise CompileError(f"cannot resume {stage}: the label table's values changed since it began, and a resume "
+                           "would mix old and new values; pass --force to start over")
     if saved.get("sources") != plan["sources"]:
         raise CompileError(f"cannot resume {stage}: the sources changed since it began ({_changes(stage, listing)}), "
                            "and a resume would mix old and new files; pass --force to start over")
@@ -91,7 +104,7 @@ def _changes(stage: Path, listing: list[str]) -> str:
     try:
         saved_lines = (stage / LISTING_FILE).read_text(encoding="utf-8").splitlines()
         if saved_lines[:1] != listing[:1]:  # the first line holds the classes
-            return f"the classes were {', '.join(json.loads(saved_lines[0]))}, now {', '.join(json.loads(listing[0]))}"
+            return _class_changes(json.loads(saved_lines[0]), json.loads(listing[0]))
         saved, now = _by_name(saved_lines[1:]), _by_name(listing[1:])
     except (OSError, ValueError, TypeError, IndexError):
         return "the saved listing is unreadable"
@@ -106,6 +119,13 @@ def _changes(stage: Path, listing: list[str]) -> str:
                                                                                            now[name][1])))
              if names]
     return "; ".join(parts) or "the same files in another order"
+
+
+def _class_changes(before: list[str], now: list[str]) -> str:
+    added, removed = [c for c in now if c not in set(before)], [c for c in before if c not in set(now)]
+    parts = [f"{what} {', '.join(map(repr, names[:5]))}{', ...' if len(names) > 5 else ''}"
+             for what, names in (("classes added:", added), ("classes removed:", removed)) if names]
+    return "; ".join(parts) or "the classes are in another order"
 
 
 def _by_name(lines: list[str]) -> dict[str, tuple]:

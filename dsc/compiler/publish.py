@@ -40,20 +40,11 @@ def staging_path(out: Path) -> Path:
     return out.parent / f".{out.name}.dsc-partial"
 
 
-def is_dataset(path: Path) -> bool:
-    """Whether `path` looks like a dsc dataset (so --force may replace it)."""
-    try:
-        with open(path / fmt.MANIFEST_FILE, "rb") as f:
-            return json.loads(f.read(fmt.MAX_MANIFEST_BYTES)).get("format") == fmt.FORMAT_NAME
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
 def replaceable(path: Path) -> bool:
     """What --force may replace: a dsc dataset or an empty folder, never a link or anything else."""
     if path.is_symlink() or not path.is_dir():
         return False
-    return is_dataset(path) or not any(path.iterdir())
+    return fmt.is_dataset(path) or not any(path.iterdir())
 
 
 def lock_path(out: Path) -> Path:

@@ -43,6 +43,8 @@ def check_indices(indices, count: int) -> np.ndarray:
         got = f"{idx.ndim}-D input" if idx.ndim != 1 else kinds.get(idx.dtype.kind, idx.dtype.name)
         raise TypeError(f"record indices must be a 1-D sequence of integers (a list of ints, as DataLoader "
                         f"passes), got {got}")
+    if idx.size and idx.dtype.kind == "u" and idx.max() >= count:  # before the cast: 2**64 - 1 would become -1
+        raise IndexError(out_of_range(int(idx.max()), count))
     idx = idx.astype(np.int64, copy=False)
     if idx.size and (idx.min() < -count or idx.max() >= count):
         raise IndexError(out_of_range(int(idx[(idx < -count) | (idx >= count)][0]), count))
