@@ -47,14 +47,6 @@ class Rate:
     def gb_per_s(self) -> float:
         return self.samples_per_s * self.record_bytes / 1e9
 
-    def producer_costs(self) -> str:
-        """A loader row's cost of making a batch. Not `LoaderStats`' wait share: bench has no training
-        loop, it takes batches as fast as they come, so it always waits, and that reads as a bottleneck."""
-        stats = self.stats or LoaderStats(0, 0.0, 0.0, 0.0, 0.0)
-        per = 1e3 / max(stats.batches, 1)
-        return (f"producer: {stats.batches} batches; per batch gather {stats.gather_s * per:.2f} ms, "
-                f"upload {stats.upload_s * per:.2f} ms")
-
 
 @dataclass
 class BenchReport:

@@ -183,7 +183,7 @@ def compile_command(
                                      max_pixels=max_pixels, resume=resume, engine=engine, address=address,
                                      fast_decode=fast_decode, classes=vocabulary,
                                      skip_unknown_classes=skip_unknown_classes, labels=labels, columns=kinds or None,
-                                     on_found=bar.found, on_total=bar.total, progress=bar.done,
+                                     on_found=bar.advance, on_total=bar.total, progress=bar.advance,
                                      on_skip=lambda source, reason: bar.write(f"skipped {_clean(source)}: "
                                                                               f"{_clean(reason)}"))
     except DscError as e:
@@ -219,15 +219,13 @@ class _CompileProgress:
     def __init__(self) -> None:
         self._bar = tqdm(unit="img", desc="discovering", disable=None, file=sys.stderr, dynamic_ncols=True)
 
-    def found(self, n: int) -> None:
+    def advance(self, n: int) -> None:
+        """n more images found (discovery) or done (compiling)."""
         self._bar.update(n)
 
     def total(self, n: int) -> None:  # discovery is done: from here on, n/total, rate and ETA
         self._bar.close()
         self._bar = tqdm(total=n, unit="img", desc="compiling", disable=None, file=sys.stderr, dynamic_ncols=True)
-
-    def done(self, n: int) -> None:
-        self._bar.update(n)
 
     def write(self, line: str) -> None:
         """A line above the bar (a skip, a warning), which keeps drawing below it."""
@@ -412,8 +410,8 @@ def bench_command(
     typer.echo(f"{'row':<44} {'samples/s':>10} {'GB/s':>7} {'x limit':>8}")
     for rate, ratio in report.rows():
         typer.echo(f"{rate.name:<44} {rate.samples_per_s:>10,.0f} {rate.gb_per_s:>7.2f} {ratio:>8.2f}")
-    for rate, _ in report.rows():
-        if rate.stats is not None:
-            typer.echo(f"{rate.name}: {rate.producer_costs()}")
+    for rate, _ in report.rows():  # not the stats' wait share: bench takes batches as fast as they come,
+        if rate.stats is not None:  # so it always waits, and that would read as a bottleneck
+            typer.echo(f"{rate.name}: producer: {rate.stats.batches} batches; per batch {rate.stats.costs()}")
     for note in report.notes:
         typer.echo(f"- {note}")

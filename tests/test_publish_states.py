@@ -211,29 +211,30 @@ def test_an_out_that_is_a_mount_point_is_refused_up_front(src: Path, tmp_path: P
         assert not staging_path(out).exists() and not any(out.iterdir())
 
 
-def test_a_touched_source_is_named_when_resume_is_refused(src: Path, tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    _interrupted(src, out)
-    touched = src / "class_1" / "img_2.jpg"
-    os.utime(touched, ns=(1, 1))
-    with pytest.raises(CompileError, match=r"the sources changed since it began \(1 modified, e\.g\. "
-                                           r"'class_1/img_2\.jpg' \([\d,]+ bytes, modified 20\d\d-\d\d-\d\d [\d:]+ "
-                                           r"then, [\d,]+ bytes, modified 1970-01-01 [\d:]+ now\)\)"):
-        compile_folder(src, out, size=8, workers=1, resume=True, on_skip=quiet)
+def _touch_a_source(src: Path, out: Path) -> None:
+    os.utime(src / "class_1" / "img_2.jpg", ns=(1, 1))
 
 
-def test_a_build_begun_by_another_dsc_is_not_called_other_settings(src: Path, tmp_path: Path) -> None:
-    """A plan made by another dsc version or decoder: no option of the user's differs, so none is named."""
+def _plan_from_another_decoder(src: Path, out: Path) -> None:
     import json
 
+    plan_file = staging_path(out) / "plan.json"
+    plan_file.write_text(json.dumps({**json.loads(plan_file.read_text()), "decoder": "another decoder"}))
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (_touch_a_source,  # the source is named, with its sizes and times
+     r"the sources changed since it began \(1 modified, e\.g\. 'class_1/img_2\.jpg' \([\d,]+ bytes, modified "
+     r"20\d\d-\d\d-\d\d [\d:]+ then, [\d,]+ bytes, modified 1970-01-01 [\d:]+ now\)\)"),
+    (_plan_from_another_decoder,  # no option of the user's differs, so none is named
+     r"it was begun by another dsc or decoder \(decoder 'another decoder' \(now '.+'\)\), and a resume would mix "
+     r"records made two ways; pass --force to start over$"),
+])
+def test_a_refused_resume_names_what_changed(src: Path, tmp_path: Path, change, message: str) -> None:
     out = tmp_path / "out"
     _interrupted(src, out)
-    plan_file = staging_path(out) / "plan.json"
-    plan = json.loads(plan_file.read_text())
-    plan_file.write_text(json.dumps({**plan, "decoder": "another decoder"}))
-    with pytest.raises(CompileError, match=r"it was begun by another dsc or decoder \(decoder 'another decoder' "
-                                           r"\(now '.+'\)\), and a resume would mix records made two ways; pass "
-                                           r"--force to start over$"):
+    change(src, out)
+    with pytest.raises(CompileError, match=message):
         compile_folder(src, out, size=8, workers=1, resume=True, on_skip=quiet)
 
 

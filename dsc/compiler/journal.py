@@ -108,21 +108,23 @@ def _changes(stage: Path, listing: list[str]) -> str:
         saved, now = _by_name(saved_lines[1:]), _by_name(listing[1:])
     except (OSError, ValueError, TypeError, IndexError):
         return "the saved listing is unreadable"
-    added, removed = sorted(now.keys() - saved.keys()), sorted(saved.keys() - now.keys())
     both = sorted(saved.keys() & now.keys())
-    relabelled = [name for name in both if saved[name][0] != now[name][0]]
+    parts = [_some(sorted(now.keys() - saved.keys()), "added"), _some(sorted(saved.keys() - now.keys()), "removed"),
+             _some([name for name in both if saved[name][0] != now[name][0]], "now in another class")]
     modified = [name for name in both if saved[name][1] != now[name][1]]
-    parts = [f"{len(names)} {what}, e.g. {names[0]!r}{detail(names[0]) if detail else ''}"
-             for names, what, detail in ((added, "added", None), (removed, "removed", None),
-                                         (relabelled, "now in another class", None),
-                                         (modified, "modified", lambda name: _stamp_change(*saved[name][1:],
-                                                                                           now[name][1])))
-             if names]
-    return "; ".join(parts) or "the same files in another order"
+    if modified:
+        parts.append(_some(modified, "modified") + _stamp_change(saved[modified[0]][1], now[modified[0]][1]))
+    return "; ".join(filter(None, parts)) or "the same files in another order"
+
+
+def _some(names: list[str], what: str) -> str:
+    """'3 added, e.g. 'a.jpg'', or '' for none."""
+    return f"{len(names)} {what}, e.g. {names[0]!r}" if names else ""
 
 
 def _class_changes(before: list[str], now: list[str]) -> str:
-    added, removed = [c for c in now if c not in set(before)], [c for c in before if c not in set(now)]
+    had, has = set(before), set(now)
+    added, removed = [c for c in now if c not in had], [c for c in before if c not in has]
     parts = [f"{what} {', '.join(map(repr, names[:5]))}{', ...' if len(names) > 5 else ''}"
              for what, names in (("classes added:", added), ("classes removed:", removed)) if names]
     return "; ".join(parts) or "the classes are in another order"

@@ -69,15 +69,15 @@ def _problem(table_path: Path, line: int, what: str, column: str | None = None) 
     return CompileError(f"{where}: {what}")
 
 
-def _clean_source(table_path: Path, line: int, value: Any, root: Path | None = None) -> str:
+def _clean_source(table_path: Path, line: int, value: Any, roots: tuple[Path, ...] = ()) -> str:
     """A table path as a relative, '/'-separated path that stays inside SRC. An absolute path inside
-    `root` is made relative to it, so that both spellings of one image are the same source."""
+    SRC (any of its spellings in `roots`) is made relative to it: both spellings of an image are one source."""
     if not isinstance(value, str) or not value.strip():
         raise _problem(table_path, line, f"the image path must be non-empty text, found {value!r:.60}")
     path = value.strip()
     normal = posixpath.normpath(path)
-    if root is not None and path.startswith("/"):  # SRC as given, or with its symlinks resolved
-        for base in (Path(os.path.abspath(root)), root.resolve()):
+    if path.startswith("/"):
+        for base in roots:
             if Path(normal).is_relative_to(base):
                 path = normal = Path(normal).relative_to(base).as_posix()
                 break
@@ -92,6 +92,7 @@ def read_table(path: str | os.PathLike, root: str | os.PathLike | None = None) -
     with a "path" key) label table; a malformed row is a CompileError naming its line. Absolute
     paths inside `root` (SRC) are taken relative to it."""
     path = Path(path)
+    roots = () if root is None else (Path(os.path.abspath(root)), Path(root).resolve())  # as given; links resolved
     if path.is_dir():
         raise CompileError(f"{path} is a folder; --labels takes a CSV or JSONL file")
     if path.suffix.lower() == ".json":  # read as CSV, a JSON document would fail at its first '"'
@@ -110,7 +111,7 @@ def read_table(path: str | os.PathLike, root: str | os.PathLike | None = None) -
     sources, lines, seen = [], [], {}
     columns: dict[str, list[Any]] = {name: [] for name in header}
     for line, source, values in body:
-        source = _clean_source(path, line, source, Path(root) if root is not None else None)
+        source = _clean_source(path, line, source, roots)
         if source in seen:
             raise _problem(path, line, f"image {source!r} is listed twice (first on line {seen[source]})")
         seen[source] = line
@@ -395,9 +396,10 @@ def discover_listed(src: str | os.PathLike, table_path: str | os.PathLike, kinds
     root = Path(src)
     check_source_folder(root)
     table = read_table(table_path, root)
-    _check_given_kinds(table, kinds or {})
+    kinds = kinds or {}
+    _check_given_kinds(table, kinds)
     _check_label_column(table)
-    kinds = {name: (kinds or {}).get(name) or (reference.get(name) or (None,))[0] or infer_kind(table, name)
+    kinds = {name: kinds.get(name) or (reference.get(name) or (None,))[0] or infer_kind(table, name)
              for name in table.columns}
     if LABEL_COLUMN in kinds and kinds[LABEL_COLUMN] != "class":
         raise CompileError(f"{table.path}: column {LABEL_COLUMN!r} holds {kinds[LABEL_COLUMN]} values, but the "

@@ -43,12 +43,13 @@ def check_indices(indices, count: int) -> np.ndarray:
         got = f"{idx.ndim}-D input" if idx.ndim != 1 else kinds.get(idx.dtype.kind, idx.dtype.name)
         raise TypeError(f"record indices must be a 1-D sequence of integers (a list of ints, as DataLoader "
                         f"passes), got {got}")
-    if idx.size and idx.dtype.kind == "u" and idx.max() >= count:  # before the cast: 2**64 - 1 would become -1
-        raise IndexError(out_of_range(int(idx.max()), count))
-    idx = idx.astype(np.int64, copy=False)
-    if idx.size and (idx.min() < -count or idx.max() >= count):
+    if idx.size == 0:
+        return idx.astype(np.int64)
+    low, high = int(idx.min()), int(idx.max())  # Python ints: a uint64 2**64 - 1 stays itself
+    if low < -count or high >= count:
         raise IndexError(out_of_range(int(idx[(idx < -count) | (idx >= count)][0]), count))
-    return np.where(idx < 0, idx + count, idx) if idx.size and idx.min() < 0 else idx
+    idx = idx.astype(np.int64, copy=False)
+    return np.where(idx < 0, idx + count, idx) if low < 0 else idx
 
 
 def out_of_range(i: int, count: int) -> str:

@@ -117,11 +117,14 @@ class LoaderStats:
     def wait_fraction(self) -> float:
         return self.wait_s / self.wall_s if self.wall_s > 0 else 0.0
 
-    def __str__(self) -> str:
+    def costs(self) -> str:
+        """What making one batch cost the producer, on average."""
         per = 1e3 / max(self.batches, 1)
+        return f"gather {self.gather_s * per:.2f} ms, upload {self.upload_s * per:.2f} ms"
+
+    def __str__(self) -> str:
         return (f"{self.batches} batches, waited {self.wait_s:.2f} s of {self.wall_s:.2f} s "
-                f"({self.wait_fraction:.1%}); per batch: gather {self.gather_s * per:.2f} ms, "
-                f"upload {self.upload_s * per:.2f} ms")
+                f"({self.wait_fraction:.1%}); per batch: {self.costs()}")
 
 
 @dataclass
