@@ -693,8 +693,9 @@ def _skip_list_entry(folder: _Folder, doc: dict, seen: set[str], newer: bool) ->
     if entry["file"] in seen:
         raise _fail(folder.root, f"skipped_list: file {entry['file']!r} is also used elsewhere")
     count = _expect_int(folder.root, entry, "count", 0, 1 << 40, "skipped_list: ")
-    if count < len(doc["skipped"]):
-        raise _fail(folder.root, f"skipped_list: 'count' = {count}, but 'skipped' already lists {len(doc['skipped'])}")
+    if len(doc["skipped"]) != min(count, SKIPPED_IN_MANIFEST):  # 'skipped' repeats the list's first lines
+        raise _fail(folder.root, f"skipped_list: 'count' = {count}, but 'skipped' lists {len(doc['skipped'])} "
+                                 f"(it must repeat the first min(count, {SKIPPED_IN_MANIFEST}))")
     return SkipListEntry(entry["file"], entry["bytes"], entry["sha256"], count)
 
 

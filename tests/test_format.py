@@ -186,6 +186,9 @@ def set_key(*keys_and_value):
     (set_key("count", 2**33), DatasetError, r"'shards' lists 3 shard\(s\), but 8589934592 records"),
     (set_key("records_per_shard", 2**40 + 1), DatasetError, "'records_per_shard' = .* is outside"),
     (set_key("skipped", [{"source": "x", "reason": "y", "extra": 1}]), DatasetError, "'skipped' must be"),
+    (set_key("skipped_list", "count", 2), DatasetError,  # found by test_fuzz_dataset: info refused, the reader not
+     r"skipped_list: 'count' = 2, but 'skipped' lists 1 \(it must repeat the first min\(count, 100\)\)"),
+    (set_key("skipped", []), DatasetError, r"'count' = 1, but 'skipped' lists 0"),
 ])
 def test_a_lying_manifest_is_refused_before_mapping(tiny: Path, change, error, match) -> None:
     edit_manifest(tiny, change)
