@@ -49,6 +49,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import dsc
 from dsc import format as fmt
+from dsc.compiler import output
 from dsc.reader import MemmapDataset
 from dsc.reader.gather import split
 
@@ -105,12 +106,12 @@ def with_fields(ds: MemmapDataset, out: Path) -> MemmapDataset:
     for entry in m.files:
         os.link(ds.path / entry.file, out / entry.file)
     rng = np.random.default_rng(0)
-    fields = fmt.write_fields(out, [
+    fields = output.write_fields(out, [
         (fmt.FieldEntry("", 0, "", "tags", "multilabel", (20,), tuple(f"t{k}" for k in range(20))),
          rng.integers(0, 2, (m.count, 20))),
         (fmt.FieldEntry("", 0, "", "box", "float", (4,)), rng.random((m.count, 4))),
         (fmt.FieldEntry("", 0, "", "year", "int", ()), rng.integers(1990, 2025, m.count))])
-    fmt.write_manifest(out, dataclasses.replace(m, fields=fields, version=fmt.FORMAT_VERSION))
+    output.write_manifest(out, dataclasses.replace(m, fields=fields, version=fmt.FORMAT_VERSION))
     return MemmapDataset(out)
 
 

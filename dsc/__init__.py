@@ -18,14 +18,14 @@ from dsc.errors import (
     LoaderError,
     UnsupportedVersionError,
 )
+from dsc.version import __version__
 
-__version__ = "0.1.0"
-
-_LAZY = {"compile_folder": "dsc.compiler", "CompileSummary": "dsc.compiler", "MemmapDataset": "dsc.reader"}
+_LAZY = {"compile_folder": "dsc.compiler.pipeline", "CompileSummary": "dsc.compiler.pipeline",
+         "MemmapDataset": "dsc.reader.dataset"}
 
 if TYPE_CHECKING:
-    from dsc.compiler import CompileSummary, compile_folder
-    from dsc.reader import MemmapDataset
+    from dsc.compiler.pipeline import CompileSummary, compile_folder
+    from dsc.reader.dataset import MemmapDataset
 
 __all__ = ["compile_folder", "CompileSummary", "MemmapDataset", "DscError", "DatasetError", "CompileError",
            "ImageError", "LoaderError", "ChecksumError", "UnsupportedVersionError", "__version__"]

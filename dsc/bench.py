@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from dsc import format as fmt
+from dsc import storage
 from dsc.reader import MemmapDataset
 from dsc.reader.gather import split
 from dsc.reader.loader import LoaderStats, default_threads, resolve_device
@@ -92,14 +93,14 @@ def _timed(epoch: Callable[[], Iterable[int]], budget_s: float, warm: bool = Tru
             return samples, time.perf_counter() - start
 
 
-def _copy_range(buf: np.ndarray, d: fmt.OpenedDataset, start: int, stop: int) -> None:
+def _copy_range(buf: np.ndarray, d: storage.OpenedDataset, start: int, stop: int) -> None:
     at = 0
     for shard, lo, hi in fmt.shard_segments(start, stop, d.manifest.records_per_shard):
         np.copyto(buf[at:at + hi - lo], d.shards[shard][lo:hi])
         at += hi - lo
 
 
-def copy_limit(d: fmt.OpenedDataset, batch_size: int, threads: int, budget_s: float) -> Rate:
+def copy_limit(d: storage.OpenedDataset, batch_size: int, threads: int, budget_s: float) -> Rate:
     """Plain contiguous copies of consecutive batches into one preallocated buffer, split over threads."""
     m = d.manifest
     buf = np.empty((batch_size, *m.record_shape), np.uint8)
@@ -239,7 +240,7 @@ def run(path: str | os.PathLike, batch_size: int = 256, threads: int | None = No
         log: Callable[[str], None] = lambda line: None) -> BenchReport:
     """Measure the copy limit and every order, cold (where possible) and warm; `log` tells progress."""
     path, threads = Path(path), threads or default_threads()
-    d = fmt.open_dataset(path)
+    d = storage.open_dataset(path)
     shards, shape = d.shard_paths(), d.manifest.record_shape
     report = BenchReport(sum(s.bytes for s in d.manifest.shards), memory_bytes(), Rate("", 0, 0.0, 1), [])
     del d
@@ -255,7 +256,7 @@ def run(path: str | os.PathLike, batch_size: int = 256, threads: int | None = No
             report.cold.append(loader_rate(path, order, batch_size, threads, budget_s, label="cold: ", warm=False))
     log("warming the page cache")
     warm_up(shards)
-    report.limit = copy_limit(fmt.open_dataset(path), batch_size, threads, budget_s)
+    report.limit = copy_limit(storage.open_dataset(path), batch_size, threads, budget_s)
     for order in ORDERS:
         log(f"warm {order}")
         report.warm.append(loader_rate(path, order, batch_size, threads, budget_s))

@@ -17,20 +17,20 @@ from pathlib import Path
 import typer
 from tqdm import tqdm
 
-from dsc import __version__
 from dsc.bench import run as run_bench
-from dsc.compiler import compile_folder
 from dsc.compiler.decode import DEFAULT_MAX_PIXELS, turbojpeg_library
 from dsc.compiler.engines import ENGINES
 from dsc.compiler.labels import parse_column_kinds
+from dsc.compiler.pipeline import compile_folder
 from dsc.compiler.publish import pending_publish, staging_path
 from dsc.compiler.resize import FITS, Target, parse_size
 from dsc.errors import CompileError, DscError
-from dsc.format import open_dataset, verify_checksums
 from dsc.inspect_dataset import check_against_sources
 from dsc.inspect_dataset import summary as inspect_summary
 from dsc.reader.loader import resolve_device  # bench refuses a device as the loader does
 from dsc.sheet import pick_records, save_sheet
+from dsc.storage import open_dataset, verify_checksums
+from dsc.version import __version__
 
 SHOW_SKIPPED = 20  # skipped files listed by `dsc info` before "... and N more"
 SHOW_CLASSES = 20  # classes of a field listed with their counts

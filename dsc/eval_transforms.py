@@ -15,11 +15,12 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from dsc.arguments import is_int
 from dsc.transforms import Transform, _check_batch, _check_sizes, _memory_format, _resample, _size
 
 
 def _short_side(value: object, who: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"{who} resize must be a positive int (the short side), got {value!r}")
     return value
 

@@ -13,30 +13,30 @@ names for the same things. In short::
       skipped.jsonl         (1.1) every skipped source; the manifest keeps only the first ones
       fields/NAME.bin       (1.1) one typed per-record value per field: [count, *shape], little-endian
 
-Readers validate before they trust (`open_dataset`): the manifest's size, keys and
-types, its version, every count against every real file size, and every path
-confined to the dataset folder; then the index values, a bounded piece at a time (holes
-of sparse files are not read) — only then are the files memory-mapped.
+The manifest (formats.md, "manifest.json") names every other file with its size and SHA-256;
+record i lives in shard i // records_per_shard at byte (i % records_per_shard) * H * W * 3.
+
+Readers validate before they trust: the manifest's size, keys and types, its version, every
+file name (a plain relative path), every count against every stored file's size
+(`parse_manifest`), then the index and field values, a bounded piece at a time (`check_index`)
+— only then are the files memory-mapped. This module does no I/O of its own: the store that
+holds the dataset (`dsc.storage`) hands it bytes, sizes and values, and the compiler writes
+the payloads it builds here (`index_payloads`, `field_payload`, `skip_list_payload`).
 """
 
 from __future__ import annotations
 
-import ctypes
-import errno
-import functools
 import hashlib
 import json
 import os
-import stat
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from dsc.errors import ChecksumError, DatasetError, UnsupportedVersionError
+from dsc.errors import DatasetError, UnsupportedVersionError
 
 FORMAT_NAME = "dsc"
 FORMAT_VERSION = "1.1"  # MAJOR.MINOR: a reader refuses another MAJOR; MINOR only adds keys.
@@ -68,7 +68,6 @@ MAX_FIELD_NAME = 64
 MAX_FIELD_VALUES = 1 << 16  # values per record in one field
 MAX_MANIFEST_BYTES = 64 << 20  # refuse to parse more: a manifest is small, even with many skips
 MAX_SIDE = 1 << 16  # records are thumbnails for training, not posters
-HASH_CHUNK = 8 << 20
 SCAN_ITEMS = 1 << 20  # index values checked this many at a time: bounded memory at open
 # compile.decode (informative): how far the compiler let libjpeg-turbo scale JPEGs down in the
 # DCT domain; a manifest without the key was made before it existed, by today's "fast".
@@ -78,8 +77,6 @@ DCT_SCALING = {
     "faithful": "none: JPEGs are decoded at full size",
     "fast": "1/2, 1/4 or 1/8 when the source is at least that many times the size the fit needs",
 }
-REOPEN_ATTEMPTS = 5  # opens of a folder that recompiles keep swapping, before giving up
-REOPEN_PAUSE_S = 0.01  # the pause before the next attempt grows by this much each time
 
 
 @dataclass(frozen=True)
@@ -176,6 +173,11 @@ class Manifest:
         """Every file the manifest names, with its size and SHA-256."""
         return [*self.shards, *self.index.values(), *self.fields, *filter(None, [self.skipped_list])]
 
+    @property
+    def fingerprint(self) -> str:
+        """Which dataset this is: the manifest names every file's SHA-256, so equal manifests mean equal data."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()
+
     def to_json(self) -> str:
         doc = {
             "format": FORMAT_NAME,
@@ -239,74 +241,11 @@ def open_shard(path: Path, records: int, record_shape: tuple[int, int, int], mod
     return np.memmap(path, dtype=RECORD_DTYPE, mode=mode, shape=(records, *record_shape))
 
 
-def allocate_shards(root: Path, count: int, records_per_shard: int, record_bytes: int) -> list[Path]:
-    """Give every shard file its full size for `count` records, keeping bytes already written
-    (a resumed build) and zero-filling the rest; return their paths."""
-    (root / SHARD_DIR).mkdir(parents=True, exist_ok=True)
-    paths = []
-    for shard, records in enumerate(shard_records(count, records_per_shard)):
-        path = root / shard_file(shard)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            reserve(fd, records * record_bytes)
-            if os.fstat(fd).st_size > records * record_bytes:
-                os.ftruncate(fd, records * record_bytes)
-        finally:
-            os.close(fd)
-        paths.append(path)
-    return paths
+# ----------------------------------------------------------------------------- payloads (what a writer writes)
 
-
-def reserve(fd: int, size: int) -> None:
-    """Give a file its final size with its disk blocks allocated now: a full disk fails here,
-    with ENOSPC, instead of as SIGBUS when a worker later writes through the map.
-
-    Linux's own `fallocate`, not `posix_fallocate`: where the file system cannot allocate (NFSv3,
-    many FUSE file systems) glibc's `posix_fallocate` emulates it by writing into every block, a
-    whole shard's worth of I/O before any decoding. There the file is made sparse instead."""
-    if _fallocate(fd, size):
-        return
-    if os.fstat(fd).st_size < size:
-        os.ftruncate(fd, size)  # the file system cannot reserve: a sparse file, extended only
-
-
-def _fallocate(fd: int, size: int) -> bool:
-    """Reserve [0, size) with the fallocate system call (never emulated); False where unsupported."""
-    if size == 0:
-        return True
-    call = _libc_fallocate()
-    if call is None:
-        return False
-    if call(fd, 0, 0, size) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-        return False
-    raise OSError(err, os.strerror(err))
-
-
-@functools.cache
-def _libc_fallocate():
-    try:
-        call = ctypes.CDLL(None, use_errno=True).fallocate64
-    except (OSError, AttributeError):
-        return None  # not Linux/glibc: the sparse fallback
-    call.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    call.restype = ctypes.c_int
-    return call
-
-
-def trim_shards(root: Path, count: int, records_per_shard: int, record_bytes: int) -> None:
-    """Cut the shard files down to `count` records after skipped sources were compacted away."""
-    records = shard_records(count, records_per_shard)
-    for path in sorted((root / SHARD_DIR).glob("*.bin")):
-        if not (path.stem.isdigit() and path.relative_to(root).as_posix() == shard_file(int(path.stem))):
-            continue  # not a shard (a stray notes.bin, a macOS ._00000.bin): not ours to touch
-        shard = int(path.stem)
-        if shard < len(records):
-            os.truncate(path, records[shard] * record_bytes)
-        else:
-            path.unlink()
+def file_entry(name: str, payload: bytes) -> FileEntry:
+    """The manifest entry of a file with these bytes."""
+    return FileEntry(name, len(payload), hashlib.sha256(payload).hexdigest())
 
 
 def encode_sources(sources: list[str]) -> tuple[np.ndarray, bytes]:
@@ -317,100 +256,34 @@ def encode_sources(sources: list[str]) -> tuple[np.ndarray, bytes]:
     return offsets, b"".join(blobs)
 
 
-def write_index(root: Path, labels: np.ndarray, sizes: np.ndarray, sources: list[str]) -> dict[str, FileEntry]:
-    """Write the per-record index files and return their manifest entries."""
+def index_payloads(labels: np.ndarray, sizes: np.ndarray, sources: list[str]) -> dict[str, tuple[str, bytes]]:
+    """The index files' (file name, bytes), keyed as the manifest's "index"."""
     offsets, blob = encode_sources(sources)
     payloads = {"labels": np.ascontiguousarray(labels, LABEL_DTYPE).tobytes(),
                 "sizes": np.ascontiguousarray(sizes, SIZE_DTYPE).tobytes(),
                 "source_offsets": offsets.tobytes(), "sources": blob}
-    entries = {}
-    for key, payload in payloads.items():
-        name = INDEX_FILES[key]
-        write_durably(root / name, payload)
-        entries[key] = FileEntry(name, len(payload), hashlib.sha256(payload).hexdigest())
-    return entries
+    return {key: (INDEX_FILES[key], payload) for key, payload in payloads.items()}
 
 
-def write_fields(root: Path, fields: list[tuple[FieldEntry, np.ndarray]]) -> tuple[FieldEntry, ...]:
-    """Write each field's values (`[count, *shape]`; the entry's file, size and hash are filled in here)
-    and return their manifest entries, in the given order."""
-    entries = []
-    for spec, values in fields:
-        problem = field_name_problem(spec.name)
-        if problem:
-            raise ValueError(problem)
-        payload = np.ascontiguousarray(values, spec.dtype).tobytes()
-        name = field_file(spec.name)
-        (root / FIELD_DIR).mkdir(exist_ok=True)
-        write_durably(root / name, payload)
-        entries.append(FieldEntry(name, len(payload), hashlib.sha256(payload).hexdigest(), spec.name, spec.kind,
-                                  tuple(spec.shape), tuple(spec.classes)))
-    return tuple(entries)
-
-
-def write_durably(path: Path, payload: bytes) -> None:
-    """Write `payload` to `path` atomically: a crash or a full disk leaves the old file or the new
-    one whole, never an empty or torn one (a temporary file, fsynced, then renamed over)."""
-    temp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(temp, "wb") as f:
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
-
-
-def write_manifest(root: Path, manifest: Manifest) -> None:
-    """Write manifest.json last: until it exists, the folder is not a dataset."""
-    write_durably(root / MANIFEST_FILE, manifest.to_json().encode("ascii"))
-
-
-def sha256_file(path: Path, progress: Callable[[int], None] | None = None) -> str:
-    """SHA-256 of a file, read in chunks (hashlib releases the GIL, so threads help);
-    `progress(n)` is told of every n bytes hashed."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(HASH_CHUNK):
-            digest.update(chunk)
-            if progress:
-                progress(len(chunk))
-    return digest.hexdigest()
-
-
-def shard_entries(root: Path, count: int, records_per_shard: int, record_bytes: int,
-                  map_fn=map) -> tuple[ShardEntry, ...]:
-    """Manifest entries of the finished shards; `map_fn` may be a thread pool's map."""
-    records = shard_records(count, records_per_shard)
-    names = [shard_file(i) for i in range(len(records))]
-    digests = list(map_fn(sha256_file, [root / n for n in names]))
-    return tuple(ShardEntry(n, r * record_bytes, d, r) for n, r, d in zip(names, records, digests))
+def field_payload(spec: FieldEntry, values: np.ndarray) -> tuple[str, bytes]:
+    """A field's (file name, bytes): its values `[count, *shape]` in its kind's dtype."""
+    problem = field_name_problem(spec.name)
+    if problem:
+        raise ValueError(problem)
+    return field_file(spec.name), np.ascontiguousarray(values, spec.dtype).tobytes()
 
 
 # ----------------------------------------------------------------------------- skip list (1.1)
 
-def write_skip_list(root: Path, skipped: list[dict[str, str]]) -> SkipListEntry:
-    """Write every skipped source to SKIP_LIST_FILE (sorted as given) and return its manifest entry:
-    the manifest keeps only the first SKIPPED_IN_MANIFEST, so its size never grows with the skips."""
-    payload = "".join(json.dumps({"source": s["source"], "reason": s["reason"]}, ensure_ascii=True) + "\n"
-                      for s in skipped).encode("ascii")
-    write_durably(root / SKIP_LIST_FILE, payload)
-    return SkipListEntry(SKIP_LIST_FILE, len(payload), hashlib.sha256(payload).hexdigest(), len(skipped))
+def skip_list_payload(skipped: list[dict[str, str]]) -> bytes:
+    """The skip list file's bytes: one JSON object a line, in the order given."""
+    return "".join(json.dumps({"source": s["source"], "reason": s["reason"]}, ensure_ascii=True) + "\n"
+                   for s in skipped).encode("ascii")
 
 
-def read_skipped(root: str | os.PathLike, manifest: Manifest) -> list[dict[str, str]]:
-    """Every skipped source of a dataset: the skip list file's lines (1.1), else the manifest's list."""
-    entry = manifest.skipped_list
-    if entry is None:
-        return [dict(s) for s in manifest.skipped]
-    folder = _Folder(Path(root))
-    try:
-        text = folder.read(entry.file, entry.bytes + 1)
-    finally:
-        folder.close()
-    path = Path(root) / entry.file
+def parse_skip_list(text: bytes, entry: SkipListEntry, root: Any) -> list[dict[str, str]]:
+    """The skip list file's lines, checked against its manifest entry (`text`: up to entry.bytes + 1 bytes)."""
+    path = _at(root, entry.file)
     if len(text) != entry.bytes:
         raise DatasetError(f"{path}: file is {len(text)} bytes, the manifest says {entry.bytes}; "
                            "the dataset is damaged")
@@ -436,6 +309,12 @@ def _is_skip(item: Any, extra_ok: bool) -> bool:
 
 
 # ----------------------------------------------------------------------------- validation
+# Validation reads nothing itself: the store that holds the dataset (`dsc.storage`) hands in the
+# manifest's bytes, each named file's size (`SizeOf`) and an index file's values (`ValuesOf`).
+
+SizeOf = Callable[[str, str], int]  # (file name, what names it) -> the stored file's size in bytes
+ValuesOf = Callable[[str, np.dtype, int], Iterable[np.ndarray]]  # the first n values, piece by piece
+
 
 _MANIFEST_KEYS_1_0 = {"format", "version", "record", "count", "records_per_shard", "classes",
                       "shards", "index", "skipped", "compile"}
@@ -446,8 +325,13 @@ _FILE_KEYS = {"file", "bytes", "sha256"}
 _FIELD_KEYS = _FILE_KEYS | {"name", "kind", "dtype", "shape", "classes"}
 
 
-def _fail(root: Path, what: str) -> DatasetError:
-    return DatasetError(f"{root / MANIFEST_FILE}: {what}")
+def _at(root: Any, name: str) -> str:
+    """How messages name file `name` of the dataset at `root` (a path; later a URL)."""
+    return f"{str(root).rstrip('/')}/{name}"
+
+
+def _fail(root: Any, what: str) -> DatasetError:
+    return DatasetError(f"{_at(root, MANIFEST_FILE)}: {what}")
 
 
 def _expect(root: Path, doc: dict, key: str, kind: type | tuple[type, ...], where: str = "") -> Any:
@@ -494,95 +378,38 @@ def _check_version(root: Path, doc: dict) -> int:
     return minor
 
 
-def is_dataset(path: str | os.PathLike) -> bool:
-    """Whether `path` looks like a dsc dataset: its manifest names this format (a cheap check, not
-    validation; an image folder may hold a manifest.json of its own)."""
+def file_name_problem(name: Any) -> str | None:
+    """Why `name` cannot name a file of a dataset (a plain relative '/'-separated path inside it), or None."""
+    if not isinstance(name, str) or not name or name.startswith("/") or "\\" in name or "\0" in name \
+            or not name.isprintable():
+        return f"has an invalid file name {name!r:.80}"
+    if any(part in ("", ".", "..") for part in name.split("/")):
+        return f"file name {name!r:.80} must be a plain relative path without '.' or '..'"
+    return None
+
+
+def names_this_format(text: bytes) -> bool:
+    """Whether manifest bytes name this format (a cheap check, not validation: an image folder
+    may hold a manifest.json of its own)."""
     try:
-        with open(Path(path) / MANIFEST_FILE, "rb") as f:
-            return json.loads(f.read(MAX_MANIFEST_BYTES)).get("format") == FORMAT_NAME
-    except (OSError, ValueError, AttributeError):
+        return json.loads(text).get("format") == FORMAT_NAME
+    except (ValueError, AttributeError, RecursionError):
         return False
 
 
-class _Folder:
-    """A dataset folder held open by a descriptor. Every file is opened relative to it, never
-    through a symbolic link: a dataset swapped for another while it is opened (`dsc compile
-    --force`) cannot mix their files, and no name can reach outside the folder."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        try:
-            self.fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
-        except FileNotFoundError as e:
-            raise DatasetError(f"{root}: does not exist (expected a compiled dsc dataset)") from e
-        except OSError as e:
-            raise DatasetError(f"{root}: not a directory (expected a compiled dsc dataset)") from e
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-    def replaced(self) -> bool:
-        """Whether the path now names another folder than the one held open (a recompile swapped it)."""
-        held = os.fstat(self.fd)
-        try:
-            now = os.stat(self.root)
-        except OSError:
-            return True
-        return (held.st_dev, held.st_ino) != (now.st_dev, now.st_ino)
-
-    def open(self, name: Any, where: str) -> int:
-        """A read-only descriptor of the regular file `name` (relative, '/'-separated) in the folder."""
-        if not isinstance(name, str) or not name or name.startswith("/") or "\\" in name or "\0" in name \
-                or not name.isprintable():
-            raise _fail(self.root, f"{where} has an invalid file name {name!r:.80}")
-        parts = name.split("/")
-        if any(part in ("", ".", "..") for part in parts):
-            raise _fail(self.root, f"{where} file name {name!r:.80} must be a plain relative path without '.' or '..'")
-        path, dirs = self.root / name, []
-        try:
-            for part in parts[:-1]:
-                dirs.append(os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=(dirs or [self.fd])[-1]))
-            # O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused just below
-            fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=(dirs or [self.fd])[-1])
-        except FileNotFoundError as e:
-            raise DatasetError(f"{path}: missing ({where} in the manifest)") from e
-        except OSError as e:
-            if e.errno in (errno.EMFILE, errno.ENFILE):  # every mapped shard holds a descriptor
-                raise DatasetError(f"{path}: too many open files; raise the limit (ulimit -n) above the "
-                                   "number of shards") from e
-            raise DatasetError(f"{path}: {where} must be a regular file inside the dataset folder, "
-                               f"not a symbolic link or special file ({e.strerror})") from e
-        finally:
-            for d in dirs:
-                os.close(d)
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise DatasetError(f"{path}: {where} must be a regular file inside the dataset folder")
-        return fd
-
-    def size(self, name: Any, where: str) -> int:
-        fd = self.open(name, where)
-        try:
-            return os.fstat(fd).st_size
-        finally:
-            os.close(fd)
-
-    def read(self, name: str, limit: int) -> bytes:
-        with os.fdopen(self.open(name, name), "rb") as f:
-            return f.read(limit)
-
-    def map(self, name: str, dtype: np.dtype, shape: tuple[int, ...], mode: str = "r") -> np.ndarray:
-        if 0 in shape:  # numpy cannot map an empty file
-            return np.zeros(shape, dtype)
-        with os.fdopen(self.open(name, name), "rb") as f:
-            return np.memmap(f, dtype=dtype, mode=mode, shape=shape)
+class _Stored(NamedTuple):
+    root: Any  # names the dataset in messages
+    size_of: SizeOf
 
 
-def _file_entry(folder: _Folder, doc: Any, where: str, expected_bytes: int | None, extra_ok: bool,
+def _file_entry(stored: _Stored, doc: Any, where: str, expected_bytes: int | None, extra_ok: bool,
                 entry_keys: set[str] = _FILE_KEYS) -> dict:
-    root = folder.root
+    root = stored.root
     _expect_keys(root, doc, entry_keys, f"{where}: ", extra_ok)
-    actual = folder.size(doc["file"], where)
+    problem = file_name_problem(doc["file"])
+    if problem:
+        raise _fail(root, f"{where} {problem}")
+    actual = stored.size_of(doc["file"], where)
     size = _expect_int(root, doc, "bytes", 0, 1 << 50, f"{where}: ")
     sha = _expect(root, doc, "sha256", str, f"{where}: ")
     if len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
@@ -590,17 +417,12 @@ def _file_entry(folder: _Folder, doc: Any, where: str, expected_bytes: int | Non
     if expected_bytes is not None and size != expected_bytes:
         raise _fail(root, f"{where}: declares {size} bytes, but its record count needs {expected_bytes}")
     if actual != size:
-        raise DatasetError(f"{root / doc['file']}: file is {actual} bytes, the manifest says {size} "
+        raise DatasetError(f"{_at(root, doc['file'])}: file is {actual} bytes, the manifest says {size} "
                            f"({'truncated' if actual < size else 'extended'}); the dataset is damaged")
     return doc
 
 
-def _read_manifest(folder: _Folder) -> dict:
-    root = folder.root
-    try:
-        text = folder.read(MANIFEST_FILE, MAX_MANIFEST_BYTES + 1)
-    except DatasetError as e:
-        raise DatasetError(f"{root}: no {MANIFEST_FILE}; not a dsc dataset, or its compile never finished") from e
+def _read_manifest(text: bytes, root: Any) -> dict:
     if len(text) > MAX_MANIFEST_BYTES:
         raise _fail(root, f"more than the {MAX_MANIFEST_BYTES} bytes a manifest may have")
     try:
@@ -616,10 +438,10 @@ def _read_manifest(folder: _Folder) -> dict:
     return doc
 
 
-def parse_manifest(root: str | os.PathLike, folder: _Folder | None = None) -> Manifest:
-    """Read and validate manifest.json and the sizes of every file it names."""
-    folder = folder or _Folder(Path(root))
-    root, doc = folder.root, _read_manifest(folder)
+def parse_manifest(text: bytes, root: Any, size_of: SizeOf) -> Manifest:
+    """Validate manifest.json's bytes (at most MAX_MANIFEST_BYTES + 1 of them, read by the store)
+    and the size of every file it names (`size_of`); `root` names the dataset in messages."""
+    doc, stored = _read_manifest(text, root), _Stored(root, size_of)
     minor = _check_version(root, doc)
     newer = minor > max(_MANIFEST_KEYS)
     _expect_keys(root, doc, _MANIFEST_KEYS[min(minor, max(_MANIFEST_KEYS))], "", newer,
@@ -654,7 +476,7 @@ def parse_manifest(root: str | os.PathLike, folder: _Folder | None = None) -> Ma
     shards, seen = [], set()
     for i, (entry, records) in enumerate(zip(shards_doc, expected_records)):
         where = f"shards[{i}]"
-        _file_entry(folder, entry, where, records * record_bytes, newer, _FILE_KEYS | {"records"})
+        _file_entry(stored, entry, where, records * record_bytes, newer, _FILE_KEYS | {"records"})
         if _expect_int(root, entry, "records", 1, 1 << 40, f"{where}: ") != records:
             raise _fail(root, f"{where}: 'records' = {entry['records']}, expected {records}")
         if entry["file"] in seen:
@@ -668,7 +490,7 @@ def parse_manifest(root: str | os.PathLike, folder: _Folder | None = None) -> Ma
                    "source_offsets": (count + 1) * OFFSET_DTYPE.itemsize, "sources": None}
     index = {}
     for key in INDEX_FILES:
-        entry = _file_entry(folder, index_doc[key], f"index.{key}", index_bytes[key], newer)
+        entry = _file_entry(stored, index_doc[key], f"index.{key}", index_bytes[key], newer)
         if entry["file"] in seen:
             raise _fail(root, f"index.{key}: file {entry['file']!r} is also used elsewhere")
         seen.add(entry["file"])
@@ -677,31 +499,31 @@ def parse_manifest(root: str | os.PathLike, folder: _Folder | None = None) -> Ma
     skipped = _expect(root, doc, "skipped", list)
     if not all(_is_skip(s, newer) for s in skipped):
         raise _fail(root, "'skipped' must be a list of {\"source\": str, \"reason\": str} objects")
-    fields = _parse_fields(folder, doc.get("fields", []), count, seen, newer)
+    fields = _parse_fields(stored, doc.get("fields", []), count, seen, newer)
     return Manifest(height=height, width=width, count=count, records_per_shard=per_shard,
                     classes=tuple(classes), shards=tuple(shards), index=index,
                     skipped=tuple({"source": s["source"], "reason": s["reason"]} for s in skipped),
                     compile=_expect(root, doc, "compile", dict), fields=fields,
-                    version=doc["version"], skipped_list=_skip_list_entry(folder, doc, seen, newer))
+                    version=doc["version"], skipped_list=_skip_list_entry(stored, doc, seen, newer))
 
 
-def _skip_list_entry(folder: _Folder, doc: dict, seen: set[str], newer: bool) -> SkipListEntry | None:
+def _skip_list_entry(stored: _Stored, doc: dict, seen: set[str], newer: bool) -> SkipListEntry | None:
     """The 1.1 `skipped_list` entry, checked like any file entry; None when absent."""
     if "skipped_list" not in doc:
         return None
-    entry = _file_entry(folder, doc["skipped_list"], "skipped_list", None, newer, _FILE_KEYS | {"count"})
+    entry = _file_entry(stored, doc["skipped_list"], "skipped_list", None, newer, _FILE_KEYS | {"count"})
     if entry["file"] in seen:
-        raise _fail(folder.root, f"skipped_list: file {entry['file']!r} is also used elsewhere")
-    count = _expect_int(folder.root, entry, "count", 0, 1 << 40, "skipped_list: ")
+        raise _fail(stored.root, f"skipped_list: file {entry['file']!r} is also used elsewhere")
+    count = _expect_int(stored.root, entry, "count", 0, 1 << 40, "skipped_list: ")
     if len(doc["skipped"]) != min(count, SKIPPED_IN_MANIFEST):  # 'skipped' repeats the list's first lines
-        raise _fail(folder.root, f"skipped_list: 'count' = {count}, but 'skipped' lists {len(doc['skipped'])} "
+        raise _fail(stored.root, f"skipped_list: 'count' = {count}, but 'skipped' lists {len(doc['skipped'])} "
                                  f"(it must repeat the first min(count, {SKIPPED_IN_MANIFEST}))")
     return SkipListEntry(entry["file"], entry["bytes"], entry["sha256"], count)
 
 
-def _parse_fields(folder: _Folder, fields_doc: Any, count: int, seen: set[str], newer: bool) -> tuple[FieldEntry, ...]:
+def _parse_fields(stored: _Stored, fields_doc: Any, count: int, seen: set[str], newer: bool) -> tuple[FieldEntry, ...]:
     """Validate the 1.1 "fields" list: names, kinds, dtypes, shapes and vocabularies, each file's size."""
-    root = folder.root
+    root = stored.root
     if not isinstance(fields_doc, list):
         raise _fail(root, f"'fields' must be list, found {type(fields_doc).__name__}")
     fields, names = [], set()
@@ -739,7 +561,7 @@ def _parse_fields(folder: _Folder, fields_doc: Any, count: int, seen: set[str], 
         if kind in ("float", "int") and classes:
             raise _fail(root, f"{where}: a {kind} field has no classes")
         per_record = FIELD_DTYPES[kind].itemsize * (shape[0] if shape else 1)
-        _file_entry(folder, entry, where, count * per_record, newer, _FIELD_KEYS)
+        _file_entry(stored, entry, where, count * per_record, newer, _FIELD_KEYS)
         if entry["file"] in seen:
             raise _fail(root, f"{where}: file {entry['file']!r} is also used elsewhere")
         seen.add(entry["file"])
@@ -748,149 +570,37 @@ def _parse_fields(folder: _Folder, fields_doc: Any, count: int, seen: set[str], 
     return tuple(fields)
 
 
-@dataclass(frozen=True)
-class OpenedDataset:
-    """A validated dataset: its manifest and read-only memory maps of every file."""
-
-    root: Path
-    manifest: Manifest
-    shards: tuple[np.memmap, ...]
-    labels: np.ndarray
-    sizes: np.ndarray
-    source_offsets: np.ndarray
-    sources: np.ndarray
-    fields: dict[str, np.ndarray] = field(default_factory=dict)  # name -> [count, *shape], in manifest order
-
-    def source(self, i: int) -> str:
-        """Record `i`'s source path, relative to the compiled SRC folder."""
-        start, stop = int(self.source_offsets[i]), int(self.source_offsets[i + 1])
-        return os.fsdecode(self.sources[start:stop].tobytes())
-
-    def shard_paths(self) -> list[Path]:
-        return [self.root / s.file for s in self.manifest.shards]
-
-
-def open_dataset(root: str | os.PathLike, shard_mode: str = "r") -> OpenedDataset:
-    """Validate a dataset folder, then map its files (no data is read yet).
-
-    Index files are mapped read-only; shards with `shard_mode`: "r" (read-only) or "c"
-    (copy-on-write: writable views whose writes never reach the file). Reading through one
-    folder descriptor never mixes two datasets; if a recompile swaps a new folder in meanwhile,
-    the old one's files vanish under it, and the folder now at `root` is opened instead.
-    """
-    if shard_mode not in ("r", "c"):
-        raise ValueError(f"shard_mode must be 'r' or 'c', got {shard_mode!r}")
-    for attempt in range(1, REOPEN_ATTEMPTS + 1):
-        folder = _Folder(Path(root))
-        try:
-            return _map_dataset(folder, shard_mode)
-        except DatasetError:
-            if attempt == REOPEN_ATTEMPTS or not folder.replaced():  # not swapped: a real error
-                raise
-        finally:
-            folder.close()
-        time.sleep(REOPEN_PAUSE_S * attempt)
-    raise AssertionError("unreachable")  # the loop returns or raises
-
-
-def validate(root: str | os.PathLike) -> Manifest:
-    """Everything `open_dataset` checks, without mapping anything: what a writer runs before it publishes."""
-    folder = _Folder(Path(root))
-    try:
-        manifest = parse_manifest(folder.root, folder)
-        _check_index(folder, manifest)
-        return manifest
-    finally:
-        folder.close()
-
-
-def _map_dataset(folder: _Folder, shard_mode: str) -> OpenedDataset:
-    manifest = parse_manifest(folder.root, folder)
-    _check_index(folder, manifest)
-    n, index = manifest.count, manifest.index
-    labels = folder.map(index["labels"].file, LABEL_DTYPE, (n,))
-    sizes = folder.map(index["sizes"].file, SIZE_DTYPE, (n, 2))
-    offsets = folder.map(index["source_offsets"].file, OFFSET_DTYPE, (n + 1,))
-    sources = folder.map(index["sources"].file, np.dtype(np.uint8), (index["sources"].bytes,))
-    fields = {f.name: folder.map(f.file, f.dtype, (n, *f.shape)) for f in manifest.fields}
-    shards = tuple(folder.map(s.file, RECORD_DTYPE, (s.records, *manifest.record_shape), shard_mode)
-                   for s in manifest.shards)
-    return OpenedDataset(folder.root, manifest, shards, labels, sizes, offsets, sources, fields)
-
-
-def _check_index(folder: _Folder, manifest: Manifest) -> None:
-    """Labels in range, source offsets rising from 0 to the size of sources.bin: read SCAN_ITEMS values
-    at a time, and holes of sparse files taken as the zeros they read as, so the cost follows the bytes
-    really stored, not what a manifest claims (a 1 KB manifest may claim 2^40 records over sparse files)."""
+def check_index(manifest: Manifest, root: Any, values_of: ValuesOf) -> None:
+    """Labels in range, source offsets rising from 0 to the size of sources.bin, field values their kind
+    allows: checked piece by piece as `values_of` hands them in, so the cost follows the bytes really
+    stored, not what a manifest claims (a 1 KB manifest may claim 2^40 records over sparse files)."""
     k, index = len(manifest.classes), manifest.index
     low, high = (0, k - 1) if k else (UNLABELED, UNLABELED)
     found_low, found_high = high, low
-    for values in _scan_index(folder, index["labels"].file, LABEL_DTYPE, manifest.count):
+    for values in values_of(index["labels"].file, LABEL_DTYPE, manifest.count):
         found_low, found_high = min(found_low, int(values.min())), max(found_high, int(values.max()))
     if found_low < low or found_high > high:
-        raise DatasetError(f"{folder.root / index['labels'].file}: labels must lie in [{low}, {high}] for {k} "
+        raise DatasetError(f"{_at(root, index['labels'].file)}: labels must lie in [{low}, {high}] for {k} "
                            f"classes, found [{found_low}, {found_high}]")
     previous, rising = None, True
-    for values in _scan_index(folder, index["source_offsets"].file, OFFSET_DTYPE, manifest.count + 1):
+    for values in values_of(index["source_offsets"].file, OFFSET_DTYPE, manifest.count + 1):
         joined = values[0] == 0 if previous is None else values[0] >= previous
         rising = rising and bool(joined) and bool(np.all(values[1:] >= values[:-1]))
         previous = int(values[-1])
     if not rising or previous != index["sources"].bytes:
-        raise DatasetError(f"{folder.root / index['source_offsets'].file}: offsets must rise from 0 to the "
+        raise DatasetError(f"{_at(root, index['source_offsets'].file)}: offsets must rise from 0 to the "
                            f"size of {index['sources'].file} ({index['sources'].bytes})")
     for entry in manifest.fields:
-        _check_field(folder, entry, manifest.count)
+        _check_field(entry, manifest.count, root, values_of)
 
 
-def _scan_index(folder: _Folder, name: str, dtype: np.dtype, count: int) -> Iterator[np.ndarray]:
-    """The `count` values of an index file in pieces of at most SCAN_ITEMS; a hole of a sparse file
-    comes as one zero (a run of zeros has the same minimum, maximum and order as one zero)."""
-    fd, size, item = folder.open(name, name), count * dtype.itemsize, dtype.itemsize
-    try:
-        position = 0
-        while position < size:
-            found = _seek(fd, position, "SEEK_DATA", size)
-            data = found // item * item  # >= position: positions stay on item boundaries
-            if data > position or found == size:
-                yield np.zeros(1, dtype)
-            hole = -(-_seek(fd, found, "SEEK_HOLE", size) // item) * item
-            for start in range(data, hole, SCAN_ITEMS * item):
-                yield np.frombuffer(_pread(fd, min(SCAN_ITEMS * item, hole - start), start), dtype)
-            position = hole
-    finally:
-        os.close(fd)
-
-
-def _seek(fd: int, position: int, whence: str, size: int) -> int:
-    """lseek's SEEK_DATA / SEEK_HOLE from `position`, within [position, size]; a file system
-    without them has no holes (its data runs from `position` to `size`)."""
-    try:
-        return min(size, os.lseek(fd, position, getattr(os, whence)))
-    except AttributeError:
-        return position if whence == "SEEK_DATA" else size
-    except OSError as e:
-        if e.errno == errno.ENXIO:  # no data (or hole) after `position`: the rest is a hole
-            return size
-        return position if whence == "SEEK_DATA" else size
-
-
-def _pread(fd: int, n: int, offset: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        piece = os.pread(fd, n - len(data), offset + len(data))
-        if not piece:
-            raise DatasetError(f"file ended early at byte {offset + len(data)} (it changed while being read?)")
-        data += piece
-    return data
-
-
-def _check_field(folder: _Folder, entry: FieldEntry, count: int) -> None:
+def _check_field(entry: FieldEntry, count: int, root: Any, values_of: ValuesOf) -> None:
     """Values a field's kind allows (class indices in [0, K-1], multi-hot 0 or 1, finite floats),
     scanned in pieces like the index."""
     if entry.kind == "int" or not count:
         return
     low = high = None
-    for values in _scan_index(folder, entry.file, entry.dtype, count * (entry.shape[0] if entry.shape else 1)):
+    for values in values_of(entry.file, entry.dtype, count * (entry.shape[0] if entry.shape else 1)):
         low = values.min() if low is None else np.minimum(low, values.min())  # NaN propagates
         high = values.max() if high is None else np.maximum(high, values.max())
         if entry.kind == "float" and not (np.isfinite(low) and np.isfinite(high)):
@@ -899,17 +609,6 @@ def _check_field(folder: _Folder, entry: FieldEntry, count: int) -> None:
                    "multilabel": ("must be 0 or 1", high > 1),
                    "float": ("must be finite", not (np.isfinite(low) and np.isfinite(high)))}[entry.kind]
     if wrong:
-        raise DatasetError(f"{folder.root / entry.file}: values of field {entry.name!r} {rule}, found [{low}, {high}]")
+        raise DatasetError(f"{_at(root, entry.file)}: values of field {entry.name!r} {rule}, found [{low}, {high}]")
 
 
-def verify_checksums(root: str | os.PathLike, manifest: Manifest,
-                     progress: Callable[[int], None] | None = None) -> None:
-    """Recompute every file's SHA-256; raise ChecksumError naming every damaged file."""
-    root = Path(root)
-    bad = [f"{root / e.file}: SHA-256 is {digest}, the manifest says {e.sha256}; the file is damaged"
-           for e in manifest.files
-           if (digest := sha256_file(root / e.file, progress)) != e.sha256]
-    if bad:
-        error = ChecksumError("\n".join(bad))
-        error.problems = bad
-        raise error

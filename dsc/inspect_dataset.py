@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 
 from dsc import format as fmt
+from dsc import storage
+from dsc.arguments import is_int
 from dsc.compiler.resize import FITS, Target
 from dsc.compiler.write import compile_image
 from dsc.errors import DatasetError, ImageError
@@ -21,14 +23,14 @@ from dsc.errors import DatasetError, ImageError
 
 def summary(path: str | os.PathLike) -> dict[str, Any]:
     """Everything `dsc info` shows, as plain JSON-able values."""
-    d = fmt.open_dataset(path)
+    d = storage.open_dataset(path)
     m = d.manifest
     counts = np.bincount(d.labels[d.labels >= 0], minlength=len(m.classes)) if m.classes else []
     return {
         "path": str(Path(path).absolute()), "format_version": m.version, "records": m.count,
         "record_shape": list(m.record_shape), "dtype": "uint8", "labeled": m.labeled,
         "classes": {name: int(n) for name, n in zip(m.classes, counts)},
-        "skipped": fmt.read_skipped(d.root, m),
+        "skipped": storage.read_skipped(d.root, m),
         "shards": len(m.shards), "records_per_shard": m.records_per_shard,
         "bytes_on_disk": sum(f.bytes for f in m.files) + (d.root / fmt.MANIFEST_FILE).stat().st_size,
         "jpeg_decoder": m.compile.get("jpeg_decoder"), "compile": m.compile,
@@ -62,13 +64,13 @@ class DecodeCheck:
     worst_mean_abs: float = 0.0
 
 
-def _recipe(d: fmt.OpenedDataset) -> tuple[str, Target, int, str]:
+def _recipe(d: storage.OpenedDataset) -> tuple[str, Target, int, str]:
     """(source root, target, max_pixels, decode mode) as the manifest's "compile" records them, checked."""
     c, m = d.manifest.compile, d.manifest
     root, size, fit, max_pixels = c.get("source_root"), c.get("size"), c.get("fit"), c.get("max_pixels")
     mode = c.get("decode", fmt.DECODE_MODE_UNRECORDED)
     ok = (isinstance(root, str) and isinstance(size, list) and size == [m.height, m.width]
-          and fit in FITS and isinstance(max_pixels, int) and not isinstance(max_pixels, bool) and max_pixels > 0
+          and fit in FITS and is_int(max_pixels) and max_pixels > 0
           and mode in fmt.DECODE_MODES)
     if not ok:
         raise DatasetError(f"{d.root / fmt.MANIFEST_FILE}: 'compile' does not say how the records were made "
@@ -78,7 +80,7 @@ def _recipe(d: fmt.OpenedDataset) -> tuple[str, Target, int, str]:
 
 def check_against_sources(path: str | os.PathLike, n: int, seed: int = 0) -> DecodeCheck:
     """Re-decode `n` random records from their source files and compare with the stored pixels."""
-    d = fmt.open_dataset(path)
+    d = storage.open_dataset(path)
     m = d.manifest
     root, target, max_pixels, mode = _recipe(d)
     picks = np.random.default_rng(seed).choice(m.count, size=min(n, m.count), replace=False)

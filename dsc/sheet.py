@@ -15,6 +15,7 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
 from dsc import format as fmt
+from dsc import storage
 from dsc.errors import DscError
 
 CAPTION_HEIGHT = 14  # pixels under each tile per caption line: "#index label", then one per field
@@ -22,7 +23,7 @@ MAX_TILES = 1024
 MAX_CAPTION_CHARS = 40
 
 
-def caption_lines(d: fmt.OpenedDataset, i: int) -> list[str]:
+def caption_lines(d: storage.OpenedDataset, i: int) -> list[str]:
     """What a tile says about record i: its index and label, then `name=value` for each field
     (class names for class and multilabel fields, numbers otherwise)."""
     m = d.manifest
@@ -41,7 +42,7 @@ def caption_lines(d: fmt.OpenedDataset, i: int) -> list[str]:
     return lines
 
 
-def pick_records(d: fmt.OpenedDataset, n: int, indices: Sequence[int] | None = None,
+def pick_records(d: storage.OpenedDataset, n: int, indices: Sequence[int] | None = None,
                  class_name: str | None = None, seed: int = 0) -> list[int]:
     """Which records to show: the given indices, else `n` seeded random ones (of one class if asked)."""
     m = d.manifest
@@ -63,7 +64,7 @@ def pick_records(d: fmt.OpenedDataset, n: int, indices: Sequence[int] | None = N
 
 def contact_sheet(path: str | os.PathLike, records: Sequence[int], columns: int | None = None) -> Image.Image:
     """A grid of the given records, each captioned with its index, label name and fields."""
-    d = fmt.open_dataset(path)
+    d = storage.open_dataset(path)
     m = d.manifest
     columns = columns or max(1, math.ceil(math.sqrt(len(records))))
     rows = max(1, math.ceil(len(records) / columns))

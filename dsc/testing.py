@@ -23,9 +23,11 @@ import numpy as np
 from PIL import Image, ImageOps
 
 from dsc import format as fmt
-from dsc.compiler import compile_folder
+from dsc import storage
+from dsc.arguments import check_int, is_int
 from dsc.compiler.discover import is_image_name
 from dsc.compiler.labels import LABEL_COLUMN, SEPARATOR, read_table
+from dsc.compiler.pipeline import compile_folder
 from dsc.errors import ChecksumError
 from dsc.reader import MemmapDataset
 
@@ -79,10 +81,9 @@ def _save(path: Path, array: np.ndarray, fmt: str = "JPEG", orientation: int = 1
 
 def _check_folder_options(classes: int, per_class: int, size: Any, formats: Any) -> None:
     for name, value in (("classes", classes), ("per_class", per_class)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_int(name, value, 1)
     if (not isinstance(size, (tuple, list)) or len(size) != 2
-            or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in size)):
+            or not all(is_int(s) and s >= 1 for s in size)):
         raise ValueError(f"size must be (height, width), two positive integers, got {size!r}")
     if isinstance(formats, str) or not formats or any(f not in EXTENSIONS for f in formats):
         raise ValueError(f"formats must be a non-empty tuple drawn from {sorted(EXTENSIONS)}, got {formats!r}")
@@ -280,7 +281,7 @@ def _uncovered_sources(src: Path, ds: MemmapDataset, rows: dict[str, dict[str, A
     """Image files under `src` (none of the path hidden; only those the label table lists, if any)
     that are neither a record nor listed as skipped (themselves, or their skipped class folder)."""
     covered = {ds.opened.source(i) for i in range(len(ds))}
-    skipped = {s["source"] for s in fmt.read_skipped(ds.path, ds.manifest)}  # undecodable name bytes as \xNN
+    skipped = {s["source"] for s in storage.read_skipped(ds.path, ds.manifest)}  # undecodable name bytes as \xNN
     found = [p.relative_to(src).as_posix() for p in src.rglob("*") if p.is_file()]
     images = [s for s in found if is_image_name(s.rsplit("/", 1)[-1]) and "/." not in f"/{s}"]
     if rows is not None:
@@ -322,7 +323,7 @@ def _check_dataset(src: Path, out: Path, limit: float) -> RoundTrip:
     problems += [f"{s}: found in {src} but neither a record nor listed in 'skipped'"
                  for s in _uncovered_sources(src, ds, rows)]
     try:
-        fmt.verify_checksums(out, ds.manifest)
+        storage.verify_checksums(out, ds.manifest)
     except ChecksumError as e:
         problems.append(str(e))
     if problems:
@@ -362,7 +363,7 @@ def assert_roundtrip(src: str | os.PathLike, out: str | os.PathLike | None = Non
         with tempfile.TemporaryDirectory(prefix="dsc-roundtrip-") as tmp:
             return assert_roundtrip(src, Path(tmp) / "out", max_mean_abs_diff=max_mean_abs_diff, **compile_options)
     src, out = Path(src), Path(out)
-    if compile_options.get("force") or not fmt.is_dataset(out):
+    if compile_options.get("force") or not storage.is_dataset(out):
         compile_folder(src, out, **compile_options)
     elif compile_options:
         raise ValueError(f"{out} is already compiled, so compile options {sorted(compile_options)} would be "

@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from dsc.arguments import is_int
 from dsc.boxes import BoxDraws, BoxParams, boxes, draws, map_boxes
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -68,14 +69,10 @@ def _memory_format(x: torch.Tensor) -> torch.memory_format:
     return torch.channels_last if x.is_contiguous(memory_format=torch.channels_last) else torch.contiguous_format
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _size(value: int | Sequence[int], who: str) -> tuple[int, int]:
     """An output size: one positive int for a square, or (height, width)."""
-    pair = (value, value) if _is_int(value) else tuple(value) if isinstance(value, Sequence) else ()
-    if len(pair) != 2 or not all(_is_int(v) and v > 0 for v in pair):
+    pair = (value, value) if is_int(value) else tuple(value) if isinstance(value, Sequence) else ()
+    if len(pair) != 2 or not all(is_int(v) and v > 0 for v in pair):
         raise ValueError(f"{who} size must be a positive int or (height, width) of positive ints, got {value!r}")
     return pair
 
@@ -84,9 +81,9 @@ def _padding(value: int | Sequence[int] | None) -> tuple[int, int, int, int]:
     """torchvision's forms: all sides, (left/right, top/bottom) or (left, top, right, bottom)."""
     if value is None:
         return (0, 0, 0, 0)
-    sides = (value,) * 4 if _is_int(value) else tuple(value) if isinstance(value, Sequence) else ()
+    sides = (value,) * 4 if is_int(value) else tuple(value) if isinstance(value, Sequence) else ()
     sides = sides * 2 if len(sides) == 2 else sides
-    if len(sides) != 4 or not all(_is_int(v) and v >= 0 for v in sides):
+    if len(sides) != 4 or not all(is_int(v) and v >= 0 for v in sides):
         raise ValueError(f"RandomCrop padding must be a non-negative int or 2 or 4 of them, got {value!r}")
     return sides
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from dsc import format as fmt
+from dsc import storage
 from dsc.cli import app
 from dsc.compiler.journal import JOURNAL_FILE
 from dsc.compiler.publish import staging_path
@@ -30,7 +30,7 @@ def test_compile_prints_a_summary(folder: Path, tmp_path: Path) -> None:
     assert result.exit_code == 0, result.stderr
     assert "12 records of 24x32x3 uint8 in 1 shard(s), 3 classes, 1 skipped" in result.stdout
     assert "skipped class_0/bad.jpg: not a recognised image file" in result.stderr
-    manifest = fmt.open_dataset(tmp_path / "out").manifest
+    manifest = storage.open_dataset(tmp_path / "out").manifest
     assert manifest.compile["fit"] == "pad" and manifest.compile["seed"] == 3
 
 
@@ -82,7 +82,7 @@ def test_the_console_script_runs_without_the_system_libjpeg_turbo(folder: Path, 
                           "--size", "16", "-j", "1"], capture_output=True, text=True, env=env)
     assert run.returncode == 0, run.stderr
     assert run.stderr.count("libturbojpeg.so.0 not found") == 1
-    assert "Pillow" in fmt.open_dataset(tmp_path / "out").manifest.compile["jpeg_decoder"]
+    assert "Pillow" in storage.open_dataset(tmp_path / "out").manifest.compile["jpeg_decoder"]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])

@@ -15,11 +15,12 @@ import torch
 from PIL import Image
 from typer.testing import CliRunner
 
-from dsc import compile_folder
+from dsc import compile_folder, storage
 from dsc import format as fmt
 from dsc.bench import BenchReport, Rate, diagnose, evict, resident_fraction
 from dsc.cli import app
 from dsc.sheet import CAPTION_HEIGHT, pick_records
+from dsc.storage import local
 
 from conftest import make_folder
 
@@ -90,7 +91,7 @@ def test_verify_decode_catches_an_altered_record(copy: Path, compiled) -> None:
     result = invoke("verify", copy, "--decode", "15", "--seed", "1")  # checksums fail first...
     assert result.exit_code == 1 and "00000.bin: SHA-256" in result.stderr
     manifest = json.loads((copy / "manifest.json").read_text())  # ...so make them agree with the damage
-    manifest["shards"][0]["sha256"] = fmt.sha256_file(copy / fmt.shard_file(0))
+    manifest["shards"][0]["sha256"] = local.sha256_file(copy / fmt.shard_file(0))
     (copy / "manifest.json").write_text(json.dumps(manifest))
     result = invoke("verify", copy, "--decode", "15")
     assert result.exit_code == 1 and "differs from its source" in result.stderr
@@ -114,11 +115,11 @@ def test_show_writes_a_contact_sheet(compiled, tmp_path: Path) -> None:
     assert indices.exit_code == 0 and "2 records" in indices.stdout
     with Image.open(tmp_path / "some.png") as sheet:
         first = np.asarray(sheet)[:24, :32]
-    assert np.array_equal(first, fmt.open_dataset(compiled[1]).shards[0][0])
+    assert np.array_equal(first, storage.open_dataset(compiled[1]).shards[0][0])
 
 
 def test_show_picks_one_class_and_reports_bad_choices(compiled, tmp_path: Path) -> None:
-    d = fmt.open_dataset(compiled[1])
+    d = storage.open_dataset(compiled[1])
     picked = pick_records(d, 10, class_name="class_2", seed=3)
     assert len(picked) == 5 and set(d.labels[picked].tolist()) == {2}
     assert pick_records(d, 4, seed=3) == pick_records(d, 4, seed=3) != pick_records(d, 4, seed=4)
@@ -176,7 +177,7 @@ def test_bench_refuses_a_missing_cuda_device(compiled) -> None:
 
 
 def test_eviction_empties_the_page_cache_of_a_file(compiled) -> None:
-    shards = fmt.open_dataset(compiled[1]).shard_paths()
+    shards = storage.open_dataset(compiled[1]).shard_paths()
     for path in shards:
         path.read_bytes()
     before = resident_fraction(shards)

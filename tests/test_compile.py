@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dsc import CompileError, compile_folder
-from dsc import format as fmt
+from dsc import CompileError, compile_folder, storage
 from dsc.compiler.engines.local import LocalEngine
 from dsc.compiler.publish import staging_path
+from dsc.storage import local
 
 from conftest import make_folder, pattern, pillow_reference, save
 
@@ -35,8 +35,8 @@ from conftest import make_folder, pattern, pillow_reference, save
 LIMITS = {"no-dct-scaling": (0.1, 0.2), "dct-scaling": (2.5, 5.5)}  # (mean, worst record)
 
 
-def records(out: Path) -> tuple[fmt.OpenedDataset, np.ndarray]:
-    ds = fmt.open_dataset(out)
+def records(out: Path) -> tuple[storage.OpenedDataset, np.ndarray]:
+    ds = storage.open_dataset(out)
     return ds, np.concatenate([np.asarray(s) for s in ds.shards])
 
 
@@ -84,7 +84,7 @@ def test_records_are_a_seeded_class_mixed_permutation(tmp_path: Path) -> None:
     orders = {}
     for name, kw in {"a": {"seed": 0}, "b": {"seed": 0}, "c": {"seed": 1}, "sorted": {"shuffle": False}}.items():
         compile_folder(src, tmp_path / name, size=8, workers=1, **kw)
-        ds = fmt.open_dataset(tmp_path / name)
+        ds = storage.open_dataset(tmp_path / name)
         orders[name] = [ds.source(i) for i in range(ds.manifest.count)]
     assert orders["a"] == orders["b"] != orders["c"]
     assert sorted(orders["a"]) == sorted(orders["sorted"]) and len(set(orders["a"])) == 24
@@ -139,7 +139,7 @@ def test_unlabeled_folder(tmp_path: Path) -> None:
     for i in range(3):
         save(tmp_path / "flat" / f"{i}.jpg", pattern(30, 30, seed=i))
     summary = compile_folder(tmp_path / "flat", tmp_path / "out", size=8, workers=1)
-    ds = fmt.open_dataset(tmp_path / "out")
+    ds = storage.open_dataset(tmp_path / "out")
     assert not summary.labeled and ds.manifest.classes == ()
     assert ds.labels.tolist() == [-1, -1, -1]
 
@@ -156,7 +156,7 @@ def test_discovery_rules(tmp_path: Path) -> None:
     (src / "b" / "loop").symlink_to(src / "b")
     (src / "a" / "gone.jpg").symlink_to(tmp_path / "missing.jpg")
     summary = compile_folder(src, tmp_path / "out", size=8, workers=1, shuffle=False, on_skip=lambda *_: None)
-    ds = fmt.open_dataset(tmp_path / "out")
+    ds = storage.open_dataset(tmp_path / "out")
     assert ds.manifest.classes == ("a", "b", "c") and summary.empty_classes == ["c"]
     assert [ds.source(i) for i in range(ds.manifest.count)] == ["a/y.PnG", "b/deep/er/x.JPG"]
     assert ds.labels.tolist() == [0, 1]
@@ -189,7 +189,7 @@ def test_existing_out_needs_force_and_force_only_replaces_datasets(folder: Path,
     with pytest.raises(CompileError, match="already exists; pass --force"):
         compile_folder(folder, out, size=8, workers=1)
     compile_folder(folder, out, size=12, workers=1, force=True)
-    assert fmt.open_dataset(out).manifest.height == 12
+    assert storage.open_dataset(out).manifest.height == 12
     precious = tmp_path / "precious"
     precious.mkdir()
     (precious / "thesis.tex").write_text("years of work")
@@ -284,21 +284,21 @@ def test_resume_refuses_other_settings_or_a_changed_source(big_folder: Path, tmp
         extra.unlink()
     compile_folder(big_folder, out, size=64, workers=2, records_per_shard=16, force=True,
                    on_skip=lambda s, r: None)  # --force starts over
-    assert fmt.open_dataset(out).manifest.count == 120
+    assert storage.open_dataset(out).manifest.count == 120
 
 
 def test_a_full_disk_keeps_the_work_for_resume(big_folder: Path, uninterrupted: dict, tmp_path: Path,
                                                monkeypatch) -> None:
     out = tmp_path / "out"
 
-    real_write = fmt.write_durably
+    real_write = local.write_durably
 
     def full(path, payload):  # the disk fills up once every image is decoded, as the index is written
         if path.name in ("plan.json", "sources.jsonl"):
             return real_write(path, payload)
         raise OSError(28, "No space left on device", str(path))
 
-    monkeypatch.setattr("dsc.format.write_durably", full)
+    monkeypatch.setattr("dsc.storage.local.write_durably", full)
     with pytest.raises(CompileError, match="No space left on device.*--resume to continue"):
         compile_folder(big_folder, out, size=64, workers=2, records_per_shard=16, on_skip=lambda s, r: None)
     assert not out.exists() and staging_path(out).exists()
@@ -347,7 +347,7 @@ def test_shared_folders_linked_from_two_classes_count_in_both(tmp_path: Path) ->
     (src / "b" / "common").symlink_to(tmp_path / "shared")
     (src / "c").symlink_to(src / "a")
     compile_folder(src, tmp_path / "out", size=8, workers=1, shuffle=False)
-    ds = fmt.open_dataset(tmp_path / "out")
+    ds = storage.open_dataset(tmp_path / "out")
     assert [ds.source(i) for i in range(ds.manifest.count)] == [
         "a/common/y.jpg", "a/x.jpg", "b/common/y.jpg", "c/common/y.jpg", "c/x.jpg"]
 
@@ -359,7 +359,7 @@ def test_file_names_that_are_not_utf8_round_trip(tmp_path: Path) -> None:
     save(src / "a" / odd, pattern(20, 20))
     (src / "a" / os.fsdecode(b"bad\xfe.png")).write_bytes(b"")
     compile_folder(src, tmp_path / "out", size=8, workers=1, shuffle=False, on_skip=lambda s, r: None)
-    ds = fmt.open_dataset(tmp_path / "out")
+    ds = storage.open_dataset(tmp_path / "out")
     assert [ds.source(i) for i in range(2)] == [f"a/{odd}", "a/ok.jpg"]
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_bytes().decode("utf-8", "strict"))
     assert manifest["skipped"] == [{"source": "a/bad\\xfe.png", "reason": "empty file (0 bytes)"}]
@@ -380,7 +380,7 @@ def test_force_puts_the_old_dataset_back_if_the_swap_fails(folder: Path, tmp_pat
         real_rename(a, b)
 
     monkeypatch.setattr("dsc.compiler.publish.os.rename", failing_rename)
-    monkeypatch.setattr("dsc.compiler.publish._renameat2", lambda a, b, flags: False)  # no renameat2 here
+    monkeypatch.setattr("dsc.compiler.publish.renameat2", lambda a, b, flags: False)  # no renameat2 here
     with pytest.raises(CompileError, match="No space left on device"):
         compile_folder(folder, out, size=12, workers=1, force=True)
     assert file_bytes(out) == before and staging_path(out).exists()  # the new build waits for --resume
@@ -397,7 +397,7 @@ def test_force_swaps_datasets_atomically(folder: Path, tmp_path: Path, monkeypat
     compile_folder(folder, out, size=12, workers=1, force=True)
     # one renameat2(RENAME_EXCHANGE): OUT never missing, never mixed; then the old one gets a name of its own
     assert [name.startswith(".out.dsc-old-") for name in renames] == [True]
-    assert fmt.open_dataset(out).manifest.height == 12 and (out / "manifest.json").read_bytes() != old_manifest
+    assert storage.open_dataset(out).manifest.height == 12 and (out / "manifest.json").read_bytes() != old_manifest
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
 
 
@@ -433,7 +433,7 @@ def test_a_kill_after_cleaning_up_but_before_publishing_still_resumes(folder: Pa
     assert not (staging_path(out) / "plan.json").exists() and (staging_path(out) / "manifest.json").exists()
     monkeypatch.undo()
     summary = compile_folder(folder, out, size=8, workers=1, resume=True)
-    assert summary.kept == 12 and fmt.open_dataset(out).manifest.count == 12
+    assert summary.kept == 12 and storage.open_dataset(out).manifest.count == 12
 
 
 def test_a_passing_system_error_stops_the_compile_instead_of_skipping(folder: Path, tmp_path: Path,

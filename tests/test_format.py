@@ -12,8 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dsc import ChecksumError, DatasetError, UnsupportedVersionError, compile_folder
+from dsc import ChecksumError, DatasetError, UnsupportedVersionError, compile_folder, storage
 from dsc import format as fmt
+from dsc.compiler import output
 
 from conftest import make_folder
 
@@ -32,21 +33,21 @@ def write_tiny(root: Path, version: str = fmt.FORMAT_VERSION) -> fmt.Manifest:
     """A 5-record dataset of known bytes, written through the format module only (1.0: without fields)."""
     root.mkdir()
     record_bytes = int(np.prod(RECORD_SHAPE))
-    fmt.allocate_shards(root, 5, 2, record_bytes)
+    output.allocate_shards(root, 5, 2, record_bytes)
     pixels = np.arange(5 * record_bytes, dtype=np.uint8).reshape(5, *RECORD_SHAPE)
     for shard, records in enumerate(fmt.shard_records(5, 2)):
         out = fmt.open_shard(root / fmt.shard_file(shard), records, RECORD_SHAPE, "r+")
         out[:] = pixels[shard * 2: shard * 2 + records]
         out.flush()
-    index = fmt.write_index(root, np.array([0, 0, 1, 0, 1]), np.array([[10, 20], [11, 21], [12, 22], [13, 23],
+    index = output.write_index(root, np.array([0, 0, 1, 0, 1]), np.array([[10, 20], [11, 21], [12, 22], [13, 23],
                                                                         [14, 24]]), TINY_SOURCES)
-    fields = fmt.write_fields(root, TINY_FIELDS) if version != "1.0" else ()
+    fields = output.write_fields(root, TINY_FIELDS) if version != "1.0" else ()
     skipped = ({"source": "b/bad.jpg", "reason": "empty file (0 bytes)"},)
     manifest = fmt.Manifest(height=2, width=3, count=5, records_per_shard=2, classes=("a", "b"),
-                            shards=fmt.shard_entries(root, 5, 2, record_bytes), index=index, skipped=skipped,
+                            shards=output.shard_entries(root, 5, 2, record_bytes), index=index, skipped=skipped,
                             compile={"size": [2, 3], "fit": "center-crop"}, fields=fields, version=version,
-                            skipped_list=fmt.write_skip_list(root, list(skipped)) if version != "1.0" else None)
-    fmt.write_manifest(root, manifest)
+                            skipped_list=output.write_skip_list(root, list(skipped)) if version != "1.0" else None)
+    output.write_manifest(root, manifest)
     return manifest
 
 
@@ -97,7 +98,7 @@ def test_golden_bytes(tiny: Path) -> None:
 
 
 def test_golden_dataset_reads_back(tiny: Path) -> None:
-    ds = fmt.open_dataset(tiny)
+    ds = storage.open_dataset(tiny)
     assert ds.fields["tags"].tolist() == TINY_FIELDS[0][1].tolist() and ds.fields["box"][4].tolist() == [7, 8.25]
     assert [s.records for s in ds.manifest.shards] == [2, 2, 1]
     assert ds.shards[2][0, 1, 2].tolist() == [87, 88, 89]  # record 4, row 1, column 2
@@ -123,13 +124,13 @@ def test_the_numpy_script_of_formats_md_reads_records_without_dsc(tmp_path: Path
         table.write_text("path,label,score\n" + "".join(f"{n},{n.split('/')[0]},{k / 2}\n"
                                                         for k, n in enumerate(names)))
     compile_folder(src, tmp_path / "out", size=(12, 10), records_per_shard=3, workers=1, labels=table)
-    assert bool(fmt.open_dataset(tmp_path / "out").fields) == with_fields
+    assert bool(storage.open_dataset(tmp_path / "out").fields) == with_fields
     script = formats_md_script()
     assert len(script.splitlines()) <= 30 and "dsc" not in script.replace('"dsc"', "").replace("dsc 1.x", "")
     probe = ("import sys, hashlib\nroot, i = sys.argv[1], int(sys.argv[2])\n" + script.replace('root, i = "out", 5', "")
              + "\nprint(json.dumps([label, source, name, list(image.shape),"
                " hashlib.sha256(image.tobytes()).hexdigest()]))\nassert 'dsc' not in sys.modules\n")
-    ds = fmt.open_dataset(tmp_path / "out")
+    ds = storage.open_dataset(tmp_path / "out")
     for i in range(8):
         run = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "out"), str(i)], capture_output=True,
                              text=True, check=True)
@@ -193,14 +194,14 @@ def set_key(*keys_and_value):
 def test_a_lying_manifest_is_refused_before_mapping(tiny: Path, change, error, match) -> None:
     edit_manifest(tiny, change)
     with pytest.raises(error, match=match):
-        fmt.open_dataset(tiny)
+        storage.open_dataset(tiny)
 
 
 def test_a_newer_minor_version_may_add_keys(tiny: Path) -> None:
     edit_manifest(tiny, set_key("version", "1.7"))
     edit_manifest(tiny, set_key("future_key", {"anything": 1}))
     edit_manifest(tiny, set_key("skipped", [{"source": "x", "reason": "y", "stage": "decode"}]))
-    manifest = fmt.open_dataset(tiny).manifest
+    manifest = storage.open_dataset(tiny).manifest
     assert manifest.count == 5 and manifest.skipped == ({"source": "x", "reason": "y"},)
 
 
@@ -209,11 +210,11 @@ def test_a_1_0_dataset_opens_without_fields_and_1_0_keys_are_exact(tmp_path: Pat
     doc = json.loads((tmp_path / "old" / fmt.MANIFEST_FILE).read_text())
     assert doc["version"] == "1.0" and "fields" not in doc
     assert digests(tmp_path / "old")["manifest.json"] == GOLDEN_1_0_MANIFEST
-    opened = fmt.open_dataset(tmp_path / "old")
+    opened = storage.open_dataset(tmp_path / "old")
     assert opened.fields == {} and opened.manifest.count == 5 and opened.labels.tolist() == [0, 0, 1, 0, 1]
     edit_manifest(tmp_path / "old", set_key("fields", []))
     with pytest.raises(DatasetError, match=r"unknown key\(s\) \['fields'\] for version 1.0"):
-        fmt.open_dataset(tmp_path / "old")
+        storage.open_dataset(tmp_path / "old")
 
 
 def write_field(root: Path, name: str, values: np.ndarray) -> None:
@@ -245,7 +246,7 @@ def write_field(root: Path, name: str, values: np.ndarray) -> None:
 def test_a_lying_field_entry_is_refused(tiny: Path, change, match) -> None:
     edit_manifest(tiny, change)
     with pytest.raises(DatasetError, match=match):
-        fmt.open_dataset(tiny)
+        storage.open_dataset(tiny)
 
 
 @pytest.mark.parametrize(("name", "values", "match"), [
@@ -255,24 +256,24 @@ def test_a_lying_field_entry_is_refused(tiny: Path, change, match) -> None:
 def test_field_values_are_checked_before_they_are_trusted(tiny: Path, name, values, match) -> None:
     write_field(tiny, name, values)
     with pytest.raises(DatasetError, match=rf"fields/{name}.bin: values of field '{name}' {match}"):
-        fmt.open_dataset(tiny)
+        storage.open_dataset(tiny)
 
 
 def test_a_class_field_out_of_its_vocabulary_is_refused(tmp_path: Path) -> None:
     root = tmp_path / "ds"
     write_tiny(root)
-    entry = fmt.write_fields(root, [(fmt.FieldEntry("", 0, "", "kind", "class", (), ("p", "q")),
+    entry = output.write_fields(root, [(fmt.FieldEntry("", 0, "", "kind", "class", (), ("p", "q")),
                                      np.array([0, 1, 2, 0, 1]))])[0]
     edit_manifest(root, lambda d: d["fields"].append(entry.to_dict()))
     with pytest.raises(DatasetError, match=r"values of field 'kind' must lie in \[0, 1\], found \[0, 2\]"):
-        fmt.open_dataset(root)
+        storage.open_dataset(root)
 
 
 def test_a_number_too_long_to_parse_is_a_dataset_error(tiny: Path) -> None:
     text = (tiny / fmt.MANIFEST_FILE).read_text().replace('"count": 5', '"count": ' + "9" * 5000)
     (tiny / fmt.MANIFEST_FILE).write_text(text)
     with pytest.raises(DatasetError, match="not valid JSON"):
-        fmt.open_dataset(tiny)
+        storage.open_dataset(tiny)
 
 
 @pytest.mark.parametrize(("size_change", "word"), [(-1, "truncated"), (1, "extended")])
@@ -280,7 +281,7 @@ def test_a_truncated_or_extended_shard_is_refused(tiny: Path, size_change: int, 
     shard = tiny / fmt.shard_file(1)
     os.truncate(shard, shard.stat().st_size + size_change)
     with pytest.raises(DatasetError, match=rf"00001.bin: file is \d+ bytes, the manifest says 36 \({word}\)"):
-        fmt.open_dataset(tiny)
+        storage.open_dataset(tiny)
 
 
 def test_a_symlink_out_of_the_folder_is_refused(tiny: Path, tmp_path: Path) -> None:
@@ -289,7 +290,7 @@ def test_a_symlink_out_of_the_folder_is_refused(tiny: Path, tmp_path: Path) -> N
     (tiny / fmt.shard_file(0)).unlink()
     (tiny / fmt.shard_file(0)).symlink_to(outside)
     with pytest.raises(DatasetError, match="must be a regular file inside the dataset folder"):
-        fmt.open_dataset(tiny)
+        storage.open_dataset(tiny)
 
 
 @pytest.mark.parametrize(("content", "match"), [(b"{not json", "not valid JSON"), (b"[1, 2]", "JSON object"),
@@ -297,22 +298,22 @@ def test_a_symlink_out_of_the_folder_is_refused(tiny: Path, tmp_path: Path) -> N
 def test_a_broken_manifest_is_refused(tiny: Path, content: bytes, match: str) -> None:
     (tiny / fmt.MANIFEST_FILE).write_bytes(content)
     with pytest.raises(DatasetError, match=match):
-        fmt.open_dataset(tiny)
+        storage.open_dataset(tiny)
 
 
 def test_an_oversized_manifest_is_not_parsed(tiny: Path) -> None:
     with open(tiny / fmt.MANIFEST_FILE, "r+b") as f:
         f.truncate(fmt.MAX_MANIFEST_BYTES + 1)
     with pytest.raises(DatasetError, match="more than the .* a manifest may have"):
-        fmt.open_dataset(tiny)
+        storage.open_dataset(tiny)
 
 
 def test_missing_manifest_and_missing_folder(tmp_path: Path) -> None:
     with pytest.raises(DatasetError, match="does not exist"):
-        fmt.open_dataset(tmp_path / "nothing")
+        storage.open_dataset(tmp_path / "nothing")
     (tmp_path / "half").mkdir()
     with pytest.raises(DatasetError, match="no manifest.json; not a dsc dataset, or its compile never finished"):
-        fmt.open_dataset(tmp_path / "half")
+        storage.open_dataset(tmp_path / "half")
 
 
 def test_labels_out_of_range_and_bad_offsets_are_refused(tiny: Path) -> None:
@@ -320,21 +321,21 @@ def test_labels_out_of_range_and_bad_offsets_are_refused(tiny: Path) -> None:
     labels[3] = 7
     labels.flush()
     with pytest.raises(DatasetError, match=r"labels must lie in \[0, 1\] for 2 classes, found \[0, 7\]"):
-        fmt.open_dataset(tiny)
+        storage.open_dataset(tiny)
     labels[3] = 0
     labels.flush()
     offsets = np.memmap(tiny / fmt.SOURCE_OFFSETS_FILE, "<u8", "r+")
     offsets[2] = 10**6
     offsets.flush()
     with pytest.raises(DatasetError, match="offsets must rise from 0"):
-        fmt.open_dataset(tiny)
+        storage.open_dataset(tiny)
 
 
 def test_verify_checksums_names_the_damaged_file(tiny: Path) -> None:
-    manifest = fmt.open_dataset(tiny).manifest
-    fmt.verify_checksums(tiny, manifest)
+    manifest = storage.open_dataset(tiny).manifest
+    storage.verify_checksums(tiny, manifest)
     with open(tiny / fmt.shard_file(2), "r+b") as f:
         f.seek(5)
         f.write(b"\x00")
     with pytest.raises(ChecksumError, match=r"shards/00002.bin: SHA-256 is [0-9a-f]{64}, the manifest says"):
-        fmt.verify_checksums(tiny, manifest)
+        storage.verify_checksums(tiny, manifest)

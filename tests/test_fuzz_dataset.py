@@ -30,6 +30,7 @@ from typer.testing import CliRunner
 import dsc
 from dsc import format as fmt
 from dsc.cli import app
+from dsc.storage import local
 from dsc.testing import make_image_folder
 
 COUNT, PER_SHARD = 10, 3  # shards of 3, 3, 3 and 1 records: the last one is short
@@ -363,7 +364,7 @@ def resync(root: Path, doc: dict, name: str) -> None:
     for entry in [*doc["shards"], *doc["index"].values()]:
         if entry["file"] == name and (root / name).is_file():
             entry["bytes"] = (root / name).stat().st_size
-            entry["sha256"] = fmt.sha256_file(root / name)
+            entry["sha256"] = local.sha256_file(root / name)
 
 
 def mutate_file(data: st.DataObject, root: Path, doc: dict) -> None:

@@ -33,7 +33,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dsc import format as fmt
+from dsc import storage
 from dsc.testing import assert_roundtrip
 
 from conftest import pattern, pillow_reference, save
@@ -249,7 +249,7 @@ class Compiled:
     report: dict
     records: dict[str, int]  # source -> record index
     skipped: dict[str, str]  # source -> reason, from the manifest
-    dataset: fmt.OpenedDataset
+    dataset: storage.OpenedDataset
 
     def pixels(self, source: str) -> np.ndarray:
         shard, row = divmod(self.records[source], self.dataset.manifest.records_per_shard)
@@ -275,7 +275,7 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> Compiled:
     root = tmp_path_factory.mktemp("hostile")
     build_tree(root / "src")
     report = _run_compile(root / "src", root / "out")
-    ds = fmt.open_dataset(root / "out")
+    ds = storage.open_dataset(root / "out")
     records = {ds.source(i): i for i in range(ds.manifest.count)}
     skipped = {s["source"]: s["reason"] for s in ds.manifest.skipped}
     return Compiled(root / "src", root / "out", report, records, skipped, ds)

@@ -459,7 +459,7 @@ def test_show_captions_every_field(flat, tmp_path: Path) -> None:
     rows = rows_for(paths[:3])
     dsc.compile_folder(src, tmp_path / "out", size=8, workers=1, shuffle=False,
                        labels=write_csv(tmp_path / "labels.csv", rows))
-    from dsc.format import open_dataset
+    from dsc.storage import open_dataset
     assert caption_lines(open_dataset(tmp_path / "out"), 2) == ["#2 emu", "tags=a+b", "target=0.5,-2", "count=2"]
     result = runner.invoke(app, ["show", str(tmp_path / "out"), "-o", str(tmp_path / "s.png"), "--n", "3"])
     assert result.exit_code == 0 and "3 records" in result.stdout

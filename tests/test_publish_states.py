@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 
 import dsc.compiler
-from dsc import CompileError, compile_folder
+from dsc import CompileError, compile_folder, storage
 from dsc import format as fmt
 from dsc.compiler.engines.local import LocalEngine
 from dsc.compiler.publish import staging_path
+from dsc.storage import local
 
 from conftest import make_folder, pattern, save
 
@@ -160,7 +161,7 @@ def test_a_disk_filling_up_while_decoding_keeps_the_cause_and_releases_the_lock(
 # 4: a stop after compaction reuses every decoded record.
 def test_a_kill_after_compaction_reuses_every_decoded_record(src: Path, tmp_path: Path, monkeypatch) -> None:
     out = tmp_path / "out"
-    killed_compile(lambda: setattr(fmt, "sha256_file", lambda *a, **k: die()), src, out, size=8, workers=1,
+    killed_compile(lambda: setattr(local, "sha256_file", lambda *a, **k: die()), src, out, size=8, workers=1,
                    records_per_shard=7)
     decoded = []
     real_fill = LocalEngine.fill
@@ -201,7 +202,7 @@ def test_stray_files_in_the_partial_shards_do_not_break_a_resume(src: Path, tmp_
     for name in ("notes.bin", "._00000.bin"):
         (staging_path(out) / fmt.SHARD_DIR / name).write_bytes(b"not ours")
     summary = compile_folder(src, out, size=8, workers=1, resume=True, on_skip=quiet)
-    assert summary.kept == 60 and fmt.open_dataset(out).manifest.count == 60
+    assert summary.kept == 60 and storage.open_dataset(out).manifest.count == 60
 
 
 def test_an_out_that_is_a_mount_point_is_refused_up_front(src: Path, tmp_path: Path) -> None:

@@ -13,8 +13,7 @@ import pytest
 import ray
 from typer.testing import CliRunner
 
-from dsc import CompileError, compile_folder
-from dsc import format as fmt
+from dsc import CompileError, compile_folder, storage
 from dsc.cli import app
 from dsc.compiler.jobs import MAX_CHUNK
 
@@ -92,7 +91,7 @@ def test_the_cli_runs_the_ray_engine_and_checks_its_options(tmp_path: Path) -> N
     runner = CliRunner(env={"COLUMNS": "250", "NO_COLOR": "1"})
     ran = runner.invoke(app, ["compile", str(src), str(tmp_path / "out"), "--engine", "ray", "--size", "16"])
     assert ran.exit_code == 0, ran.stderr
-    assert fmt.open_dataset(tmp_path / "out").manifest.count == 6
+    assert storage.open_dataset(tmp_path / "out").manifest.count == 6
     wrong = runner.invoke(app, ["compile", str(src), str(tmp_path / "o2"), "--address", "127.0.0.1:1"])
     assert wrong.exit_code == 2 and "Invalid value for --address: only with --engine ray" in wrong.stderr
     with pytest.raises(CompileError, match="an address is only for --engine ray"):  # the library says so too

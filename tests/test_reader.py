@@ -16,6 +16,8 @@ from torch.utils.data import DataLoader
 
 import dsc
 from dsc import format as fmt
+from dsc import storage
+from dsc.compiler import output
 from dsc.errors import DatasetError, UnsupportedVersionError
 from dsc.reader import GatheredBatch, MemmapDataset
 
@@ -44,17 +46,17 @@ def compile_tiny(root: Path, records_per_shard: int | None = 5) -> Path:
 def make_synthetic(root: Path, count: int, shape: tuple[int, int, int], per_shard: int) -> Path:
     """A dataset written with dsc.format directly (fast at any size): record i is filled with i % 251."""
     record_bytes = int(np.prod(shape))
-    for path, records, first in zip(fmt.allocate_shards(root, count, per_shard, record_bytes),
+    for path, records, first in zip(output.allocate_shards(root, count, per_shard, record_bytes),
                                     fmt.shard_records(count, per_shard), range(0, count, per_shard)):
         shard = fmt.open_shard(path, records, shape, mode="r+")
         shard[:] = (np.arange(first, first + records) % 251).astype(np.uint8)[:, None, None, None]
         shard.flush()
         del shard
     labels = np.arange(count) % 2
-    index = fmt.write_index(root, labels, np.tile([shape[0], shape[1]], (count, 1)),
+    index = output.write_index(root, labels, np.tile([shape[0], shape[1]], (count, 1)),
                             [f"c{k}/{i}.jpg" for i, k in enumerate(labels)])
-    shards = fmt.shard_entries(root, count, per_shard, record_bytes)
-    fmt.write_manifest(root, fmt.Manifest(height=shape[0], width=shape[1], count=count, records_per_shard=per_shard,
+    shards = output.shard_entries(root, count, per_shard, record_bytes)
+    output.write_manifest(root, fmt.Manifest(height=shape[0], width=shape[1], count=count, records_per_shard=per_shard,
                                           classes=("c0", "c1"), shards=shards, index=index,
                                           compile={"source_root": "/nowhere"}))
     return root
@@ -73,7 +75,7 @@ def ds(tiny: Path) -> MemmapDataset:
 
 def raw_records(path: Path) -> np.ndarray:
     """All records read with plain numpy from the files, independently of the reader."""
-    opened = fmt.open_dataset(path)
+    opened = storage.open_dataset(path)
     return np.concatenate([np.asarray(s) for s in opened.shards])
 
 

@@ -16,12 +16,14 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from dsc import CompileError, compile_folder
+from dsc import CompileError, compile_folder, storage
 from dsc import format as fmt
 from dsc.cli import app
+from dsc.compiler import output
 from dsc.compiler.discover import discover
 from dsc.compiler.publish import staging_path
 from dsc.errors import DatasetError
+from dsc.storage import local
 
 from conftest import pattern, save
 
@@ -94,7 +96,7 @@ def test_a_resume_after_compaction_finishes_under_a_small_ulimit(many: Path, man
     out = tmp_path / "out"
 
     def killed_after_compaction() -> None:  # the records have moved down; a resume must move them back
-        fmt.sha256_file = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+        local.sha256_file = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
         compile_folder(many, out, size=4, records_per_shard=1, workers=1, on_skip=quiet)
 
     child = multiprocessing.get_context("fork").Process(target=killed_after_compaction)
@@ -122,8 +124,8 @@ def test_the_manifest_does_not_grow_with_the_skips(tmp_path: Path) -> None:
         sizes[junk] = (tmp_path / f"out{junk}" / fmt.MANIFEST_FILE).stat().st_size
     assert abs(sizes[3000] - sizes[150]) < 64, sizes  # the same manifest but for a few digits
     out = tmp_path / "out3000"
-    manifest = fmt.open_dataset(out).manifest
-    listed = fmt.read_skipped(out, manifest)
+    manifest = storage.open_dataset(out).manifest
+    listed = storage.read_skipped(out, manifest)
     assert manifest.skipped_count == 3000 and len(listed) == 3000 and listed == sorted(listed, key=str)
     assert listed[0] == {"source": f"a/junk_00000_{'x' * 40}.jpg",
                          "reason": "not a recognised image file (no known format's signature)"}
@@ -156,18 +158,19 @@ def sparse_dataset(root: Path, count: int, classes: tuple[str, ...]) -> Path:
     entry = {key: fmt.FileEntry(name, sizes[name], "0" * 64) for key, name in fmt.INDEX_FILES.items()}
     manifest = fmt.Manifest(height=1, width=1, count=count, records_per_shard=count, classes=classes,
                             shards=(fmt.ShardEntry(fmt.shard_file(0), count * 3, "0" * 64, count),), index=entry)
-    fmt.write_manifest(root, manifest)
+    output.write_manifest(root, manifest)
     return root
 
 
 PEAK_MEMORY = """
 import resource, sys
-from dsc import format as fmt
+from dsc import storage
+from dsc.errors import DatasetError
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 try:
-    fmt.open_dataset(sys.argv[1])
+    storage.open_dataset(sys.argv[1])
     print("opened", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
-except fmt.DatasetError as e:
+except DatasetError as e:
     print("refused", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before, e)
 """
 
@@ -188,16 +191,16 @@ def test_values_after_a_hole_are_still_checked(tmp_path: Path) -> None:
         f.seek((count - 1) * 8)
         f.write((7).to_bytes(8, "little"))  # data after 32 MiB of hole
     with pytest.raises(DatasetError, match=r"labels must lie in \[0, 0\] for 1 classes, found \[0, 7\]"):
-        fmt.open_dataset(bad_label)
+        storage.open_dataset(bad_label)
     falling = sparse_dataset(tmp_path / "offsets", count, ("a",))
     with open(falling / fmt.SOURCE_OFFSETS_FILE, "r+b") as f:
         f.seek((count // 2) * 8)
         f.write((5).to_bytes(8, "little"))  # 0 ... 0 5 0 ... 0: falls after the 5
     with pytest.raises(DatasetError, match="offsets must rise from 0"):
-        fmt.open_dataset(falling)
+        storage.open_dataset(falling)
     unlabeled = sparse_dataset(tmp_path / "unlabeled", count, ())  # a hole reads as label 0, not -1
     with pytest.raises(DatasetError, match=r"labels must lie in \[-1, -1\]"):
-        fmt.open_dataset(unlabeled)
+        storage.open_dataset(unlabeled)
 
 
 def test_discovery_stamps_every_source_as_the_file_system_does(tmp_path: Path) -> None:
@@ -221,7 +224,7 @@ def test_the_index_scan_finds_what_numpy_finds_in_sparse_files(tmp_path: Path) -
             f.seek(start * 8)
             f.write(values.astype("<i8").tobytes())
     with pytest.raises(DatasetError, match=rf"found \[{labels.min()}, {labels.max()}\]"):
-        fmt.open_dataset(root)
+        storage.open_dataset(root)
 
 
 def test_reserving_a_shard_writes_nothing_where_the_file_system_cannot_allocate(tmp_path: Path) -> None:
@@ -238,7 +241,7 @@ def test_reserving_a_shard_writes_nothing_where_the_file_system_cannot_allocate(
     try:
         fd = os.open(mount / "shard.bin", os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fmt.reserve(fd, 64 << 20)
+            local.reserve(fd, 64 << 20)
             st = os.fstat(fd)
         finally:
             os.close(fd)

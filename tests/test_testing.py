@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image, features
 
-from dsc import compile_folder
+from dsc import compile_folder, storage
 from dsc import format as fmt
 from dsc.testing import DEFAULT_MAX_MEAN_ABS_DIFF, assert_roundtrip, make_image_folder, pillow_reference
 
@@ -61,7 +61,7 @@ def test_assert_roundtrip_passes_on_a_fresh_compile(tmp_path: Path, fit: str) ->
     src = make_image_folder(tmp_path / "src", seed=1)
     result = assert_roundtrip(src, tmp_path / "out", size=(32, 40), fit=fit, records_per_shard=5)
     assert result.records == 12 and result.worst_abs_diff < DEFAULT_MAX_MEAN_ABS_DIFF
-    assert fmt.open_dataset(tmp_path / "out").manifest.compile["fit"] == fit
+    assert storage.open_dataset(tmp_path / "out").manifest.compile["fit"] == fit
     assert assert_roundtrip(src, tmp_path / "out") == result  # an already compiled OUT is checked as it is
 
 
@@ -96,7 +96,7 @@ def test_pillow_reference_follows_the_colour_rules_of_formats_md(tmp_path: Path)
 
 
 def invert_record(out: Path, i: int) -> None:
-    m = fmt.parse_manifest(out)
+    m = storage.parse_manifest(out)
     shard, offset = fmt.record_offset(i, m.records_per_shard, m.record_bytes)
     with open(out / m.shards[shard].file, "r+b") as f:
         f.seek(offset)
@@ -128,7 +128,7 @@ def test_assert_roundtrip_fails_naming_the_altered_record(tmp_path: Path, damage
     out = tmp_path / "out"
     assert_roundtrip(src, out, size=(32, 40), records_per_shard=5)
     damage(out, 7)  # record 7: shard 1, position 2
-    source = fmt.open_dataset(out).source(7)
+    source = storage.open_dataset(out).source(7)
     with pytest.raises(AssertionError, match=says.format(source=re.escape(source))) as caught:
         assert_roundtrip(src, out)
     lines = str(caught.value).splitlines()
@@ -150,4 +150,4 @@ def test_assert_roundtrip_refuses_options_it_would_ignore(tmp_path: Path) -> Non
     with pytest.raises(ValueError, match=r"already compiled, so compile options \['size'\] would be ignored"):
         assert_roundtrip(src, tmp_path / "out", size=24)
     assert_roundtrip(src, tmp_path / "out", size=24, force=True)
-    assert fmt.parse_manifest(tmp_path / "out").record_shape == (24, 24, 3)
+    assert storage.parse_manifest(tmp_path / "out").record_shape == (24, 24, 3)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dsc import format as fmt
+from dsc import storage
 from dsc.errors import CompileError, DatasetError
 
 CLASS_FILE_SUFFIXES = (".txt", ".csv", ".json", ".names")  # a --classes value ending so names a file
@@ -39,7 +40,7 @@ def load_classes(value: str | os.PathLike | Sequence[str]) -> list[str]:
         value = classes_option(value)
     if isinstance(value, os.PathLike) and Path(value).is_dir():
         try:
-            manifest = fmt.parse_manifest(value)
+            manifest = storage.parse_manifest(value)
         except DatasetError as e:
             raise CompileError(f"cannot take classes from {value}: {e}") from e
         if not manifest.classes:
@@ -63,7 +64,7 @@ def reference_fields(value: Any) -> dict[str, tuple[str, tuple[str, ...]]]:
     compiled with `--classes-from` it gives its class and tag columns the same positions."""
     if not isinstance(value, (str, os.PathLike)) or not Path(value).is_dir():
         return {}
-    return {f.name: (f.kind, f.classes) for f in fmt.parse_manifest(value).fields}
+    return {f.name: (f.kind, f.classes) for f in storage.parse_manifest(value).fields}
 
 
 def check_classes(names: list[Any], where: str) -> list[str]:
@@ -91,7 +92,7 @@ def sibling_class_mismatch(out: Path, classes: list[str]) -> list[str]:
         return []
     for sibling in siblings:
         try:
-            theirs = list(fmt.parse_manifest(sibling).classes)
+            theirs = list(storage.parse_manifest(sibling).classes)
         except (DatasetError, OSError):
             continue
         position = {c: k for k, c in enumerate(theirs)}

@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from dsc.errors import CompileError
-from dsc.format import FieldEntry, is_dataset
+from dsc.format import FieldEntry
+from dsc.storage import is_dataset
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".bmp", ".gif", ".webp",
                               ".tif", ".tiff", ".ppm", ".pgm", ".pbm", ".pnm"})

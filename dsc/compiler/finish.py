@@ -10,7 +10,6 @@ or two at a time (`ShardFiles`), so a build of any number of shards finishes und
 from __future__ import annotations
 
 import logging
-import os
 import resource
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,11 +17,13 @@ from pathlib import Path
 import numpy as np
 
 from dsc import format as fmt
-from dsc.compiler import journal
+from dsc import storage
+from dsc.compiler import journal, output
 from dsc.compiler.discover import printable
 from dsc.compiler.jobs import WriteJob
 from dsc.compiler.shard_io import ShardFiles
 from dsc.errors import CompileError, DatasetError
+from dsc.storage.local import fsync_files
 
 MANIFEST_BYTES_PER_SHARD = 200  # a shard's entry in manifest.json, with room to spare
 READER_SPARE_DESCRIPTORS = 64  # what a reading process needs besides one descriptor per shard
@@ -58,7 +59,7 @@ def compact(stage: Path, ok: np.ndarray, job: WriteJob) -> int:
     kept = int(ok.sum())
     if kept == len(ok):
         return kept
-    record_bytes = job.target.height * job.target.width * fmt.CHANNELS
+    record_bytes = job.record_bytes
     # Runs of consecutive kept slots: each moves down by the number of skipped slots before it.
     edges = np.flatnonzero(np.diff(np.concatenate(([0], ok.astype(np.int8), [0]))))
     dst = 0
@@ -68,16 +69,6 @@ def compact(stage: Path, ok: np.ndarray, job: WriteJob) -> int:
                 shards.move(start, dst, stop - start)
             dst += stop - start
     return kept
-
-
-def fsync_files(paths: list[Path]) -> None:
-    """Make the workers' writes durable before the dataset is published (one file open at a time)."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def finish(stage: Path, job: WriteJob, ok: np.ndarray, sizes: np.ndarray, labels: np.ndarray,
@@ -90,21 +81,21 @@ def finish(stage: Path, job: WriteJob, ok: np.ndarray, sizes: np.ndarray, labels
     if kept == 0:
         raise NothingDecoded(f"none of the {len(sources)} images in {job.src_root} could be decoded; nothing written")
     per_shard = job.records_per_shard
-    record_bytes = job.target.height * job.target.width * fmt.CHANNELS
-    fmt.trim_shards(stage, kept, per_shard, record_bytes)
+    record_bytes = job.record_bytes
+    output.trim_shards(stage, kept, per_shard, record_bytes)
     fsync_files([stage / fmt.shard_file(i) for i in range(fmt.shard_count(kept, per_shard))])
     with ThreadPoolExecutor(threads) as pool:  # `threads` files open at a time
-        shards = fmt.shard_entries(stage, kept, per_shard, record_bytes, map_fn=pool.map)
-    index = fmt.write_index(stage, labels[ok], sizes[ok], [s for s, k in zip(sources, ok) if k])
-    written_fields = fmt.write_fields(stage, [(spec, values[ok]) for spec, values in fields])
+        shards = output.shard_entries(stage, kept, per_shard, record_bytes, map_fn=pool.map)
+    index = output.write_index(stage, labels[ok], sizes[ok], [s for s, k in zip(sources, ok) if k])
+    written_fields = output.write_fields(stage, [(spec, values[ok]) for spec, values in fields])
     skip_list = [{"source": printable(s), "reason": r} for s, r in skipped]
     manifest = fmt.Manifest(height=job.target.height, width=job.target.width, count=kept,
                             records_per_shard=per_shard, classes=tuple(classes), shards=shards, index=index,
                             compile=options, skipped=tuple(skip_list[:fmt.SKIPPED_IN_MANIFEST]),
-                            skipped_list=fmt.write_skip_list(stage, skip_list), fields=written_fields)
-    fmt.write_manifest(stage, manifest)
+                            skipped_list=output.write_skip_list(stage, skip_list), fields=written_fields)
+    output.write_manifest(stage, manifest)
     try:  # never publish what the reader would refuse
-        fmt.validate(stage)
+        storage.validate(stage)
     except DatasetError as e:
         raise Unpublishable(f"the finished build would not open as a dataset, so it was not published: {e}") from e
     return manifest

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from dsc.compiler.resize import Target
+from dsc.format import CHANNELS
 
 Chunk = list[tuple[int, str]]  # consecutive (slot, source path relative to SRC) pairs
 MIN_CHUNK = 16  # sources per chunk at least: amortises a task's start (a Ray task costs ~1 ms)
@@ -32,6 +33,10 @@ class WriteJob:
     target: Target
     max_pixels: int
     decode_mode: str = "faithful"  # format.DECODE_MODES
+
+    @property
+    def record_bytes(self) -> int:
+        return self.target.height * self.target.width * CHANNELS
 
 
 @dataclass(frozen=True)

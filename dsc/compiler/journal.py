@@ -37,6 +37,7 @@ from dsc.compiler.discover import printable
 from dsc.compiler.jobs import SlotResult, WriteJob
 from dsc.compiler.shard_io import ShardFiles
 from dsc.errors import CompileError
+from dsc.storage.local import write_durably
 
 PLAN_FILE = "plan.json"
 JOURNAL_FILE = "journal.jsonl"
@@ -68,8 +69,8 @@ def has_plan(stage: Path) -> bool:
 
 def write_plan(stage: Path, plan: dict[str, Any], listing: list[str]) -> None:
     """State "building" begins: the listing first, then the plan (its presence marks the state)."""
-    fmt.write_durably(stage / LISTING_FILE, ("\n".join(listing) + "\n").encode())
-    fmt.write_durably(stage / PLAN_FILE, json.dumps(plan, indent=1, sort_keys=True).encode())
+    write_durably(stage / LISTING_FILE, ("\n".join(listing) + "\n").encode())
+    write_durably(stage / PLAN_FILE, json.dumps(plan, indent=1, sort_keys=True).encode())
 
 
 ENVIRONMENT_KEYS = ("dsc_version", "decoder", "resize")  # what this machine's dsc is, not an option
@@ -196,7 +197,7 @@ def _parse(line: str, count: int) -> SlotResult | None:
 
 def write_kept(stage: Path, ok: np.ndarray) -> None:
     """Record which slots compaction keeps, so a resume can find records it moved down."""
-    fmt.write_durably(stage / KEPT_FILE, np.packbits(ok).tobytes())
+    write_durably(stage / KEPT_FILE, np.packbits(ok).tobytes())
 
 
 def _undo_compaction(stage: Path, job: WriteJob, done: dict[int, SlotResult]) -> None:
@@ -209,7 +210,7 @@ def _undo_compaction(stage: Path, job: WriteJob, done: dict[int, SlotResult]) ->
     if len(ok) != job.count:
         return
     position = np.cumsum(ok) - 1  # where compaction puts slot s (when ok[s])
-    record_bytes = job.target.height * job.target.width * fmt.CHANNELS
+    record_bytes = job.record_bytes
     with ShardFiles(stage, job.records_per_shard, record_bytes) as shards:  # two files open at a time
         for slot in sorted(done, reverse=True):
             at = int(position[slot])

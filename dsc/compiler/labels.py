@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from dsc import format as fmt
+from dsc.arguments import is_int
 from dsc.compiler.discover import Discovery, check_source_folder, list_images
 from dsc.errors import CompileError
 
@@ -205,12 +206,9 @@ INT_TEXT = re.compile(r"[+-]?[0-9]+")
 NUMBER_TEXT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")  # no nan, inf, 1_000, ٣
 
 
-def _is_int(value: Any) -> bool:
-    if isinstance(value, bool):
-        return False
-    if isinstance(value, int):
-        return True
-    return isinstance(value, str) and INT_TEXT.fullmatch(value.strip()) is not None
+def _integer_like(value: Any) -> bool:
+    """An integer, or text that spells one (a table cell)."""
+    return is_int(value) or isinstance(value, str) and INT_TEXT.fullmatch(value.strip()) is not None
 
 
 def _is_number(value: Any) -> bool:
@@ -231,7 +229,7 @@ def infer_kind(table: Table, name: str) -> str:
     items = [(line, item) for line, v in zip(table.lines, values) for item in _items(v)]
     numbers = [_is_number(item) for _, item in items]
     if items and all(numbers):
-        if all(_is_int(i) for _, i in items):
+        if all(_integer_like(i) for _, i in items):
             return "class" if name == LABEL_COLUMN and not multi else "int"
         return "float"
     if any(numbers):
@@ -245,17 +243,17 @@ def infer_kind(table: Table, name: str) -> str:
 
 def _class_name(value: Any) -> str | None:
     """A cell as a class name; integers as their plain decimal form ("01" is class "1")."""
-    if isinstance(value, int) and not isinstance(value, bool):
+    if is_int(value):
         return str(value)
     if isinstance(value, str) and value.strip():
-        return str(int(value)) if _is_int(value) else value.strip()
+        return str(int(value)) if _integer_like(value) else value.strip()
     return None
 
 
 def _vocabulary(names: set[str]) -> list[str]:
     """Sorted names. Integer classes 0..K-1 keep their numbers as indices: the vocabulary is every
     integer from 0 to the largest, so a class missing from one split moves no other."""
-    if names and all(_is_int(n) for n in names):
+    if names and all(_integer_like(n) for n in names):
         numbers = [int(n) for n in names]
         if min(numbers) >= 0 and max(numbers) < fmt.MAX_FIELD_VALUES:
             return [str(k) for k in range(max(numbers) + 1)]
@@ -272,7 +270,7 @@ def _numbers(table: Table, name: str, kind: str) -> tuple[np.ndarray, tuple[int,
         for item in items:
             try:
                 if kind == "int":
-                    if not _is_int(item):
+                    if not _integer_like(item):
                         raise ValueError
                     number = int(item)
                     if not -(1 << 63) <= number < (1 << 63):

@@ -6,16 +6,18 @@ building (`plan.json` in `.OUT.dsc-partial`), compacting (`kept.bin`), finishing
 `.OUT.dsc-publish` record beside OUT: the plan's and the manifest's SHA-256, so a resume acts
 only on its own plan's build), and published with the old dataset waiting for deletion (it is
 renamed to a unique `.OUT.dsc-old-*` first, never left where a build is looked for). Every state
-file is written atomically. A compile holds `.OUT.dsc-lock` (`flock`, a file never deleted) from
-its first look at OUT to the end of its publish: one compile per OUT at a time. Without --force
+file is written atomically and every rename is followed by an fsync of the folder. A compile
+holds `.OUT.dsc-lock` (`flock`) from its first look at OUT to the end of its publish: one compile
+per OUT at a time; the holder removes the file before releasing it (`unlock`). Without --force
 the build is renamed with RENAME_NOREPLACE; with it, exchanged with RENAME_EXCHANGE (readers see
 the old dataset or the new one) and exchanged back if what came out is not a dsc dataset.
+
+`LocalTarget` is the compiler's publish seam over all this: `stage` (make or find the build),
+`commit` (make it the dataset), `discard`. A bucket prefix will be its sibling.
 """
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import fcntl
 import glob
 import hashlib
@@ -27,12 +29,12 @@ import time
 from pathlib import Path
 
 from dsc import format as fmt
+from dsc.compiler import journal
 from dsc.errors import CompileError
+from dsc.storage import is_dataset, parse_manifest
+from dsc.storage.local import RENAME_EXCHANGE, RENAME_NOREPLACE, fsync_dir, renameat2, write_durably
 
 LOCK_WAIT_S = 5.0
-RENAME_NOREPLACE = 1  # linux/fs.h
-RENAME_EXCHANGE = 2
-AT_FDCWD = -100
 
 
 def staging_path(out: Path) -> Path:
@@ -44,7 +46,7 @@ def replaceable(path: Path) -> bool:
     """What --force may replace: a dsc dataset or an empty folder, never a link or anything else."""
     if path.is_symlink() or not path.is_dir():
         return False
-    return fmt.is_dataset(path) or not any(path.iterdir())
+    return is_dataset(path) or not any(path.iterdir())
 
 
 def lock_path(out: Path) -> Path:
@@ -63,8 +65,7 @@ def record_path(out: Path) -> Path:
 
 def record_publish(out: Path, plan: str, manifest: str) -> None:
     """State "finishing": the build's manifest is written; `plan` and `manifest` are their SHA-256s."""
-    fmt.write_durably(record_path(out), json.dumps({"plan": plan, "manifest": manifest}).encode())
-    _fsync_dir(out.parent)
+    write_durably(record_path(out), json.dumps({"plan": plan, "manifest": manifest}).encode())
 
 
 def pending_publish(out: Path) -> dict | None:
@@ -80,7 +81,7 @@ def pending_publish(out: Path) -> dict | None:
 
 def clear_publish(out: Path) -> None:
     record_path(out).unlink(missing_ok=True)
-    _fsync_dir(out.parent)
+    fsync_dir(out.parent)
 
 
 def manifest_digest(root: Path) -> str | None:
@@ -183,6 +184,7 @@ def prepare(out: Path, force: bool, resume: bool, lock_fd: int) -> tuple[Path, b
         stage.unlink() if stage.is_symlink() or not stage.is_dir() else shutil.rmtree(stage)
     try:
         stage.mkdir()
+        fsync_dir(out.parent)
     except OSError as e:
         raise CompileError(f"cannot create {stage}: {e.strerror or e}") from e
     return stage, False
@@ -192,24 +194,10 @@ def discard(stage: Path) -> None:
     shutil.rmtree(stage, ignore_errors=True)
 
 
-def _renameat2(a: Path, b: Path, flags: int) -> bool:
-    """Linux renameat2; False where the system or file system cannot do `flags`."""
-    try:
-        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return False
-    if renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), flags) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
-        return False
-    raise OSError(err, os.strerror(err), str(b))
-
-
 def _rename_noreplace(stage: Path, out: Path) -> None:
     """Move `stage` to `out` only if nothing is at `out`, atomically where the system can."""
     try:
-        if _renameat2(stage, out, RENAME_NOREPLACE):
+        if renameat2(stage, out, RENAME_NOREPLACE):
             return
     except FileExistsError:
         raise CompileError(f"{out} appeared while the dataset was compiled; it was left untouched, and the "
@@ -223,7 +211,7 @@ def retire(old: Path, out: Path) -> None:
     """Give a replaced dataset a name of its own before deleting it: nothing may mistake it for a build."""
     grave = out.parent / f"{retired_prefix(out)}{secrets.token_hex(6)}"
     os.rename(old, grave)
-    _fsync_dir(out.parent)
+    fsync_dir(out.parent)
     shutil.rmtree(grave, ignore_errors=True)
 
 
@@ -232,12 +220,12 @@ def publish(stage: Path, out: Path, force: bool) -> None:
     only a dsc dataset (or an empty folder) is, and anything else swapped out is put back."""
     if not (force and (out.exists() or out.is_symlink())):
         _rename_noreplace(stage, out)
-    elif _renameat2(stage, out, RENAME_EXCHANGE):
+    elif renameat2(stage, out, RENAME_EXCHANGE):
         if not replaceable(stage):
-            _renameat2(stage, out, RENAME_EXCHANGE)  # not ours to replace: put it back
+            renameat2(stage, out, RENAME_EXCHANGE)  # not ours to replace: put it back
             raise CompileError(f"{out} is not a dsc dataset (it changed while compiling); it was left "
                                "untouched, even with --force")
-        _fsync_dir(out.parent)
+        fsync_dir(out.parent)
         retire(stage, out)  # the previous dataset; open maps keep it readable
     else:  # no atomic exchange here: a moment without OUT, never a mixed OUT
         if not replaceable(out):
@@ -250,12 +238,70 @@ def publish(stage: Path, out: Path, force: bool) -> None:
             os.rename(old, out)
             raise
         retire(old, out)
-    _fsync_dir(out.parent)
+    fsync_dir(out.parent)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def finish_publish(stage: Path, out: Path, plan_digest: str, force: bool) -> fmt.Manifest | None:
+    """State "finishing" (formats.md): publish the recorded build, or see that it already is.
+
+    Acts only on a build this plan made: the record names the plan's and the manifest's SHA-256.
+    None when no publish is pending (the build is still in progress)."""
+    record = pending_publish(out)
+    if record is None:
+        return None
+    if record.get("plan") != plan_digest:
+        raise CompileError(f"a finished build of {out} made with other settings or sources waits to be published "
+                           f"at {stage}; run the original command with --resume, or pass --force to discard it")
+    if manifest_digest(out) == record["manifest"]:  # published; the stage holds the old dataset
+        if stage.exists():
+            retire(stage, out)
+    elif manifest_digest(stage) == record["manifest"]:
+        journal.remove(stage)
+        publish(stage, out, force)
+    else:
+        raise CompileError(f"the finished build at {stage} is damaged or gone; pass --force to start over")
+    clear_publish(out)
+    return parse_manifest(out)
+
+
+class LocalTarget:
+    """OUT as a folder of this machine: the compiler's publish seam.
+
+    `with LocalTarget(out) as target:` holds OUT's lock; `target.stage(force, resume)` makes the
+    build folder (`target.stage_dir`, which the build's files are written into) or finds one to
+    resume, `target.commit(plan_digest, force)` makes the finished build the dataset at OUT, and
+    `target.discard()` drops it. A resumed build that had already finished is published by
+    `target.pending(plan_digest, force)`.
+    """
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.stage_dir = out, staging_path(out)
+        self._lock_fd: int | None = None
+
+    def __enter__(self) -> LocalTarget:
+        self._lock_fd = lock(self.out)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        unlock(self.out, self._lock_fd)
+
+    def stage(self, force: bool, resume: bool) -> bool:
+        """Make the build folder, or find the one to resume (True)."""
+        return prepare(self.out, force, resume, self._lock_fd)[1]
+
+    def restart(self) -> None:
+        """Empty the build folder: what it holds was made from no plan."""
+        discard(self.stage_dir)
+        self.stage_dir.mkdir()
+
+    def pending(self, plan_digest: str, force: bool) -> fmt.Manifest | None:
+        """Publish a build of this plan that finished before an interruption; None when there is none."""
+        return finish_publish(self.stage_dir, self.out, plan_digest, force)
+
+    def commit(self, plan_digest: str, force: bool) -> fmt.Manifest:
+        """Make the finished build the dataset at OUT: readers see the old dataset or the new one, whole."""
+        record_publish(self.out, plan_digest, manifest_digest(self.stage_dir))
+        return finish_publish(self.stage_dir, self.out, plan_digest, force)
+
+    def discard(self) -> None:
+        discard(self.stage_dir)

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from dsc.arguments import is_int
 from dsc.errors import CompileError
 
 FITS = ("center-crop", "stretch", "pad")
@@ -42,7 +43,7 @@ class Target:
 
 def parse_size(text: str | int | tuple[int, int]) -> tuple[int, int]:
     """'224' → (224, 224); '192x256' (height x width) → (192, 256)."""
-    if isinstance(text, int) and not isinstance(text, bool):
+    if is_int(text):
         return (text, text)
     if isinstance(text, tuple) and len(text) == 2 and all(isinstance(v, int) for v in text):
         return text

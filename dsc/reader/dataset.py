@@ -17,7 +17,6 @@ and raises `DatasetError` instead of serving other records than the original.
 
 from __future__ import annotations
 
-import hashlib
 import operator
 import os
 from collections.abc import Callable, Sequence
@@ -30,6 +29,7 @@ import torch
 from torch.utils.data import Dataset, get_worker_info
 
 from dsc import format as fmt
+from dsc import storage
 from dsc.errors import DatasetError
 from dsc.reader.gather import check_indices, fill, out_of_range
 
@@ -133,15 +133,10 @@ def record_index(i: Any, count: int) -> int:
     return k % count
 
 
-def _open(root: Path) -> fmt.OpenedDataset:
+def _open(root: Path) -> storage.OpenedDataset:
     """Validate and map the dataset; shards copy-on-write (see the module docstring), as plain arrays."""
-    opened = fmt.open_dataset(root, shard_mode="c")
+    opened = storage.open_dataset(root, shard_mode="c")
     return replace(opened, shards=tuple(s.view(np.ndarray) for s in opened.shards))
-
-
-def fingerprint(manifest: fmt.Manifest) -> str:
-    """Which dataset this is: the manifest names every file's SHA-256, so equal manifests mean equal data."""
-    return hashlib.sha256(manifest.to_json().encode()).hexdigest()
 
 
 def batch_buffer(batch: int, record_shape: tuple[int, int, int], shared: bool) -> torch.Tensor:
@@ -171,8 +166,8 @@ class MemmapDataset(Dataset):
                  transform: Callable[[Any], Any] | None = None,
                  target_transform: Callable[[Any], Any] | None = None, return_index: bool = False) -> None:
         self.path = Path(os.path.abspath(path))  # a spawned worker may start in another directory
-        self._data: fmt.OpenedDataset | None = _open(self.path)  # validates now, fails here
-        self._fingerprint = fingerprint(self._data.manifest)
+        self._data: storage.OpenedDataset | None = _open(self.path)  # validates now, fails here
+        self._fingerprint = self._data.manifest.fingerprint
         self._tensors: tuple[torch.Tensor, ...] | None = None
         if target != "label" and target not in self._data.fields:
             raise ValueError(f"target={target!r}: {self.path} has no such field; choose 'label' or one of "
@@ -194,7 +189,7 @@ class MemmapDataset(Dataset):
         self._data, self._tensors = None, None
 
     @property
-    def opened(self) -> fmt.OpenedDataset:
+    def opened(self) -> storage.OpenedDataset:
         """The validated, mapped dataset (mapped again lazily after unpickling)."""
         if self._data is None:
             data = _open(self.path)
@@ -203,7 +198,7 @@ class MemmapDataset(Dataset):
         return self._data
 
     def _check_same(self, manifest: fmt.Manifest) -> None:
-        if fingerprint(manifest) != self._fingerprint:
+        if manifest.fingerprint != self._fingerprint:
             raise DatasetError(f"{self.path}: the dataset was replaced (recompiled?) after this MemmapDataset was "
                                "opened; a copy of it (e.g. in a DataLoader worker) would read other records than "
                                f"the original, so it refuses to. Open it again: MemmapDataset({str(self.path)!r})")
@@ -211,7 +206,7 @@ class MemmapDataset(Dataset):
     def _check_still_there(self) -> None:
         """For what maps the files by path again: the folder must still hold the dataset opened."""
         try:
-            manifest = fmt.parse_manifest(self.path)
+            manifest = storage.parse_manifest(self.path)
         except DatasetError as e:
             raise DatasetError(f"{self.path}: the dataset was replaced or damaged after this MemmapDataset was "
                                f"opened ({e})") from e

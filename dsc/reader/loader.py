@@ -29,10 +29,10 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
+from dsc.arguments import check_int
 from dsc.errors import LoaderError
 from dsc.reader import order as orders
 from dsc.reader import progress
-from dsc.reader.dataset import fingerprint
 from dsc.reader.gather import fill_parallel
 from dsc.reader.host import HostSink
 
@@ -280,12 +280,6 @@ def order_for_shuffle(order: str | None, shuffle: bool | None) -> str:
     return order or wanted
 
 
-def _check_int(name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    return int(value)
-
-
 class EpochHook:
     """Where Lightning looks for `set_epoch`: on a DataLoader's `.sampler` (and `.batch_sampler.sampler`).
 
@@ -334,14 +328,14 @@ class Loader:
             raise ValueError(f"order must be one of {orders.ORDERS}, got {order!r}")
         orders.check_locality(order, locality)
         self.dataset, self.order, self.drop_last, self.locality = dataset, order, bool(drop_last), locality
-        self.batch_size = _check_int("batch_size", batch_size, 1)
-        self.seed = _check_int("seed", seed, 0)
-        self.prefetch = _check_int("prefetch", prefetch, 1)
-        self.num_threads = default_threads() if num_threads is None else _check_int("num_threads", num_threads, 1)
+        self.batch_size = check_int("batch_size", batch_size, 1)
+        self.seed = check_int("seed", seed, 0)
+        self.prefetch = check_int("prefetch", prefetch, 1)
+        self.num_threads = default_threads() if num_threads is None else check_int("num_threads", num_threads, 1)
         self._world_args = (rank, world_size)
         resolve_world(rank, world_size)  # bad explicit values fail here, not at the first epoch
         self.device = resolve_device(device)
-        self._dataset_id = fingerprint(dataset.manifest)
+        self._dataset_id = dataset.manifest.fingerprint
         self._position: tuple[int, list[progress.Round]] = (0, [])  # where the next iteration starts
         self._progress: tuple[int, list[progress.Round]] = (0, [])  # what state_dict() reports
         self._sink = _sink_class(self.device)(self.device, self.prefetch + 2, self.batch_size,  # ahead, held,
@@ -391,7 +385,7 @@ class Loader:
         """Make the next iteration serve `epoch` from its start, or from where `load_state_dict`
         left it when `epoch` is the epoch being resumed (so a loop that calls set_epoch at the
         top of every epoch resumes mid-epoch, not from its start)."""
-        epoch = _check_int("epoch", epoch, 0)
+        epoch = check_int("epoch", epoch, 0)
         self._iteration += 1  # a paused iterator must not overwrite the epoch chosen here
         if epoch != self._position[0] or not self._position[1]:
             self._position = self._progress = (epoch, [])
@@ -412,7 +406,7 @@ class Loader:
             raise ValueError(f"a loader state is a dict from Loader.state_dict(), got {type(state).__name__}")
         if "rounds" not in state and "batch" in state:  # saved by dsc 0.1: one per rank, no fingerprint
             self._check_same_order(state, ("order", "seed", "count"))
-            batch = _check_int("batch", state.get("batch"), 0)
+            batch = check_int("batch", state.get("batch"), 0)
             fields = {k: state.get(k) for k in ("world_size", "batch_size", "drop_last", "locality")}
             rounds = [progress.Round.from_dict({**fields, "batches": batch})] if batch else []
         elif state.get("dsc_loader_state") == STATE_VERSION:
@@ -427,7 +421,7 @@ class Loader:
                 orders.check_locality(self.order, r.split.locality)
             except ValueError as e:
                 raise ValueError(f"a round of this loader state cannot be replayed: {e}") from e
-        return _check_int("epoch", state.get("epoch"), 0), rounds
+        return check_int("epoch", state.get("epoch"), 0), rounds
 
     def _check_same_order(self, state: dict[str, Any], keys: tuple[str, ...]) -> None:
         ours = {"order": self.order, "seed": self.seed, "count": len(self.dataset), "dataset": self._dataset_id}

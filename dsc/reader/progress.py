@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from dsc.arguments import check_int
 from dsc.reader import order as orders
 
 ROUND_KEYS = {"world_size", "batch_size", "drop_last", "locality", "batches"}
@@ -64,10 +65,7 @@ class Round:
         if not isinstance(value, dict) or set(value) != ROUND_KEYS:
             raise ValueError(f"a round of a loader state has exactly the keys {sorted(ROUND_KEYS)}, got {value!r}")
         for key, low, high in (("world_size", 1, MAX_WORLD_SIZE), ("batch_size", 1, None), ("batches", 0, None)):
-            v = value[key]
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low or (high and v > high):
-                raise ValueError(f"a round's {key} must be an integer >= {low}{f' and <= {high}' if high else ''}, "
-                                 f"got {v!r}")
+            check_int(f"a round's {key}", value[key], low, high)
         if not isinstance(value["drop_last"], bool):
             raise ValueError(f"a round's drop_last must be true or false, got {value['drop_last']!r}")
         if value["locality"] is not None and value["locality"] not in orders.LOCALITIES:

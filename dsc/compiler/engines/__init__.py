@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+from dsc.arguments import check_int
 from dsc.compiler.engines.local import LocalEngine
 from dsc.compiler.engines.ray_cluster import RayEngine
 from dsc.compiler.jobs import Engine
@@ -29,6 +30,4 @@ def available_cores() -> int:
 def check_workers(workers: int | None) -> int:
     if workers is None:
         return available_cores()
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise CompileError(f"workers must be a positive integer, got {workers!r}")
-    return workers
+    return check_int("workers", workers, 1, error=CompileError)

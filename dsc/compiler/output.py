@@ -1,0 +1,92 @@
+"""Output: the files of a build, written into its staging folder (the format's payloads, made durable).
+
+The shard files are sized up front (`allocate_shards`: workers then fill record slots in
+place) and cut down after compaction (`trim_shards`); the index, fields, skip list and
+manifest are built by `dsc.format` and written here, each atomically, the manifest last.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import numpy as np
+
+from dsc import format as fmt
+from dsc.storage import local
+
+
+def allocate_shards(root: Path, count: int, records_per_shard: int, record_bytes: int) -> list[Path]:
+    """Give every shard file its full size for `count` records, keeping bytes already written
+    (a resumed build) and zero-filling the rest; return their paths."""
+    (root / fmt.SHARD_DIR).mkdir(parents=True, exist_ok=True)
+    paths = []
+    for shard, records in enumerate(fmt.shard_records(count, records_per_shard)):
+        path = root / fmt.shard_file(shard)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            local.reserve(fd, records * record_bytes)
+            if os.fstat(fd).st_size > records * record_bytes:
+                os.ftruncate(fd, records * record_bytes)
+        finally:
+            os.close(fd)
+        paths.append(path)
+    return paths
+
+
+def trim_shards(root: Path, count: int, records_per_shard: int, record_bytes: int) -> None:
+    """Cut the shard files down to `count` records after skipped sources were compacted away."""
+    records = fmt.shard_records(count, records_per_shard)
+    for path in sorted((root / fmt.SHARD_DIR).glob("*.bin")):
+        if not (path.stem.isdigit() and path.relative_to(root).as_posix() == fmt.shard_file(int(path.stem))):
+            continue  # not a shard (a stray notes.bin, a macOS ._00000.bin): not ours to touch
+        shard = int(path.stem)
+        if shard < len(records):
+            os.truncate(path, records[shard] * record_bytes)
+        else:
+            path.unlink()
+
+
+def shard_entries(root: Path, count: int, records_per_shard: int, record_bytes: int,
+                  map_fn: Callable[..., Iterable[str]] = map) -> tuple[fmt.ShardEntry, ...]:
+    """Manifest entries of the finished shards; `map_fn` may be a thread pool's map."""
+    records = fmt.shard_records(count, records_per_shard)
+    names = [fmt.shard_file(i) for i in range(len(records))]
+    digests = list(map_fn(local.sha256_file, [root / n for n in names]))
+    return tuple(fmt.ShardEntry(n, r * record_bytes, d, r) for n, r, d in zip(names, records, digests))
+
+
+def _write(root: Path, name: str, payload: bytes) -> fmt.FileEntry:
+    (root / name).parent.mkdir(exist_ok=True)
+    local.write_durably(root / name, payload)
+    return fmt.file_entry(name, payload)
+
+
+def write_index(root: Path, labels: np.ndarray, sizes: np.ndarray, sources: list[str]) -> dict[str, fmt.FileEntry]:
+    """Write the per-record index files and return their manifest entries."""
+    return {key: _write(root, name, payload)
+            for key, (name, payload) in fmt.index_payloads(labels, sizes, sources).items()}
+
+
+def write_fields(root: Path, fields: list[tuple[fmt.FieldEntry, np.ndarray]]) -> tuple[fmt.FieldEntry, ...]:
+    """Write each field's values (`[count, *shape]`; the entry's file, size and hash are filled in here)
+    and return their manifest entries, in the given order."""
+    entries = []
+    for spec, values in fields:
+        written = _write(root, *fmt.field_payload(spec, values))
+        entries.append(fmt.FieldEntry(written.file, written.bytes, written.sha256, spec.name, spec.kind,
+                                      tuple(spec.shape), tuple(spec.classes)))
+    return tuple(entries)
+
+
+def write_skip_list(root: Path, skipped: list[dict[str, str]]) -> fmt.SkipListEntry:
+    """Write every skipped source to the skip list file (in the order given) and return its manifest
+    entry: the manifest keeps only the first SKIPPED_IN_MANIFEST, so its size never grows with the skips."""
+    written = _write(root, fmt.SKIP_LIST_FILE, fmt.skip_list_payload(skipped))
+    return fmt.SkipListEntry(written.file, written.bytes, written.sha256, len(skipped))
+
+
+def write_manifest(root: Path, manifest: fmt.Manifest) -> None:
+    """Write manifest.json last: until it exists, the folder is not a dataset."""
+    local.write_durably(root / fmt.MANIFEST_FILE, manifest.to_json().encode("ascii"))

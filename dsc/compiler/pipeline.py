@@ -1,0 +1,311 @@
+"""The pipeline: discover → order → decode/resize into shards → finish (compact, index) → publish.
+
+`compile_folder` reads as the pipeline: check the options, find the sources (`discover`, or
+`labels` for a label table), fix the plan (which source fills which slot, what a resume must
+find unchanged), then under OUT's lock stage the build (`publish.LocalTarget`), fill its slots
+(`write`, run by an engine from `engines`, recorded by `journal`), `finish` it and commit it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from dsc import format as fmt
+from dsc import storage
+from dsc.arguments import check_int
+from dsc.compiler import classes as classes_module
+from dsc.compiler import journal, output, publish
+from dsc.compiler import labels as labels_module
+from dsc.compiler.decode import DEFAULT_MAX_PIXELS, decoder_name
+from dsc.compiler.discover import Discovery, discover, printable
+from dsc.compiler.engines import check_workers, make_engine
+from dsc.compiler.finish import NothingDecoded, Unpublishable, check_shard_count, finish
+from dsc.compiler.jobs import Engine, SlotResult, WriteJob, chunk_size, split
+from dsc.compiler.resize import INTERPOLATION, PAD_VALUE, Target, parse_size, resize_backend
+from dsc.errors import CompileError
+from dsc.version import __version__
+
+__all__ = ["CompileSummary", "compile_folder"]
+SHARD_TARGET_BYTES = 1 << 30  # ~1 GiB shards: few files, yet units small enough to copy or verify
+
+
+# What a compile finds in the data (skips, odd files, splits that disagree) is reported on this
+# logger, at WARNING: not Python warnings, which are about the caller's code. Unconfigured, Python
+# prints them on stderr; the CLI shows them between its progress bar's lines.
+logger = logging.getLogger("dsc")
+
+
+@dataclass
+class CompileSummary:
+    """What a compile did; also printed by `dsc compile`."""
+
+    out: Path
+    kept: int
+    skipped: list[tuple[str, str]]
+    classes: list[str]
+    empty_classes: list[str]
+    shards: int
+    bytes_on_disk: int
+    seconds: float
+    decoder: str
+    record_shape: tuple[int, int, int] = field(default=(0, 0, 0))
+    fields: tuple[fmt.FieldEntry, ...] = ()
+    ignored: int = 0  # images under SRC that the label table does not list
+    reused: int = 0  # sources a resume found done already (decoded or skipped by the interrupted compile)
+    built: int = 0  # sources the build decoded or tried (discovery's skips never reach it)
+
+    @property
+    def labeled(self) -> bool:
+        return bool(self.classes)
+
+    @property
+    def images_per_second(self) -> float:
+        """Sources decoded (or found bad) per second by this call; what a resume reused is not counted."""
+        return (self.built - self.reused) / self.seconds if self.seconds > 0 else 0.0
+
+
+def _log_skip(source: str, reason: str) -> None:
+    logger.warning("skipped %s: %s", source, reason)
+
+
+def source_order(n: int, seed: int, shuffle: bool) -> np.ndarray:
+    """Slot i holds source order[i]: a seeded permutation, so any block of records mixes classes."""
+    if not shuffle:
+        return np.arange(n)
+    return np.random.default_rng(seed).permutation(n)
+
+
+def _check_paths(src: Path, out: Path) -> None:
+    """OUT and SRC must not contain each other: a compile must never read or replace its sources."""
+    s, o = src.resolve(), out.resolve()
+    if o == s:
+        raise CompileError(f"the source folder and the output are the same folder, {src}; give OUT another name")
+    if s in o.parents:
+        raise CompileError(f"output {out} must not be inside the source folder {src}")
+    if o in s.parents:
+        raise CompileError(f"the source folder {src} must not be inside the output {out}")
+
+
+class StrictFailure(CompileError):
+    """A --strict compile met a source it could not decode: the build is discarded."""
+
+
+def _decode_all(job: WriteJob, sources: list[str], engine: Engine, strict: bool, done: dict[int, SlotResult],
+                log: journal.Journal, on_skip: Callable[[str, str], None],
+                progress: Callable[[int], None] | None):
+    """Fill every slot not `done` already; return (ok mask, upright sizes, skipped (source, reason) list)."""
+    ok = np.zeros(len(sources), dtype=bool)
+    sizes = np.zeros((len(sources), 2), dtype=np.int64)
+    failed: list[tuple[str, str]] = []
+
+    def collect(results: list[SlotResult]) -> None:
+        for result in results:
+            if result.ok:
+                if result.warning:
+                    logger.warning("%s: %s", sources[result.slot], result.warning)
+                ok[result.slot] = True
+                sizes[result.slot] = (result.height, result.width)
+            elif strict:
+                raise StrictFailure(f"{Path(job.src_root) / sources[result.slot]}: {result.reason} "
+                                    "(--strict: nothing written)")
+            else:
+                failed.append((sources[result.slot], result.reason))
+                on_skip(sources[result.slot], result.reason)
+        if progress:
+            progress(len(results))
+
+    collect(list(done.values()))
+    tasks = [(slot, source) for slot, source in enumerate(sources) if slot not in done]
+    chunks = split(tasks, chunk_size(len(tasks), engine.workers))
+    engine.fill(job, chunks, lambda results: (log.append(results), collect(results)))
+    return ok, sizes, failed
+
+
+def _fields_digest(fields: list[tuple[fmt.FieldEntry, np.ndarray]]) -> str:
+    """Fingerprint of the fields' kinds, vocabularies and values: a resume must write the same ones."""
+    digest = hashlib.sha256()
+    for spec, values in fields:
+        digest.update(json.dumps([spec.name, spec.kind, list(spec.shape), list(spec.classes)]).encode())
+        digest.update(np.ascontiguousarray(values, spec.dtype).tobytes())
+    return digest.hexdigest()
+
+
+def _options(target: Target, seed: int, shuffle: bool, max_pixels: int, src: Path, found: int,
+             decode_mode: str, label_table: str | os.PathLike | None) -> dict:
+    """How the pixels were made, recorded in the manifest (formats.md, "compile")."""
+    listed = {} if label_table is None else {"label_table": printable(str(Path(label_table).absolute()))}
+    return {"dsc_version": __version__, "size": [target.height, target.width], "fit": target.fit,
+            "interpolation": INTERPOLATION, "pad_value": PAD_VALUE, "alpha": "composited onto black",
+            "exif_orientation": "applied", "jpeg_decoder": decoder_name(),
+            "decode": decode_mode, "dct_scaling": fmt.DCT_SCALING[decode_mode],
+            "shuffle": shuffle, "seed": seed, "max_pixels": max_pixels, "source_root": printable(str(src)),
+            "source_order": "as listed in the label table" if listed else
+                            "by label, then depth-first with folder entries sorted by name",
+            "sources_found": found, **listed}
+
+
+def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int | str | tuple[int, int] = 224,
+                   fit: str = "center-crop", seed: int = 0, shuffle: bool = True, workers: int | None = None,
+                   strict: bool = False, force: bool = False, records_per_shard: int | None = None,
+                   max_pixels: int = DEFAULT_MAX_PIXELS, resume: bool = False, engine: str = "local",
+                   address: str | None = None, fast_decode: bool = False,
+                   classes: str | os.PathLike | Sequence[str] | None = None, skip_unknown_classes: bool = False,
+                   labels: str | os.PathLike | None = None, columns: dict[str, str] | None = None,
+                   on_found: Callable[[int], None] | None = None, on_total: Callable[[int], None] | None = None,
+                   progress: Callable[[int], None] | None = None,
+                   on_skip: Callable[[str, str], None] | None = None) -> CompileSummary:
+    """Compile an image folder into a dsc dataset at `out`; see `dsc compile --help` for the options.
+
+    `on_found(n)` is called as discovery finds n more images (a long walk's running count),
+    `on_total(n)` once it is done, with the n sources to decode (for a progress bar's total),
+    `progress(n)` as n more of them are done; `on_skip(source, reason)` for each
+    skipped source (default: a line on the "dsc" logger). Raises CompileError; OUT is then untouched.
+    An interrupted compile leaves its partial build beside OUT; `resume=True` continues it.
+    `engine="ray"` runs the decoding as Ray tasks on the cluster at `address` (or a local one);
+    the output is byte-identical to the local engine's. `fast_decode=True` lets JPEGs be scaled
+    down in the DCT domain to just the needed size: faster, visibly less faithful.
+
+    Labels: `classes` fixes the class vocabulary (names, a file of names, or another dataset's
+    folder, e.g. the training split's) so that every split gives a class the same index.
+    `labels` is a CSV or JSONL label table (see `dsc.compiler.labels`): only the images it lists
+    are compiled, its `label` column is the label and its other columns become typed fields,
+    their kinds inferred or given by `columns` ({name: "class" | "multilabel" | "float" | "int"}).
+    """
+    started = time.perf_counter()
+    target = Target(*parse_size(size), fit=fit)
+    workers = check_workers(workers)
+    seed = check_int("seed", seed, 0, error=CompileError)
+    if not isinstance(fast_decode, bool):
+        raise CompileError(f"fast_decode must be True or False, got {fast_decode!r}")
+    record_bytes = target.height * target.width * fmt.CHANNELS
+    per_shard = check_int("records_per_shard", max(1, SHARD_TARGET_BYTES // record_bytes)
+                          if records_per_shard is None else records_per_shard, 1, error=CompileError)
+    max_pixels = check_int("max_pixels", max_pixels, 1, error=CompileError)
+    src, out = Path(src).absolute(), Path(out).absolute()
+    _check_paths(src, out)
+    runner = make_engine(engine, workers, address)  # a Ray address is checked before any build exists
+    found = _discover(src, out, classes, skip_unknown_classes, labels, columns, on_found)
+    if strict and found.skipped:
+        source, reason = found.skipped[0]
+        raise StrictFailure(f"{src / source}: {reason} (--strict: nothing written)")
+    on_skip = on_skip or _log_skip
+    for source, reason in found.skipped:
+        on_skip(source, reason)
+    if on_total:
+        on_total(len(found.sources))
+    plan = _plan(src, found, target, per_shard, max_pixels, "fast" if fast_decode else "faithful", seed, shuffle,
+                 labels)
+    with publish.LocalTarget(out) as dest:
+        manifest, reused = _build_and_publish(dest, plan, runner, force, resume, strict, on_skip, progress)
+    size_on_disk = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    skipped = [(s["source"], s["reason"]) for s in storage.read_skipped(out, manifest)]
+    return CompileSummary(out, manifest.count, skipped,
+                          list(manifest.classes), found.empty_classes, len(manifest.shards), size_on_disk,
+                          time.perf_counter() - started, decoder_name(), manifest.record_shape, manifest.fields,
+                          found.ignored, reused, len(plan.sources))
+
+
+def _discover(src: Path, out: Path, classes, skip_unknown_classes: bool, labels, columns,
+              on_found: Callable[[int], None] | None) -> Discovery:
+    """The sources to compile with their labels and fields: a label table's rows, or the folder's images."""
+    vocabulary = None if classes is None else classes_module.load_classes(classes)
+    if labels is not None:
+        found = labels_module.discover_listed(src, labels, columns, vocabulary, skip_unknown_classes,
+                                              classes_module.reference_fields(classes), on_found)
+    elif columns:
+        raise CompileError("column kinds are for a label table (--labels)")
+    else:
+        found = discover(src, vocabulary, skip_unknown_classes, on_found)
+    if vocabulary is None and found.classes:
+        for message in classes_module.sibling_class_mismatch(out, found.classes):
+            logger.warning("%s", message)
+    return found
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a build makes, fixed before any work: slot i holds `sources[i]`; `record` is what a resume
+    must find unchanged (`digest` is its SHA-256), `listing` names the sources with their stamps."""
+
+    job: WriteJob  # where and how slots are filled (its stage is set when the build folder is known)
+    found: Discovery
+    order: np.ndarray  # slot i holds found.sources[order[i]]
+    sources: list[str]
+    listing: list[str]
+    record: dict
+    digest: str
+    options: dict  # the manifest's "compile" section
+
+    def fields(self) -> list[tuple[fmt.FieldEntry, np.ndarray]]:
+        return [(spec, values[self.order]) for spec, values in self.found.fields]
+
+
+def _plan(src: Path, found: Discovery, target: Target, per_shard: int, max_pixels: int, decode_mode: str, seed: int,
+          shuffle: bool, label_table: str | os.PathLike | None) -> Plan:
+    order = source_order(len(found.sources), seed, shuffle)
+    sources = [found.sources[i] for i in order]
+    listing = journal.source_listing(sources, found.labels[order], [found.stamps[i] for i in order], found.classes)
+    check_shard_count(fmt.shard_count(len(sources), per_shard))
+    record = {"dsc_version": __version__, "decoder": decoder_name(), "resize": resize_backend(),
+              "size": [target.height, target.width], "fit": target.fit, "decode": decode_mode, "seed": seed,
+              "shuffle": shuffle, "max_pixels": max_pixels, "records_per_shard": per_shard, "count": len(sources),
+              "sources": journal.listing_digest(listing), "fields": _fields_digest(found.fields)}
+    digest = hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+    job = WriteJob(str(src), "", len(sources), per_shard, target, max_pixels, decode_mode)
+    options = _options(target, seed, shuffle, max_pixels, src, len(sources), decode_mode, label_table)
+    return Plan(job, found, order, sources, listing, record, digest, options)
+
+
+def _build_and_publish(dest: publish.LocalTarget, plan: Plan, runner: Engine, force: bool, resume: bool,
+                       strict: bool, on_skip: Callable[[str, str], None],
+                       progress: Callable[[int], None] | None) -> tuple[fmt.Manifest, int]:
+    """Under OUT's lock: stage → build → commit; return the published manifest and how many sources
+    a resume reused. A verdict on the data discards the build; a system error keeps it for --resume."""
+    try:
+        resumed = dest.stage(force, resume)
+        if resume and not resumed:
+            logger.warning("nothing to resume at %s: compiling from scratch", dest.stage_dir)
+        manifest = dest.pending(plan.digest, force) if resumed else None
+        if manifest is not None:  # the interrupted compile had finished its build
+            return manifest, len(plan.sources)
+        if resumed and not journal.has_plan(dest.stage_dir):  # the plan never got written: nothing to reuse
+            dest.restart()
+            resumed = False
+        manifest, reused = _build(dest.stage_dir, plan, runner, resumed, strict, on_skip, progress)
+        return dest.commit(plan.digest, force), reused
+    except (StrictFailure, NothingDecoded, Unpublishable):  # a verdict on the data: nothing worth resuming
+        dest.discard()
+        raise
+    except OSError as e:  # a full disk, too many open files: say so, keep the work for --resume
+        raise CompileError(f"writing the dataset in {dest.out.parent} failed: {e}; fix the cause and run the same "
+                           "command with --resume to continue") from e
+
+
+def _build(stage: Path, plan: Plan, runner: Engine, resumed: bool, strict: bool,
+           on_skip: Callable[[str, str], None], progress: Callable[[int], None] | None) -> tuple[fmt.Manifest, int]:
+    """Fill every slot (reusing what a resumed build holds), then finish the build; return its manifest
+    and the number of slots reused."""
+    if resumed:
+        journal.check_plan(stage, plan.record, plan.listing)
+    else:
+        journal.write_plan(stage, plan.record, plan.listing)
+    job = replace(plan.job, stage=str(stage))
+    output.allocate_shards(stage, job.count, job.records_per_shard, job.record_bytes)
+    done = journal.reusable(stage, job) if resumed else {}
+    log = journal.Journal(stage)
+    try:
+        ok, sizes, failed = _decode_all(job, plan.sources, runner, strict, done, log, on_skip, progress)
+    finally:
+        log.close()
+    manifest = finish(stage, job, ok, sizes, plan.found.labels[plan.order], plan.sources, plan.found.classes,
+                      sorted(plan.found.skipped + failed), plan.options, min(4, runner.workers), plan.fields())
+    return manifest, len(done)

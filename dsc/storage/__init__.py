@@ -1,0 +1,19 @@
+"""Storage: where a dataset's files are, between the format (`dsc.format`) and the bytes.
+
+`store` is the reader's seam (`DatasetStore`, `open_dataset`); `local` is a folder on this
+machine and the operating-system plumbing the compiler writes with.
+"""
+
+from dsc.storage.store import (
+    DatasetStore,
+    OpenedDataset,
+    is_dataset,
+    open_dataset,
+    parse_manifest,
+    read_skipped,
+    validate,
+    verify_checksums,
+)
+
+__all__ = ["DatasetStore", "OpenedDataset", "open_dataset", "validate", "parse_manifest", "read_skipped",
+           "is_dataset", "verify_checksums"]

@@ -1,0 +1,250 @@
+"""Local files: the operating system's side of a dataset folder, with no knowledge of the format.
+
+- `LocalFolder`: a folder held open by a descriptor, its files opened relative to it and never
+  through a symbolic link (the reader's store for a path; see `dsc.storage.store`).
+- Bounded reads: `scan_values` reads a file's typed values a piece at a time and skips the
+  holes of sparse files, `pread_exact` reads an exact byte range.
+- Durable writes: `write_durably` (temporary file, fsync, rename, fsync of the folder),
+  `fsync_dir`, `reserve` (Linux `fallocate`, never glibc's emulation) and `renameat2`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import functools
+import hashlib
+import os
+import stat
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+from dsc.errors import DatasetError
+
+HASH_CHUNK = 8 << 20
+AT_FDCWD = -100  # linux/fcntl.h: a path relative to the working directory
+RENAME_NOREPLACE = 1  # linux/fs.h
+RENAME_EXCHANGE = 2
+
+
+class LocalFolder:
+    """A dataset folder held open by a descriptor. Every file is opened relative to it, never
+    through a symbolic link: a dataset swapped for another while it is opened (`dsc compile
+    --force`) cannot mix their files, and no name can reach outside the folder."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        try:
+            self.fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError as e:
+            raise DatasetError(f"{root}: does not exist (expected a compiled dsc dataset)") from e
+        except OSError as e:
+            raise DatasetError(f"{root}: not a directory (expected a compiled dsc dataset)") from e
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def replaced(self) -> bool:
+        """Whether the path now names another folder than the one held open (a recompile swapped it)."""
+        held = os.fstat(self.fd)
+        try:
+            now = os.stat(self.root)
+        except OSError:
+            return True
+        return (held.st_dev, held.st_ino) != (now.st_dev, now.st_ino)
+
+    def open(self, name: str, where: str) -> int:
+        """A read-only descriptor of the regular file `name` (relative, '/'-separated) in the folder;
+        `where` says what named it, for messages."""
+        parts = name.split("/")
+        if name.startswith("/") or "\0" in name or any(part in ("", ".", "..") for part in parts):
+            raise DatasetError(f"{self.root}: refusing to open {name!r:.80} ({where}): not a plain relative path")
+        path, dirs = self.root / name, []
+        try:
+            for part in parts[:-1]:
+                dirs.append(os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=(dirs or [self.fd])[-1]))
+            # O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused just below
+            fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=(dirs or [self.fd])[-1])
+        except FileNotFoundError as e:
+            raise DatasetError(f"{path}: missing ({where} in the manifest)") from e
+        except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE):  # every mapped shard holds a descriptor
+                raise DatasetError(f"{path}: too many open files; raise the limit (ulimit -n) above the "
+                                   "number of shards") from e
+            raise DatasetError(f"{path}: {where} must be a regular file inside the dataset folder, "
+                               f"not a symbolic link or special file ({e.strerror})") from e
+        finally:
+            for d in dirs:
+                os.close(d)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise DatasetError(f"{path}: {where} must be a regular file inside the dataset folder")
+        return fd
+
+    def size(self, name: str, where: str) -> int:
+        fd = self.open(name, where)
+        try:
+            return os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+
+    def read(self, name: str, limit: int) -> bytes:
+        """At most `limit` bytes of `name` (a caller that gets `limit` bytes knows the file is larger)."""
+        with os.fdopen(self.open(name, name), "rb") as f:
+            return f.read(limit)
+
+
+def map_file(fd: int, dtype: np.dtype, shape: tuple[int, ...], mode: str = "r") -> np.ndarray:
+    """Map an open file as an array (the descriptor is closed: the map keeps the file); numpy
+    cannot map an empty file, so an empty shape gives an empty array."""
+    with os.fdopen(fd, "rb") as f:
+        if 0 in shape:
+            return np.zeros(shape, dtype)
+        return np.memmap(f, dtype=dtype, mode=mode, shape=shape)
+
+
+def scan_values(fd: int, dtype: np.dtype, count: int, piece: int) -> Iterator[np.ndarray]:
+    """The first `count` values of an open file in pieces of at most `piece` values; a hole of a
+    sparse file comes as one zero (a run of zeros has the same minimum, maximum and order as one
+    zero), so the cost follows the bytes really stored, not the file's size."""
+    size, item = count * dtype.itemsize, dtype.itemsize
+    position = 0
+    while position < size:
+        found = _seek(fd, position, "SEEK_DATA", size)
+        data = found // item * item  # >= position: positions stay on item boundaries
+        if data > position or found == size:
+            yield np.zeros(1, dtype)
+        hole = -(-_seek(fd, found, "SEEK_HOLE", size) // item) * item
+        for start in range(data, hole, piece * item):
+            yield np.frombuffer(pread_exact(fd, min(piece * item, hole - start), start), dtype)
+        position = hole
+
+
+def _seek(fd: int, position: int, whence: str, size: int) -> int:
+    """lseek's SEEK_DATA / SEEK_HOLE from `position`, within [position, size]; a file system
+    without them has no holes (its data runs from `position` to `size`)."""
+    try:
+        return min(size, os.lseek(fd, position, getattr(os, whence)))
+    except AttributeError:
+        return position if whence == "SEEK_DATA" else size
+    except OSError as e:
+        if e.errno == errno.ENXIO:  # no data (or hole) after `position`: the rest is a hole
+            return size
+        return position if whence == "SEEK_DATA" else size
+
+
+def pread_exact(fd: int, n: int, offset: int) -> bytes:
+    """Exactly `n` bytes at `offset`; a file that ends before is an error (it changed while read)."""
+    data = b""
+    while len(data) < n:
+        piece = os.pread(fd, n - len(data), offset + len(data))
+        if not piece:
+            raise DatasetError(f"file ended early at byte {offset + len(data)} (it changed while being read?)")
+        data += piece
+    return data
+
+
+def sha256_file(path: Path, progress: Callable[[int], None] | None = None) -> str:
+    """SHA-256 of a file, read in chunks (hashlib releases the GIL, so threads help);
+    `progress(n)` is told of every n bytes hashed."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            digest.update(chunk)
+            if progress:
+                progress(len(chunk))
+    return digest.hexdigest()
+
+
+# ----------------------------------------------------------------------------- durable writes
+
+def write_durably(path: Path, payload: bytes) -> None:
+    """Write `payload` to `path` atomically and durably: a crash or a full disk leaves the old file
+    or the new one whole, never an empty or torn one (a temporary file, fsynced, renamed over),
+    and once this returns the new name survives a crash too (the folder is fsynced after the rename)."""
+    temp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(temp, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the names in a folder durable (a rename, a new or removed file is an entry of the folder)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_files(paths: list[Path]) -> None:
+    """Make writes made through other descriptors (workers' `pwrite`s) durable, one file open at a time."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def reserve(fd: int, size: int) -> None:
+    """Give a file its final size with its disk blocks allocated now: a full disk fails here,
+    with ENOSPC, instead of as SIGBUS when a worker later writes through the map.
+
+    Linux's own `fallocate`, not `posix_fallocate`: where the file system cannot allocate (NFSv3,
+    many FUSE file systems) glibc's `posix_fallocate` emulates it by writing into every block, a
+    whole shard's worth of I/O before any decoding. There the file is made sparse instead."""
+    if _fallocate(fd, size):
+        return
+    if os.fstat(fd).st_size < size:
+        os.ftruncate(fd, size)  # the file system cannot reserve: a sparse file, extended only
+
+
+def _fallocate(fd: int, size: int) -> bool:
+    """Reserve [0, size) with the fallocate system call (never emulated); False where unsupported."""
+    if size == 0:
+        return True
+    call = _libc_fallocate()
+    if call is None:
+        return False
+    if call(fd, 0, 0, size) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+        return False
+    raise OSError(err, os.strerror(err))
+
+
+@functools.cache
+def _libc_fallocate():
+    try:
+        call = ctypes.CDLL(None, use_errno=True).fallocate64
+    except (OSError, AttributeError):
+        return None  # not Linux/glibc: the sparse fallback
+    call.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    call.restype = ctypes.c_int
+    return call
+
+
+def renameat2(a: Path, b: Path, flags: int) -> bool:
+    """Linux renameat2 (RENAME_NOREPLACE, RENAME_EXCHANGE); False where the system or file system
+    cannot do `flags`."""
+    try:
+        call = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    if call(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), flags) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))

@@ -1,0 +1,194 @@
+"""The reader's seam: a dataset is opened through a `DatasetStore`, whatever holds its files.
+
+A store answers three questions — the manifest's bytes, the stored size of a file, and a local,
+validated, mappable descriptor of a file — and `open_dataset` does the rest the same way for
+every store: `format.parse_manifest` and `format.check_index` validate, then the files are
+memory-mapped. `LocalFolder` (`dsc.storage.local`) is the store of a path; an object store is
+a sibling that fetches into a node-local cache and hands out descriptors of the cached files.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from dsc import format as fmt
+from dsc.errors import ChecksumError, DatasetError
+from dsc.storage.local import LocalFolder, map_file, scan_values, sha256_file
+
+REOPEN_ATTEMPTS = 5  # opens of a folder that recompiles keep swapping, before giving up
+REOPEN_PAUSE_S = 0.01  # the pause before the next attempt grows by this much each time
+
+
+class DatasetStore(Protocol):
+    """Where a dataset's files are. Every name comes from a manifest that `format` has checked."""
+
+    root: Any  # names the dataset in messages (a Path for a folder)
+
+    def read(self, name: str, limit: int) -> bytes:
+        """At most `limit` bytes of file `name`; DatasetError when it is missing or not a plain file."""
+
+    def size(self, name: str, where: str) -> int:
+        """The stored size of `name` without fetching it (`where` names what asked, for messages)."""
+
+    def open(self, name: str, where: str) -> int:
+        """A read-only descriptor of a local regular file holding `name`'s bytes, fit to map."""
+
+    def replaced(self) -> bool:
+        """Whether the location now holds another dataset than the one this store opened."""
+
+    def close(self) -> None: ...
+
+
+def store_for(location: str | os.PathLike) -> DatasetStore:
+    """The store of a dataset location (a folder path)."""
+    return LocalFolder(Path(location))
+
+
+@dataclass(frozen=True)
+class OpenedDataset:
+    """A validated dataset: its manifest and read-only memory maps of every file."""
+
+    root: Path
+    manifest: fmt.Manifest
+    shards: tuple[np.memmap, ...]
+    labels: np.ndarray
+    sizes: np.ndarray
+    source_offsets: np.ndarray
+    sources: np.ndarray
+    fields: dict[str, np.ndarray] = field(default_factory=dict)  # name -> [count, *shape], in manifest order
+
+    def source(self, i: int) -> str:
+        """Record `i`'s source path, relative to the compiled SRC folder."""
+        start, stop = int(self.source_offsets[i]), int(self.source_offsets[i + 1])
+        return os.fsdecode(self.sources[start:stop].tobytes())
+
+    def shard_paths(self) -> list[Path]:
+        return [self.root / s.file for s in self.manifest.shards]
+
+
+def read_manifest(store: DatasetStore) -> fmt.Manifest:
+    """The store's manifest, validated with the size of every file it names."""
+    try:
+        text = store.read(fmt.MANIFEST_FILE, fmt.MAX_MANIFEST_BYTES + 1)
+    except DatasetError as e:
+        raise DatasetError(f"{store.root}: no {fmt.MANIFEST_FILE}; not a dsc dataset, or its compile never "
+                           "finished") from e
+    return fmt.parse_manifest(text, store.root, store.size)
+
+
+def _values_of(store: DatasetStore) -> Callable[[str, np.dtype, int], Iterator[np.ndarray]]:
+    """`format.ValuesOf` over a store: an index file's values, scanned piece by piece."""
+    def values(name: str, dtype: np.dtype, count: int) -> Iterator[np.ndarray]:
+        fd = store.open(name, name)
+        try:
+            yield from scan_values(fd, dtype, count, fmt.SCAN_ITEMS)
+        finally:
+            os.close(fd)
+    return values
+
+
+def _validated(store: DatasetStore) -> fmt.Manifest:
+    manifest = read_manifest(store)
+    fmt.check_index(manifest, store.root, _values_of(store))
+    return manifest
+
+
+def open_dataset(root: str | os.PathLike, shard_mode: str = "r") -> OpenedDataset:
+    """Validate a dataset, then map its files (no data is read yet).
+
+    Index files are mapped read-only; shards with `shard_mode`: "r" (read-only) or "c"
+    (copy-on-write: writable views whose writes never reach the file). Reading through one
+    folder descriptor never mixes two datasets; if a recompile swaps a new folder in meanwhile,
+    the old one's files vanish under it, and the folder now at `root` is opened instead.
+    """
+    if shard_mode not in ("r", "c"):
+        raise ValueError(f"shard_mode must be 'r' or 'c', got {shard_mode!r}")
+    for attempt in range(1, REOPEN_ATTEMPTS + 1):
+        store = store_for(root)
+        try:
+            return _map_dataset(store, shard_mode)
+        except DatasetError:
+            if attempt == REOPEN_ATTEMPTS or not store.replaced():  # not swapped: a real error
+                raise
+        finally:
+            store.close()
+        time.sleep(REOPEN_PAUSE_S * attempt)
+    raise AssertionError("unreachable")  # the loop returns or raises
+
+
+def validate(root: str | os.PathLike) -> fmt.Manifest:
+    """Everything `open_dataset` checks, without mapping anything: what a writer runs before it publishes."""
+    store = store_for(root)
+    try:
+        return _validated(store)
+    finally:
+        store.close()
+
+
+def parse_manifest(root: str | os.PathLike) -> fmt.Manifest:
+    """The dataset's manifest, validated with its files' sizes (not their values: see `validate`)."""
+    store = store_for(root)
+    try:
+        return read_manifest(store)
+    finally:
+        store.close()
+
+
+def _map_dataset(store: DatasetStore, shard_mode: str) -> OpenedDataset:
+    manifest = _validated(store)
+    n, index = manifest.count, manifest.index
+
+    def mapped(name: str, dtype: np.dtype, shape: tuple[int, ...], mode: str = "r") -> np.ndarray:
+        return map_file(store.open(name, name), dtype, shape, mode)
+
+    labels = mapped(index["labels"].file, fmt.LABEL_DTYPE, (n,))
+    sizes = mapped(index["sizes"].file, fmt.SIZE_DTYPE, (n, 2))
+    offsets = mapped(index["source_offsets"].file, fmt.OFFSET_DTYPE, (n + 1,))
+    sources = mapped(index["sources"].file, np.dtype(np.uint8), (index["sources"].bytes,))
+    fields = {f.name: mapped(f.file, f.dtype, (n, *f.shape)) for f in manifest.fields}
+    shards = tuple(mapped(s.file, fmt.RECORD_DTYPE, (s.records, *manifest.record_shape), shard_mode)
+                   for s in manifest.shards)
+    return OpenedDataset(Path(store.root), manifest, shards, labels, sizes, offsets, sources, fields)
+
+
+def read_skipped(root: str | os.PathLike, manifest: fmt.Manifest) -> list[dict[str, str]]:
+    """Every skipped source of a dataset: the skip list file's lines (1.1), else the manifest's list."""
+    entry = manifest.skipped_list
+    if entry is None:
+        return [dict(s) for s in manifest.skipped]
+    store = store_for(root)
+    try:
+        text = store.read(entry.file, entry.bytes + 1)
+    finally:
+        store.close()
+    return fmt.parse_skip_list(text, entry, store.root)
+
+
+def is_dataset(path: str | os.PathLike) -> bool:
+    """Whether `path` looks like a dsc dataset: its manifest names this format (a cheap check, not
+    validation; an image folder may hold a manifest.json of its own)."""
+    try:
+        with open(Path(path) / fmt.MANIFEST_FILE, "rb") as f:
+            return fmt.names_this_format(f.read(fmt.MAX_MANIFEST_BYTES))
+    except OSError:
+        return False
+
+
+def verify_checksums(root: str | os.PathLike, manifest: fmt.Manifest,
+                     progress: Callable[[int], None] | None = None) -> None:
+    """Recompute every file's SHA-256; raise ChecksumError naming every damaged file."""
+    root = Path(root)
+    bad = [f"{root / e.file}: SHA-256 is {digest}, the manifest says {e.sha256}; the file is damaged"
+           for e in manifest.files
+           if (digest := sha256_file(root / e.file, progress)) != e.sha256]
+    if bad:
+        error = ChecksumError("\n".join(bad))
+        error.problems = bad
+        raise error
