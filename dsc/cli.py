@@ -17,7 +17,6 @@ from pathlib import Path
 import typer
 from tqdm import tqdm
 
-from dsc.bench import run as run_bench
 from dsc.compiler.decode import DEFAULT_MAX_PIXELS, turbojpeg_library
 from dsc.compiler.engines import ENGINES
 from dsc.compiler.labels import parse_column_kinds
@@ -25,11 +24,13 @@ from dsc.compiler.pipeline import compile_folder
 from dsc.compiler.publish import pending_publish, staging_path
 from dsc.compiler.resize import FITS, Target, parse_size
 from dsc.errors import CompileError, DscError
-from dsc.inspect_dataset import check_against_sources
-from dsc.inspect_dataset import summary as inspect_summary
+from dsc.format import MANIFEST_FILE
 from dsc.reader.loader import resolve_device  # bench refuses a device as the loader does
-from dsc.sheet import pick_records, save_sheet
 from dsc.storage import open_dataset, verify_checksums
+from dsc.tools.bench import run as run_bench
+from dsc.tools.inspect_dataset import check_against_sources
+from dsc.tools.inspect_dataset import summary as inspect_summary
+from dsc.tools.sheet import pick_records, save_sheet
 from dsc.version import __version__
 
 SHOW_SKIPPED = 20  # skipped files listed by `dsc info` before "... and N more"
@@ -165,9 +166,9 @@ def compile_command(
     if skip_unknown_classes and classes is None and classes_from is None:
         raise typer.BadParameter("only with --classes or --classes-from (without, every class is known)",
                                  param_hint="--skip-unknown-classes")
-    if classes_from is not None and not (classes_from / "manifest.json").is_file():
+    if classes_from is not None and not (classes_from / MANIFEST_FILE).is_file():
         raise typer.BadParameter(f"{classes_from} does not exist" if not classes_from.exists() else
-                                 f"{classes_from} is not a dsc dataset (no manifest.json); for a file of class "
+                                 f"{classes_from} is not a dsc dataset (no {MANIFEST_FILE}); for a file of class "
                                  "names use --classes FILE", param_hint="--classes-from")
     vocabulary = classes_from if classes_from is not None else classes  # names or a path: classes.classes_option
     try:

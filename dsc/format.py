@@ -400,6 +400,7 @@ def names_this_format(text: bytes) -> bool:
 class _Stored(NamedTuple):
     root: Any  # names the dataset in messages
     size_of: SizeOf
+    seen: dict[str, str]  # file name -> the entry that listed it: each file of a dataset has one entry
 
 
 def _file_entry(stored: _Stored, doc: Any, where: str, expected_bytes: int | None, extra_ok: bool,
@@ -419,6 +420,10 @@ def _file_entry(stored: _Stored, doc: Any, where: str, expected_bytes: int | Non
     if actual != size:
         raise DatasetError(f"{_at(root, doc['file'])}: file is {actual} bytes, the manifest says {size} "
                            f"({'truncated' if actual < size else 'extended'}); the dataset is damaged")
+    if doc["file"] in stored.seen:
+        raise _fail(root, f"{where}: file {doc['file']!r} is listed twice: also used elsewhere, by "
+                          f"{stored.seen[doc['file']]}")
+    stored.seen[doc["file"]] = where
     return doc
 
 
@@ -441,7 +446,7 @@ def _read_manifest(text: bytes, root: Any) -> dict:
 def parse_manifest(text: bytes, root: Any, size_of: SizeOf) -> Manifest:
     """Validate manifest.json's bytes (at most MAX_MANIFEST_BYTES + 1 of them, read by the store)
     and the size of every file it names (`size_of`); `root` names the dataset in messages."""
-    doc, stored = _read_manifest(text, root), _Stored(root, size_of)
+    doc, stored = _read_manifest(text, root), _Stored(root, size_of, {})
     minor = _check_version(root, doc)
     newer = minor > max(_MANIFEST_KEYS)
     _expect_keys(root, doc, _MANIFEST_KEYS[min(minor, max(_MANIFEST_KEYS))], "", newer,
@@ -473,15 +478,12 @@ def parse_manifest(text: bytes, root: Any, size_of: SizeOf) -> Manifest:
         raise _fail(root, f"'shards' lists {len(shards_doc)} shard(s), but {count} records at "
                           f"{per_shard} per shard need {shard_count(count, per_shard)}")
     expected_records = shard_records(count, per_shard)
-    shards, seen = [], set()
+    shards = []
     for i, (entry, records) in enumerate(zip(shards_doc, expected_records)):
         where = f"shards[{i}]"
         _file_entry(stored, entry, where, records * record_bytes, newer, _FILE_KEYS | {"records"})
         if _expect_int(root, entry, "records", 1, 1 << 40, f"{where}: ") != records:
             raise _fail(root, f"{where}: 'records' = {entry['records']}, expected {records}")
-        if entry["file"] in seen:
-            raise _fail(root, f"{where}: file {entry['file']!r} is listed twice")
-        seen.add(entry["file"])
         shards.append(ShardEntry(entry["file"], entry["bytes"], entry["sha256"], records))
 
     index_doc = doc["index"]
@@ -491,29 +493,24 @@ def parse_manifest(text: bytes, root: Any, size_of: SizeOf) -> Manifest:
     index = {}
     for key in INDEX_FILES:
         entry = _file_entry(stored, index_doc[key], f"index.{key}", index_bytes[key], newer)
-        if entry["file"] in seen:
-            raise _fail(root, f"index.{key}: file {entry['file']!r} is also used elsewhere")
-        seen.add(entry["file"])
         index[key] = FileEntry(entry["file"], entry["bytes"], entry["sha256"])
 
     skipped = _expect(root, doc, "skipped", list)
     if not all(_is_skip(s, newer) for s in skipped):
         raise _fail(root, "'skipped' must be a list of {\"source\": str, \"reason\": str} objects")
-    fields = _parse_fields(stored, doc.get("fields", []), count, seen, newer)
+    fields = _parse_fields(stored, doc.get("fields", []), count, newer)
     return Manifest(height=height, width=width, count=count, records_per_shard=per_shard,
                     classes=tuple(classes), shards=tuple(shards), index=index,
                     skipped=tuple({"source": s["source"], "reason": s["reason"]} for s in skipped),
                     compile=_expect(root, doc, "compile", dict), fields=fields,
-                    version=doc["version"], skipped_list=_skip_list_entry(stored, doc, seen, newer))
+                    version=doc["version"], skipped_list=_skip_list_entry(stored, doc, newer))
 
 
-def _skip_list_entry(stored: _Stored, doc: dict, seen: set[str], newer: bool) -> SkipListEntry | None:
+def _skip_list_entry(stored: _Stored, doc: dict, newer: bool) -> SkipListEntry | None:
     """The 1.1 `skipped_list` entry, checked like any file entry; None when absent."""
     if "skipped_list" not in doc:
         return None
     entry = _file_entry(stored, doc["skipped_list"], "skipped_list", None, newer, _FILE_KEYS | {"count"})
-    if entry["file"] in seen:
-        raise _fail(stored.root, f"skipped_list: file {entry['file']!r} is also used elsewhere")
     count = _expect_int(stored.root, entry, "count", 0, 1 << 40, "skipped_list: ")
     if len(doc["skipped"]) != min(count, SKIPPED_IN_MANIFEST):  # 'skipped' repeats the list's first lines
         raise _fail(stored.root, f"skipped_list: 'count' = {count}, but 'skipped' lists {len(doc['skipped'])} "
@@ -521,7 +518,7 @@ def _skip_list_entry(stored: _Stored, doc: dict, seen: set[str], newer: bool) ->
     return SkipListEntry(entry["file"], entry["bytes"], entry["sha256"], count)
 
 
-def _parse_fields(stored: _Stored, fields_doc: Any, count: int, seen: set[str], newer: bool) -> tuple[FieldEntry, ...]:
+def _parse_fields(stored: _Stored, fields_doc: Any, count: int, newer: bool) -> tuple[FieldEntry, ...]:
     """Validate the 1.1 "fields" list: names, kinds, dtypes, shapes and vocabularies, each file's size."""
     root = stored.root
     if not isinstance(fields_doc, list):
@@ -562,9 +559,6 @@ def _parse_fields(stored: _Stored, fields_doc: Any, count: int, seen: set[str], 
             raise _fail(root, f"{where}: a {kind} field has no classes")
         per_record = FIELD_DTYPES[kind].itemsize * (shape[0] if shape else 1)
         _file_entry(stored, entry, where, count * per_record, newer, _FIELD_KEYS)
-        if entry["file"] in seen:
-            raise _fail(root, f"{where}: file {entry['file']!r} is also used elsewhere")
-        seen.add(entry["file"])
         fields.append(FieldEntry(entry["file"], entry["bytes"], entry["sha256"], name, kind, tuple(shape),
                                  tuple(classes)))
     return tuple(fields)

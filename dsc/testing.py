@@ -34,17 +34,18 @@ from dsc.reader import MemmapDataset
 __all__ = ["make_image_folder", "pillow_reference", "assert_roundtrip", "RoundTrip", "DEFAULT_MAX_MEAN_ABS_DIFF"]
 
 # The per-record limit on the mean absolute difference (over all H·W·3 channel values, 0-255)
-# between a record and `pillow_reference`. Measured by tests/test_compile.py: sources up to
-# 2x the target agree with Pillow to < 0.1; sources 2-8x the target are first downscaled by
-# libjpeg-turbo in the DCT domain, a box-like filter unlike Pillow's full-size bilinear, which
-# costs up to ~5 on small synthetic images (3.9 at the 99th percentile of a photo corpus at
-# 224x224). Real errors give far more (measured on make_image_folder's pictures, 24-224 px
-# records): another image's pixels > 21, a missed EXIF rotation > 49, swapped R and B > 25
-# (> 14 under pad, whose black border agrees anyway); test_compile.py: a wrong crop > 20.
-# 10 sits between: twice the worst honest difference, below the smallest error. It assumes
-# records of about 24 px a side or more: a 16 or 8 px record made from sources 4-8x larger
-# holds a few DCT blocks' worth of pixels, and honest differences then reach 12-20 (measured
-# on make_image_folder's pictures); raise the limit for such sizes.
+# between a record and `pillow_reference`. Measured by tests/test_compile.py: a faithful
+# compile (the default: JPEGs decoded at full size) agrees with Pillow to < 0.1 at every size;
+# with fast_decode=True, sources 2-8x the target are first downscaled by libjpeg-turbo in the
+# DCT domain, a box-like filter unlike Pillow's full-size bilinear, which costs up to ~5 on small
+# synthetic images (3.9 at the 99th percentile of a photo corpus at 224x224). Real errors give
+# far more (measured on make_image_folder's pictures, 24-224 px records): another image's pixels
+# > 21, a missed EXIF rotation > 49, swapped R and B > 25 (> 14 under pad, whose black border
+# agrees anyway); test_compile.py: a wrong crop > 20. 10 sits between: twice the worst honest
+# difference, below the smallest error. It assumes records of about 24 px a side or more: a 16
+# or 8 px record fast-decoded from sources 4-8x larger holds a few DCT blocks' worth of pixels,
+# and honest differences then reach 12-20 (measured on make_image_folder's pictures); raise the
+# limit for such sizes.
 DEFAULT_MAX_MEAN_ABS_DIFF = 10.0
 EXTENSIONS = {"jpeg": ".jpg", "png": ".png", "bmp": ".bmp", "tiff": ".tif", "webp": ".webp"}
 _ALPHA_MODES = frozenset({"RGBA", "LA", "PA", "La", "RGBa"})
@@ -348,8 +349,9 @@ def assert_roundtrip(src: str | os.PathLike, out: str | os.PathLike | None = Non
     recorded size is the source's upright (height, width); its pixels are within
     `max_mean_abs_diff` mean absolute difference per channel value (0-255) of
     `pillow_reference` with the size and fit the manifest records. The default, 10, is twice
-    the worst difference libjpeg-turbo's DCT-domain downscaling honestly causes (~5 on small
-    synthetic images with sources 2-8x the target; < 0.1 without it) and below what a wrong
+    the worst difference libjpeg-turbo's DCT-domain downscaling (`fast_decode=True`) honestly
+    causes (~5 on small synthetic images with sources 2-8x the target; < 0.1 for a faithful
+    compile, the default) and below what a wrong
     crop, a missed rotation, swapped colours or another image's pixels cause (> 14); for records
     under ~24 px a side from much larger sources, raise it (see DEFAULT_MAX_MEAN_ABS_DIFF). Also:
     every image file under `src` (outside hidden folders; only those a label table lists) is a

@@ -17,10 +17,10 @@ from typer.testing import CliRunner
 
 from dsc import compile_folder, storage
 from dsc import format as fmt
-from dsc.bench import BenchReport, Rate, diagnose, evict, resident_fraction
 from dsc.cli import app
-from dsc.sheet import CAPTION_HEIGHT, pick_records
 from dsc.storage import local
+from dsc.tools.bench import BenchReport, Rate, diagnose, evict, resident_fraction
+from dsc.tools.sheet import CAPTION_HEIGHT, pick_records
 
 from conftest import make_folder
 

@@ -19,8 +19,8 @@ from dsc import CompileError, MemmapDataset
 from dsc.cli import app
 from dsc.reader.device import pack_fields, packed_bytes, unpack_fields
 from dsc.reader.loader import field_specs
-from dsc.sheet import caption_lines
 from dsc.testing import assert_roundtrip, make_image_folder
+from dsc.tools.sheet import caption_lines
 
 runner = CliRunner(env={"COLUMNS": "250", "TERMINAL_WIDTH": "250", "NO_COLOR": "1"})
 

@@ -345,6 +345,18 @@ def test_bad_arguments(ds: MemmapDataset) -> None:
             ds.loader(**kwargs)
 
 
+def test_settings_are_read_only_so_the_thread_ahead_never_disagrees_with_the_state(ds: MemmapDataset) -> None:
+    loader = ds.loader(4, seed=3, order="random")
+    first = next(iter(loader))["index"].tolist()  # the producer is now making batches ahead with seed 3
+    for name, value in [("seed", 7), ("batch_size", 8), ("order", "sequential"), ("drop_last", True),
+                        ("device", None), ("prefetch", 5), ("num_threads", 1), ("locality", "shard")]:
+        with pytest.raises(AttributeError, match=f"a loader's {name} is fixed when it is made"):
+            setattr(loader, name, value)
+    assert loader.seed == loader.config.seed == loader.state_dict()["seed"] == 3 and loader.batch_size == 4
+    fresh = ds.loader(4, seed=3, order="random")
+    assert next(iter(fresh))["index"].tolist() == first
+
+
 def test_cpu_device_and_batch_layout(ds: MemmapDataset) -> None:
     batch = next(iter(ds.loader(5, device="cpu", order="sequential")))
     assert batch.batch_size == (5,) and batch["image"].shape == (5, 3, *SIZE)

@@ -23,7 +23,7 @@ from dsc.compiler.discover import printable
 from dsc.compiler.jobs import WriteJob
 from dsc.compiler.shard_io import ShardFiles
 from dsc.errors import CompileError, DatasetError
-from dsc.storage.local import fsync_files
+from dsc.storage.local import fsync_dir, fsync_files
 
 MANIFEST_BYTES_PER_SHARD = 200  # a shard's entry in manifest.json, with room to spare
 READER_SPARE_DESCRIPTORS = 64  # what a reading process needs besides one descriptor per shard
@@ -84,6 +84,7 @@ def finish(stage: Path, job: WriteJob, ok: np.ndarray, sizes: np.ndarray, labels
     record_bytes = job.record_bytes
     output.trim_shards(stage, kept, per_shard, record_bytes)
     fsync_files([stage / fmt.shard_file(i) for i in range(fmt.shard_count(kept, per_shard))])
+    fsync_dir(stage / fmt.SHARD_DIR)  # the shards' names (trim may have removed some); the rest: write_durably
     with ThreadPoolExecutor(threads) as pool:  # `threads` files open at a time
         shards = output.shard_entries(stage, kept, per_shard, record_bytes, map_fn=pool.map)
     index = output.write_index(stage, labels[ok], sizes[ok], [s for s, k in zip(sources, ok) if k])

@@ -1,6 +1,6 @@
 """Resume: what a partial build holds, so an interrupted compile continues where it stopped.
 
-The staging folder (`.OUT.dsc-partial`) keeps two files beside the shards, removed before it
+The staging folder (`.OUT.dsc-partial`) keeps four files beside the shards, removed before it
 is published:
 
 - `plan.json`: the options and a fingerprint of the source listing. A resume with other

@@ -7,7 +7,10 @@ convert to float on the device. Same interface as `host.HostSink` (see there).
 
 Device handling follows torch's pin-memory thread: the loader resolves "cuda" to
 ``cuda:{current_device()}`` where it is made, and the producer thread sets that device before
-any CUDA call, so every stream, event and tensor lives on the rank's own GPU.
+any CUDA call, so every stream, event and tensor lives on the device that was current then. That
+is the rank's own GPU once the training script has called ``torch.cuda.set_device(local_rank)``
+before making the loader (or passes ``device=f"cuda:{local_rank}"``); made earlier, "cuda" means
+cuda:0 on every rank.
 """
 
 from __future__ import annotations

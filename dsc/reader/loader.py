@@ -297,6 +297,47 @@ class EpochHook:
             loader.set_epoch(epoch)
 
 
+@dataclass(frozen=True)
+class LoaderConfig:
+    """What a loader serves, fixed when it is made. The plan, the sink (its buffers are sized for
+    `batch_size`) and the producer thread (which runs ahead) all derive from it, so it cannot
+    change under them: a loader's settings are read-only (`loader.seed = 7` raises); make a new
+    loader, or resume one with another batch size through `load_state_dict`."""
+
+    batch_size: int
+    order: str
+    seed: int
+    drop_last: bool
+    device: torch.device | None
+    prefetch: int
+    num_threads: int
+    world: tuple[int | None, int | None]  # (rank, world_size) as given; None: from torch.distributed
+    locality: str | None
+
+    @classmethod
+    def checked(cls, batch_size: int, *, order: str | None, seed: int, drop_last: bool,
+                device: str | torch.device | None, prefetch: int, num_threads: int | None, rank: int | None,
+                world_size: int | None, locality: str | None, shuffle: bool | None) -> LoaderConfig:
+        """The configuration of these arguments, each checked: a bad one fails where the loader is made."""
+        order = order_for_shuffle(order, shuffle)
+        if order not in orders.ORDERS:
+            raise ValueError(f"order must be one of {orders.ORDERS}, got {order!r}")
+        orders.check_locality(order, locality)
+        resolve_world(rank, world_size)  # bad explicit values fail here, not at the first epoch
+        return cls(check_int("batch_size", batch_size, 1), order, check_int("seed", seed, 0), bool(drop_last),
+                   resolve_device(device), check_int("prefetch", prefetch, 1),
+                   default_threads() if num_threads is None else check_int("num_threads", num_threads, 1),
+                   (rank, world_size), locality)
+
+
+def _setting(name: str) -> property:
+    """A read-only view of one field of the loader's `LoaderConfig`; setting it says why it cannot be."""
+    def refuse(self, value: Any) -> None:
+        raise AttributeError(f"a loader's {name} is fixed when it is made (its thread makes batches ahead with it); "
+                             f"make a new loader with {name}={value!r}")
+    return property(lambda self: getattr(self._config, name), refuse, doc=f"The loader's {name} (read-only).")
+
+
 class Loader:
     """Iterate to get one epoch of TensorDicts {image uint8 [B,3,H,W] channels_last, label, index, size}.
 
@@ -317,24 +358,22 @@ class Loader:
     One consumer thread per loader: iterate it from one thread at a time.
     `locality="shard"` (with order="block") gives each rank its own rotating subset of the shard
     files every epoch instead of a slice of one global order (`order.shard_share`).
+    Its settings are a frozen `LoaderConfig` (`loader.config`), readable as attributes.
     """
+
+    batch_size, order, seed, drop_last = _setting("batch_size"), _setting("order"), _setting("seed"), \
+        _setting("drop_last")
+    device, prefetch, num_threads, locality = _setting("device"), _setting("prefetch"), _setting("num_threads"), \
+        _setting("locality")
 
     def __init__(self, dataset, batch_size: int, *, order: str | None = None, seed: int = 0, drop_last: bool = False,
                  device: str | torch.device | None = None, prefetch: int = 2, num_threads: int | None = None,
                  rank: int | None = None, world_size: int | None = None, locality: str | None = None,
                  shuffle: bool | None = None) -> None:
-        order = order_for_shuffle(order, shuffle)
-        if order not in orders.ORDERS:
-            raise ValueError(f"order must be one of {orders.ORDERS}, got {order!r}")
-        orders.check_locality(order, locality)
-        self.dataset, self.order, self.drop_last, self.locality = dataset, order, bool(drop_last), locality
-        self.batch_size = check_int("batch_size", batch_size, 1)
-        self.seed = check_int("seed", seed, 0)
-        self.prefetch = check_int("prefetch", prefetch, 1)
-        self.num_threads = default_threads() if num_threads is None else check_int("num_threads", num_threads, 1)
-        self._world_args = (rank, world_size)
-        resolve_world(rank, world_size)  # bad explicit values fail here, not at the first epoch
-        self.device = resolve_device(device)
+        self._config = LoaderConfig.checked(batch_size, order=order, seed=seed, drop_last=drop_last, device=device,
+                                            prefetch=prefetch, num_threads=num_threads, rank=rank,
+                                            world_size=world_size, locality=locality, shuffle=shuffle)
+        self._dataset = dataset
         self._dataset_id = dataset.manifest.fingerprint
         self._position: tuple[int, list[progress.Round]] = (0, [])  # where the next iteration starts
         self._progress: tuple[int, list[progress.Round]] = (0, [])  # what state_dict() reports
@@ -347,12 +386,21 @@ class Loader:
         self.sampler, self.batch_sampler = EpochHook(self), None  # what Lightning reads (EpochHook)
 
     @property
+    def config(self) -> LoaderConfig:
+        return self._config
+
+    @property
+    def dataset(self):
+        """The `MemmapDataset` served (read-only, like the settings)."""
+        return self._dataset
+
+    @property
     def rank(self) -> int:
-        return resolve_world(*self._world_args)[0]
+        return resolve_world(*self._config.world)[0]
 
     @property
     def world_size(self) -> int:
-        return resolve_world(*self._world_args)[1]
+        return resolve_world(*self._config.world)[1]
 
     @property
     def epoch(self) -> int:

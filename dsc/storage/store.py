@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -49,6 +50,15 @@ class DatasetStore(Protocol):
 def store_for(location: str | os.PathLike) -> DatasetStore:
     """The store of a dataset location (a folder path)."""
     return LocalFolder(Path(location))
+
+
+@contextmanager
+def _opened(location: str | os.PathLike) -> Iterator[DatasetStore]:
+    store = store_for(location)
+    try:
+        yield store
+    finally:
+        store.close()
 
 
 @dataclass(frozen=True)
@@ -125,20 +135,14 @@ def open_dataset(root: str | os.PathLike, shard_mode: str = "r") -> OpenedDatase
 
 def validate(root: str | os.PathLike) -> fmt.Manifest:
     """Everything `open_dataset` checks, without mapping anything: what a writer runs before it publishes."""
-    store = store_for(root)
-    try:
+    with _opened(root) as store:
         return _validated(store)
-    finally:
-        store.close()
 
 
 def parse_manifest(root: str | os.PathLike) -> fmt.Manifest:
     """The dataset's manifest, validated with its files' sizes (not their values: see `validate`)."""
-    store = store_for(root)
-    try:
+    with _opened(root) as store:
         return read_manifest(store)
-    finally:
-        store.close()
 
 
 def _map_dataset(store: DatasetStore, shard_mode: str) -> OpenedDataset:
@@ -163,12 +167,8 @@ def read_skipped(root: str | os.PathLike, manifest: fmt.Manifest) -> list[dict[s
     entry = manifest.skipped_list
     if entry is None:
         return [dict(s) for s in manifest.skipped]
-    store = store_for(root)
-    try:
-        text = store.read(entry.file, entry.bytes + 1)
-    finally:
-        store.close()
-    return fmt.parse_skip_list(text, entry, store.root)
+    with _opened(root) as store:
+        return fmt.parse_skip_list(store.read(entry.file, entry.bytes + 1), entry, store.root)
 
 
 def is_dataset(path: str | os.PathLike) -> bool:
