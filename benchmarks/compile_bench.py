@@ -114,7 +114,8 @@ def breakdown(paths: list[str], size: int) -> dict[str, float]:
     import torch
 
     from dsc.compiler.decode import decode, probe
-    from dsc.compiler.resize import Target, needed_size, resize_into
+    from dsc.compiler.resize import resize_into
+    from dsc.compiler.target import Target, needed_size
 
     torch.set_num_threads(1)  # as in dsc's compile workers
     target, out, ms = Target(size, size), np.empty((size, size, 3), np.uint8), dict.fromkeys(

@@ -35,7 +35,7 @@ def reference(path: Path, size: int) -> np.ndarray:
 
 
 def record(path: Path, size: int, mode: str) -> np.ndarray:
-    from dsc.compiler.resize import Target
+    from dsc.compiler.target import Target
     from dsc.compiler.write import compile_image
 
     out = np.empty((size, size, 3), np.uint8)

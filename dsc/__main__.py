@@ -1,8 +1,8 @@
 """The `dsc` command (and `python -m dsc`).
 
-Importing the CLI imports torch, which takes seconds on a cold start; a Ctrl-C in those seconds
-would print a long traceback through torch's imports. Here it ends the command quietly, as a
-Ctrl-C later on does (exit 130). Everything else is in `dsc.cli`.
+The CLI imports only light modules (see `dsc.cli`), but a cold start still takes a moment; a
+Ctrl-C in it would print a traceback through those imports. Here it ends the command quietly,
+as a Ctrl-C later on does (exit 130). Everything else is in `dsc.cli`.
 """
 
 from __future__ import annotations

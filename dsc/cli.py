@@ -1,5 +1,10 @@
 """The `dsc` command line. The only module that prints or draws progress bars.
 
+What is imported here is light (no torch, no tensordict), so `dsc --help`, `info`, `verify` and
+`show` start at once and `compile` starts its workers before it has imported much; the two
+commands that need the reader or the decoders import them in their bodies: `bench` and
+`verify --decode`.
+
 Exit codes: 0 success, 1 a data or runtime error (one line on stderr), 2 a usage error,
 130 interrupted.
 """
@@ -22,13 +27,10 @@ from dsc.compiler.engines import ENGINES
 from dsc.compiler.labels import parse_column_kinds
 from dsc.compiler.pipeline import compile_folder
 from dsc.compiler.publish import pending_publish, staging_path
-from dsc.compiler.resize import FITS, Target, parse_size
+from dsc.compiler.target import FITS, Target, parse_size
 from dsc.errors import CompileError, DscError
-from dsc.format import MANIFEST_FILE
-from dsc.reader.loader import resolve_device  # bench refuses a device as the loader does
+from dsc.format import ALPHA, MANIFEST_FILE
 from dsc.storage import open_dataset, verify_checksums
-from dsc.tools.bench import run as run_bench
-from dsc.tools.inspect_dataset import check_against_sources
 from dsc.tools.inspect_dataset import summary as inspect_summary
 from dsc.tools.sheet import pick_records, save_sheet
 from dsc.version import __version__
@@ -132,6 +134,9 @@ def compile_command(
                                      help="Scale JPEGs down in the DCT domain to just the needed size: faster, "
                                      "less faithful (mean |diff| per record up to ~6-10 of 255 at sizes 64-224, "
                                      "~20 at 32) [default: full decode]."),
+    alpha: str = typer.Option("black", "--alpha", metavar="black|white|drop",
+                              help="Transparent pixels: composited onto black, onto white, or dropped (the "
+                              "stored RGB, as Pillow's convert('RGB') and torchvision's ImageFolder keep it)."),
     classes: str = typer.Option(None, "--classes", metavar="NAMES|FILE",
                                 help="Fix the class vocabulary: comma-separated names, or a file of names "
                                 "(one per line); label k is the k-th name."),
@@ -152,6 +157,8 @@ def compile_command(
     """Compile an image folder into a dsc dataset of fixed-shape uint8 records."""
     if fit not in FITS:
         raise typer.BadParameter(f"{fit!r} is not one of {', '.join(FITS)}", param_hint="--fit")
+    if alpha not in ALPHA:
+        raise typer.BadParameter(f"{alpha!r} is not one of {', '.join(ALPHA)}", param_hint="--alpha")
     if engine not in ENGINES:
         raise typer.BadParameter(f"{engine!r} is not one of {', '.join(ENGINES)}", param_hint="--engine")
     if address is not None and engine != "ray":
@@ -182,7 +189,7 @@ def compile_command(
             summary = compile_folder(src, out, size=size, fit=fit, seed=seed, shuffle=shuffle, workers=workers,
                                      strict=strict, force=force, records_per_shard=records_per_shard,
                                      max_pixels=max_pixels, resume=resume, engine=engine, address=address,
-                                     fast_decode=fast_decode, classes=vocabulary,
+                                     fast_decode=fast_decode, alpha=alpha, classes=vocabulary,
                                      skip_unknown_classes=skip_unknown_classes, labels=labels, columns=kinds or None,
                                      on_found=bar.advance, on_total=bar.total, progress=bar.advance,
                                      on_skip=lambda source, reason: bar.write(f"skipped {_clean(source)}: "
@@ -343,6 +350,8 @@ def verify_command(
     fields = f", {len(manifest.fields)} field file(s)" if manifest.fields else ""
     typer.echo(f"ok: manifest, {len(manifest.shards)} shard(s){fields} and index files match ({_human_bytes(total)})")
     if decode:
+        from dsc.tools.recheck import check_against_sources  # the decoders and torch: only for --decode
+
         try:
             check = check_against_sources(dataset, decode, seed)
         except DscError as e:
@@ -396,6 +405,9 @@ def bench_command(
                                help="Add the host→device path, e.g. cuda (if present)."),
 ) -> None:
     """Measure read throughput of this dataset here, next to this machine's copy limit; name the bottleneck."""
+    from dsc.reader.loader import resolve_device  # the reader (torch): only the command that reads with it
+    from dsc.tools.bench import run as run_bench
+
     try:
         on_host = device is not None and resolve_device(device) is None
     except ValueError as e:

@@ -73,6 +73,9 @@ SCAN_ITEMS = 1 << 20  # index values checked this many at a time: bounded memory
 # DCT domain; a manifest without the key was made before it existed, by today's "fast".
 DECODE_MODES = ("faithful", "fast")
 DECODE_MODE_UNRECORDED = "fast"
+# compile.alpha: what became of transparent pixels (the choice of `--alpha`, by its name here).
+ALPHA = {"black": "composited onto black", "white": "composited onto white",
+         "drop": "dropped: the stored RGB of every pixel"}
 DCT_SCALING = {
     "faithful": "none: JPEGs are decoded at full size",
     "fast": "1/2, 1/4 or 1/8 when the source is at least that many times the size the fit needs",

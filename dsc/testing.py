@@ -147,7 +147,7 @@ def make_image_folder(path: str | os.PathLike, classes: int = 3, per_class: int 
 
 # ----------------------------------------------------------------------------- the reference
 
-def _upright_rgb(path: Path) -> Image.Image:
+def _upright_rgb(path: Path, alpha: str = "black") -> Image.Image:
     """A full Pillow decode, EXIF transpose and colour rules of formats.md → an RGB image."""
     with Image.open(path) as img:
         img = ImageOps.exif_transpose(img)
@@ -157,10 +157,12 @@ def _upright_rgb(path: Path) -> Image.Image:
         if mode != "I" or a.max(initial=0) > 255:
             a = a >> 8
         return Image.fromarray(a.clip(0, 255).astype(np.uint8)).convert("RGB")
-    if mode in _ALPHA_MODES or "transparency" in img.info:  # alpha onto black, premultiplied
-        rgba = np.asarray(img.convert("RGBA")).astype(np.uint16)
-        return Image.fromarray(((rgba[..., :3] * rgba[..., 3:] + 127) // 255).astype(np.uint8))
-    return img.convert("RGB")
+    if (mode in _ALPHA_MODES or "transparency" in img.info) and alpha != "drop":  # onto black or white
+        rgba = np.asarray(img.convert("RGBA")).astype(np.uint32)
+        rgb, a = rgba[..., :3], rgba[..., 3:]
+        return Image.fromarray(((rgb * a + (255 * (255 - a) if alpha == "white" else 0) + 127) // 255)
+                               .astype(np.uint8))
+    return img.convert("RGBA").convert("RGB") if mode in _ALPHA_MODES else img.convert("RGB")
 
 
 def _fit(img: Image.Image, height: int, width: int, fit: str) -> np.ndarray:
@@ -184,14 +186,16 @@ def _fit(img: Image.Image, height: int, width: int, fit: str) -> np.ndarray:
     return np.asarray(img.resize((width, height), Image.BILINEAR, box=box))
 
 
-def pillow_reference(path: str | os.PathLike, height: int, width: int, fit: str = "center-crop") -> np.ndarray:
+def pillow_reference(path: str | os.PathLike, height: int, width: int, fit: str = "center-crop",
+                     alpha: str = "black") -> np.ndarray:
     """What a record of `path` should hold, made by Pillow alone: an (height, width, 3) uint8 array.
 
     It shares no code with the compiler: a full decode (no DCT scaling), `ImageOps.exif_transpose`,
-    the colour rules of formats.md (alpha and colour keys premultiplied onto black, 16-bit →
-    high byte, anything else through Pillow's RGB conversion), then `fit` with Pillow's BILINEAR.
+    the colour rules of formats.md (alpha and colour keys composited onto black or white as `alpha`
+    says, or dropped; 16-bit → high byte; anything else through Pillow's RGB conversion), then
+    `fit` with Pillow's BILINEAR.
     """
-    return _fit(_upright_rgb(Path(path)), height, width, fit)
+    return _fit(_upright_rgb(Path(path), alpha), height, width, fit)
 
 
 # ----------------------------------------------------------------------------- the round trip
@@ -253,7 +257,7 @@ def _field_problems(ds: MemmapDataset, i: int, source: str, row: dict[str, Any])
     return problems
 
 
-def _check_record(src: Path, ds: MemmapDataset, i: int, fit: str,
+def _check_record(src: Path, ds: MemmapDataset, i: int, fit: str, alpha: str,
                   rows: dict[str, dict[str, Any]] | None) -> tuple[list[str], float]:
     """Record i's label, field and size problems, and its pixels' mean abs diff from the reference."""
     opened, (height, width, _) = ds.opened, ds.record_shape
@@ -268,7 +272,7 @@ def _check_record(src: Path, ds: MemmapDataset, i: int, fit: str,
                  for k in (label, want)]
         problems.append(f"record {i} ({source}): label {named[0]}, but its folder gives {named[1]}")
     try:
-        upright = _upright_rgb(src / source)
+        upright = _upright_rgb(src / source, alpha)
     except OSError as e:  # missing, unreadable, or not an image to Pillow
         return problems + [f"record {i} ({source}): no reference, Pillow cannot open the source: {e}"], np.inf
     if tuple(opened.sizes[i]) != upright.size[::-1]:
@@ -292,25 +296,27 @@ def _uncovered_sources(src: Path, ds: MemmapDataset, rows: dict[str, dict[str, A
                   and printable[s].split("/")[0] not in skipped)
 
 
-def _recorded_policy(ds: MemmapDataset) -> tuple[str, list[str]]:
-    """The fit policy the manifest records, and any disagreement with the record shape."""
+def _recorded_policy(ds: MemmapDataset) -> tuple[str, str, list[str]]:
+    """The fit policy and alpha rule the manifest records, and any disagreement with the record shape."""
     compiled, (height, width, _) = ds.manifest.compile, ds.record_shape
     fit, size = compiled.get("fit"), compiled.get("size")
-    problems = []
+    alpha = {text: name for name, text in fmt.ALPHA.items()}.get(compiled.get("alpha"))
+    problems = [] if alpha else [f"manifest 'compile' records alpha {compiled.get('alpha')!r}, not one of "
+                                 f"{', '.join(map(repr, fmt.ALPHA.values()))}"]
     if fit not in _FITS:
         problems.append(f"manifest 'compile' records fit {fit!r}, not one of {', '.join(_FITS)}")
     if size != [height, width]:
         problems.append(f"manifest 'compile' records size {size!r}, but records are {height}x{width}")
-    return (fit if fit in _FITS else "center-crop"), problems
+    return (fit if fit in _FITS else "center-crop"), alpha or "black", problems
 
 
 def _check_dataset(src: Path, out: Path, limit: float) -> RoundTrip:
     ds = MemmapDataset(out)
-    fit, problems = _recorded_policy(ds)
+    fit, alpha, problems = _recorded_policy(ds)
     rows = _table_rows(ds)
     diffs = np.zeros(len(ds))
     for i in range(len(ds)):
-        record_problems, diffs[i] = _check_record(src, ds, i, fit, rows)
+        record_problems, diffs[i] = _check_record(src, ds, i, fit, alpha, rows)
         problems += record_problems
     worst = int(np.argmax(diffs))
     over = int(np.sum(diffs > limit))

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 from dsc import MemmapDataset, compile_folder
 from dsc.cli import app
 from dsc.compiler.decode import turbojpeg_library
-from dsc.tools.inspect_dataset import check_against_sources
+from dsc.tools.recheck import check_against_sources
 
 from conftest import pattern, pillow_reference, save
 

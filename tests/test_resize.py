@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsc.compiler.resize import Target, crop_box, pad_content_size, parse_size, resample_into, resize_into
+from dsc.compiler.resize import resample_into, resize_into
+from dsc.compiler.target import Target, crop_box, pad_content_size, parse_size
 from dsc.errors import CompileError
 
 from conftest import pattern

@@ -17,7 +17,8 @@ latter: so such a file is kept, with an `IncompleteJpegWarning`, and a cut-off o
 Pillow cannot tell them apart (it ignores libjpeg's warnings), so without libjpeg-turbo both are
 skipped.
 
-Alpha is composited onto black (premultiplied); 16-bit samples keep their high byte.
+Alpha is composited onto black (premultiplied; the default), onto white, or dropped (the stored
+RGB, as Pillow's `convert("RGB")` keeps it); 16-bit samples keep their high byte.
 """
 
 from __future__ import annotations
@@ -195,8 +196,8 @@ def _decode_turbo(data: bytes, p: Probe, scale: int) -> np.ndarray:
     return dst
 
 
-def _to_rgb(img: Image.Image) -> np.ndarray:
-    """Any Pillow mode → RGB uint8, alpha composited onto black, 16-bit → high byte."""
+def _to_rgb(img: Image.Image, alpha: str = "black") -> np.ndarray:
+    """Any Pillow mode → RGB uint8, alpha composited onto black or white or dropped, 16-bit → high byte."""
     mode = img.mode
     if "transparency" in img.info and mode in ("P", "L", "RGB"):  # palette or colour-key transparency
         img = img.convert("RGBA")
@@ -213,19 +214,26 @@ def _to_rgb(img: Image.Image) -> np.ndarray:
     elif mode not in ("RGB", "RGBA"):
         img = img.convert("RGB")
     a = np.asarray(img)
-    if a.shape[2] == 4:
-        alpha = a[..., 3:4].astype(np.uint16)
-        a = ((a[..., :3] * alpha + 127) // 255).astype(np.uint8)
-    return a
+    return flatten_alpha(a, alpha) if a.shape[2] == 4 else a
 
 
-def _decode_pillow(data: bytes, p: Probe, scale: int) -> np.ndarray:
+def flatten_alpha(rgba: np.ndarray, alpha: str) -> np.ndarray:
+    """RGBA uint8 → RGB: `rgb·a/255` onto black, `rgb·a/255 + 255·(255−a)/255` onto white (both
+    rounded), or the stored RGB as it is ("drop")."""
+    if alpha == "drop":
+        return np.ascontiguousarray(rgba[..., :3])
+    a = rgba[..., 3:4].astype(np.uint32)
+    background = 0 if alpha == "black" else 255 * (255 - a)
+    return ((rgba[..., :3] * a + background + 127) // 255).astype(np.uint8)
+
+
+def _decode_pillow(data: bytes, p: Probe, scale: int, alpha: str = "black") -> np.ndarray:
     img = open_image(data)
     if scale > 1:  # asking for (w // s, h // s) makes Pillow pick exactly 1/s
         img.draft(img.mode, (p.width // scale, p.height // scale))
     try:
         img.load()
-        return _to_rgb(img)
+        return _to_rgb(img, alpha)
     except ImageError:
         raise
     except Exception as e:  # Pillow raises many types for corrupt data
@@ -253,9 +261,11 @@ def _decode_jpeg(data: bytes, p: Probe, scale: int) -> np.ndarray:
             raise ImageError(f"{e}; libjpeg-turbo: {turbo_error}") from e
 
 
-def decode(data: bytes, p: Probe, need_h: int, need_w: int, mode: str = "faithful") -> np.ndarray:
+def decode(data: bytes, p: Probe, need_h: int, need_w: int, mode: str = "faithful",
+           alpha: str = "black") -> np.ndarray:
     """Decode to an upright RGB array that covers (need_h, need_w) after orientation; `mode`
-    ("faithful" or "fast", see DCT_MARGINS) picks how far JPEGs may be scaled down."""
+    ("faithful" or "fast", see DCT_MARGINS) picks how far JPEGs may be scaled down, `alpha`
+    ("black", "white" or "drop") what becomes of transparency."""
     if p.swaps_axes:
         need_h, need_w = need_w, need_h
     jpeg = p.format == "JPEG"
@@ -263,6 +273,6 @@ def decode(data: bytes, p: Probe, need_h: int, need_w: int, mode: str = "faithfu
     if jpeg and p.mode in ("RGB", "L") and turbojpeg_library():
         rgb = _decode_jpeg(data, p, scale)
     else:
-        rgb = _decode_pillow(data, p, scale)
+        rgb = _decode_pillow(data, p, scale, alpha)
     orient = _ORIENT.get(p.orientation)
     return orient(rgb) if orient else rgb

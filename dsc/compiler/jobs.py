@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from dsc.compiler.resize import Target
+from dsc.compiler.target import Target
 from dsc.format import CHANNELS
 
 Chunk = list[tuple[int, str]]  # consecutive (slot, source path relative to SRC) pairs
@@ -33,6 +33,7 @@ class WriteJob:
     target: Target
     max_pixels: int
     decode_mode: str = "faithful"  # format.DECODE_MODES
+    alpha: str = "black"  # format.ALPHA
 
     @property
     def record_bytes(self) -> int:
@@ -57,9 +58,14 @@ OnResults = Callable[[list[SlotResult]], None]
 
 
 class Engine(Protocol):
-    """Where chunks are decoded: `dsc.compiler.engines.ENGINES` names each kind."""
+    """Where chunks are decoded: `dsc.compiler.engines.ENGINES` names each kind. An engine is a
+    context: its workers start on entry, before discovery (their imports overlap it), and stop on exit."""
 
     workers: int  # how many chunks it decodes at once (the chunk size is picked for it)
+
+    def __enter__(self) -> Engine: ...
+
+    def __exit__(self, *exc) -> None: ...
 
     def fill(self, job: WriteJob, chunks: Iterable[Chunk], on_results: OnResults) -> None:
         """Fill every slot of `chunks`, calling `on_results` in the caller's thread once per chunk.

@@ -73,8 +73,16 @@ def write_plan(stage: Path, plan: dict[str, Any], listing: list[str]) -> None:
     write_durably(stage / PLAN_FILE, json.dumps(plan, indent=1, sort_keys=True).encode())
 
 
+# Options added after plans were first written, with the value a plan without them was made with. A plan
+# records them only when they differ (`without_defaults`), so partial builds begun earlier still resume.
+PLAN_DEFAULTS = {"alpha": "black"}
 ENVIRONMENT_KEYS = ("dsc_version", "decoder", "resize")  # what this machine's dsc is, not an option
 INPUT_KEYS = ("sources", "count", "fields")  # fingerprints of the sources and the label table's values
+
+
+def without_defaults(options: dict[str, Any]) -> dict[str, Any]:
+    """The options of PLAN_DEFAULTS that a plan records: those that differ from their default."""
+    return {key: value for key, value in options.items() if value != PLAN_DEFAULTS[key]}
 
 
 def check_plan(stage: Path, plan: dict[str, Any], listing: list[str]) -> None:
@@ -82,9 +90,10 @@ def check_plan(stage: Path, plan: dict[str, Any], listing: list[str]) -> None:
     saved = json.loads((stage / PLAN_FILE).read_bytes())
 
     def differ(keys) -> list[str]:
-        return [f"{key} {saved.get(key)!r} (now {plan[key]!r})" for key in keys if saved.get(key) != plan[key]
+        was, now = {**PLAN_DEFAULTS, **saved}, {**PLAN_DEFAULTS, **plan}
+        return [f"{key} {was.get(key)!r} (now {now.get(key)!r})" for key in keys if was.get(key) != now.get(key)
                 and not (key == "records_per_shard" and saved.get("size") != plan["size"])]  # follows from --size
-    options = differ(k for k in plan if k not in ENVIRONMENT_KEYS + INPUT_KEYS)
+    options = differ(k for k in [*plan, *(k for k in saved if k not in plan)] if k not in ENVIRONMENT_KEYS + INPUT_KEYS)
     if options:
         raise CompileError(f"cannot resume {stage}: it was made with other settings: {'; '.join(options)}. Run it "
                            "with its own settings and --resume, or pass --force to start over")

@@ -30,7 +30,7 @@ from dsc.compiler.discover import Discovery, discover, printable
 from dsc.compiler.engines import check_workers, make_engine
 from dsc.compiler.finish import NothingDecoded, Unpublishable, check_shard_count, finish
 from dsc.compiler.jobs import Engine, SlotResult, WriteJob, chunk_size, split
-from dsc.compiler.resize import INTERPOLATION, PAD_VALUE, Target, parse_size, resize_backend
+from dsc.compiler.target import INTERPOLATION, PAD_VALUE, Target, parse_size, resize_backend
 from dsc.errors import CompileError
 from dsc.version import __version__
 
@@ -139,15 +139,16 @@ def _fields_digest(fields: list[tuple[fmt.FieldEntry, np.ndarray]]) -> str:
     return digest.hexdigest()
 
 
-def _options(target: Target, seed: int, shuffle: bool, max_pixels: int, src: Path, found: int,
-             decode_mode: str, label_table: str | os.PathLike | None) -> dict:
+def _options(job: WriteJob, seed: int, shuffle: bool, src: Path, found: int,
+             label_table: str | os.PathLike | None) -> dict:
     """How the pixels were made, recorded in the manifest (formats.md, "compile")."""
     listed = {} if label_table is None else {"label_table": printable(str(Path(label_table).absolute()))}
+    target = job.target
     return {"dsc_version": __version__, "size": [target.height, target.width], "fit": target.fit,
-            "interpolation": INTERPOLATION, "pad_value": PAD_VALUE, "alpha": "composited onto black",
+            "interpolation": INTERPOLATION, "pad_value": PAD_VALUE, "alpha": fmt.ALPHA[job.alpha],
             "exif_orientation": "applied", "jpeg_decoder": decoder_name(),
-            "decode": decode_mode, "dct_scaling": fmt.DCT_SCALING[decode_mode],
-            "shuffle": shuffle, "seed": seed, "max_pixels": max_pixels, "source_root": printable(str(src)),
+            "decode": job.decode_mode, "dct_scaling": fmt.DCT_SCALING[job.decode_mode],
+            "shuffle": shuffle, "seed": seed, "max_pixels": job.max_pixels, "source_root": printable(str(src)),
             "source_order": "as listed in the label table" if listed else
                             "by label, then depth-first with folder entries sorted by name",
             "sources_found": found, **listed}
@@ -157,7 +158,7 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
                    fit: str = "center-crop", seed: int = 0, shuffle: bool = True, workers: int | None = None,
                    strict: bool = False, force: bool = False, records_per_shard: int | None = None,
                    max_pixels: int = DEFAULT_MAX_PIXELS, resume: bool = False, engine: str = "local",
-                   address: str | None = None, fast_decode: bool = False,
+                   address: str | None = None, fast_decode: bool = False, alpha: str = "black",
                    classes: str | os.PathLike | Sequence[str] | None = None, skip_unknown_classes: bool = False,
                    labels: str | os.PathLike | None = None, columns: dict[str, str] | None = None,
                    on_found: Callable[[int], None] | None = None, on_total: Callable[[int], None] | None = None,
@@ -172,7 +173,8 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
     An interrupted compile leaves its partial build beside OUT; `resume=True` continues it.
     `engine="ray"` runs the decoding as Ray tasks on the cluster at `address` (or a local one);
     the output is byte-identical to the local engine's. `fast_decode=True` lets JPEGs be scaled
-    down in the DCT domain to just the needed size: faster, visibly less faithful.
+    down in the DCT domain to just the needed size: faster, visibly less faithful. `alpha`: what
+    becomes of transparent pixels: "black" (composited onto black), "white" or "drop" (the stored RGB).
 
     Labels: `classes` fixes the class vocabulary (names, a file of names, or another dataset's
     folder, e.g. the training split's) so that every split gives a class the same index.
@@ -186,26 +188,23 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
     seed = check_int("seed", seed, 0, error=CompileError)
     if not isinstance(fast_decode, bool):
         raise CompileError(f"fast_decode must be True or False, got {fast_decode!r}")
+    if alpha not in fmt.ALPHA:
+        raise CompileError(f"unknown alpha {alpha!r}; choose one of {', '.join(fmt.ALPHA)}")
     record_bytes = target.height * target.width * fmt.CHANNELS
     per_shard = check_int("records_per_shard", max(1, SHARD_TARGET_BYTES // record_bytes)
                           if records_per_shard is None else records_per_shard, 1, error=CompileError)
     max_pixels = check_int("max_pixels", max_pixels, 1, error=CompileError)
     src, out = Path(src).absolute(), Path(out).absolute()
     _check_paths(src, out)
-    runner = make_engine(engine, workers, address)  # a Ray address is checked before any build exists
-    found = _discover(src, out, classes, skip_unknown_classes, labels, columns, on_found)
-    if strict and found.skipped:
-        source, reason = found.skipped[0]
-        raise StrictFailure(f"{src / source}: {reason} (--strict: nothing written)")
     on_skip = on_skip or _log_skip
-    for source, reason in found.skipped:
-        on_skip(source, reason)
-    if on_total:
-        on_total(len(found.sources))
-    plan = _plan(src, found, target, per_shard, max_pixels, "fast" if fast_decode else "faithful", seed, shuffle,
-                 labels)
-    with publish.LocalTarget(out) as dest:
-        manifest, reused = _build_and_publish(dest, plan, runner, force, resume, strict, on_skip, progress)
+    with make_engine(engine, workers, address) as runner:  # its workers start now: their imports overlap discovery
+        found = _discover(src, out, classes, skip_unknown_classes, labels, columns, on_found)
+        _report(found, src, strict, on_skip, on_total)
+        recipe = WriteJob(str(src), "", 0, per_shard, target, max_pixels, "fast" if fast_decode else "faithful",
+                          alpha)
+        plan = _plan(recipe, found, seed, shuffle, labels)
+        with publish.LocalTarget(out) as dest:
+            manifest, reused = _build_and_publish(dest, plan, runner, force, resume, strict, on_skip, progress)
     size_on_disk = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     skipped = [(s["source"], s["reason"]) for s in storage.read_skipped(out, manifest)]
     return CompileSummary(out, manifest.count, skipped,
@@ -231,6 +230,18 @@ def _discover(src: Path, out: Path, classes, skip_unknown_classes: bool, labels,
     return found
 
 
+def _report(found: Discovery, src: Path, strict: bool, on_skip: Callable[[str, str], None],
+            on_total: Callable[[int], None] | None) -> None:
+    """What discovery skipped (a --strict compile stops at the first), and the count left to decode."""
+    if strict and found.skipped:
+        source, reason = found.skipped[0]
+        raise StrictFailure(f"{src / source}: {reason} (--strict: nothing written)")
+    for source, reason in found.skipped:
+        on_skip(source, reason)
+    if on_total:
+        on_total(len(found.sources))
+
+
 @dataclass(frozen=True)
 class Plan:
     """What a build makes, fixed before any work: slot i holds `sources[i]`; `record` is what a resume
@@ -249,19 +260,20 @@ class Plan:
         return [(spec, values[self.order]) for spec, values in self.found.fields]
 
 
-def _plan(src: Path, found: Discovery, target: Target, per_shard: int, max_pixels: int, decode_mode: str, seed: int,
-          shuffle: bool, label_table: str | os.PathLike | None) -> Plan:
+def _plan(recipe: WriteJob, found: Discovery, seed: int, shuffle: bool, label_table: str | os.PathLike | None) -> Plan:
+    """The plan of a build: `recipe` (how each slot is filled) with the count of sources found."""
     order = source_order(len(found.sources), seed, shuffle)
     sources = [found.sources[i] for i in order]
     listing = journal.source_listing(sources, found.labels[order], [found.stamps[i] for i in order], found.classes)
-    check_shard_count(fmt.shard_count(len(sources), per_shard))
+    job, target = replace(recipe, count=len(sources)), recipe.target
+    check_shard_count(fmt.shard_count(job.count, job.records_per_shard))
     record = {"dsc_version": __version__, "decoder": decoder_name(), "resize": resize_backend(),
-              "size": [target.height, target.width], "fit": target.fit, "decode": decode_mode, "seed": seed,
-              "shuffle": shuffle, "max_pixels": max_pixels, "records_per_shard": per_shard, "count": len(sources),
-              "sources": journal.listing_digest(listing), "fields": _fields_digest(found.fields)}
+              "size": [target.height, target.width], "fit": target.fit, "decode": job.decode_mode, "seed": seed,
+              "shuffle": shuffle, "max_pixels": job.max_pixels, "records_per_shard": job.records_per_shard,
+              "count": job.count, "sources": journal.listing_digest(listing), "fields": _fields_digest(found.fields),
+              **journal.without_defaults({"alpha": job.alpha})}
     digest = hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
-    job = WriteJob(str(src), "", len(sources), per_shard, target, max_pixels, decode_mode)
-    options = _options(target, seed, shuffle, max_pixels, src, len(sources), decode_mode, label_table)
+    options = _options(job, seed, shuffle, Path(job.src_root), job.count, label_table)
     return Plan(job, found, order, sources, listing, record, digest, options)
 
 

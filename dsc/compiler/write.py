@@ -22,7 +22,8 @@ from PIL import Image
 from dsc import format as fmt
 from dsc.compiler.decode import IncompleteJpegWarning, decode, probe
 from dsc.compiler.jobs import Chunk, SlotResult, WriteJob
-from dsc.compiler.resize import Target, needed_size, resize_into
+from dsc.compiler.resize import resize_into
+from dsc.compiler.target import Target, needed_size
 from dsc.errors import ImageError
 
 # Errors that belong to a source file itself, so it is skipped. Any other OSError (too many open
@@ -32,7 +33,7 @@ SOURCE_ERRNOS = frozenset({errno.ENOENT, errno.EACCES, errno.EPERM, errno.EISDIR
 
 
 def compile_image(path: str, target: Target, out: np.ndarray, max_pixels: int,
-                  decode_mode: str = "faithful") -> tuple[int, int]:
+                  decode_mode: str = "faithful", alpha: str = "black") -> tuple[int, int]:
     """Decode one file into `out`; return its upright (height, width) or raise ImageError."""
     try:
         with open(path, "rb") as f:
@@ -48,7 +49,8 @@ def compile_image(path: str, target: Target, out: np.ndarray, max_pixels: int,
     try:
         p = probe(data, max_pixels)
         height, width = p.oriented_size
-        resize_into(decode(data, p, *needed_size(height, width, target), decode_mode), target, out, (height, width))
+        rgb = decode(data, p, *needed_size(height, width, target), decode_mode, alpha)
+        resize_into(rgb, target, out, (height, width))
     except ImageError:
         raise
     except MemoryError as e:
@@ -102,7 +104,7 @@ class SlotWriter:
                     with warnings.catch_warnings(record=True) as caught:  # they travel back in the result
                         warnings.simplefilter("always", IncompleteJpegWarning)
                         h, w = compile_image(path, self.job.target, self.buffer, self.job.max_pixels,
-                                             self.job.decode_mode)
+                                             self.job.decode_mode, self.job.alpha)
                     self._store(slot)
                     note = "; ".join(str(c.message) for c in caught if c.category is IncompleteJpegWarning)
                     results.append(SlotResult(slot, h, w, crc=zlib.crc32(self.buffer), warning=note))

@@ -1,13 +1,12 @@
-"""Look at a compiled dataset: a summary (`dsc info`) and a full check (`dsc verify`).
+"""Look at a compiled dataset: the summary `dsc info` shows.
 
-Both start from `format.open_dataset`, so whatever they report has passed validation; the
-checks here go further: every byte against its checksum, and records against their sources.
+It starts from `storage.open_dataset`, so whatever it reports has passed validation; `dsc
+verify` goes further (`storage.verify_checksums`, and `recheck` for records against sources).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +14,6 @@ import numpy as np
 
 from dsc import format as fmt
 from dsc import storage
-from dsc.arguments import is_int
-from dsc.compiler.resize import FITS, Target
-from dsc.compiler.write import compile_image
-from dsc.errors import DatasetError, ImageError
 
 
 def summary(path: str | os.PathLike) -> dict[str, Any]:
@@ -50,52 +45,3 @@ def field_summary(entry: fmt.FieldEntry, values: np.ndarray) -> dict[str, Any]:
     elif values.size:
         about["min"], about["max"] = values.min().item(), values.max().item()
     return about
-
-
-@dataclass(frozen=True)
-class DecodeCheck:
-    """How records compare with a fresh compile of their sources (`dsc verify --decode N`)."""
-
-    checked: int
-    missing: list[str]  # sources no longer there (or no longer decodable)
-    worst_record: int | None = None
-    worst_source: str = ""
-    worst_max_abs: int = 0
-    worst_mean_abs: float = 0.0
-
-
-def _recipe(d: storage.OpenedDataset) -> tuple[str, Target, int, str]:
-    """(source root, target, max_pixels, decode mode) as the manifest's "compile" records them, checked."""
-    c, m = d.manifest.compile, d.manifest
-    root, size, fit, max_pixels = c.get("source_root"), c.get("size"), c.get("fit"), c.get("max_pixels")
-    mode = c.get("decode", fmt.DECODE_MODE_UNRECORDED)
-    ok = (isinstance(root, str) and isinstance(size, list) and size == [m.height, m.width]
-          and fit in FITS and is_int(max_pixels) and max_pixels > 0
-          and mode in fmt.DECODE_MODES)
-    if not ok:
-        raise DatasetError(f"{d.root / fmt.MANIFEST_FILE}: 'compile' does not say how the records were made "
-                           "(source_root, size, fit, max_pixels, decode), so they cannot be decoded again")
-    return root, Target(m.height, m.width, fit), max_pixels, mode
-
-
-def check_against_sources(path: str | os.PathLike, n: int, seed: int = 0) -> DecodeCheck:
-    """Re-decode `n` random records from their source files and compare with the stored pixels."""
-    d = storage.open_dataset(path)
-    m = d.manifest
-    root, target, max_pixels, mode = _recipe(d)
-    picks = np.random.default_rng(seed).choice(m.count, size=min(n, m.count), replace=False)
-    fresh = np.empty(m.record_shape, np.uint8)
-    missing, worst = [], DecodeCheck(0, [])
-    for i in sorted(int(i) for i in picks):
-        source = d.source(i)
-        try:
-            compile_image(os.path.join(root, source), target, fresh, max_pixels, mode)
-        except ImageError as e:
-            missing.append(f"{source} ({e})")
-            continue
-        shard, pos = fmt.locate(i, m.records_per_shard)
-        diff = np.abs(fresh.astype(np.int16) - d.shards[shard][pos])
-        if worst.worst_record is None or diff.max() > worst.worst_max_abs:
-            worst = DecodeCheck(0, [], i, source, int(diff.max()), float(diff.mean()))
-    return DecodeCheck(len(picks) - len(missing), missing, worst.worst_record, worst.worst_source,
-                       worst.worst_max_abs, worst.worst_mean_abs)

@@ -18,7 +18,6 @@ from collections.abc import Iterable
 from itertools import islice
 
 from dsc.compiler.jobs import Chunk, OnResults, WriteJob
-from dsc.compiler.write import write_chunk
 from dsc.errors import CompileError
 
 RETRIES = 3  # a task whose worker process dies is run again this many times
@@ -32,9 +31,20 @@ class RayEngine:
     def __init__(self, workers: int, address: str | None = None) -> None:
         check_address(address)  # before any partial build exists
         self.workers, self.address = workers, address
+        self._ray, self._started = None, False
+
+    def __enter__(self) -> RayEngine:
+        """Join (or start) the cluster now, while the driver discovers the sources."""
+        self._ray, self._started = _connect(self.address, self.workers)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._started:
+            self._ray.shutdown()
+        self._ray, self._started = None, False
 
     def fill(self, job: WriteJob, chunks: Iterable[Chunk], on_results: OnResults) -> None:
-        ray, started = _connect(self.address, self.workers)
+        ray = self._ray
         remote = ray.remote(num_cpus=1, max_retries=RETRIES)(write_chunk)
         chunks = iter(chunks)
         limit = max(1, int(ray.cluster_resources().get("CPU", 1))) * IN_FLIGHT_PER_CPU
@@ -47,8 +57,14 @@ class RayEngine:
         finally:
             for ref in pending:
                 ray.cancel(ref, force=True)
-            if started:
-                ray.shutdown()
+
+
+def write_chunk(job: WriteJob, chunk: Chunk) -> list:
+    """One task (`ray::write_chunk`): fill one chunk's slots, on a Ray worker; the driver never
+    imports the decoders."""
+    from dsc.compiler import write
+
+    return write.write_chunk(job, chunk)
 
 
 def _result(ray, ref):
