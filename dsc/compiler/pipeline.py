@@ -292,7 +292,7 @@ def _build_and_publish(dest: publish.LocalTarget, plan: Plan, runner: Engine, fo
         if resumed and not journal.has_plan(dest.stage_dir):  # the plan never got written: nothing to reuse
             dest.restart()
             resumed = False
-        manifest, reused = _build(dest.stage_dir, plan, runner, resumed, strict, on_skip, progress)
+        reused = _build(dest.stage_dir, plan, runner, resumed, strict, on_skip, progress)
         return dest.commit(plan.digest, force), reused
     except (StrictFailure, NothingDecoded, Unpublishable):  # a verdict on the data: nothing worth resuming
         dest.discard()
@@ -303,9 +303,9 @@ def _build_and_publish(dest: publish.LocalTarget, plan: Plan, runner: Engine, fo
 
 
 def _build(stage: Path, plan: Plan, runner: Engine, resumed: bool, strict: bool,
-           on_skip: Callable[[str, str], None], progress: Callable[[int], None] | None) -> tuple[fmt.Manifest, int]:
-    """Fill every slot (reusing what a resumed build holds), then finish the build; return its manifest
-    and the number of slots reused."""
+           on_skip: Callable[[str, str], None], progress: Callable[[int], None] | None) -> int:
+    """Fill every slot (reusing what a resumed build holds), then finish the build (its manifest written
+    last); return the number of slots reused."""
     if resumed:
         journal.check_plan(stage, plan.record, plan.listing)
     else:
@@ -318,6 +318,6 @@ def _build(stage: Path, plan: Plan, runner: Engine, resumed: bool, strict: bool,
         ok, sizes, failed = _decode_all(job, plan.sources, runner, strict, done, log, on_skip, progress)
     finally:
         log.close()
-    manifest = finish(stage, job, ok, sizes, plan.found.labels[plan.order], plan.sources, plan.found.classes,
-                      sorted(plan.found.skipped + failed), plan.options, min(4, runner.workers), plan.fields())
-    return manifest, len(done)
+    finish(stage, job, ok, sizes, plan.found.labels[plan.order], plan.sources, plan.found.classes,
+           sorted(plan.found.skipped + failed), plan.options, min(4, runner.workers), plan.fields())
+    return len(done)
