@@ -454,3 +454,20 @@ def test_a_passing_system_error_stops_the_compile_instead_of_skipping(folder: Pa
     monkeypatch.undo()
     summary = compile_folder(folder, tmp_path / "out", size=8, workers=1, resume=True)
     assert summary.kept == 12 and not summary.skipped  # nothing was lost to the passing error
+
+
+def _compile_in_a_pool_task(src: str, out: str) -> int:
+    return compile_folder(src, out, size=8, workers=2).kept
+
+
+def test_a_compile_inside_a_daemonic_process_decodes_there(tmp_path: Path) -> None:
+    """A multiprocessing.Pool task may not start processes: with several chunks for several workers,
+    the compile decodes in the task itself (and logs why) instead of failing."""
+    import multiprocessing
+
+    from dsc.testing import make_image_folder
+
+    src = make_image_folder(tmp_path / "src", classes=2, per_class=20, size=(12, 12))  # 3 chunks of <= 16
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        kept = pool.apply(_compile_in_a_pool_task, (str(src), str(tmp_path / "out")))
+    assert kept == 40 and storage.open_dataset(tmp_path / "out").manifest.count == 40

@@ -162,11 +162,20 @@ def test_a_durable_write_fsyncs_its_folder_after_the_rename(tmp_path: Path, monk
 
 
 def test_a_compile_fsyncs_every_folder_whose_names_it_made(tmp_path: Path, monkeypatch) -> None:
+    """Every folder a compile creates names in (OUT's parent, the build that becomes OUT, shards/, fields/)
+    is fsynced, and after the last rename into it."""
     src = make_folder(tmp_path / "src", sides=(20, 30))
+    table = tmp_path / "labels.csv"
+    names = sorted(p.relative_to(src).as_posix() for p in src.rglob("*.*"))
+    table.write_text("path,label,score\n" + "".join(f"{n},{n.split('/')[0]},{k / 2}\n" for k, n in enumerate(names)))
     from dsc import compile_folder
 
     spy = _Spy(monkeypatch)
     out = tmp_path / "out"
-    compile_folder(src, out, size=8, workers=1, records_per_shard=5)
-    folders = {p: p.stat().st_ino for p in (tmp_path, out, out / fmt.SHARD_DIR)}
+    compile_folder(src, out, size=8, workers=1, records_per_shard=5, labels=table)
+    folders = {p: p.stat().st_ino for p in (tmp_path, out, out / fmt.SHARD_DIR, out / fmt.FIELD_DIR)}
     assert {p: ino in spy.fsynced() for p, ino in folders.items()} == {p: True for p in folders}
+    for path, ino in folders.items():
+        renames = [k for k, event in enumerate(spy.events) if event == ("rename", ino)]
+        syncs = [k for k, event in enumerate(spy.events) if event == ("fsync", ino)]
+        assert not renames or syncs[-1] > renames[-1], path

@@ -4,6 +4,7 @@ torch only when it decodes itself (one worker). Each runs in a fresh process, as
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -58,3 +59,19 @@ def test_the_commands_that_need_the_reader_or_the_decoders_import_them(dataset: 
     """The other side of the rule: the subprocess check above would see torch if it were imported."""
     assert run_dsc("verify", str(dataset / "out"), "--decode", "2")["heavy"] == ["torch"]
     assert run_dsc("bench", str(dataset / "out"), "--seconds", "0.1", "--no-cold")["heavy"] == list(HEAVY)
+
+
+def test_a_broken_decoder_install_fails_before_any_build(dataset: Path, tmp_path: Path) -> None:
+    """The workers import the decoders while the driver discovers; if that import fails, the compile
+    says so before it has made a partial build (which a --resume could not help)."""
+    broken = tmp_path / "site" / "torch"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text('raise ImportError("this torch is broken on purpose")\n')
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-m", "dsc", "compile", str(dataset / "src"), str(out), "--size", "16",
+                           "-j", "2"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path / "site")})
+    assert done.returncode == 1
+    assert done.stderr.splitlines()[-1] == ("error: the worker processes cannot decode: ImportError: this torch is "
+                                            "broken on purpose")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["site"]  # no partial build, no lock left

@@ -67,6 +67,9 @@ class Engine(Protocol):
 
     def __exit__(self, *exc) -> None: ...
 
+    def ready(self) -> None:
+        """Raise CompileError now, before any build exists, if its workers cannot decode."""
+
     def fill(self, job: WriteJob, chunks: Iterable[Chunk], on_results: OnResults) -> None:
         """Fill every slot of `chunks`, calling `on_results` in the caller's thread once per chunk.
 

@@ -37,7 +37,7 @@ from dsc.compiler.discover import printable
 from dsc.compiler.jobs import SlotResult, WriteJob
 from dsc.compiler.shard_io import ShardFiles
 from dsc.errors import CompileError
-from dsc.storage.local import write_durably
+from dsc.storage import local
 
 PLAN_FILE = "plan.json"
 JOURNAL_FILE = "journal.jsonl"
@@ -69,8 +69,8 @@ def has_plan(stage: Path) -> bool:
 
 def write_plan(stage: Path, plan: dict[str, Any], listing: list[str]) -> None:
     """State "building" begins: the listing first, then the plan (its presence marks the state)."""
-    write_durably(stage / LISTING_FILE, ("\n".join(listing) + "\n").encode())
-    write_durably(stage / PLAN_FILE, json.dumps(plan, indent=1, sort_keys=True).encode())
+    local.write_durably(stage / LISTING_FILE, ("\n".join(listing) + "\n").encode())
+    local.write_durably(stage / PLAN_FILE, json.dumps(plan, indent=1, sort_keys=True).encode())
 
 
 # Options added after plans were first written, with the value a plan without them was made with. A plan
@@ -206,7 +206,7 @@ def _parse(line: str, count: int) -> SlotResult | None:
 
 def write_kept(stage: Path, ok: np.ndarray) -> None:
     """Record which slots compaction keeps, so a resume can find records it moved down."""
-    write_durably(stage / KEPT_FILE, np.packbits(ok).tobytes())
+    local.write_durably(stage / KEPT_FILE, np.packbits(ok).tobytes())
 
 
 def _undo_compaction(stage: Path, job: WriteJob, done: dict[int, SlotResult]) -> None:

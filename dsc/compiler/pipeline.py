@@ -203,6 +203,7 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
         recipe = WriteJob(str(src), "", 0, per_shard, target, max_pixels, "fast" if fast_decode else "faithful",
                           alpha)
         plan = _plan(recipe, found, seed, shuffle, labels)
+        runner.ready()  # a broken decoder install fails here, before any build exists
         with publish.LocalTarget(out) as dest:
             manifest, reused = _build_and_publish(dest, plan, runner, force, resume, strict, on_skip, progress)
     size_on_disk = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())

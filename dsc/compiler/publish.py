@@ -31,8 +31,8 @@ from pathlib import Path
 from dsc import format as fmt
 from dsc.compiler import journal
 from dsc.errors import CompileError
-from dsc.storage import is_dataset, parse_manifest
-from dsc.storage.local import RENAME_EXCHANGE, RENAME_NOREPLACE, fsync_dir, renameat2, write_durably
+from dsc.storage import is_dataset, local, parse_manifest
+from dsc.storage.local import RENAME_EXCHANGE, RENAME_NOREPLACE, fsync_dir, renameat2
 
 LOCK_WAIT_S = 5.0
 
@@ -65,7 +65,7 @@ def record_path(out: Path) -> Path:
 
 def record_publish(out: Path, plan: str, manifest: str) -> None:
     """State "finishing": the build's manifest is written; `plan` and `manifest` are their SHA-256s."""
-    write_durably(record_path(out), json.dumps({"plan": plan, "manifest": manifest}).encode())
+    local.write_durably(record_path(out), json.dumps({"plan": plan, "manifest": manifest}).encode())
 
 
 def pending_publish(out: Path) -> dict | None:

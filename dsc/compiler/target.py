@@ -40,9 +40,9 @@ class Target:
 def parse_size(text: str | int | tuple[int, int]) -> tuple[int, int]:
     """'224' → (224, 224); '192x256' (height x width) → (192, 256)."""
     if is_int(text):
-        return (text, text)
-    if isinstance(text, tuple) and len(text) == 2 and all(isinstance(v, int) for v in text):
-        return text
+        return (int(text), int(text))
+    if isinstance(text, tuple) and len(text) == 2 and all(is_int(v) for v in text):
+        return (int(text[0]), int(text[1]))
     match = re.fullmatch(r"\s*(\d+)\s*(?:[xX×]\s*(\d+))?\s*", str(text))
     if not match:
         raise CompileError(f"size {text!r} is not N or HxW (for example 224 or 192x256)")

@@ -1,22 +1,31 @@
 """The local engine: chunks decoded by worker processes of this machine (or in this process).
 
-Workers are processes (decoding is CPU-bound and partly holds the GIL), forked when the engine
-is entered, before discovery: each imports the decoders and torch (`write`) while the driver,
-which never imports torch, is still listing the sources. A chunk travels with its `WriteJob`;
-each worker keeps one `SlotWriter` per job. At most IN_FLIGHT_PER_WORKER chunks per worker are
-queued at a time, so a compile of millions of sources keeps a bounded queue. A worker that dies
-(the OOM killer, a crash in a decoder) fails the compile at once instead of hanging it, and any
-failure stops every worker. With one worker, chunks are decoded in this process (no pool).
+The compile process (the driver) never imports the decoders or torch when it has workers. On
+entry the engine forks one host process, before discovery starts its threads; the host imports
+the decoders and torch while the driver lists the sources. Once the chunks are known, the host
+forks min(workers, chunks) workers, which share those imports (copy-on-write pages: one import,
+not one per worker), and relays chunks to them and results back. Each worker writes its records
+into the shard files itself: only (slot, size or reason, CRC) travels back.
+
+At most IN_FLIGHT_PER_WORKER chunks per worker are queued at a time, so a compile of millions
+of sources keeps a bounded queue. Every process dies with its parent (the kernel's parent-death
+signal: driver → host → workers), so a killed compile leaves no orphan writing into a partial
+build that a resumed compile now owns. A worker that dies fails the compile at once instead of
+hanging it, and any failure stops every worker. With one worker the driver decodes itself (no
+processes to start).
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import multiprocessing
 import os
 import signal
+import threading
+import traceback
 from collections.abc import Iterable
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from itertools import islice
 
@@ -24,97 +33,129 @@ from dsc.compiler.jobs import Chunk, OnResults, SlotResult, WriteJob
 from dsc.errors import CompileError
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
-# fork starts a worker in milliseconds; spawn re-imports Python's start-up in each. The workers use
-# no threads of the parent: they are forked before discovery starts its walk threads.
+# fork starts a process in milliseconds and shares the host's imports with the workers; spawn
+# would import everything again in each.
 START_METHOD = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}  # the parent's to handle (see _init_worker)
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}  # the driver's to handle: it cleans up, then kills the rest
 IN_FLIGHT_PER_WORKER = 4  # queued chunks per worker: none idles between chunks, the queue stays small
+logger = logging.getLogger("dsc")  # what a compile finds is reported here (see dsc.compiler.pipeline)
+WORKER_DIED = ("a worker process died (killed by a signal, or out of memory?); the output was not written, and "
+               "the same command with --resume continues the work")
 
 
 class LocalEngine:
-    """`workers` processes here, started on entry (`with LocalEngine(n) as engine:`); one worker
-    decodes in this process."""
+    """`workers` processes here, their host started on entry (`with LocalEngine(n) as engine:`);
+    one worker decodes in this process."""
 
     def __init__(self, workers: int, address: str | None = None) -> None:
         if address is not None:
             raise CompileError("an address is only for --engine ray")
         self.workers = workers
-        self._pool: ProcessPoolExecutor | None = None
-        self._before: set = set()
+        self._host: multiprocessing.Process | None = None
+        self._conn = None
+        self._ready = False
 
     def __enter__(self) -> LocalEngine:
-        if self.workers > 1:
-            self._before = set(multiprocessing.active_children())
-            self._pool = ProcessPoolExecutor(self.workers, multiprocessing.get_context(START_METHOD),
-                                             _init_worker, (os.getpid(),))
-            # A Ctrl-C between a fork and the worker's own SIG_IGN would end that worker with a traceback:
-            # the workers are forked with SIGINT and SIGTERM blocked (the parent gets them after the forks).
-            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        if self.workers > 1 and multiprocessing.current_process().daemon:
+            logger.warning("this process is a daemon (a multiprocessing.Pool task?), which may not start worker "
+                           "processes: decoding here, in one process")
+        elif self.workers > 1:
+            context = multiprocessing.get_context(START_METHOD)
+            self._conn, child = context.Pipe()
+            self._host = context.Process(target=_host_main, args=(child,), name="dsc-host",
+                                         daemon=False)  # not a daemon: it starts the workers
+            # A Ctrl-C between the fork and the host's own SIG_IGN would end it with a traceback: it is
+            # forked with SIGINT and SIGTERM blocked; this process gets them once the fork is done, raised
+            # by pthread_sigmask itself, and then stops the host it has just started.
             try:
-                self._pool.submit(os.getpid)  # forks every worker now: their imports overlap discovery
+                blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+                try:
+                    self._host.start()
+                finally:
+                    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+            except BaseException:
+                self._stop()
+                raise
             finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+                child.close()
         return self
 
-    def __exit__(self, kind, error, traceback) -> None:
-        self._stop(finished=kind is None)
+    def __exit__(self, kind, error, traceback_) -> None:
+        if kind is None and self._host is not None:
+            self._conn.send(("end",))  # the host shuts its pool down and exits
+            self._host.join(timeout=30)
+        self._stop()
 
-    def _stop(self, finished: bool) -> None:
-        """Shut the pool down: wait for idle workers to exit, or, after a failure, kill them at once."""
-        if self._pool is None:
+    def _stop(self) -> None:
+        """Kill the host at once; its workers die with it (their parent-death signal)."""
+        host, self._host = self._host, None
+        if host is not None:
+            if host.is_alive():
+                host.kill()  # SIGKILL: the host ignores SIGINT and SIGTERM
+            host.join(timeout=10)
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def ready(self) -> None:
+        """Raise CompileError now, before any build exists, if the decoders cannot be imported where they run."""
+        if self._ready:
             return
-        pool, self._pool = self._pool, None
-        pool.shutdown(wait=finished, cancel_futures=not finished)
-        for process in set(multiprocessing.active_children()) - self._before:
-            process.kill()  # SIGKILL: the workers ignore SIGINT and SIGTERM
-            process.join(timeout=10)
+        if self._host is None:
+            try:
+                import dsc.compiler.write  # noqa: F401  (this process decodes: a broken install fails here)
+            except ImportError as e:
+                raise CompileError(f"cannot decode: {type(e).__name__}: {e}") from e
+        else:
+            kind, why = self._receive()
+            if kind != "ready":
+                raise CompileError(f"the worker processes cannot decode: {why}")
+        self._ready = True
+
+    def _receive(self) -> tuple:
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):  # the host died (killed, out of memory)
+            raise CompileError(WORKER_DIED) from None
 
     def fill(self, job: WriteJob, chunks: Iterable[Chunk], on_results: OnResults) -> None:
-        if self._pool is None:
+        chunks = list(chunks)
+        self.ready()
+        if self._host is None:
             _fill_here(job, chunks, on_results)
             return
-        chunks = iter(chunks)
         try:
-            pending: set[Future] = {self._pool.submit(_work, job, c)
-                                    for c in islice(chunks, self.workers * IN_FLIGHT_PER_WORKER)}
+            self._conn.send(("start", job, max(1, min(self.workers, len(chunks)))))  # no pool of 8 for 2 chunks
+            queue, pending = iter(chunks), 0
+            for chunk in islice(queue, self.workers * IN_FLIGHT_PER_WORKER):
+                self._conn.send(("chunk", chunk))
+                pending += 1
             while pending:
-                done, pending = wait(pending, return_when=FIRST_COMPLETED)
-                pending |= {self._pool.submit(_work, job, c) for c in islice(chunks, len(done))}
-                for future in done:
-                    on_results(future.result())
-        except BrokenProcessPool as e:
-            self._stop(finished=False)
-            raise CompileError("a worker process died (killed by a signal, or out of memory?); the output was "
-                               "not written, and the same command with --resume continues the work") from e
-        except BaseException:  # --strict, Ctrl-C: no worker may go on writing into the build
-            self._stop(finished=False)
+                kind, value = self._receive()
+                if kind == "error":
+                    raise CompileError(WORKER_DIED if value == "broken" else f"a worker failed: {value}")
+                pending -= 1
+                for chunk in islice(queue, 1):
+                    self._conn.send(("chunk", chunk))
+                    pending += 1
+                on_results(value)
+        except BaseException:  # --strict, Ctrl-C, a dead worker: no worker may go on writing into the build
+            self._stop()
             raise
 
 
 def _fill_here(job: WriteJob, chunks: Iterable[Chunk], on_results: OnResults) -> None:
-    """One worker: decode in this process, each chunk with a writer of its own (`write.write_chunk`)."""
+    """Decode in this process, each chunk with a writer of its own (`write.write_chunk`)."""
     from dsc.compiler import write  # the decoding side: imported only where records are written
 
     for chunk in chunks:
         on_results(write.write_chunk(job, chunk))
 
 
-_WRITERS: dict = {}  # in each worker: its SlotWriter for the job at hand
-
-
-def _writer(job: WriteJob):
-    """This worker's `SlotWriter` for `job` (made on its first chunk)."""
-    if job not in _WRITERS:
-        from dsc.compiler.write import SlotWriter  # imported by _init_worker already: no cost here
-
-        _WRITERS.clear()
-        _WRITERS[job] = SlotWriter(job)
-    return _WRITERS[job]
-
-
-def _die_with_parent(parent: int) -> None:
-    """Linux: have the kernel kill this worker when the compile process dies (kill -9 included),
-    so no orphan goes on writing into a partial build that a resumed compile now owns."""
+def _die_with_parent() -> None:
+    """Linux: have the kernel kill this process when its parent dies (kill -9 included), so no
+    orphan goes on writing into a partial build that a resumed compile now owns."""
+    parent = os.getppid()
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
@@ -123,15 +164,64 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _init_worker(parent: int) -> None:
-    _die_with_parent(parent)
-    # Ctrl-C and SIGTERM sent to the whole process group are the parent's to handle: it cleans up
-    # and then kills us. A worker that died of them first would read as a crash.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def _ignore_stop_signals() -> None:
+    """Ctrl-C and SIGTERM sent to the whole process group are the driver's to handle: it cleans up
+    and then kills us. A process that died of them first would read as a crash."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
-    import dsc.compiler.write  # noqa: F401  (the decoders and torch, while the driver discovers)
+
+
+def _host_main(conn) -> None:
+    """The host: import the decoders, say so, then run a pool of workers for the driver's chunks."""
+    _die_with_parent()
+    _ignore_stop_signals()
+    try:
+        import dsc.compiler.write  # noqa: F401  (the decoders and torch, while the driver discovers)
+    except BaseException as e:
+        conn.send(("failed", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ready", None))
+    sending, pool, job = threading.Lock(), None, None
+
+    def send_result(future: Future) -> None:  # runs on the pool's thread: one sender at a time
+        try:
+            message = ("done", future.result())
+        except BrokenProcessPool:
+            message = ("error", "broken")
+        except BaseException as e:  # a bug in dsc, not a bad image (those are SlotResults)
+            message = ("error", "".join(traceback.format_exception_only(type(e), e)).strip())
+        with sending:
+            conn.send(message)
+
+    try:
+        while True:
+            kind, *args = conn.recv()
+            if kind == "start":
+                job, workers = args
+                pool = ProcessPoolExecutor(workers, multiprocessing.get_context(START_METHOD), _init_worker)
+            elif kind == "chunk":
+                pool.submit(_work, job, args[0]).add_done_callback(send_result)
+            else:  # "end"
+                break
+    except EOFError:  # the driver went away: stop at once
+        os._exit(1)
+    if pool is not None:
+        pool.shutdown(wait=True)
+
+
+def _init_worker() -> None:
+    _die_with_parent()
+    _ignore_stop_signals()
+
+
+_WRITERS: dict = {}  # in each worker: its SlotWriter for the job at hand
 
 
 def _work(job: WriteJob, chunk: Chunk) -> list[SlotResult]:
-    return _writer(job).write(chunk)
+    if job not in _WRITERS:
+        from dsc.compiler.write import SlotWriter  # imported by the host already: shared, no cost here
+
+        _WRITERS.clear()
+        _WRITERS[job] = SlotWriter(job)
+    return _WRITERS[job].write(chunk)

@@ -43,6 +43,9 @@ class RayEngine:
             self._ray.shutdown()
         self._ray, self._started = None, False
 
+    def ready(self) -> None:
+        """The cluster's workers import the decoders in each task; a failure there is reported per task."""
+
     def fill(self, job: WriteJob, chunks: Iterable[Chunk], on_results: OnResults) -> None:
         ray = self._ray
         remote = ray.remote(num_cpus=1, max_retries=RETRIES)(write_chunk)
