@@ -2,7 +2,7 @@
 
     python benchmarks/compile_bench.py CORPUS [--size 224] [--limit N] [--out-dir DIR]
 
-CORPUS is an ImageFolder tree (e.g. `sh ../shared/corpus/build.sh /tmp/corpus 2000` → /tmp/corpus/realistic).
+CORPUS is any ImageFolder tree (e.g. `python benchmarks/corpus.py /tmp/corpus`, built from this clone).
 Runs, after reading every file once to warm the page cache:
   dsc `compile_folder` with workers=1 (in-process) and workers=os.cpu_count() (worker processes),
   baseline Pillow `open → convert('RGB') → resize((S, S), BILINEAR)` (no draft/DCT scaling) in one process

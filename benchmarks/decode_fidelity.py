@@ -4,8 +4,10 @@
 
 The reference is Pillow alone: a full decode, EXIF-transposed, converted to RGB and resized by
 ``BILINEAR`` over the centre-crop box formats.md specifies (computed here from the spec's words,
-not dsc's code). For every JPEG of CORPUS (evenly thinned to --limit) and every size it prints,
-per mode, the mean and worst per-record mean |diff|. ``--margins`` adds a candidate policy
+not dsc's code). CORPUS is any ImageFolder tree; what is measured depends on image content, so
+photos of your own say more than the 20 bundled ones `benchmarks/corpus.py` cuts its corpus from.
+For every JPEG of CORPUS (evenly thinned to --limit) and every size it prints, per mode, the mean
+and worst per-record mean |diff|. ``--margins`` adds a candidate policy
 (denominator:margin pairs) to compare with "faithful" and "fast".
 """
 

@@ -2,7 +2,7 @@
 
     python benchmarks/engine_bench.py CORPUS [--size 224] [--workers N] [--repeat 2] [--out-dir DIR]
 
-CORPUS is an ImageFolder tree (e.g. `sh ../shared/corpus/build.sh /tmp/corpus 2000` → /tmp/corpus/realistic).
+CORPUS is any ImageFolder tree (e.g. `python benchmarks/corpus.py /tmp/corpus`, built from this clone).
 A local Ray instance of `--workers` CPUs is started first and joined by every Ray compile, so the
 figures are "once Ray has started": its first compile still starts the task workers (each imports
 torch), the later ones reuse them. The local compiles run in a child process started before Ray,

@@ -1,8 +1,9 @@
 """dsc side by side with the tools its users would pick instead: LitData and MosaicML Streaming.
 
     python benchmarks/peer_bench.py SRC [--images N] [--size 224] [--workers 2] [--epochs 5] [--repeat 3]
+                                        [--peers litdata streaming]
 
-SRC is an image folder (e.g. the corpus of `sh ../shared/corpus/build.sh /tmp/corpus 2000`);
+SRC is any ImageFolder tree (e.g. `python benchmarks/corpus.py /tmp/corpus`, built from this clone);
 `--images N` takes its first N images (in dsc's discovery order). Every tool gets the same
 photos, the same size and the same number of workers, and runs in a fresh process each time
 (`peer_runs.py`); one table is printed:
@@ -70,8 +71,11 @@ class PeerEnv:
             env["PYTHONPATH"] = str(self.cache / "stand-in")
         return env
 
-    def ensure(self) -> None:
-        """Create the environment once; then check each peer imports (a reason per one that does not)."""
+    def ensure(self, peers: list[str]) -> None:
+        """Create the environment once; then check each of `peers` imports (a reason per one that does not)."""
+        self.missing = {tool: "not asked for (--peers)" for tool in PEERS if tool not in peers}
+        if not peers:
+            return
         if not self.python.exists():
             steps = [[sys.executable, "-m", "venv", str(self.cache / "venv")],
                      [str(self.python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *PEER_IMPORTS],
@@ -82,12 +86,12 @@ class PeerEnv:
                 if done.returncode:
                     shutil.rmtree(self.cache / "venv", ignore_errors=True)
                     why = (done.stderr.strip().splitlines() or ["failed"])[-1]
-                    self.missing = {tool: f"{' '.join(step[2:5])}: {why}" for tool in PEERS}
+                    self.missing |= {tool: f"{' '.join(step[2:5])}: {why}" for tool in peers}
                     return
         for name, text in STAND_IN.items():
             (self.cache / "stand-in" / name).parent.mkdir(parents=True, exist_ok=True)
             (self.cache / "stand-in" / name).write_text(text)
-        for tool in PEERS:
+        for tool in peers:
             done = subprocess.run([str(self.python), "-c", f"import {tool}"], capture_output=True, text=True,
                                   env=self.env(tool))
             if done.returncode:
@@ -179,7 +183,7 @@ def prepare_rows(args, env: PeerEnv, folder: Path, listing: Path, work: Path) ->
     rows = {}
     for name, (tool, mode) in jobs.items():
         if tool in env.missing:
-            rows[name] = (f"not installed: {env.missing[tool]}", None)
+            rows[name] = (env.missing[tool] if tool not in args.peers else f"not installed: {env.missing[tool]}", None)
             continue
         out, best = work / name.replace(" ", "_").replace("(", "").replace(")", ""), float("inf")
         for _ in range(args.repeat):
@@ -204,9 +208,11 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--cache", type=Path, default=Path(os.environ.get("DSC_PEER_CACHE", "~/.cache/dsc/peers")))
+    parser.add_argument("--peers", nargs="*", choices=list(PEERS), default=list(PEERS),
+                        help="the peers to run beside dsc [default: all]; none (--peers alone) runs dsc's rows only")
     args = parser.parse_args()
     env = PeerEnv(args.cache.expanduser())
-    env.ensure()
+    env.ensure(args.peers)
     with tempfile.TemporaryDirectory(prefix="dsc-peers-") as tmp:
         work = Path(tmp)
         folder, listing, count = subset(args.src, args.images, work)

@@ -2,7 +2,7 @@
 
     python benchmarks/read_bench.py CORPUS [--out DIR] [--copies 8] [--batch 256] [--repeat 3]
 
-CORPUS is an ImageFolder tree (`sh ../shared/corpus/build.sh /tmp/corpus 2000` → /tmp/corpus/realistic).
+CORPUS is any ImageFolder tree (e.g. `python benchmarks/corpus.py /tmp/corpus`, built from this clone).
 Unless DIR already holds a dataset, the corpus is repeated `--copies` times through a folder of
 symlinks and compiled at 224×224 into DIR (≥ 2 GiB with the 2000-image corpus and 8 copies).
 Every shard is then read once (page cache warm); each row reads one epoch, batch 256, on as many

@@ -3,8 +3,8 @@
     python benchmarks/scale_sim.py [DATASET] [--corpus DIR] [--ranks 2 4 8] [--ranks-per-node 2]
                                    [--batch 64] [--epochs 3] [--repeat 3]
 
-DATASET (default /tmp/scale_ds) is compiled from CORPUS (default /tmp/corpus/realistic, from
-`sh ../shared/corpus/build.sh /tmp/corpus 2000`) at 224×224 with 125 records per shard unless it
+DATASET (default /tmp/scale_ds) is compiled from CORPUS (any ImageFolder tree, e.g.
+`python benchmarks/corpus.py /tmp/corpus`) at 224×224 with 125 records per shard unless it
 already exists. The page cache is warmed, then for each N and each order (sequential, block,
 random, block + locality="shard") N threads each iterate `ds.loader(rank=r, world_size=N)` for
 `--epochs` epochs at the same time (one copy thread each), `--repeat` times (the fastest run is
@@ -33,6 +33,7 @@ import numpy as np
 import dsc
 from dsc.reader import MemmapDataset
 from dsc.reader import order as orders
+from dsc.storage import is_dataset
 
 PAGE = 4096
 CONFIGS = (("sequential", None), ("block", None), ("random", None), ("block", "shard"))
@@ -120,8 +121,10 @@ def row(world: int, name: str, r: dict[str, float], rate: float, record_bytes: i
             f"{r['bits']:>5.2f} {rate:>9.0f} {rate * record_bytes / 1e9:>5.2f}")
 
 
-def dataset(path: Path, corpus: Path) -> MemmapDataset:
-    if not (path / "manifest.json").exists():
+def dataset(path: Path, corpus: Path | None) -> MemmapDataset:
+    if not is_dataset(path):
+        if corpus is None:
+            raise SystemExit(f"error: {path} is not a dataset yet; give --corpus, an image folder to compile it from")
         dsc.compile_folder(corpus, path, size=224, records_per_shard=125)
     return MemmapDataset(path)
 
@@ -129,7 +132,7 @@ def dataset(path: Path, corpus: Path) -> MemmapDataset:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dataset", nargs="?", type=Path, default=Path("/tmp/scale_ds"))
-    parser.add_argument("--corpus", type=Path, default=Path("/tmp/corpus/realistic"))
+    parser.add_argument("--corpus", type=Path, help="ImageFolder tree to compile DATASET from, when it does not exist")
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--ranks-per-node", type=int, default=2)
     parser.add_argument("--batch", type=int, default=64)

@@ -1,0 +1,75 @@
+"""Every `python benchmarks/...` and `python examples/...` command the README shows runs as
+written, from a clone alone: each is run here with the README's own arguments, its paths pointed
+into a temporary folder and a few arguments added that make it tiny (argparse lets a later
+option override an earlier one). The corpus they read is the one the README tells users to build
+(`benchmarks/corpus.py`), built here by the README's own command."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+SHOWN = re.compile(r"`(python (?:benchmarks|examples)/[^`]+)`")
+
+# script -> the arguments that make a run tiny (added after the README's own)
+TINY = {
+    "benchmarks/corpus.py": ["--images", "24", "--classes", "3"],
+    "benchmarks/compile_bench.py": ["--size", "32", "--limit", "12"],
+    "benchmarks/read_bench.py": ["--copies", "1", "--batch", "8", "--repeat", "1", "--out", "{tmp}/read_ds"],
+    "benchmarks/decode_fidelity.py": ["--sizes", "32", "--limit", "3"],
+    "benchmarks/transforms_bench.py": ["--batch", "2", "--record", "32", "--repeat", "1"],
+    "benchmarks/engine_bench.py": ["--size", "16", "--workers", "1", "--repeat", "1", "--out-dir", "{tmp}"],
+    "benchmarks/scale_compile.py": ["--files", "30", "--scales", "30", "--engines", "local", "--workers", "1",
+                                    "--resume-engine", "", "--root", "{tmp}/scale"],
+    "benchmarks/scale_sim.py": ["--ranks", "2", "--batch", "4", "--epochs", "1", "--repeat", "1"],
+    "benchmarks/startup_bench.py": ["--repeat", "1"],
+    "benchmarks/peer_bench.py": ["--images", "12", "--size", "32", "--epochs", "2", "--repeat", "1", "--peers"],
+    "examples/train.py": ["--steps", "2", "--data", "{tmp}/train_ds"],
+    "examples/frameworks/lightning_train.py": ["--epochs", "1", "--max-steps", "2", "--checkpoint-dir",
+                                               "{tmp}/checkpoints"],
+}
+PATHS = {"/tmp/corpus": "{tmp}/corpus", "/tmp/scale_ds": "{tmp}/scale_ds", "out/": "{tmp}/dataset"}
+
+
+def shown_commands() -> list[str]:
+    """Each distinct command in backticks, its line breaks undone."""
+    return list(dict.fromkeys(" ".join(m.split()) for m in SHOWN.findall(README)))
+
+
+def runnable(command: str, tmp: Path) -> list[str]:
+    words = shlex.split(command)
+    words = [PATHS.get(w, w) for w in words]
+    return [sys.executable, *words[1:], *TINY[words[1]]]
+
+
+def test_every_shown_command_has_a_tiny_run() -> None:
+    scripts = {shlex.split(c)[1] for c in shown_commands()}
+    assert "benchmarks/read_bench.py" in scripts and "benchmarks/corpus.py" in scripts  # the reading sees them
+    assert scripts - set(TINY) == set(), "a README command without a tiny run here"
+    assert all((ROOT / s).is_file() for s in scripts)
+
+
+def test_every_shown_command_runs_as_written(tmp_path: Path) -> None:
+    commands = sorted(shown_commands(), key=lambda c: "benchmarks/corpus.py" not in c)  # the corpus first
+    assert "benchmarks/corpus.py" in commands[0]
+    subprocess.run([sys.executable, "-m", "dsc", "compile", str(ROOT / "examples" / "images"),
+                    str(tmp_path / "dataset"), "--size", "32", "-j", "1"], check=True, capture_output=True)
+    failed = []
+    for command in commands:
+        argv = [a.replace("{tmp}", str(tmp_path)) for a in runnable(command, tmp_path)]
+        done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        if done.returncode:
+            failed.append(f"{command}\n  ran: {shlex.join(argv[1:])}\n  " + done.stderr.strip()[-800:])
+    assert failed == [], "\n".join(failed)
+
+
+def test_nothing_points_outside_the_clone() -> None:
+    """A user's clone has no `../shared` folder: no benchmark, example or README line may need one."""
+    texts = {p.relative_to(ROOT).as_posix(): p.read_text() for p in
+             [ROOT / "README.md", *ROOT.glob("benchmarks/*.py"), *ROOT.glob("examples/**/*.py")]}
+    assert [name for name, text in texts.items() if "../shared" in text] == []
