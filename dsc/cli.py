@@ -29,7 +29,7 @@ from dsc.compiler.pipeline import compile_folder
 from dsc.compiler.publish import pending_publish, staging_path
 from dsc.compiler.target import FITS, Target, parse_size
 from dsc.errors import CompileError, DscError
-from dsc.format import ALPHA, MANIFEST_FILE
+from dsc.format import ALPHA, MANIFEST_FILE, minor_version
 from dsc.storage import open_dataset, verify_checksums
 from dsc.tools.inspect_dataset import summary as inspect_summary
 from dsc.tools.sheet import pick_records, save_sheet
@@ -348,7 +348,9 @@ def verify_command(
     except DscError as e:
         _fail_dataset(dataset, e)
     fields = f", {len(manifest.fields)} field file(s)" if manifest.fields else ""
-    typer.echo(f"ok: manifest, {len(manifest.shards)} shard(s){fields} and index files match ({_human_bytes(total)})")
+    unsealed = "" if minor_version(manifest.version) >= 2 else f" (format {manifest.version}: no checksum of its own)"
+    typer.echo(f"ok: manifest{unsealed}, {len(manifest.shards)} shard(s){fields} and index files match "
+               f"({_human_bytes(total)})")
     if decode:
         from dsc.tools.recheck import check_against_sources  # the decoders and torch: only for --decode
 

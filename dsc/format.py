@@ -39,7 +39,7 @@ import numpy as np
 from dsc.errors import DatasetError, UnsupportedVersionError
 
 FORMAT_NAME = "dsc"
-FORMAT_VERSION = "1.1"  # MAJOR.MINOR: a reader refuses another MAJOR; MINOR only adds keys.
+FORMAT_VERSION = "1.2"  # MAJOR.MINOR: a reader refuses another MAJOR; MINOR only adds keys.
 MANIFEST_FILE = "manifest.json"
 SHARD_DIR = "shards"
 LABELS_FILE = "labels.bin"
@@ -47,6 +47,8 @@ SIZES_FILE = "sizes.bin"
 SOURCE_OFFSETS_FILE = "source_offsets.bin"
 SOURCES_FILE = "sources.bin"
 SKIP_LIST_FILE = "skipped.jsonl"  # 1.1: every skipped source, one JSON object a line
+SEAL_KEY = "manifest_sha256"  # 1.2: the manifest's own SHA-256, computed with this value as 64 '0's
+_SEAL_PLACEHOLDER = "0" * 64
 SKIPPED_IN_MANIFEST = 100  # 1.1: the manifest's "skipped" holds only the first ones (it must stay small)
 INDEX_FILES = {"labels": LABELS_FILE, "sizes": SIZES_FILE,
                "source_offsets": SOURCE_OFFSETS_FILE, "sources": SOURCES_FILE}
@@ -199,7 +201,37 @@ class Manifest:
             doc["fields"] = [f.to_dict() for f in self.fields]
         if self.skipped_list is not None:
             doc["skipped_list"] = asdict(self.skipped_list)
+        if minor_version(self.version) >= 2:
+            doc[SEAL_KEY] = _SEAL_PLACEHOLDER
+            return sealed(json.dumps(doc, indent=1, ensure_ascii=True) + "\n")
         return json.dumps(doc, indent=1, ensure_ascii=True) + "\n"
+
+
+def minor_version(version: str) -> int:
+    """The MINOR part of a 'MAJOR.MINOR' version this module has checked or written."""
+    return int(version.split(".")[1])
+
+
+def sealed(text: str) -> str:
+    """A manifest's text (ASCII, its 'manifest_sha256' still 64 '0's) with its checksum filled in:
+    the SHA-256 of the text as it stands, so that putting the zeros back gives it again."""
+    digest = hashlib.sha256(text.encode("ascii")).hexdigest()
+    key = json.dumps(SEAL_KEY)  # only the key can be followed by ': "' (quotes inside strings are escaped)
+    return text.replace(f'{key}: "{_SEAL_PLACEHOLDER}"', f'{key}: "{digest}"', 1)
+
+
+def seal_problem(text: bytes, manifest: Manifest, root: Any) -> str | None:
+    """Why a manifest's bytes do not match their own checksum (1.2 on; None when they do, or for an
+    older version, which has none): an edit by hand, or damage the sizes and digests it lists miss."""
+    if minor_version(manifest.version) < 2:
+        return None
+    seal = json.loads(text)[SEAL_KEY].encode("ascii")  # parse_manifest checked it: 64 lowercase hex digits
+    if text.count(seal) != 1:
+        return f"{_at(root, MANIFEST_FILE)}: its checksum {SEAL_KEY!r} appears {text.count(seal)} times in it"
+    if hashlib.sha256(text.replace(seal, _SEAL_PLACEHOLDER.encode())).hexdigest() != seal.decode():
+        return (f"{_at(root, MANIFEST_FILE)}: its content does not match its own checksum ({SEAL_KEY!r}): "
+                "it was changed after it was written")
+    return None
 
 
 # ----------------------------------------------------------------------------- layout helpers
@@ -321,7 +353,8 @@ ValuesOf = Callable[[str, np.dtype, int], Iterable[np.ndarray]]  # the first n v
 
 _MANIFEST_KEYS_1_0 = {"format", "version", "record", "count", "records_per_shard", "classes",
                       "shards", "index", "skipped", "compile"}
-_MANIFEST_KEYS = {0: _MANIFEST_KEYS_1_0, 1: _MANIFEST_KEYS_1_0 | {"fields"}}  # required, by MINOR version
+_MANIFEST_KEYS = {0: _MANIFEST_KEYS_1_0, 1: _MANIFEST_KEYS_1_0 | {"fields"},  # required, by MINOR version
+                  2: _MANIFEST_KEYS_1_0 | {"fields", SEAL_KEY}}
 _KEYS_SINCE_1_1 = frozenset({"skipped_list"})  # optional from 1.1 on
 _RECORD_KEYS = {"shape", "dtype", "layout", "color", "bytes"}
 _FILE_KEYS = {"file", "bytes", "sha256"}
@@ -362,6 +395,13 @@ def _expect_keys(root: Path, doc: Any, required: set[str], where: str, extra_ok:
     unknown = doc.keys() - required - optional
     if unknown and not extra_ok:
         raise _fail(root, f"{where}unknown key(s) {sorted(unknown)} for version {doc.get('version', FORMAT_VERSION)}")
+
+
+def _expect_hex_digest(root: Path, doc: dict, key: str, where: str) -> str:
+    value = _expect(root, doc, key, str, where)
+    if len(value) != 64 or any(c not in "0123456789abcdef" for c in value):
+        raise _fail(root, f"{where}{key!r} must be 64 lowercase hex digits")
+    return value
 
 
 def _check_version(root: Path, doc: dict) -> int:
@@ -415,9 +455,7 @@ def _file_entry(stored: _Stored, doc: Any, where: str, expected_bytes: int | Non
         raise _fail(root, f"{where} {problem}")
     actual = stored.size_of(doc["file"], where)
     size = _expect_int(root, doc, "bytes", 0, 1 << 50, f"{where}: ")
-    sha = _expect(root, doc, "sha256", str, f"{where}: ")
-    if len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
-        raise _fail(root, f"{where}: 'sha256' must be 64 lowercase hex digits")
+    _expect_hex_digest(root, doc, "sha256", f"{where}: ")
     if expected_bytes is not None and size != expected_bytes:
         raise _fail(root, f"{where}: declares {size} bytes, but its record count needs {expected_bytes}")
     if actual != size:
@@ -498,6 +536,8 @@ def parse_manifest(text: bytes, root: Any, size_of: SizeOf) -> Manifest:
         entry = _file_entry(stored, index_doc[key], f"index.{key}", index_bytes[key], newer)
         index[key] = FileEntry(entry["file"], entry["bytes"], entry["sha256"])
 
+    if minor >= 2:
+        _expect_hex_digest(root, doc, SEAL_KEY, "")
     skipped = _expect(root, doc, "skipped", list)
     if not all(_is_skip(s, newer) for s in skipped):
         raise _fail(root, "'skipped' must be a list of {\"source\": str, \"reason\": str} objects")

@@ -4,8 +4,9 @@
   grayscale JPEG, an EXIF-rotated JPEG, a PNG with alpha), byte for byte the same for a seed.
 - `pillow_reference` is an independent implementation of each fit policy of formats.md
   ("compile"): a full Pillow decode, EXIF transpose, alpha onto black, then Pillow's resize.
-- `assert_roundtrip` compiles a folder (or takes a compiled one) and checks every record's
-  label, original size and pixels against that reference, naming the worst offender.
+- `assert_roundtrip` checks a compiled dataset (or, asked with `compile_first=True`, compiles
+  the folder first) record by record: label, original size and pixels against that reference,
+  naming the worst offender.
 
 Nothing here imports pytest: a failed check is a plain AssertionError, so the helpers work
 under any test runner.
@@ -31,22 +32,24 @@ from dsc.compiler.pipeline import compile_folder
 from dsc.errors import ChecksumError
 from dsc.reader import MemmapDataset
 
-__all__ = ["make_image_folder", "pillow_reference", "assert_roundtrip", "RoundTrip", "DEFAULT_MAX_MEAN_ABS_DIFF"]
+__all__ = ["make_image_folder", "pillow_reference", "assert_roundtrip", "RoundTrip", "MAX_MEAN_ABS_DIFF",
+           "DEFAULT_MAX_MEAN_ABS_DIFF"]
 
 # The per-record limit on the mean absolute difference (over all H·W·3 channel values, 0-255)
-# between a record and `pillow_reference`. Measured by tests/test_compile.py: a faithful
-# compile (the default: JPEGs decoded at full size) agrees with Pillow to < 0.1 at every size;
-# with fast_decode=True, sources 2-8x the target are first downscaled by libjpeg-turbo in the
-# DCT domain, a box-like filter unlike Pillow's full-size bilinear, which costs up to ~5 on small
-# synthetic images (3.9 at the 99th percentile of a photo corpus at 224x224). Real errors give
-# far more (measured on make_image_folder's pictures, 24-224 px records): another image's pixels
+# between a record and `pillow_reference`, by the decode mode the manifest records. A faithful
+# compile (the default: JPEGs decoded at full size) differs from Pillow only by the resize
+# kernel's rounding: formats.md bounds it at 2.5 on real photos at every size (held by
+# tests/test_fidelity.py; make_image_folder's pictures give 0.002-0.35). With fast_decode=True,
+# sources 2-8x the target are first downscaled by libjpeg-turbo in the DCT domain, a box-like
+# filter unlike Pillow's full-size bilinear, which costs up to ~5 on small synthetic images (3.9
+# at the 99th percentile of a photo corpus at 224x224): 10 is twice that. Real errors give far
+# more (measured on make_image_folder's pictures, 24-224 px records): another image's pixels
 # > 21, a missed EXIF rotation > 49, swapped R and B > 25 (> 14 under pad, whose black border
-# agrees anyway); test_compile.py: a wrong crop > 20. 10 sits between: twice the worst honest
-# difference, below the smallest error. It assumes records of about 24 px a side or more: a 16
-# or 8 px record fast-decoded from sources 4-8x larger holds a few DCT blocks' worth of pixels,
-# and honest differences then reach 12-20 (measured on make_image_folder's pictures); raise the
-# limit for such sizes.
-DEFAULT_MAX_MEAN_ABS_DIFF = 10.0
+# agrees anyway); test_compile.py: a wrong crop > 20. Both limits assume records of about 24 px a
+# side or more: a 16 or 8 px record fast-decoded from sources 4-8x larger holds a few DCT
+# blocks' worth of pixels, and honest differences then reach 12-20; pass a limit for such sizes.
+MAX_MEAN_ABS_DIFF = {"faithful": 2.5, "fast": 10.0}
+DEFAULT_MAX_MEAN_ABS_DIFF = MAX_MEAN_ABS_DIFF["fast"]  # the larger of the two, kept for older callers
 EXTENSIONS = {"jpeg": ".jpg", "png": ".png", "bmp": ".bmp", "tiff": ".tif", "webp": ".webp"}
 _ALPHA_MODES = frozenset({"RGBA", "LA", "PA", "La", "RGBa"})
 _FITS = ("center-crop", "stretch", "pad")
@@ -257,9 +260,22 @@ def _field_problems(ds: MemmapDataset, i: int, source: str, row: dict[str, Any])
     return problems
 
 
+def _label_problems(ds: MemmapDataset, wrong: dict[tuple[int, int | None], list[int]]) -> list[str]:
+    """One line per pair of stored label and the label the folder gives (a renamed class is one
+    line, not one per record), naming its first record and how many more share it."""
+    lines = []
+    for (label, want), records in wrong.items():
+        i, named = records[0], [f"{k} ({ds.classes[k]!r})" if k is not None and 0 <= k < len(ds.classes) else str(k)
+                                for k in (label, want)]
+        more = f" (and {len(records) - 1} more records like it)" if len(records) > 1 else ""
+        lines.append(f"record {i} ({ds.opened.source(i)}): label {named[0]}, but its folder gives {named[1]}{more}")
+    return lines
+
+
 def _check_record(src: Path, ds: MemmapDataset, i: int, fit: str, alpha: str,
-                  rows: dict[str, dict[str, Any]] | None) -> tuple[list[str], float]:
-    """Record i's label, field and size problems, and its pixels' mean abs diff from the reference."""
+                  rows: dict[str, dict[str, Any]] | None) -> tuple[list[str], float, int | None]:
+    """Record i's field and size problems, its pixels' mean abs diff from the reference, and the
+    label its folder gives when the stored one differs (else the stored label)."""
     opened, (height, width, _) = ds.opened, ds.record_shape
     source, problems = opened.source(i), []
     image, label = ds[i]
@@ -267,19 +283,15 @@ def _check_record(src: Path, ds: MemmapDataset, i: int, fit: str, alpha: str,
         problems += _field_problems(ds, i, source, rows[source]) if source in rows else \
             [f"record {i} ({source}): not listed in the label table"]
     want = label if rows is not None else _expected_label(source, ds.manifest.classes)
-    if label != want:
-        named = [f"{k} ({ds.classes[k]!r})" if k is not None and 0 <= k < len(ds.classes) else str(k)
-                 for k in (label, want)]
-        problems.append(f"record {i} ({source}): label {named[0]}, but its folder gives {named[1]}")
     try:
         upright = _upright_rgb(src / source, alpha)
     except OSError as e:  # missing, unreadable, or not an image to Pillow
-        return problems + [f"record {i} ({source}): no reference, Pillow cannot open the source: {e}"], np.inf
+        return problems + [f"record {i} ({source}): no reference, Pillow cannot open the source: {e}"], np.inf, want
     if tuple(opened.sizes[i]) != upright.size[::-1]:
         problems.append(f"record {i} ({source}): recorded size {tuple(map(int, opened.sizes[i]))}, "
                         f"but the upright source is {upright.size[::-1]} (height, width)")
     got = image.permute(1, 2, 0).numpy().astype(np.int16)
-    return problems, float(np.abs(got - _fit(upright, height, width, fit)).mean())
+    return problems, float(np.abs(got - _fit(upright, height, width, fit)).mean()), want
 
 
 def _uncovered_sources(src: Path, ds: MemmapDataset, rows: dict[str, dict[str, Any]] | None) -> list[str]:
@@ -296,28 +308,37 @@ def _uncovered_sources(src: Path, ds: MemmapDataset, rows: dict[str, dict[str, A
                   and printable[s].split("/")[0] not in skipped)
 
 
-def _recorded_policy(ds: MemmapDataset) -> tuple[str, str, list[str]]:
-    """The fit policy and alpha rule the manifest records, and any disagreement with the record shape."""
+def _recorded_policy(ds: MemmapDataset) -> tuple[str, str, str, list[str]]:
+    """The fit policy, alpha rule and decode mode the manifest records, and any disagreement with
+    the record shape or the format's names."""
     compiled, (height, width, _) = ds.manifest.compile, ds.record_shape
     fit, size = compiled.get("fit"), compiled.get("size")
+    decode = compiled.get("decode", fmt.DECODE_MODE_UNRECORDED)
     alpha = {text: name for name, text in fmt.ALPHA.items()}.get(compiled.get("alpha"))
     problems = [] if alpha else [f"manifest 'compile' records alpha {compiled.get('alpha')!r}, not one of "
                                  f"{', '.join(map(repr, fmt.ALPHA.values()))}"]
     if fit not in _FITS:
         problems.append(f"manifest 'compile' records fit {fit!r}, not one of {', '.join(_FITS)}")
+    if decode not in MAX_MEAN_ABS_DIFF:
+        problems.append(f"manifest 'compile' records decode {decode!r}, not one of {', '.join(MAX_MEAN_ABS_DIFF)}")
     if size != [height, width]:
         problems.append(f"manifest 'compile' records size {size!r}, but records are {height}x{width}")
-    return (fit if fit in _FITS else "center-crop"), alpha or "black", problems
+    return ((fit if fit in _FITS else "center-crop"), alpha or "black",
+            (decode if decode in MAX_MEAN_ABS_DIFF else "fast"), problems)
 
 
-def _check_dataset(src: Path, out: Path, limit: float) -> RoundTrip:
+def _check_dataset(src: Path, out: Path, limit: float | None) -> RoundTrip:
     ds = MemmapDataset(out)
-    fit, alpha, problems = _recorded_policy(ds)
+    fit, alpha, decode, problems = _recorded_policy(ds)
+    limit = MAX_MEAN_ABS_DIFF[decode] if limit is None else limit
     rows = _table_rows(ds)
-    diffs = np.zeros(len(ds))
+    diffs, wrong = np.zeros(len(ds)), {}
     for i in range(len(ds)):
-        record_problems, diffs[i] = _check_record(src, ds, i, fit, alpha, rows)
+        record_problems, diffs[i], want = _check_record(src, ds, i, fit, alpha, rows)
         problems += record_problems
+        if want != (label := int(ds.opened.labels[i])):
+            wrong.setdefault((label, want), []).append(i)
+    problems += _label_problems(ds, wrong)
     worst = int(np.argmax(diffs))
     over = int(np.sum(diffs > limit))
     if over:
@@ -340,40 +361,48 @@ def _check_dataset(src: Path, out: Path, limit: float) -> RoundTrip:
     return RoundTrip(len(ds), float(diffs.mean()), float(diffs[worst]), worst, ds.opened.source(worst))
 
 
-def assert_roundtrip(src: str | os.PathLike, out: str | os.PathLike | None = None, *,
-                     max_mean_abs_diff: float = DEFAULT_MAX_MEAN_ABS_DIFF, **compile_options: Any) -> RoundTrip:
-    """Compile `src` into `out` (unless `out` already holds a dataset) and check it record by record.
+def assert_roundtrip(src: str | os.PathLike, out: str | os.PathLike | None = None, *, compile_first: bool = False,
+                     max_mean_abs_diff: float | None = None, **compile_options: Any) -> RoundTrip:
+    """Check the dataset at `out` record by record against its sources in `src`.
 
-    With `out=None` the dataset goes to a temporary folder, removed afterwards. `compile_options`
-    are `dsc.compile_folder`'s (size, fit, seed, workers, force, ...); giving any for an `out`
-    that is already compiled is a ValueError, unless `force=True` asks to compile it again.
+    Checking and compiling are apart, so that a CI check pointed at the wrong path fails instead
+    of compiling a dataset nobody ships: `out` must hold a dataset, unless `compile_first=True`
+    asks to compile `src` into it first with `compile_options` (`dsc.compile_folder`'s: size,
+    fit, seed, workers, force, ...; with `out=None`, into a temporary folder removed afterwards).
+    A missing `out` fails the check (AssertionError); one that is not a valid dataset raises
+    dsc.DatasetError; compile options without `compile_first` are a ValueError.
 
     Checked, against the sources in `src` (each record's source path is relative to it):
     every record's label is its class folder's index in `classes` (-1 when unlabeled) or, for a
     dataset compiled from a label table (the manifest names it), its label and every field hold
-    what the record's row of the table says; its
-    recorded size is the source's upright (height, width); its pixels are within
-    `max_mean_abs_diff` mean absolute difference per channel value (0-255) of
-    `pillow_reference` with the size and fit the manifest records. The default, 10, is twice
-    the worst difference libjpeg-turbo's DCT-domain downscaling (`fast_decode=True`) honestly
-    causes (~5 on small synthetic images with sources 2-8x the target; < 0.1 for a faithful
-    compile, the default) and below what a wrong
-    crop, a missed rotation, swapped colours or another image's pixels cause (> 14); for records
-    under ~24 px a side from much larger sources, raise it (see DEFAULT_MAX_MEAN_ABS_DIFF). Also:
-    every image file under `src` (outside hidden folders; only those a label table lists) is a
-    record or listed in the manifest's "skipped", no source is compiled twice, and every file matches its checksum.
+    what the record's row of the table says; its recorded size is the source's upright
+    (height, width); its pixels are within `max_mean_abs_diff` mean absolute difference per
+    channel value (0-255) of `pillow_reference` with the size and fit the manifest records. The
+    default limit follows the manifest's decode mode (MAX_MEAN_ABS_DIFF: 2.5 for a faithful
+    compile, 10 for fast_decode), below what a wrong crop, a missed rotation, swapped colours or
+    another image's pixels cause (> 14); for records under ~24 px a side from much larger
+    sources, raise it. Also: every image file under `src` (outside hidden folders; only those a
+    label table lists) is a record or listed in the manifest's "skipped", no source is compiled
+    twice, and every file (the manifest's own content included) matches its checksum.
 
     Raises AssertionError listing every failed check, naming the worst pixel offender (record,
-    source, its difference and the limit); a dataset that cannot be opened at all raises
-    dsc.DatasetError. Returns a `RoundTrip` with the measured differences.
+    source, its difference and the limit) and each wrong label once per pair of class folder and
+    stored label. Returns a `RoundTrip` with the measured differences.
     """
+    if compile_options and not compile_first:
+        raise ValueError(f"compile options {sorted(compile_options)} given without compile_first=True: "
+                         "assert_roundtrip only checks an existing dataset unless asked to compile it first")
     if out is None:
+        if not compile_first:
+            raise ValueError("no dataset to check: give out=, or compile_first=True to compile src into a "
+                             "temporary folder")
         with tempfile.TemporaryDirectory(prefix="dsc-roundtrip-") as tmp:
-            return assert_roundtrip(src, Path(tmp) / "out", max_mean_abs_diff=max_mean_abs_diff, **compile_options)
+            return assert_roundtrip(src, Path(tmp) / "out", compile_first=True, max_mean_abs_diff=max_mean_abs_diff,
+                                    **compile_options)
     src, out = Path(src), Path(out)
-    if compile_options.get("force") or not storage.is_dataset(out):
+    if compile_first:
         compile_folder(src, out, **compile_options)
-    elif compile_options:
-        raise ValueError(f"{out} is already compiled, so compile options {sorted(compile_options)} would be "
-                         "ignored: pass force=True to compile it again, or no options to check it as it is")
+    elif not os.path.lexists(out):
+        raise AssertionError(f"dsc round trip {src} -> {out} failed: {out} does not exist, so there is no "
+                             "dataset to check (compile_first=True compiles it first)")
     return _check_dataset(src, out, max_mean_abs_diff)

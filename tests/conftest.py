@@ -3,6 +3,7 @@ reference of each fit policy live in dsc.testing, which users' own CI uses too).
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from dsc import format as fmt
 from dsc.boxes import ATTEMPTS
 from dsc.testing import _pattern as pattern
 from dsc.testing import _save as save
@@ -66,3 +68,10 @@ def ref_box(draws: torch.Tensor, height: int, width: int, scale, ratio) -> tuple
     else:
         h, w = height, width
     return (height - h) // 2, (width - w) // 2, h, w
+
+
+def rewrite_manifest(root: Path, doc: dict) -> None:
+    """Write `doc` as the dataset's manifest with its own checksum made to agree, as a careful
+    forger would: only the checks beyond that checksum can then catch what was changed."""
+    doc = {**doc, fmt.SEAL_KEY: "0" * 64}
+    (root / fmt.MANIFEST_FILE).write_text(fmt.sealed(json.dumps(doc, ensure_ascii=True)))

@@ -69,7 +69,7 @@ def test_each_choice_gives_its_pixels_and_is_recorded(src: Path, tmp_path: Path,
 @pytest.mark.parametrize("alpha", ["white", "drop"])
 def test_the_round_trip_check_uses_the_recorded_choice(tmp_path: Path, alpha: str) -> None:
     src = make_image_folder(tmp_path / "src", classes=2, per_class=3, size=(32, 40))  # one PNG with alpha
-    result = assert_roundtrip(src, tmp_path / "out", size=32, alpha=alpha, workers=1)
+    result = assert_roundtrip(src, tmp_path / "out", compile_first=True, size=32, alpha=alpha, workers=1)
     assert result.records == 6 and result.worst_abs_diff < 1.0
     check = runner.invoke(app, ["verify", str(tmp_path / "out"), "--decode", "6"])
     assert check.exit_code == 0 and "max 0," in check.stdout, check.stdout

@@ -22,7 +22,7 @@ from dsc.storage import local
 from dsc.tools.bench import BenchReport, Rate, diagnose, evict, resident_fraction
 from dsc.tools.sheet import CAPTION_HEIGHT, pick_records
 
-from conftest import make_folder
+from conftest import make_folder, rewrite_manifest
 
 runner = CliRunner(env={"COLUMNS": "250", "TERMINAL_WIDTH": "250", "NO_COLOR": "1"})
 
@@ -92,7 +92,7 @@ def test_verify_decode_catches_an_altered_record(copy: Path, compiled) -> None:
     assert result.exit_code == 1 and "00000.bin: SHA-256" in result.stderr
     manifest = json.loads((copy / "manifest.json").read_text())  # ...so make them agree with the damage
     manifest["shards"][0]["sha256"] = local.sha256_file(copy / fmt.shard_file(0))
-    (copy / "manifest.json").write_text(json.dumps(manifest))
+    rewrite_manifest(copy, manifest)
     result = invoke("verify", copy, "--decode", "15")
     assert result.exit_code == 1 and "differs from its source" in result.stderr
 
@@ -100,7 +100,7 @@ def test_verify_decode_catches_an_altered_record(copy: Path, compiled) -> None:
 def test_verify_decode_without_sources(copy: Path, tmp_path: Path) -> None:
     manifest = json.loads((copy / "manifest.json").read_text())
     manifest["compile"]["source_root"] = str(tmp_path / "gone")
-    (copy / "manifest.json").write_text(json.dumps(manifest))
+    rewrite_manifest(copy, manifest)
     result = invoke("verify", copy, "--decode", "2")
     assert result.exit_code == 1
     assert "not checked:" in result.stderr and "none of the 2 records could be checked" in result.stderr

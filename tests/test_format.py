@@ -57,7 +57,7 @@ GOLDEN = {
     "fields/box.bin": "10fdafd06acfb09568faa775cb9d6cd3eecb7bfaa125203ea1abaafe0cb46a0a",
     "fields/tags.bin": "3d8948cc9de9c6b7d11fc57d32d1dd6e14a8728c218628fefe407ac23cf19869",
     "labels.bin": "e767c3048cadc9f414dfb85f7706ab1f32ecc03c54f37168b4f708590881ae72",
-    "manifest.json": "17e2969a271c3792800dc88190ea746d3414938f237b440a925304f2c18c647f",
+    "manifest.json": "cc701e24f860ea2f1be8af9834791c91441c07040926da91c1990577bd3c151a",
     "shards/00000.bin": "5d7e2d9b1dcbc85e7c890036a2cf2f9fe7b66554f2df08cec6aa9c0a25c99c21",
     "shards/00001.bin": "b6bda3532894fe14e260b28b68309d9947fee600de07ed4353412be70dc13b21",
     "shards/00002.bin": "c24577e1b2548f2402de01e22fc3465503b21a5cf00b6b1b76525776b206d81a",
@@ -67,6 +67,7 @@ GOLDEN = {
     "sources.bin": "9194c5e233d3775ab5854e88eac9c23da5133244e6470ce8c13ff5b49de11ec0",
 }
 GOLDEN_1_0_MANIFEST = "4a1301d9fa462a874250d998dd46f94cfde2d0c05381dabdefbced8ce0ea34ff"  # as dsc wrote 1.0
+GOLDEN_1_1_MANIFEST = "17e2969a271c3792800dc88190ea746d3414938f237b440a925304f2c18c647f"  # as dsc wrote 1.1
 
 
 def digests(root: Path) -> dict[str, str]:
@@ -95,6 +96,28 @@ def test_golden_bytes(tiny: Path) -> None:
     assert (tiny / "skipped.jsonl").read_bytes() == b'{"source": "b/bad.jpg", "reason": "empty file (0 bytes)"}\n'
     manifest = json.loads((tiny / "manifest.json").read_text())
     assert manifest["record"] == {"shape": [2, 3, 3], "dtype": "uint8", "layout": "HWC", "color": "RGB", "bytes": 18}
+    text, seal = (tiny / "manifest.json").read_bytes(), manifest["manifest_sha256"]  # 1.2: its own checksum
+    assert hashlib.sha256(text.replace(seal.encode(), b"0" * 64)).hexdigest() == seal and text.count(seal.encode()) == 1
+
+
+def test_a_1_1_dataset_opens_as_written_and_has_no_checksum_of_its_own(tmp_path: Path) -> None:
+    write_tiny(tmp_path / "old", version="1.1")
+    assert digests(tmp_path / "old")["manifest.json"] == GOLDEN_1_1_MANIFEST
+    opened = storage.open_dataset(tmp_path / "old")
+    assert opened.manifest.count == 5 and "box" in opened.fields
+    storage.verify_checksums(tmp_path / "old", opened.manifest)  # nothing to check the manifest against
+    edit_manifest(tmp_path / "old", set_key("manifest_sha256", "0" * 64))
+    with pytest.raises(DatasetError, match=r"unknown key\(s\) \['manifest_sha256'\] for version 1.1"):
+        storage.open_dataset(tmp_path / "old")
+
+
+def test_a_manifest_changed_after_it_was_written_fails_its_checksum(tiny: Path) -> None:
+    path = tiny / fmt.MANIFEST_FILE
+    path.write_bytes(path.read_bytes().replace(b'"a"', b'"A"'))  # a class renamed by hand: still valid
+    manifest = storage.open_dataset(tiny).manifest
+    assert manifest.classes == ("A", "b")
+    with pytest.raises(ChecksumError, match="manifest.json: its content does not match its own checksum"):
+        storage.verify_checksums(tiny, manifest)
 
 
 def test_golden_dataset_reads_back(tiny: Path) -> None:
@@ -227,6 +250,8 @@ def write_field(root: Path, name: str, values: np.ndarray) -> None:
 
 @pytest.mark.parametrize(("change", "match"), [
     (lambda d: d.pop("fields"), r"missing key\(s\) \['fields'\]"),
+    (lambda d: d.pop("manifest_sha256"), r"missing key\(s\) \['manifest_sha256'\]"),
+    (set_key("manifest_sha256", "ABC"), "'manifest_sha256' must be 64 lowercase hex digits"),
     (set_key("fields", {}), "'fields' must be list"),
     (set_key("fields", 0, "kind", "image"), "'kind' must be one of class, multilabel, float, int"),
     (set_key("fields", 0, "kind", ["class"]), "'kind' must be one of class, multilabel, float, int"),

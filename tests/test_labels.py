@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 import dsc
 from dsc import CompileError, MemmapDataset
+from dsc import format as fmt
 from dsc.cli import app
 from dsc.reader.device import pack_fields, packed_bytes, unpack_fields
 from dsc.reader.loader import field_specs
@@ -190,7 +191,7 @@ def test_a_csv_table_gives_labels_and_typed_fields(flat, tmp_path: Path) -> None
                                  labels=write_csv(tmp_path / "labels.csv", rows))
     assert summary.kept == 9 and summary.ignored == 3
     ds = MemmapDataset(tmp_path / "out")
-    assert ds.manifest.version == "1.1" and ds.classes == ["cat", "dog", "emu"]
+    assert ds.manifest.version == fmt.FORMAT_VERSION and ds.classes == ["cat", "dog", "emu"]
     assert {f.name: (f.kind, f.shape) for f in ds.manifest.fields} == {
         "tags": ("multilabel", (2,)), "target": ("float", (2,)), "count": ("int", ())}
     assert ds.field_classes("tags") == ["a", "b"]
@@ -439,7 +440,7 @@ def test_the_cli_compiles_a_table_and_info_lists_its_fields(flat, tmp_path: Path
     assert "note: 2 image(s) in" in result.stderr
     assert "field count: float, float32 scalar, values 0 to 9" in result.stderr
     info = runner.invoke(app, ["info", str(out)])
-    assert info.exit_code == 0 and "dsc format 1.1" in info.stdout
+    assert info.exit_code == 0 and f"dsc format {fmt.FORMAT_VERSION}" in info.stdout
     assert "field tags: multilabel, uint8 [2], 2 classes: a (6), b (3)" in info.stdout
     assert "field target: float, float32 [2], values -9 to 2.25" in info.stdout
     as_json = json.loads(runner.invoke(app, ["info", str(out), "--json"]).stdout)

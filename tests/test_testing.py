@@ -8,10 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image, features
+from typer.testing import CliRunner
 
-from dsc import compile_folder, storage
+from dsc import DatasetError, compile_folder, storage
 from dsc import format as fmt
-from dsc.testing import DEFAULT_MAX_MEAN_ABS_DIFF, assert_roundtrip, make_image_folder, pillow_reference
+from dsc.cli import app
+from dsc.testing import MAX_MEAN_ABS_DIFF, assert_roundtrip, make_image_folder, pillow_reference
 
 
 def folder_bytes(root: Path) -> dict[str, bytes]:
@@ -59,8 +61,9 @@ def test_make_image_folder_formats_and_bad_options(tmp_path: Path) -> None:
 @pytest.mark.parametrize("fit", ["center-crop", "stretch", "pad"])
 def test_assert_roundtrip_passes_on_a_fresh_compile(tmp_path: Path, fit: str) -> None:
     src = make_image_folder(tmp_path / "src", seed=1)
-    result = assert_roundtrip(src, tmp_path / "out", size=(32, 40), fit=fit, records_per_shard=5)
-    assert result.records == 12 and result.worst_abs_diff < DEFAULT_MAX_MEAN_ABS_DIFF
+    result = assert_roundtrip(src, tmp_path / "out", compile_first=True, size=(32, 40), fit=fit,
+                              records_per_shard=5)
+    assert result.records == 12 and result.worst_abs_diff < MAX_MEAN_ABS_DIFF["faithful"]
     assert storage.open_dataset(tmp_path / "out").manifest.compile["fit"] == fit
     assert assert_roundtrip(src, tmp_path / "out") == result  # an already compiled OUT is checked as it is
 
@@ -68,7 +71,7 @@ def test_assert_roundtrip_passes_on_a_fresh_compile(tmp_path: Path, fit: str) ->
 def test_assert_roundtrip_in_a_temporary_folder_and_other_formats(tmp_path: Path) -> None:
     formats = ("png", "bmp", "tiff") + (("webp",) if features.check("webp") else ())
     src = make_image_folder(tmp_path / "src", classes=2, per_class=4, formats=formats)
-    assert assert_roundtrip(src, size=24, workers=1).records == 8
+    assert assert_roundtrip(src, compile_first=True, size=24, workers=1).records == 8
 
 
 def test_assert_roundtrip_covers_unlabeled_folders_and_skipped_files(tmp_path: Path) -> None:
@@ -77,7 +80,7 @@ def test_assert_roundtrip_covers_unlabeled_folders_and_skipped_files(tmp_path: P
         f.rename(src / f.name)
     (src / "class_0").rmdir()
     (src / "broken.jpg").write_bytes(b"not a picture")
-    assert assert_roundtrip(src, size=16, on_skip=lambda s, r: None).records == 4
+    assert assert_roundtrip(src, compile_first=True, size=16, on_skip=lambda s, r: None).records == 4
 
 
 def test_pillow_reference_follows_the_colour_rules_of_formats_md(tmp_path: Path) -> None:
@@ -92,7 +95,7 @@ def test_pillow_reference_follows_the_colour_rules_of_formats_md(tmp_path: Path)
     assert (keyed[:, :3] == 0).all() and (keyed[:, 3:] == (200, 100, 50)).all()
     with pytest.raises(ValueError, match="unknown fit 'zoom'"):
         pillow_reference(tmp_path / "deep.png", 2, 3, "zoom")
-    assert assert_roundtrip(tmp_path, size=(2, 3), fit="stretch").records == 3  # and dsc agrees
+    assert assert_roundtrip(tmp_path, compile_first=True, size=(2, 3), fit="stretch").records == 3  # and dsc agrees
 
 
 def invert_record(out: Path, i: int) -> None:
@@ -119,14 +122,14 @@ def resize(out: Path, i: int) -> None:
 
 @pytest.mark.parametrize(("damage", "says"), [
     (invert_record, r"1 of 12 records differ .*; worst: record 7 \({source}\), mean abs diff \d+\.\d\d "
-                    r"> max_mean_abs_diff 10\.0"),
+                    r"> max_mean_abs_diff 2\.5"),
     (relabel, r"record 7 \({source}\): label \d \('class_\d'\), but its folder gives \d \('class_\d'\)"),
     (resize, r"record 7 \({source}\): recorded size \(\d+, \d+\), but the upright source is"),
 ])
 def test_assert_roundtrip_fails_naming_the_altered_record(tmp_path: Path, damage, says: str) -> None:
     src = make_image_folder(tmp_path / "src")
     out = tmp_path / "out"
-    assert_roundtrip(src, out, size=(32, 40), records_per_shard=5)
+    assert_roundtrip(src, out, compile_first=True, size=(32, 40), records_per_shard=5)
     damage(out, 7)  # record 7: shard 1, position 2
     source = storage.open_dataset(out).source(7)
     with pytest.raises(AssertionError, match=says.format(source=re.escape(source))) as caught:
@@ -144,10 +147,61 @@ def test_assert_roundtrip_fails_on_a_source_neither_compiled_nor_skipped(tmp_pat
         assert_roundtrip(src, tmp_path / "out")
 
 
-def test_assert_roundtrip_refuses_options_it_would_ignore(tmp_path: Path) -> None:
+def test_assert_roundtrip_compiles_only_when_asked(tmp_path: Path) -> None:
     src = make_image_folder(tmp_path / "src", classes=2, per_class=2)
-    assert_roundtrip(src, tmp_path / "out", size=16)
-    with pytest.raises(ValueError, match=r"already compiled, so compile options \['size'\] would be ignored"):
+    with pytest.raises(AssertionError, match=r"out does not exist, so there is no dataset to check"):
+        assert_roundtrip(src, tmp_path / "out")  # a CI check pointed at a wrong path fails
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match=r"compile options \['size'\] given without compile_first=True"):
         assert_roundtrip(src, tmp_path / "out", size=24)
-    assert_roundtrip(src, tmp_path / "out", size=24, force=True)
+    with pytest.raises(ValueError, match="no dataset to check"):
+        assert_roundtrip(src)
+    assert_roundtrip(src, tmp_path / "out", compile_first=True, size=16)
+    assert_roundtrip(src, tmp_path / "out", compile_first=True, size=24, force=True)
     assert storage.parse_manifest(tmp_path / "out").record_shape == (24, 24, 3)
+
+
+def test_assert_roundtrip_never_compiles_over_a_damaged_manifest(tmp_path: Path) -> None:
+    src = make_image_folder(tmp_path / "src", classes=2, per_class=2)
+    compile_folder(src, tmp_path / "out", size=16, workers=1)
+    manifest = tmp_path / "out" / fmt.MANIFEST_FILE
+    manifest.write_bytes(manifest.read_bytes()[:-40])
+    with pytest.raises(DatasetError, match="manifest.json: not valid JSON"):
+        assert_roundtrip(src, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]  # no build was started beside it
+
+
+def test_the_default_limit_follows_the_recorded_decode(tmp_path: Path) -> None:
+    """A faithful compile is held to formats.md's 2.5, not to the 10 that fast decoding needs:
+    a record brightened by 6 passes the one and fails the other."""
+    src = make_image_folder(tmp_path / "src", seed=2)
+    out = tmp_path / "out"
+    fast = assert_roundtrip(src, tmp_path / "fast", compile_first=True, size=32, fast_decode=True, workers=1)
+    assert fast.worst_abs_diff < MAX_MEAN_ABS_DIFF["fast"]
+    assert assert_roundtrip(src, out, compile_first=True, size=32, workers=1).worst_abs_diff < 1
+    m = storage.parse_manifest(out)
+    shard, offset = fmt.record_offset(3, m.records_per_shard, m.record_bytes)
+    records = np.memmap(out / m.shards[shard].file, np.uint8, "r+")
+    records[offset:offset + m.record_bytes] = np.minimum(records[offset:offset + m.record_bytes].astype(int) + 6, 255)
+    records.flush()
+    with pytest.raises(AssertionError, match=r"1 of 12 records differ .* > max_mean_abs_diff 2\.5"):
+        assert_roundtrip(src, out)
+    with pytest.raises(AssertionError, match="SHA-256") as caught:
+        assert_roundtrip(src, out, max_mean_abs_diff=10)
+    assert "differ from pillow_reference" not in str(caught.value)
+
+
+def test_a_class_renamed_in_the_manifest_fails_verify_and_is_named_once(tmp_path: Path) -> None:
+    src = make_image_folder(tmp_path / "src", classes=2, per_class=5)
+    out = tmp_path / "out"
+    compile_folder(src, out, size=16, workers=1)
+    manifest = out / fmt.MANIFEST_FILE
+    manifest.write_bytes(manifest.read_bytes().replace(b'"class_1"', b'"class_one"'))
+    checked = CliRunner().invoke(app, ["verify", str(out)])
+    assert checked.exit_code == 1 and "does not match its own checksum" in checked.stderr, checked.output
+    with pytest.raises(AssertionError) as caught:
+        assert_roundtrip(src, out)
+    lines = str(caught.value).splitlines()[1:]
+    assert [line for line in lines if "but its folder gives" in line] == [
+        next(line for line in lines if "class_one" in line)]
+    assert "(and 4 more records like it)" in lines[0] and "does not match its own checksum" in lines[-1]

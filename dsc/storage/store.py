@@ -183,11 +183,15 @@ def is_dataset(path: str | os.PathLike) -> bool:
 
 def verify_checksums(root: str | os.PathLike, manifest: fmt.Manifest,
                      progress: Callable[[int], None] | None = None) -> None:
-    """Recompute every file's SHA-256; raise ChecksumError naming every damaged file."""
+    """Recompute every file's SHA-256 and check the manifest's own (format 1.2 on); raise
+    ChecksumError naming every damaged file."""
     root = Path(root)
+    with _opened(root) as store:
+        sealed = fmt.seal_problem(store.read(fmt.MANIFEST_FILE, fmt.MAX_MANIFEST_BYTES + 1), manifest, store.root)
     bad = [f"{root / e.file}: SHA-256 is {digest}, the manifest says {e.sha256}; the file is damaged"
            for e in manifest.files
            if (digest := sha256_file(root / e.file, progress)) != e.sha256]
+    bad = ([sealed] if sealed else []) + bad
     if bad:
         error = ChecksumError("\n".join(bad))
         error.problems = bad
