@@ -496,6 +496,20 @@ def test_a_resume_carries_the_fields_and_refuses_another_table(flat, tmp_path: P
         assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "ref" / name).read_bytes(), name
 
 
+def test_a_jsonl_row_that_gives_a_key_twice_is_refused(flat, tmp_path: Path) -> None:
+    src, paths = flat
+    table = tmp_path / "t.jsonl"
+    table.write_text(f'{{"path": "{paths[0]}", "label": "cat"}}\n'
+                     f'{{"path": "{paths[1]}", "label": "cat", "path": "{paths[2]}"}}\n')
+    result = runner.invoke(app, ["compile", str(src), str(tmp_path / "out"), "--size", "8", "-j", "1",
+                                 "--labels", str(table)])
+    assert result.exit_code == 1 and result.stderr == (
+        f"error: {table}, line 2: key 'path' is given twice in one object; keep one\n")
+    table.write_text(f'{{"path": "{paths[0]}", "label": "cat", "box": {{"x": 1, "x": 2}}}}\n')
+    with pytest.raises(CompileError, match=r"t.jsonl, line 1: key 'x' is given twice"):
+        dsc.compile_folder(src, tmp_path / "out", size=8, workers=1, labels=table)
+
+
 # ----------------------------------------------------------------------------- reading fields
 
 @pytest.fixture

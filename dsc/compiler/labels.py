@@ -145,6 +145,23 @@ def _read_csv(path: Path, text: str) -> tuple[str, list[str], list[tuple[int, An
     return header[0].strip(), names, body
 
 
+class _RepeatedKey(ValueError):
+    """A JSON object that gives one key twice (json.loads would keep the last value silently)."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _RepeatedKey(key)
+        seen[key] = value
+    return seen
+
+
 def _read_jsonl(path: Path, text: str) -> tuple[list[str], list[tuple[int, Any, list[Any]]]]:
     names: list[str] | None = None
     body = []
@@ -152,7 +169,9 @@ def _read_jsonl(path: Path, text: str) -> tuple[list[str], list[tuple[int, Any, 
         if not raw.strip():
             continue
         try:
-            row = json.loads(raw)
+            row = json.loads(raw, object_pairs_hook=_unique_keys)
+        except _RepeatedKey as e:
+            raise _problem(path, line, f"key {e.key!r:.80} is given twice in one object; keep one") from None
         except ValueError as e:
             raise _problem(path, line, f"not valid JSON ({e})") from e
         if not isinstance(row, dict) or "path" not in row:
