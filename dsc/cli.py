@@ -152,7 +152,7 @@ def compile_command(
                                 "columns become fields."),
     column: list[str] = typer.Option(None, "--column", metavar="NAME:KIND",
                                      help="The kind of a --labels column: class, multilabel, float or int "
-                                     "[default: inferred]. Repeatable."),
+                                     "[default: inferred]; label:none for a table without labels. Repeatable."),
 ) -> None:
     """Compile an image folder into a dsc dataset of fixed-shape uint8 records."""
     if fit not in FITS:

@@ -60,7 +60,9 @@ RECORD_DTYPE = np.dtype(np.uint8)
 LABEL_DTYPE = np.dtype("<i8")
 SIZE_DTYPE = np.dtype("<u4")
 OFFSET_DTYPE = np.dtype("<u8")
-UNLABELED = -1  # the label of every record of a folder without class sub-folders
+# "No label": every record of a folder without class sub-folders (classes empty), and in a labeled
+# dataset a record whose integer label in a label table is -1 (an ignore value, as given)
+UNLABELED = -1
 # Per-record fields (1.1): each kind has one on-disk dtype. class: an index into the field's
 # classes; multilabel: multi-hot [K] over its classes; float / int: numbers.
 FIELD_DTYPES = {"class": np.dtype("<i8"), "multilabel": np.dtype("u1"), "float": np.dtype("<f4"),
@@ -608,17 +610,19 @@ def _parse_fields(stored: _Stored, fields_doc: Any, count: int, newer: bool) -> 
 
 
 def check_index(manifest: Manifest, root: Any, values_of: ValuesOf) -> None:
-    """Labels in range, source offsets rising from 0 to the size of sources.bin, field values their kind
-    allows: checked piece by piece as `values_of` hands them in, so the cost follows the bytes really
-    stored, not what a manifest claims (a 1 KB manifest may claim 2^40 records over sparse files)."""
+    """Labels in range (-1, no label, or a class index), source offsets rising from 0 to the size of
+    sources.bin, field values their kind allows: checked piece by piece as `values_of` hands them in,
+    so the cost follows the bytes really stored, not what a manifest claims (a 1 KB manifest may
+    claim 2^40 records over sparse files)."""
     k, index = len(manifest.classes), manifest.index
-    low, high = (0, k - 1) if k else (UNLABELED, UNLABELED)
+    low, high = UNLABELED, k - 1 if k else UNLABELED
     found_low, found_high = high, low
     for values in values_of(index["labels"].file, LABEL_DTYPE, manifest.count):
         found_low, found_high = min(found_low, int(values.min())), max(found_high, int(values.max()))
     if found_low < low or found_high > high:
-        raise DatasetError(f"{_at(root, index['labels'].file)}: labels must lie in [{low}, {high}] for {k} "
-                           f"classes, found [{found_low}, {found_high}]")
+        raise DatasetError(f"{_at(root, index['labels'].file)}: labels must lie in [{low if not k else 0}, {high}] "
+                           f"for {k} classes, found [{found_low}, {found_high}]"
+                           + (f"; {UNLABELED} (no label) is allowed too" if k else ""))
     previous, rising = None, True
     for values in values_of(index["source_offsets"].file, OFFSET_DTYPE, manifest.count + 1):
         joined = values[0] == 0 if previous is None else values[0] >= previous

@@ -242,10 +242,10 @@ def _cell_items(cell: Any) -> list[str]:
 
 def _field_problems(ds: MemmapDataset, i: int, source: str, row: dict[str, Any]) -> list[str]:
     """Record i's label and fields against its row of the label table, value by value."""
-    problems = []
-    if LABEL_COLUMN in row and ds.classes[int(ds.labels[i])] != _cell_items(row[LABEL_COLUMN])[0]:
-        problems.append(f"record {i} ({source}): label {ds.classes[int(ds.labels[i])]!r}, but the table says "
-                        f"{row[LABEL_COLUMN]!r}")
+    problems, label = [], int(ds.labels[i])
+    named = ds.classes[label] if label != fmt.UNLABELED else str(label)  # an integer table's -1: no label
+    if LABEL_COLUMN in row and named != _cell_items(row[LABEL_COLUMN])[0]:
+        problems.append(f"record {i} ({source}): label {named!r}, but the table says {row[LABEL_COLUMN]!r}")
     for f in ds.manifest.fields:
         stored, cell = ds.fields[f.name][i], row[f.name]
         if f.kind == "class":

@@ -335,14 +335,16 @@ def test_a_malformed_csv_table_names_the_file_line_and_column(flat, tmp_path: Pa
 
 
 def test_a_misspelt_label_column_is_warned_about(flat, tmp_path: Path, caplog) -> None:
-    """`lable` or `Label` would quietly give an unlabeled dataset; a warning, for a field may be meant."""
+    """`lable` or `Label` would quietly give an unlabeled dataset; a warning, for a field may be meant
+    (a table without a label column is compiled only when said to be unlabeled: --column label:none)."""
     src, paths = flat
     for k, header in enumerate(["lable", "Label", "labels", "lbl"]):
         table = tmp_path / f"t{k}.csv"
         table.write_text(f"path,{header},weight\n" + "".join(f"{p},cat,1\n" for p in paths))
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="dsc"):
-            summary = dsc.compile_folder(src, tmp_path / f"out{k}", size=8, workers=1, labels=table)
+            summary = dsc.compile_folder(src, tmp_path / f"out{k}", size=8, workers=1, labels=table,
+                                         columns={"label": "none"})
         assert not summary.labeled
         assert [r.getMessage() for r in caplog.records] == [
             f"{table} has no 'label' column, so the records are unlabeled and '{header}' becomes a field; if "
@@ -350,7 +352,7 @@ def test_a_misspelt_label_column_is_warned_about(flat, tmp_path: Path, caplog) -
     caplog.clear()
     table.write_text("path,level,weight\n" + "".join(f"{p},cat,1\n" for p in paths))
     with caplog.at_level(logging.WARNING, logger="dsc"):
-        dsc.compile_folder(src, tmp_path / "plain", size=8, workers=1, labels=table)
+        dsc.compile_folder(src, tmp_path / "plain", size=8, workers=1, labels=table, columns={"label": "none"})
     assert caplog.records == []
 
 
@@ -495,6 +497,168 @@ def test_a_resume_carries_the_fields_and_refuses_another_table(flat, tmp_path: P
     dsc.compile_folder(src, tmp_path / "out", size=8, workers=1, labels=table, resume=True)
     for name in ("labels.bin", "fields/tags.bin", "fields/target.bin", "fields/count.bin", "shards/00000.bin"):
         assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "ref" / name).read_bytes(), name
+
+
+# ----------------------------------------------------------------------------- tables as written (issue 26)
+
+def test_integer_labels_are_stored_as_given(flat, tmp_path: Path) -> None:
+    """0, 3, 70000, -1, 5 stay 0, 3, 70000, -1 (no label), 5: the classes are named 0..70000, none
+    renumbered; --column label:class asks for a vocabulary of the names instead."""
+    src, paths = flat
+    given = [0, 3, 70000, -1, 5]
+    table = tmp_path / "t.csv"
+    table.write_text("path,label\n" + "".join(f"{p},{given[k % 5]}\n" for k, p in enumerate(paths)))
+    summary = dsc.compile_folder(src, tmp_path / "out", size=8, workers=1, labels=table)
+    ds = MemmapDataset(tmp_path / "out")
+    assert ds.classes == [str(k) for k in range(70001)] and summary.empty_classes == []  # gaps are no classes
+    by_path = {p: given[k % 5] for k, p in enumerate(paths)}
+    assert [int(ds.labels[i]) for i in range(len(ds))] == [by_path[ds.opened.source(i)] for i in range(len(ds))]
+    assert_roundtrip(src, tmp_path / "out")
+    result = runner.invoke(app, ["verify", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    dsc.compile_folder(src, tmp_path / "named", size=8, workers=1, labels=table, columns={"label": "class"})
+    assert MemmapDataset(tmp_path / "named").classes == ["-1", "0", "3", "5", "70000"]
+
+
+def test_integer_labels_that_cannot_be_stored_as_given_are_refused(flat, tmp_path: Path) -> None:
+    src, paths = flat
+    table = tmp_path / "t.csv"
+    compile_ = ["compile", str(src), str(tmp_path / "out"), "--size", "8", "-j", "1", "--labels", str(table)]
+    for bad, why in [("-2", "is below -1"), (str(1 << 20), "is above 1048575"), (str(1 << 70), "is above 1048575")]:
+        table.write_text("path,label\n" + "".join(f"{p},{[1, bad][k == 5]}\n" for k, p in enumerate(paths)))
+        result = runner.invoke(app, compile_)
+        assert result.exit_code == 1 and result.stderr.count("\n") == 1, result.output
+        assert result.stderr.startswith(f"error: {table}, line 7, column 'label': label {bad} {why}")
+        assert "--column label:class" in result.stderr and not (tmp_path / "out").exists()
+    table.write_text("path,label\n" + "".join(f"{p},{k % 2}\n" for k, p in enumerate(paths)))
+    with pytest.raises(CompileError, match=r"column 'label' holds integers, stored as given, but the given classes "
+                                           r"are not named 0 to 1 \(they start cat, dog\); give --column label:class"):
+        dsc.compile_folder(src, tmp_path / "out", size=8, workers=1, labels=table, classes=["cat", "dog"])
+
+
+def test_an_integer_validation_table_keeps_the_training_labels(flat, tmp_path: Path) -> None:
+    src, paths = flat
+    train, val = tmp_path / "train.csv", tmp_path / "val.csv"
+    train.write_text("path,label\n" + "".join(f"{p},{k % 4}\n" for k, p in enumerate(paths[:8])))
+    val.write_text("path,label\n" + "".join(f"{p},{[2, -1][k % 2]}\n" for k, p in enumerate(paths[8:])))
+    dsc.compile_folder(src, tmp_path / "out" / "train", size=8, workers=1, labels=train)
+    dsc.compile_folder(src, tmp_path / "out" / "val", size=8, workers=1, labels=val,
+                       classes=tmp_path / "out" / "train")
+    v = MemmapDataset(tmp_path / "out" / "val")
+    assert v.classes == ["0", "1", "2", "3"] and sorted(v.labels.tolist()) == [-1, -1, 2, 2]
+
+
+@pytest.mark.parametrize(("first", "cell"), [("{p},cat", "{p}"), ("img_07,3", "3"),
+                                             ("photos/x.jpg,cat", "photos/x.jpg")])
+def test_a_table_without_a_header_row_is_refused(flat, tmp_path: Path, first, cell) -> None:
+    """Read with its first row as the header, it would lose that image and label the rest -1."""
+    src, paths = flat
+    table = tmp_path / "t.csv"
+    table.write_text(first.format(p=paths[0]) + "\n" + "".join(f"{p},dog\n" for p in paths[1:]))
+    result = runner.invoke(app, ["compile", str(src), str(tmp_path / "out"), "--size", "8", "-j", "1",
+                                 "--labels", str(table)])
+    what = "a number" if cell == "3" else "an image path"
+    assert result.exit_code == 1 and result.stderr == (
+        f"error: {table}, line 1: the header cell {cell.format(p=paths[0])!r} is {what}, so the table seems to have "
+        "no header row; add one as its first line (e.g. 'path,label': the image path column, then names)\n")
+
+
+def test_a_table_without_a_label_column_is_compiled_only_when_said_unlabeled(flat, tmp_path: Path) -> None:
+    src, paths = flat
+    table = tmp_path / "t.csv"
+    table.write_text("path,weight\n" + "".join(f"{p},{k}.5\n" for k, p in enumerate(paths)))
+    compile_ = ["compile", str(src), str(tmp_path / "out"), "--size", "8", "-j", "1", "--labels", str(table)]
+    result = runner.invoke(app, compile_)
+    assert result.exit_code == 1 and result.stderr == (
+        f"error: {table}: no 'label' column (its columns: 'path', 'weight'), so every record would be unlabeled; "
+        "name the class column 'label', or give --column label:none to compile the images unlabeled\n")
+    assert not (tmp_path / "out").exists()
+    result = runner.invoke(app, [*compile_, "--column", "label:none"])
+    assert result.exit_code == 0, result.output
+    ds = MemmapDataset(tmp_path / "out")
+    assert ds.classes == [] and set(ds.labels.tolist()) == {-1} and ds.fields["weight"].dtype == np.float32
+    table.write_text("path,label\n" + "".join(f"{p},cat\n" for p in paths))
+    result = runner.invoke(app, [*compile_, "--force", "--column", "label:none"])
+    assert result.exit_code == 1 and "--column label:none: " in result.stderr and "has a 'label' column" in \
+        result.stderr
+    result = runner.invoke(app, [*compile_, "--force", "--column", "weight:none"])
+    assert result.exit_code == 2 and "expected NAME:KIND" in result.output
+
+
+def test_class_names_that_join_several_classes_are_warned_about(flat, tmp_path: Path, caplog) -> None:
+    src, paths = flat
+    table = tmp_path / "t.csv"
+    table.write_text("path,label,species,kind\n" + "".join(
+        f'{p},{["cat|dog", "cat"][k % 4 == 0]},"{["owl,emu", "owl"][k % 4 == 0]}",{["a|b", "a"][k % 2]}\n'
+        for k, p in enumerate(paths)))
+    with caplog.at_level(logging.WARNING, logger="dsc"):
+        dsc.compile_folder(src, tmp_path / "out", size=8, workers=1, labels=table)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{table}: 9 of 12 values of column 'label' hold '|' (e.g. 'cat|dog' on line 3) and each is read as one "
+        "class name; the 'label' column holds one class per record: for several, name the column otherwise (e.g. "
+        "'tags'), separate its classes with ';' and give --column tags:multilabel",
+        f"{table}: 9 of 12 values of column 'species' hold ',' (e.g. 'owl,emu' on line 3) and each is read as one "
+        "class name; if they list several classes, separate them with ';' (the multilabel separator) and give "
+        "--column species:multilabel"]  # 'kind': half its values only, no warning
+    assert MemmapDataset(tmp_path / "out").classes == ["cat", "cat|dog"]  # as written: a warning, no guess
+
+
+def test_a_jsonl_row_that_gives_a_key_twice_is_refused(flat, tmp_path: Path) -> None:
+    src, paths = flat
+    table = tmp_path / "t.jsonl"
+    table.write_text(f'{{"path": "{paths[0]}", "label": "cat"}}\n'
+                     f'{{"path": "{paths[1]}", "label": "cat", "path": "{paths[2]}"}}\n')
+    result = runner.invoke(app, ["compile", str(src), str(tmp_path / "out"), "--size", "8", "-j", "1",
+                                 "--labels", str(table)])
+    assert result.exit_code == 1 and result.stderr == (
+        f"error: {table}, line 2: key 'path' is given twice in one object; keep one\n")
+    table.write_text(f'{{"path": "{paths[0]}", "label": "cat", "box": {{"x": 1, "x": 2}}}}\n')
+    with pytest.raises(CompileError, match=r"t.jsonl, line 1: key 'x' is given twice"):
+        dsc.compile_folder(src, tmp_path / "out", size=8, workers=1, labels=table)
+
+
+def species_table(path: Path, paths: list[str], species: list[str], tags: list[str], label: bool = True) -> Path:
+    path.write_text(("path,label,species,tags\n" if label else "path,species,tags\n") + "".join(
+        f"{p},{'a,' if label else ''}{species[k % len(species)]},{tags[k % len(tags)]}\n"
+        for k, p in enumerate(paths)))
+    return path
+
+
+def test_class_fields_of_splits_compiled_apart_are_flagged(flat, tmp_path: Path, caplog) -> None:
+    """species a,b,c in train and b,c in val: 'b' would be 1 in one and 0 in the other."""
+    src, paths = flat
+    train = species_table(tmp_path / "train.csv", paths[:6], ["a", "b", "c"], ["x;y", "z"])
+    val = species_table(tmp_path / "val.csv", paths[6:], ["b", "c"], ["y;z", "z"])
+    dsc.compile_folder(src, tmp_path / "out" / "train", size=8, workers=1, labels=train)
+    with caplog.at_level(logging.WARNING, logger="dsc"):
+        dsc.compile_folder(src, tmp_path / "out" / "val", size=8, workers=1, labels=val)
+        assert [r.getMessage() for r in caplog.records] == [
+            f"the classes of field 'species' of val differ from those of the dataset beside it, {tmp_path}/out/train "
+            f"(val lacks a): 'b' is index 0 here and 1 in {tmp_path}/out/train (and 1 more); to use train's, "
+            f"compile with --classes-from {tmp_path}/out/train",
+            f"the classes of field 'tags' of val differ from those of the dataset beside it, {tmp_path}/out/train "
+            f"(val lacks x): 'y' is position 0 here and 1 in {tmp_path}/out/train (and 1 more); to use train's, "
+            f"compile with --classes-from {tmp_path}/out/train"]
+        caplog.clear()
+        dsc.compile_folder(src, tmp_path / "out" / "val2", size=8, workers=1, labels=val,
+                           classes=tmp_path / "out" / "train")
+        assert caplog.records == []
+    v = MemmapDataset(tmp_path / "out" / "val2")
+    assert v.field_classes("species") == ["a", "b", "c"] and v.field_classes("tags") == ["x", "y", "z"]
+
+
+def test_classes_from_an_unlabeled_dataset_fixes_its_class_fields(flat, tmp_path: Path) -> None:
+    src, paths = flat
+    train = species_table(tmp_path / "train.csv", paths[:6], ["a", "b", "c"], ["x;y", "z"], label=False)
+    val = species_table(tmp_path / "val.csv", paths[6:], ["b", "c"], ["y;z", "z"], label=False)
+    dsc.compile_folder(src, tmp_path / "train", size=8, workers=1, labels=train, columns={"label": "none"})
+    dsc.compile_folder(src, tmp_path / "val", size=8, workers=1, labels=val, columns={"label": "none"},
+                       classes=tmp_path / "train")
+    v = MemmapDataset(tmp_path / "val")
+    assert v.classes == [] and v.field_classes("species") == ["a", "b", "c"] and v.field_classes("tags") == [
+        "x", "y", "z"]
+    with pytest.raises(CompileError, match="that dataset is unlabeled"):  # a folder's classes: none to take
+        dsc.compile_folder(src, tmp_path / "folder", size=8, workers=1, classes=tmp_path / "train")
 
 
 # ----------------------------------------------------------------------------- reading fields

@@ -2,8 +2,9 @@
 
 `load_classes` reads a vocabulary from names, a text file of names (one per line), or another
 dsc dataset (`--classes-from out/train`), so that every split gives a class the same index,
-whatever classes it happens to lack; `sibling_class_mismatch` notices splits compiled apart
-that number a shared class differently.
+whatever classes it happens to lack (a dataset's class and multilabel fields too, for a label
+table: `reference_fields`); `sibling_class_mismatch` notices splits compiled apart that number a
+shared class differently, in the label or in a field.
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ def classes_option(value: str) -> Path | list[str]:
     return [name.strip() for name in value.split(",")]
 
 
-def load_classes(value: str | os.PathLike | Sequence[str]) -> list[str]:
+def load_classes(value: str | os.PathLike | Sequence[str], fields_only: bool = False) -> list[str] | None:
     """A class vocabulary from names (a sequence, or text by `classes_option`), a text file (one name
-    per line), or a dsc dataset folder."""
+    per line), or a dsc dataset folder. An unlabeled dataset has none to give: an error, unless
+    `fields_only` (a label table's compile, which takes the dataset's field vocabularies), then None."""
     if isinstance(value, str):
         value = classes_option(value)
     if isinstance(value, os.PathLike) and Path(value).is_dir():
@@ -43,9 +45,9 @@ def load_classes(value: str | os.PathLike | Sequence[str]) -> list[str]:
             manifest = storage.parse_manifest(value)
         except DatasetError as e:
             raise CompileError(f"cannot take classes from {value}: {e}") from e
-        if not manifest.classes:
+        if not manifest.classes and not (fields_only and any(f.classes for f in manifest.fields)):
             raise CompileError(f"cannot take classes from {value}: that dataset is unlabeled")
-        return list(manifest.classes)
+        return list(manifest.classes) or None
     if isinstance(value, os.PathLike):
         path = Path(value)
         if not path.is_file():
@@ -81,10 +83,12 @@ def check_classes(names: list[Any], where: str) -> list[str]:
     return names
 
 
-def sibling_class_mismatch(out: Path, classes: list[str]) -> list[str]:
-    """Messages for each labeled dsc dataset beside OUT (out/val next to out/train) that gives a class
-    they share another index: splits compiled apart would disagree silently. A split that only lacks
-    or adds classes at the end numbers the rest alike, and is not flagged."""
+def sibling_class_mismatch(out: Path, classes: list[str] | None,
+                           fields: Sequence[tuple[str, str, Sequence[str]]] = ()) -> list[str]:
+    """Messages for each dsc dataset beside OUT (out/val next to out/train) that gives a shared class
+    another index: in the label (`classes`; None: not checked) or in a same-named class or multilabel
+    field (`fields`: (name, kind, classes) each). Splits compiled apart would disagree silently. A
+    split that only lacks or adds classes at the end numbers the rest alike, and is not flagged."""
     messages = []
     try:
         siblings = sorted(p for p in out.parent.iterdir() if p != out and (p / fmt.MANIFEST_FILE).is_file())
@@ -92,23 +96,43 @@ def sibling_class_mismatch(out: Path, classes: list[str]) -> list[str]:
         return []
     for sibling in siblings:
         try:
-            theirs = list(storage.parse_manifest(sibling).classes)
+            manifest = storage.parse_manifest(sibling)
         except (DatasetError, OSError):
             continue
-        position = {c: k for k, c in enumerate(theirs)}
-        moved = [(c, i, position[c]) for i, c in enumerate(classes) if position.get(c, i) != i]
-        if not moved:
-            continue
-        ours = set(classes)
-        missing, extra = [c for c in theirs if c not in ours], [c for c in classes if c not in position]
-        why = "; ".join(filter(None, [missing and f"{out.name} lacks {', '.join(missing[:5])}",
-                                      extra and f"{out.name} adds {', '.join(extra[:5])}"])) or "their order differs"
-        name, here, there = moved[0]
-        more = f" (and {len(moved) - 1} more)" if len(moved) > 1 else ""
-        messages.append(f"the classes of {out.name} differ from those of the dataset beside it, {sibling} ({why}): "
-                        f"{name!r} is label {here} here and {there} in {sibling}{more}; "
-                        f"{_renumber_hint(sibling, theirs, extra)}")
-    return messages
+        if classes:
+            messages.append(_moved(out, sibling, classes, list(manifest.classes)))
+        theirs = {f.name: list(f.classes) for f in manifest.fields if f.classes}
+        for name, kind, ours in fields:
+            if name in theirs:
+                messages.append(_moved(out, sibling, list(ours), theirs[name], (name, kind)))
+    return [m for m in messages if m]
+
+
+def _moved(out: Path, sibling: Path, classes: list[str], theirs: list[str],
+           field: tuple[str, str] | None = None) -> str | None:
+    """The message for a sibling whose vocabulary (of the label, or of `field`: name, kind) gives a
+    class they share another index, else None."""
+    position = {c: k for k, c in enumerate(theirs)}
+    moved = [(c, i, position[c]) for i, c in enumerate(classes) if position.get(c, i) != i]
+    if not moved:
+        return None
+    ours = set(classes)
+    missing, extra = [c for c in theirs if c not in ours], [c for c in classes if c not in position]
+    why = "; ".join(filter(None, [missing and f"{out.name} lacks {', '.join(missing[:5])}",
+                                  extra and f"{out.name} adds {', '.join(extra[:5])}"])) or "their order differs"
+    name, here, there = moved[0]
+    more = f" (and {len(moved) - 1} more)" if len(moved) > 1 else ""
+    if field is None:
+        return (f"the classes of {out.name} differ from those of the dataset beside it, {sibling} ({why}): "
+                f"{name!r} is label {here} here and {there} in {sibling}{more}; "
+                f"{_renumber_hint(sibling, theirs, extra)}")
+    column, kind = field
+    noun = "position" if kind == "multilabel" else "index"
+    fix = (f"to use {sibling.name}'s, compile with --classes-from {sibling}" if not extra else
+           f"--classes-from {sibling} would refuse {', '.join(extra[:5])}: compile {sibling.name} from a table "
+           f"that has them too, then this split with --classes-from {sibling}")
+    return (f"the classes of field {column!r} of {out.name} differ from those of the dataset beside it, {sibling} "
+            f"({why}): {name!r} is {noun} {here} here and {there} in {sibling}{more}; {fix}")
 
 
 def _renumber_hint(sibling: Path, theirs: list[str], extra: list[str]) -> str:

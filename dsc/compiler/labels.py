@@ -9,14 +9,19 @@ of a kind inferred from its values or given (`--column NAME:KIND`):
   ========== ================================== =============================================
   kind       values                             stored as
   ========== ================================== =============================================
-  class      a class name or integer            int64 index into the field's classes
+  class      a class name                       int64 index into the field's classes
   multilabel ``;``-separated class names        uint8 multi-hot [K] over the field's classes
   float      one or more numbers (``;``)        float32 [] or [k]
   int        one or more integers (``;``)       int64 [] or [k]
   ========== ================================== =============================================
 
-Every problem in a table (a duplicate path, a path leaving SRC, a malformed row, a bad number)
-is a CompileError naming the file, line and column: a label is never silently shifted.
+An integer `label` column is stored as given (-1: no label), its classes named "0".."max";
+`--column label:class` reads it as class names instead, `--column label:none` says that a table
+without a `label` column is unlabeled on purpose.
+
+Every problem in a table (a duplicate path, a path leaving SRC, a malformed row, a bad number, a
+key given twice, a header row that is data) is a CompileError naming the file, line and column:
+a label is never silently shifted.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ import numpy as np
 
 from dsc import format as fmt
 from dsc.arguments import is_int
-from dsc.compiler.discover import Discovery, check_source_folder, list_images
+from dsc.compiler.discover import Discovery, check_source_folder, is_image_name, list_images
 from dsc.errors import CompileError
 
 KINDS = tuple(fmt.FIELD_DTYPES)
@@ -48,6 +53,9 @@ LABEL_COLUMN = "label"  # the table column that becomes the dataset's label (lab
 SEPARATOR = ";"  # between the values of one cell: tags, or the numbers of a vector
 MAX_TABLE_BYTES = 1 << 30
 JSONL_SUFFIXES = (".jsonl", ".ndjson")  # a label table is JSON Lines by its suffix, else CSV
+NO_LABEL = "none"  # `--column label:none`: a table without a label column is unlabeled on purpose
+MAX_INTEGER_LABEL = (1 << 20) - 1  # an integer label column's classes are "0".."max": a bounded list
+JOINED = ("|", ";", ",")  # in most values of a class column, they suggest several classes per cell
 
 logger = logging.getLogger("dsc")
 
@@ -108,7 +116,7 @@ def read_table(path: str | os.PathLike, root: str | os.PathLike | None = None) -
     except (OSError, UnicodeDecodeError) as e:
         raise CompileError(f"cannot read label table {path}: {e}") from e
     jsonl = path.suffix.lower() in JSONL_SUFFIXES
-    path_column, header, body = ("path", *_read_jsonl(path, text)) if jsonl else _read_csv(path, text)
+    path_column, header, body = ("path", *_read_jsonl(path, text)) if jsonl else _read_csv(path, text, roots)
     sources, lines, seen = [], [], {}
     columns: dict[str, list[Any]] = {name: [] for name in header}
     for line, source, values in body:
@@ -125,12 +133,14 @@ def read_table(path: str | os.PathLike, root: str | os.PathLike | None = None) -
     return Table(path, sources, lines, columns, path_column)
 
 
-def _read_csv(path: Path, text: str) -> tuple[str, list[str], list[tuple[int, Any, list[Any]]]]:
+def _read_csv(path: Path, text: str, roots: tuple[Path, ...] = ()) -> tuple[str, list[str],
+                                                                            list[tuple[int, Any, list[Any]]]]:
     reader = csv.reader(io.StringIO(text, newline=""), strict=True)  # not str.splitlines: U+2028 is no line end
     try:
         header = next(reader, None)
         if not header or len(header) < 1:
             raise CompileError(f"{path}: empty; a CSV label table starts with a header row (path, then columns)")
+        _check_header_is_names(path, header, roots)
         names = [h.strip() for h in header[1:]]
         _check_column_names(path, names)
         body = []
@@ -145,6 +155,44 @@ def _read_csv(path: Path, text: str) -> tuple[str, list[str], list[tuple[int, An
     return header[0].strip(), names, body
 
 
+def _check_header_is_names(path: Path, header: list[str], roots: tuple[Path, ...]) -> None:
+    """A CSV whose first row is data (no header row) would lose its first image and, lacking a
+    `label` column, label the rest -1: a header cell that is a number or an image path refuses it."""
+    for cell in (h.strip() for h in header):
+        if _is_number(cell):
+            what = "a number"
+        elif is_image_name(posixpath.basename(cell)) or (roots and _is_file(roots[0] / cell)):
+            what = "an image path"
+        else:
+            continue
+        raise _problem(path, 1, f"the header cell {cell!r:.80} is {what}, so the table seems to have no header row; "
+                       "add one as its first line (e.g. 'path,label': the image path column, then names)")
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except (OSError, ValueError):  # a name too long, or holding NUL
+        return False
+
+
+class _RepeatedKey(ValueError):
+    """A JSON object that gives one key twice (json.loads would keep the last value silently)."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _RepeatedKey(key)
+        seen[key] = value
+    return seen
+
+
 def _read_jsonl(path: Path, text: str) -> tuple[list[str], list[tuple[int, Any, list[Any]]]]:
     names: list[str] | None = None
     body = []
@@ -152,7 +200,9 @@ def _read_jsonl(path: Path, text: str) -> tuple[list[str], list[tuple[int, Any, 
         if not raw.strip():
             continue
         try:
-            row = json.loads(raw)
+            row = json.loads(raw, object_pairs_hook=_unique_keys)
+        except _RepeatedKey as e:
+            raise _problem(path, line, f"key {e.key!r:.80} is given twice in one object; keep one") from None
         except ValueError as e:
             raise _problem(path, line, f"not valid JSON ({e})") from e
         if not isinstance(row, dict) or "path" not in row:
@@ -181,12 +231,13 @@ def _check_column_names(path: Path, names: list[str]) -> None:
 
 
 def parse_column_kinds(specs: Sequence[str]) -> dict[str, str]:
-    """`--column NAME:KIND` options as {name: kind}."""
+    """`--column NAME:KIND` options as {name: kind}; `label:none` says the table has no label column."""
     kinds = {}
     for spec in specs:
         name, sep, kind = spec.rpartition(":")
-        if not sep or not name or kind not in KINDS:
-            raise CompileError(f"--column {spec!r}: expected NAME:KIND with KIND one of {', '.join(KINDS)}")
+        if not sep or not name or (kind not in KINDS and (name, kind) != (LABEL_COLUMN, NO_LABEL)):
+            raise CompileError(f"--column {spec!r}: expected NAME:KIND with KIND one of {', '.join(KINDS)} (or "
+                               f"{LABEL_COLUMN}:{NO_LABEL} for a table without labels)")
         kinds[name] = kind
     return kinds
 
@@ -221,7 +272,7 @@ def _is_number(value: Any) -> bool:
 
 def infer_kind(table: Table, name: str) -> str:
     """The kind a column's values suggest (`--column NAME:KIND` overrides it): integers are int
-    (classes in the label column), other numbers float, a list or ';' or an empty cell marks
+    (in the label column, class indices stored as given), other numbers float, a list or ';' or an empty cell marks
     multilabel tags, and any other text is a class name. A column of numbers with a cell that is
     not one (NA, a typo) is refused, naming the cell: read as names, it would be silently wrong."""
     values = table.columns[name]
@@ -332,10 +383,61 @@ def _multi_hot(table: Table, name: str, classes: Sequence[str] | None = None) ->
     return hot, vocabulary
 
 
+def _integer_labels(table: Table, classes: Sequence[str] | None) -> tuple[np.ndarray, list[str], list[int]]:
+    """An integer label column as given: label v is stored as v, -1 for a record without a label, and
+    the classes are named "0".."max" (or are `classes`, which must be such names), so label v is
+    classes[v]. A value that cannot be stored so is refused: renumbered, it would be another class."""
+    values = []
+    for line, cell in zip(table.lines, table.columns[LABEL_COLUMN]):
+        value = int(cell)  # an int, or text spelling one ("01" is 1)
+        if value < fmt.UNLABELED:
+            raise _problem(table.path, line, f"label {value} is below {fmt.UNLABELED}: integer labels are stored as "
+                           f"given, {fmt.UNLABELED} marking a record without a label; fix the cell, or give --column "
+                           f"{LABEL_COLUMN}:class to read the labels as class names", LABEL_COLUMN)
+        if value > MAX_INTEGER_LABEL:
+            raise _problem(table.path, line, f"label {value} is above {MAX_INTEGER_LABEL}, the largest integer label "
+                           "stored as given (its classes are named 0 to the largest); map the labels to 0..K-1, or "
+                           f"give --column {LABEL_COLUMN}:class to read them as class names", LABEL_COLUMN)
+        values.append(value)
+    if classes is not None and list(classes) != [str(k) for k in range(len(classes))]:
+        raise CompileError(f"{table.path}: column {LABEL_COLUMN!r} holds integers, stored as given, but the given "
+                           f"classes are not named 0 to {len(classes) - 1} (they start {', '.join(classes[:3])}); "
+                           f"give --column {LABEL_COLUMN}:class to look the labels up as names among them")
+    vocabulary = list(classes) if classes is not None else [str(k) for k in range(max(values) + 1)]
+    unknown = [row for row, value in enumerate(values) if value >= len(vocabulary)]
+    return np.asarray(values, dtype=np.int64), vocabulary, unknown
+
+
+def _warn_joined(table: Table, name: str) -> None:
+    """Most cells of a class column holding 'cat|dog' (or ';', ',') likely list several classes, yet
+    each becomes one class: a warning naming the multilabel kind, whose only separator is ';'."""
+    cells = [(line, v.strip()) for line, v in zip(table.lines, table.columns[name]) if isinstance(v, str) and v.strip()]
+    for mark in JOINED:
+        joined = [(line, v) for line, v in cells if mark in v]
+        if len(joined) * 2 <= len(cells):
+            continue
+        if name == LABEL_COLUMN:
+            how = (f"the {LABEL_COLUMN!r} column holds one class per record: for several, name the column "
+                   "otherwise (e.g. 'tags'), separate its classes with ';' and give --column tags:multilabel")
+        else:
+            how = ("if they list several classes, " + ("" if mark == SEPARATOR else "separate them with ';' (the "
+                   "multilabel separator) and ") + f"give --column {name}:multilabel")
+        line, example = joined[0]
+        logger.warning("%s: %d of %d values of column %r hold %r (e.g. %r on line %d) and each is read as one class "
+                       "name; %s", table.path, len(joined), len(cells), name, mark, example, line, how)
+        return
+
+
 def _check_given_kinds(table: Table, kinds: dict[str, str]) -> None:
     """`--column NAME:KIND` names a column of the table other than the path, and gives `label` no kind
-    but class (the user asked for it, so "the column holds floats" would be wrong)."""
+    but class (the user asked for it, so "the column holds floats" would be wrong), or `none` for a
+    table that has no label column."""
     for name, kind in kinds.items():
+        if name == LABEL_COLUMN and kind == NO_LABEL:
+            if LABEL_COLUMN in table.columns:
+                raise CompileError(f"--column {name}:{kind}: {table.path} has a {LABEL_COLUMN!r} column; drop the "
+                                   "option to label the records with it")
+            continue
         if name == LABEL_COLUMN and kind != "class":
             raise CompileError(f"--column {name}:{kind}: {LABEL_COLUMN!r} is the class label column; its kind is "
                                "always class; name a numeric target otherwise (e.g. 'target')")
@@ -347,19 +449,34 @@ def _check_given_kinds(table: Table, kinds: dict[str, str]) -> None:
                                f"(it has {', '.join(map(repr, table.columns)) or 'only the path'})")
 
 
-def _check_label_column(table: Table) -> None:
-    """An empty label is an error (read as an empty tag list it would make the column multilabel), and
-    a header typo of `label` (`lable`, `Label`) a warning: the dataset would quietly be unlabeled.
-    Only a warning, for a field may well be named `labels`."""
+def _close_to_label(table: Table) -> str | None:
+    """A column whose name is likely a typo of `label` (`lable`, `Label`, `labels`)."""
+    return next((n for n in table.columns if difflib.get_close_matches(n.lower(), [LABEL_COLUMN], cutoff=0.7)), None)
+
+
+def _check_label_column(table: Table, unlabeled: bool) -> None:
+    """An empty label is an error (read as an empty tag list it would make the column multilabel). A
+    table unlabeled on purpose (`--column label:none`) with a header typo of `label` is warned about."""
     if LABEL_COLUMN not in table.columns:
-        close = [n for n in table.columns if difflib.get_close_matches(n.lower(), [LABEL_COLUMN], cutoff=0.7)]
-        if close:
+        close = _close_to_label(table)
+        if close and unlabeled:
             logger.warning("%s has no %r column, so the records are unlabeled and %r becomes a field; if %r is the "
-                           "class label, rename it to %r", table.path, LABEL_COLUMN, close[0], close[0], LABEL_COLUMN)
+                           "class label, rename it to %r", table.path, LABEL_COLUMN, close, close, LABEL_COLUMN)
         return
     for line, value in zip(table.lines, table.columns[LABEL_COLUMN]):
         if value is None or (isinstance(value, str) and not value.strip()):
             raise _problem(table.path, line, "empty label", LABEL_COLUMN)
+
+
+def _no_label_column(table: Table) -> CompileError:
+    """A table without a `label` column, not said to be unlabeled: a misnamed column, or a header row
+    missing, would otherwise give every record label -1."""
+    close = _close_to_label(table)
+    columns = ", ".join(map(repr, [table.path_column, *table.columns]))
+    return CompileError(f"{table.path}: no {LABEL_COLUMN!r} column (its columns: {columns}), so every record "
+                        f"would be unlabeled; " + (f"if {close!r} is the class label, rename it to {LABEL_COLUMN!r}"
+                                                   if close else f"name the class column {LABEL_COLUMN!r}")
+                        + f", or give --column {LABEL_COLUMN}:{NO_LABEL} to compile the images unlabeled")
 
 
 def _none_found(table: Table, root: Path) -> CompileError:
@@ -378,47 +495,24 @@ def _none_found(table: Table, root: Path) -> CompileError:
                         f"(the first was looked up as {looked_up})" + "".join(f"; {h}" for h in hints))
 
 
-def discover_listed(src: str | os.PathLike, table_path: str | os.PathLike, kinds: dict[str, str] | None = None,
-                    classes: list[str] | None = None, skip_unknown: bool = False,
-                    reference: dict[str, tuple[str, tuple[str, ...]]] | None = None,
-                    on_found: Callable[[int], None] | None = None) -> Discovery:
-    """What to compile from a label table: its rows whose image exists under `src`, their label
-    (the `label` column over `classes` or its own sorted names) and fields (the other columns).
-
-    A listed image that is missing is skipped (recorded like a bad image); images under `src`
-    that the table does not list are ignored and counted. `classes` applies to the label;
-    `reference` ({name: (kind, classes)}, another split's fields) fixes the kind and vocabulary of
-    the columns it names, so that a tag or class has the same position in every split.
-    `on_found(n)`: n more images found under `src` (listed or not), as the walk goes."""
-    reference = reference or {}
-    root = Path(src)
-    check_source_folder(root)
-    table = read_table(table_path, root)
-    kinds = kinds or {}
-    _check_given_kinds(table, kinds)
-    _check_label_column(table)
-    kinds = {name: kinds.get(name) or (reference.get(name) or (None,))[0] or infer_kind(table, name)
+def _column_kinds(table: Table, given: dict[str, str], reference: dict[str, tuple[str, tuple[str, ...]]],
+                  classes: list[str] | None) -> dict[str, str]:
+    """Each column's kind: given, else the reference split's, else inferred from its values."""
+    kinds = {name: given.get(name) or (reference.get(name) or (None,))[0] or infer_kind(table, name)
              for name in table.columns}
     if LABEL_COLUMN in kinds and kinds[LABEL_COLUMN] != "class":
         raise CompileError(f"{table.path}: column {LABEL_COLUMN!r} holds {kinds[LABEL_COLUMN]} values, but the "
                            f"{LABEL_COLUMN!r} column is the dataset's class label; name a numeric target otherwise "
                            "(e.g. 'target')")
-    if classes is not None and LABEL_COLUMN not in kinds:
+    if classes is not None and LABEL_COLUMN not in kinds and not reference:
         raise CompileError(f"{table.path}: the given classes are for the {LABEL_COLUMN!r} column, which it lacks")
+    return kinds
 
-    keep = np.ones(len(table.sources), dtype=bool)
-    skipped: list[tuple[str, str]] = []
-    labels, vocabulary = np.full(len(table.sources), fmt.UNLABELED, dtype=np.int64), []
-    if LABEL_COLUMN in kinds:
-        labels, vocabulary, unknown = _class_indices(table, LABEL_COLUMN, classes)
-        if unknown and not skip_unknown:
-            row = unknown[0]
-            raise _problem(table.path, table.lines[row], f"class {_class_name(table.columns[LABEL_COLUMN][row])!r} "
-                           f"is not among the {len(vocabulary)} given classes ({len(unknown)} row(s) like it); "
-                           "pass --skip-unknown-classes to leave them out", LABEL_COLUMN)
-        for row in unknown:
-            keep[row] = False
-            skipped.append((table.sources[row], "its class is not among the given classes"))
+
+def _fields(table: Table, kinds: dict[str, str],
+            reference: dict[str, tuple[str, tuple[str, ...]]]) -> list[tuple[fmt.FieldEntry, np.ndarray]]:
+    """Every column but the label as a typed field; `reference` (another split's fields) fixes the
+    vocabulary of a class or tag column of the same kind, so a class keeps its position in every split."""
     fields = []
     for name, kind in kinds.items():
         if name == LABEL_COLUMN:
@@ -431,6 +525,7 @@ def discover_listed(src: str | os.PathLike, table_path: str | os.PathLike, kinds
             values, field_classes = _multi_hot(table, name, fixed)
             shape = (len(field_classes),)
         else:
+            _warn_joined(table, name)
             values, field_classes, unknown_rows = _class_indices(table, name, fixed)
             if unknown_rows:
                 row = unknown_rows[0]
@@ -438,6 +533,54 @@ def discover_listed(src: str | os.PathLike, table_path: str | os.PathLike, kinds
                                "not among the classes of the dataset the classes come from", name)
             shape = ()
         fields.append((fmt.FieldEntry("", 0, "", name, kind, shape, tuple(field_classes)), values))
+    return fields
+
+
+def discover_listed(src: str | os.PathLike, table_path: str | os.PathLike, kinds: dict[str, str] | None = None,
+                    classes: list[str] | None = None, skip_unknown: bool = False,
+                    reference: dict[str, tuple[str, tuple[str, ...]]] | None = None,
+                    on_found: Callable[[int], None] | None = None) -> Discovery:
+    """What to compile from a label table: its rows whose image exists under `src`, their label
+    (the `label` column: integers as given, class names over `classes` or their own sorted names)
+    and fields (the other columns).
+
+    A listed image that is missing is skipped (recorded like a bad image); images under `src`
+    that the table does not list are ignored and counted. `classes` applies to the label;
+    `reference` ({name: (kind, classes)}, another split's fields) fixes the kind and vocabulary of
+    the columns it names, so that a tag or class has the same position in every split. A table
+    without a label column needs `kinds` to say `{"label": "none"}`.
+    `on_found(n)`: n more images found under `src` (listed or not), as the walk goes."""
+    reference = reference or {}
+    root = Path(src)
+    check_source_folder(root)
+    table = read_table(table_path, root)
+    given = kinds or {}
+    _check_given_kinds(table, given)
+    unlabeled = given.get(LABEL_COLUMN) == NO_LABEL
+    _check_label_column(table, unlabeled)
+    given = {name: kind for name, kind in given.items() if kind != NO_LABEL}
+    kinds = _column_kinds(table, given, reference, classes)
+    integer_label = LABEL_COLUMN in kinds and LABEL_COLUMN not in given \
+        and all(_integer_like(v) for v in table.columns[LABEL_COLUMN])
+
+    keep = np.ones(len(table.sources), dtype=bool)
+    skipped: list[tuple[str, str]] = []
+    labels, vocabulary = np.full(len(table.sources), fmt.UNLABELED, dtype=np.int64), []
+    if LABEL_COLUMN in kinds:
+        if integer_label:
+            labels, vocabulary, unknown = _integer_labels(table, classes)
+        else:
+            _warn_joined(table, LABEL_COLUMN)
+            labels, vocabulary, unknown = _class_indices(table, LABEL_COLUMN, classes)
+        if unknown and not skip_unknown:
+            row = unknown[0]
+            raise _problem(table.path, table.lines[row], f"class {_class_name(table.columns[LABEL_COLUMN][row])!r} "
+                           f"is not among the {len(vocabulary)} given classes ({len(unknown)} row(s) like it); "
+                           "pass --skip-unknown-classes to leave them out", LABEL_COLUMN)
+        for row in unknown:
+            keep[row] = False
+            skipped.append((table.sources[row], "its class is not among the given classes"))
+    fields = _fields(table, kinds, reference)
 
     on_disk, on_disk_stamps, walk_skipped = list_images(root, on_found)  # one walk, not a stat per row
     found = dict(zip(on_disk, on_disk_stamps))
@@ -454,7 +597,11 @@ def discover_listed(src: str | os.PathLike, table_path: str | os.PathLike, kinds
     sources = [s for s, k in zip(table.sources, keep) if k]
     if not sources:
         raise _none_found(table, root)
-    empty = [c for i, c in enumerate(vocabulary) if not np.any(labels[keep] == i)]
+    if LABEL_COLUMN not in kinds and not unlabeled:
+        raise _no_label_column(table)
+    # the gaps of integer labels are no classes the user named: not listed as classes without images
+    empty = [] if integer_label and classes is None else \
+        [c for i, c in enumerate(vocabulary) if not np.any(labels[keep] == i)]
     return Discovery(root, sources, labels[keep], vocabulary, sorted(skipped), empty,
                      [s for s, k in zip(stamps, keep) if k], [(spec, values[keep]) for spec, values in fields], ignored)
 

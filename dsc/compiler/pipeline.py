@@ -217,17 +217,19 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
 def _discover(src: Path, out: Path, classes, skip_unknown_classes: bool, labels, columns,
               on_found: Callable[[int], None] | None) -> Discovery:
     """The sources to compile with their labels and fields: a label table's rows, or the folder's images."""
-    vocabulary = None if classes is None else classes_module.load_classes(classes)
+    vocabulary = None if classes is None else classes_module.load_classes(classes, fields_only=labels is not None)
+    reference = classes_module.reference_fields(classes)
     if labels is not None:
-        found = labels_module.discover_listed(src, labels, columns, vocabulary, skip_unknown_classes,
-                                              classes_module.reference_fields(classes), on_found)
+        found = labels_module.discover_listed(src, labels, columns, vocabulary, skip_unknown_classes, reference,
+                                              on_found)
     elif columns:
         raise CompileError("column kinds are for a label table (--labels)")
     else:
         found = discover(src, vocabulary, skip_unknown_classes, on_found)
-    if vocabulary is None and found.classes:
-        for message in classes_module.sibling_class_mismatch(out, found.classes):
-            logger.warning("%s", message)
+    free = [(spec.name, spec.kind, spec.classes) for spec, _ in found.fields  # vocabularies no reference fixed
+            if spec.classes and reference.get(spec.name, ("",))[0] != spec.kind]
+    for message in classes_module.sibling_class_mismatch(out, found.classes if vocabulary is None else None, free):
+        logger.warning("%s", message)
     return found
 
 
