@@ -1,4 +1,4 @@
-"""The dsc dataset format, version 1.1: the only module that knows the on-disk layout.
+"""The dsc dataset format, version 1.2 (1.1 without a warnings file): the only module that knows the on-disk layout.
 
 The contract is ``formats.md`` at the repository root; this module uses the same
 names for the same things. In short::
@@ -12,6 +12,7 @@ names for the same things. In short::
       sources.bin           source paths relative to SRC, '/'-separated, as the file system's bytes
       skipped.jsonl         (1.1) every skipped source; the manifest keeps only the first ones
       fields/NAME.bin       (1.1) one typed per-record value per field: [count, *shape], little-endian
+      warnings.bin          (1.2, only when a record has one) uint16 LE [count] decoder warnings per record
 
 The manifest (formats.md, "manifest.json") names every other file with its size and SHA-256;
 record i lives in shard i // records_per_shard at byte (i % records_per_shard) * H * W * 3.
@@ -40,6 +41,7 @@ from dsc.errors import DatasetError, UnsupportedVersionError
 
 FORMAT_NAME = "dsc"
 FORMAT_VERSION = "1.1"  # MAJOR.MINOR: a reader refuses another MAJOR; MINOR only adds keys.
+WARNINGS_VERSION = "1.2"  # written only by a dataset with a warnings file: one without stays 1.1, byte for byte
 MANIFEST_FILE = "manifest.json"
 SHARD_DIR = "shards"
 LABELS_FILE = "labels.bin"
@@ -47,6 +49,7 @@ SIZES_FILE = "sizes.bin"
 SOURCE_OFFSETS_FILE = "source_offsets.bin"
 SOURCES_FILE = "sources.bin"
 SKIP_LIST_FILE = "skipped.jsonl"  # 1.1: every skipped source, one JSON object a line
+WARNINGS_FILE = "warnings.bin"  # 1.2: decoder warnings per record (a kept but damaged source)
 SKIPPED_IN_MANIFEST = 100  # 1.1: the manifest's "skipped" holds only the first ones (it must stay small)
 INDEX_FILES = {"labels": LABELS_FILE, "sizes": SIZES_FILE,
                "source_offsets": SOURCE_OFFSETS_FILE, "sources": SOURCES_FILE}
@@ -58,6 +61,7 @@ RECORD_DTYPE = np.dtype(np.uint8)
 LABEL_DTYPE = np.dtype("<i8")
 SIZE_DTYPE = np.dtype("<u4")
 OFFSET_DTYPE = np.dtype("<u8")
+WARNING_DTYPE = np.dtype("<u2")
 UNLABELED = -1  # the label of every record of a folder without class sub-folders
 # Per-record fields (1.1): each kind has one on-disk dtype. class: an index into the field's
 # classes; multilabel: multi-hot [K] over its classes; float / int: numbers.
@@ -154,6 +158,7 @@ class Manifest:
     fields: tuple[FieldEntry, ...] = ()
     version: str = FORMAT_VERSION
     skipped_list: SkipListEntry | None = None
+    warnings: FileEntry | None = None  # 1.2: present only when some record had decoder warnings
 
     @property
     def skipped_count(self) -> int:
@@ -174,7 +179,7 @@ class Manifest:
     @property
     def files(self) -> list[FileEntry]:
         """Every file the manifest names, with its size and SHA-256."""
-        return [*self.shards, *self.index.values(), *self.fields, *filter(None, [self.skipped_list])]
+        return [*self.shards, *self.index.values(), *self.fields, *filter(None, [self.skipped_list, self.warnings])]
 
     @property
     def fingerprint(self) -> str:
@@ -199,6 +204,8 @@ class Manifest:
             doc["fields"] = [f.to_dict() for f in self.fields]
         if self.skipped_list is not None:
             doc["skipped_list"] = asdict(self.skipped_list)
+        if self.warnings is not None:
+            doc["warnings"] = asdict(self.warnings)
         return json.dumps(doc, indent=1, ensure_ascii=True) + "\n"
 
 
@@ -276,6 +283,12 @@ def field_payload(spec: FieldEntry, values: np.ndarray) -> tuple[str, bytes]:
     return field_file(spec.name), np.ascontiguousarray(values, spec.dtype).tobytes()
 
 
+def warnings_payload(counts: np.ndarray) -> tuple[str, bytes]:
+    """The warnings file's (file name, bytes) (1.2): each record's count of decoder warnings."""
+    return WARNINGS_FILE, np.ascontiguousarray(np.minimum(counts, np.iinfo(WARNING_DTYPE).max),
+                                               WARNING_DTYPE).tobytes()
+
+
 # ----------------------------------------------------------------------------- skip list (1.1)
 
 def skip_list_payload(skipped: list[dict[str, str]]) -> bytes:
@@ -321,8 +334,10 @@ ValuesOf = Callable[[str, np.dtype, int], Iterable[np.ndarray]]  # the first n v
 
 _MANIFEST_KEYS_1_0 = {"format", "version", "record", "count", "records_per_shard", "classes",
                       "shards", "index", "skipped", "compile"}
-_MANIFEST_KEYS = {0: _MANIFEST_KEYS_1_0, 1: _MANIFEST_KEYS_1_0 | {"fields"}}  # required, by MINOR version
-_KEYS_SINCE_1_1 = frozenset({"skipped_list"})  # optional from 1.1 on
+_MANIFEST_KEYS = {0: _MANIFEST_KEYS_1_0, 1: _MANIFEST_KEYS_1_0 | {"fields"},  # required, by MINOR version
+                  2: _MANIFEST_KEYS_1_0 | {"fields"}}
+_OPTIONAL_KEYS = {0: frozenset(), 1: frozenset({"skipped_list"}),  # optional, by MINOR version
+                  2: frozenset({"skipped_list", "warnings"})}
 _RECORD_KEYS = {"shape", "dtype", "layout", "color", "bytes"}
 _FILE_KEYS = {"file", "bytes", "sha256"}
 _FIELD_KEYS = _FILE_KEYS | {"name", "kind", "dtype", "shape", "classes"}
@@ -452,8 +467,8 @@ def parse_manifest(text: bytes, root: Any, size_of: SizeOf) -> Manifest:
     doc, stored = _read_manifest(text, root), _Stored(root, size_of, {})
     minor = _check_version(root, doc)
     newer = minor > max(_MANIFEST_KEYS)
-    _expect_keys(root, doc, _MANIFEST_KEYS[min(minor, max(_MANIFEST_KEYS))], "", newer,
-                 _KEYS_SINCE_1_1 if minor >= 1 else frozenset())
+    known = min(minor, max(_MANIFEST_KEYS))
+    _expect_keys(root, doc, _MANIFEST_KEYS[known], "", newer, _OPTIONAL_KEYS[known])
 
     record = doc["record"]
     _expect_keys(root, record, _RECORD_KEYS, "record: ", newer)
@@ -506,7 +521,16 @@ def parse_manifest(text: bytes, root: Any, size_of: SizeOf) -> Manifest:
                     classes=tuple(classes), shards=tuple(shards), index=index,
                     skipped=tuple({"source": s["source"], "reason": s["reason"]} for s in skipped),
                     compile=_expect(root, doc, "compile", dict), fields=fields,
-                    version=doc["version"], skipped_list=_skip_list_entry(stored, doc, newer))
+                    version=doc["version"], skipped_list=_skip_list_entry(stored, doc, newer),
+                    warnings=_warnings_entry(stored, doc, count, newer))
+
+
+def _warnings_entry(stored: _Stored, doc: dict, count: int, newer: bool) -> FileEntry | None:
+    """The 1.2 `warnings` entry (uint16 per record), checked like any file entry; None when absent."""
+    if "warnings" not in doc:
+        return None
+    entry = _file_entry(stored, doc["warnings"], "warnings", count * WARNING_DTYPE.itemsize, newer)
+    return FileEntry(entry["file"], entry["bytes"], entry["sha256"])
 
 
 def _skip_list_entry(stored: _Stored, doc: dict, newer: bool) -> SkipListEntry | None:
