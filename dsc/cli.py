@@ -30,7 +30,7 @@ from dsc.compiler.publish import pending_publish, staging_path
 from dsc.compiler.target import FITS, Target, parse_size
 from dsc.errors import CompileError, DscError
 from dsc.format import ALPHA, MANIFEST_FILE, minor_version
-from dsc.storage import open_dataset, verify_checksums
+from dsc.storage import check_skip_list, open_dataset, verify_checksums
 from dsc.tools.inspect_dataset import summary as inspect_summary
 from dsc.tools.sheet import pick_records, save_sheet
 from dsc.version import __version__
@@ -325,6 +325,13 @@ def info_command(
     options = {k: v for k, v in s["compile"].items() if k not in ("source_root", "jpeg_decoder", "source_order")}
     typer.echo("compiled with: " + _clean(", ".join(f"{k}={v}" for k, v in options.items())))
     typer.echo(_clean(f"from: {s['compile'].get('source_root')}; JPEG decoder: {s['jpeg_decoder']}"))
+    if s["warned"]:
+        typer.echo(f"{len(s['warned'])} record(s) kept despite decoder warnings "
+                   f"({sum(w['warnings'] for w in s['warned'])} in all; see the compile's log for what they said):")
+        for item in s["warned"][:SHOW_SKIPPED]:
+            typer.echo(f"  record {item['record']} {_clean(item['source'])}: {item['warnings']} warning(s)")
+        if len(s["warned"]) > SHOW_SKIPPED:
+            typer.echo(f"  ... and {len(s['warned']) - SHOW_SKIPPED} more (dsc info --json lists them all)")
     typer.echo(f"{len(s['skipped'])} skipped" + (":" if s["skipped"] else ""))
     for item in s["skipped"][:SHOW_SKIPPED]:
         typer.echo(f"  {_clean(item['source'])}: {_clean(item['reason'])}")
@@ -341,16 +348,18 @@ def verify_command(
 ) -> None:
     """Check a dataset: the manifest, every file size and checksum, and optionally records against sources."""
     try:
-        manifest = open_dataset(dataset).manifest
+        opened = open_dataset(dataset)
+        manifest = opened.manifest
         total = sum(e.bytes for e in manifest.files)
         with tqdm(total=total, unit="B", unit_scale=True, desc="checksums", disable=None, file=sys.stderr) as bar:
             verify_checksums(dataset, manifest, progress=bar.update)
+        check_skip_list(opened)
     except DscError as e:
         _fail_dataset(dataset, e)
     fields = f", {len(manifest.fields)} field file(s)" if manifest.fields else ""
     unsealed = "" if minor_version(manifest.version) >= 2 else f" (format {manifest.version}: no checksum of its own)"
     typer.echo(f"ok: manifest{unsealed}, {len(manifest.shards)} shard(s){fields} and index files match "
-               f"({_human_bytes(total)})")
+               f"({_human_bytes(total)}); the skip list names no stored source")
     if decode:
         from dsc.tools.recheck import check_against_sources  # the decoders and torch: only for --decode
 

@@ -1,4 +1,4 @@
-"""The dsc dataset format, version 1.1: the only module that knows the on-disk layout.
+"""The dsc dataset format, version 1.2 (1.1 without a warnings file): the only module that knows the on-disk layout.
 
 The contract is ``formats.md`` at the repository root; this module uses the same
 names for the same things. In short::
@@ -12,6 +12,7 @@ names for the same things. In short::
       sources.bin           source paths relative to SRC, '/'-separated, as the file system's bytes
       skipped.jsonl         (1.1) every skipped source; the manifest keeps only the first ones
       fields/NAME.bin       (1.1) one typed per-record value per field: [count, *shape], little-endian
+      warnings.bin          (1.2, only when a record has one) uint16 LE [count] decoder warnings per record
 
 The manifest (formats.md, "manifest.json") names every other file with its size and SHA-256;
 record i lives in shard i // records_per_shard at byte (i % records_per_shard) * H * W * 3.
@@ -49,6 +50,7 @@ SOURCES_FILE = "sources.bin"
 SKIP_LIST_FILE = "skipped.jsonl"  # 1.1: every skipped source, one JSON object a line
 SEAL_KEY = "manifest_sha256"  # 1.2: the manifest's own SHA-256, computed with this value as 64 '0's
 _SEAL_PLACEHOLDER = "0" * 64
+WARNINGS_FILE = "warnings.bin"  # 1.2: decoder warnings per record (a kept but damaged source)
 SKIPPED_IN_MANIFEST = 100  # 1.1: the manifest's "skipped" holds only the first ones (it must stay small)
 INDEX_FILES = {"labels": LABELS_FILE, "sizes": SIZES_FILE,
                "source_offsets": SOURCE_OFFSETS_FILE, "sources": SOURCES_FILE}
@@ -63,6 +65,7 @@ OFFSET_DTYPE = np.dtype("<u8")
 # "No label": every record of a folder without class sub-folders (classes empty), and in a labeled
 # dataset a record whose integer label in a label table is -1 (an ignore value, as given)
 UNLABELED = -1
+WARNING_DTYPE = np.dtype("<u2")
 # Per-record fields (1.1): each kind has one on-disk dtype. class: an index into the field's
 # classes; multilabel: multi-hot [K] over its classes; float / int: numbers.
 FIELD_DTYPES = {"class": np.dtype("<i8"), "multilabel": np.dtype("u1"), "float": np.dtype("<f4"),
@@ -158,6 +161,7 @@ class Manifest:
     fields: tuple[FieldEntry, ...] = ()
     version: str = FORMAT_VERSION
     skipped_list: SkipListEntry | None = None
+    warnings: FileEntry | None = None  # 1.2: present only when some record had decoder warnings
 
     @property
     def skipped_count(self) -> int:
@@ -178,7 +182,7 @@ class Manifest:
     @property
     def files(self) -> list[FileEntry]:
         """Every file the manifest names, with its size and SHA-256."""
-        return [*self.shards, *self.index.values(), *self.fields, *filter(None, [self.skipped_list])]
+        return [*self.shards, *self.index.values(), *self.fields, *filter(None, [self.skipped_list, self.warnings])]
 
     @property
     def fingerprint(self) -> str:
@@ -203,6 +207,8 @@ class Manifest:
             doc["fields"] = [f.to_dict() for f in self.fields]
         if self.skipped_list is not None:
             doc["skipped_list"] = asdict(self.skipped_list)
+        if self.warnings is not None:
+            doc["warnings"] = asdict(self.warnings)
         if minor_version(self.version) >= 2:
             doc[SEAL_KEY] = _SEAL_PLACEHOLDER
             return sealed(json.dumps(doc, indent=1, ensure_ascii=True) + "\n")
@@ -310,6 +316,12 @@ def field_payload(spec: FieldEntry, values: np.ndarray) -> tuple[str, bytes]:
     return field_file(spec.name), np.ascontiguousarray(values, spec.dtype).tobytes()
 
 
+def warnings_payload(counts: np.ndarray) -> tuple[str, bytes]:
+    """The warnings file's (file name, bytes) (1.2): each record's count of decoder warnings."""
+    return WARNINGS_FILE, np.ascontiguousarray(np.minimum(counts, np.iinfo(WARNING_DTYPE).max),
+                                               WARNING_DTYPE).tobytes()
+
+
 # ----------------------------------------------------------------------------- skip list (1.1)
 
 def skip_list_payload(skipped: list[dict[str, str]]) -> bytes:
@@ -357,7 +369,8 @@ _MANIFEST_KEYS_1_0 = {"format", "version", "record", "count", "records_per_shard
                       "shards", "index", "skipped", "compile"}
 _MANIFEST_KEYS = {0: _MANIFEST_KEYS_1_0, 1: _MANIFEST_KEYS_1_0 | {"fields"},  # required, by MINOR version
                   2: _MANIFEST_KEYS_1_0 | {"fields", SEAL_KEY}}
-_KEYS_SINCE_1_1 = frozenset({"skipped_list"})  # optional from 1.1 on
+_OPTIONAL_KEYS = {0: frozenset(), 1: frozenset({"skipped_list"}),  # optional, by MINOR version
+                  2: frozenset({"skipped_list", "warnings"})}
 _RECORD_KEYS = {"shape", "dtype", "layout", "color", "bytes"}
 _FILE_KEYS = {"file", "bytes", "sha256"}
 _FIELD_KEYS = _FILE_KEYS | {"name", "kind", "dtype", "shape", "classes"}
@@ -492,8 +505,8 @@ def parse_manifest(text: bytes, root: Any, size_of: SizeOf) -> Manifest:
     doc, stored = _read_manifest(text, root), _Stored(root, size_of, {})
     minor = _check_version(root, doc)
     newer = minor > max(_MANIFEST_KEYS)
-    _expect_keys(root, doc, _MANIFEST_KEYS[min(minor, max(_MANIFEST_KEYS))], "", newer,
-                 _KEYS_SINCE_1_1 if minor >= 1 else frozenset())
+    known = min(minor, max(_MANIFEST_KEYS))
+    _expect_keys(root, doc, _MANIFEST_KEYS[known], "", newer, _OPTIONAL_KEYS[known])
 
     record = doc["record"]
     _expect_keys(root, record, _RECORD_KEYS, "record: ", newer)
@@ -548,7 +561,16 @@ def parse_manifest(text: bytes, root: Any, size_of: SizeOf) -> Manifest:
                     classes=tuple(classes), shards=tuple(shards), index=index,
                     skipped=tuple({"source": s["source"], "reason": s["reason"]} for s in skipped),
                     compile=_expect(root, doc, "compile", dict), fields=fields,
-                    version=doc["version"], skipped_list=_skip_list_entry(stored, doc, newer))
+                    version=doc["version"], skipped_list=_skip_list_entry(stored, doc, newer),
+                    warnings=_warnings_entry(stored, doc, count, newer))
+
+
+def _warnings_entry(stored: _Stored, doc: dict, count: int, newer: bool) -> FileEntry | None:
+    """The 1.2 `warnings` entry (uint16 per record), checked like any file entry; None when absent."""
+    if "warnings" not in doc:
+        return None
+    entry = _file_entry(stored, doc["warnings"], "warnings", count * WARNING_DTYPE.itemsize, newer)
+    return FileEntry(entry["file"], entry["bytes"], entry["sha256"])
 
 
 def _skip_list_entry(stored: _Stored, doc: dict, newer: bool) -> SkipListEntry | None:

@@ -10,12 +10,17 @@ Everything else — CMYK JPEGs, PNG, WebP, BMP, TIFF, GIF — goes
 through Pillow, as do JPEGs where the system's libturbojpeg is missing; Pillow's JPEG
 decoder is libjpeg-turbo too, and at the same scale gives the same pixels.
 
-A JPEG whose scan is complete but lacks the final end-of-image marker (FF D9, common in
-scraped data) gets the same "premature end" warning from libjpeg-turbo as a cut-off file. With
-the marker appended, libjpeg-turbo decodes the former without a warning but still warns for the
-latter: so such a file is kept, with an `IncompleteJpegWarning`, and a cut-off one skipped.
-Pillow cannot tell them apart (it ignores libjpeg's warnings), so without libjpeg-turbo both are
-skipped.
+A JPEG without its final end-of-image marker (FF D9, common in scraped data) is judged the same
+way whichever decoder runs, for libjpeg-turbo's "premature end" warning is the same for a cut-off
+scan and for a complete one, and Pillow sees no warning at all: the file is decoded twice by
+Pillow, with the marker appended and with SCAN_PROBE bytes before it. Bytes after a complete
+scan are skipped (identical pixels): it is kept, with an `IncompleteJpegWarning`; a cut-off scan
+decodes the probe as image data (other pixels): it is skipped.
+
+Damage inside the scan (corrupt entropy-coded data) only makes libjpeg-turbo warn; such a file is
+kept as Pillow decodes it (grey or smeared blocks), with a `DecoderWarning` that the compiler
+counts per record. Pillow ignores libjpeg's warnings, so without the system library the same file
+is kept with the same pixels, uncounted.
 
 Alpha is composited onto black (premultiplied; the default), onto white, or dropped (the stored
 RGB, as Pillow's `convert("RGB")` keeps it); 16-bit samples keep their high byte.
@@ -46,6 +51,8 @@ DCT_MARGINS: dict[str, dict[int, float]] = {
 EXIF_ORIENTATION = 0x0112
 TURBOJPEG_LIBRARY = "libturbojpeg.so.0"
 EOI = b"\xff\xd9"  # JPEG's end-of-image marker
+SOS = b"\xff\xda"  # start of scan: neither marker can occur inside entropy-coded data
+SCAN_PROBE = bytes(range(1, 250, 3))  # no 0xFF: libjpeg skips it after a complete scan, decodes it in a cut one
 DECODER_ENV = "DSC_JPEG_DECODER"  # "pillow" forces the fallback (tests, comparisons)
 _SOF_MARKERS = frozenset({0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF})
 
@@ -61,7 +68,11 @@ _ORIENT: dict[int, Callable[[np.ndarray], np.ndarray]] = {
 }
 
 
-class IncompleteJpegWarning(UserWarning):
+class DecoderWarning(UserWarning):
+    """A source was decoded and kept despite damage the decoder warned about; counted per record."""
+
+
+class IncompleteJpegWarning(DecoderWarning):
     """A JPEG lacked only its end-of-image marker: its complete scan was decoded and kept."""
 
 
@@ -240,25 +251,46 @@ def _decode_pillow(data: bytes, p: Probe, scale: int, alpha: str = "black") -> n
         raise ImageError(f"corrupt or truncated {p.format} data ({e})") from e
 
 
+def _turbo_message(error: Exception) -> str:
+    """libjpeg-turbo's own words from jpeg4py's exception."""
+    text = str(error)
+    return text.split("error string ", 1)[-1]
+
+
 def _decode_jpeg(data: bytes, p: Probe, scale: int) -> np.ndarray:
-    """libjpeg-turbo, whose warnings count as errors; a complete scan missing only its EOI is
-    kept (see the module docstring); anything else it refuses, Pillow judges."""
+    """libjpeg-turbo; what it refuses or warns about, Pillow judges: decoded there, the file is kept with
+    a DecoderWarning carrying libjpeg-turbo's message (corrupt entropy-coded data), else skipped."""
     try:
         return _decode_turbo(data, p, scale)
     except Exception as turbo_error:
-        if not data.endswith(EOI):
-            try:
-                rgb = _decode_turbo(data + EOI, p, scale)
-            except Exception:
-                pass  # cut off inside the scan: Pillow refuses it below
-            else:
-                warnings.warn("no end-of-image marker (FF D9) after a complete scan; decoded and kept",
-                              IncompleteJpegWarning, stacklevel=2)
-                return rgb
         try:
-            return _decode_pillow(data, p, scale)
+            rgb = _decode_pillow(data, p, scale)
         except ImageError as e:
-            raise ImageError(f"{e}; libjpeg-turbo: {turbo_error}") from e
+            raise ImageError(f"{e}; libjpeg-turbo: {_turbo_message(turbo_error)}") from e
+        warnings.warn(f"libjpeg-turbo: {_turbo_message(turbo_error)}; kept as Pillow decodes it",
+                      DecoderWarning, stacklevel=2)
+        return rgb
+
+
+def lacks_eoi(data: bytes) -> bool:
+    """Whether a JPEG's last scan is not followed by an end-of-image marker."""
+    return data.rfind(EOI) < data.rfind(SOS)
+
+
+def _scan_is_complete(data: bytes) -> bool:
+    """Whether a JPEG without its end-of-image marker holds its whole last scan: Pillow decodes it with
+    the marker appended and with SCAN_PROBE before the marker, at full size; the same pixels mean the
+    probe came after the scan's end. Pillow, not the decoder of this process, so every machine agrees."""
+    def pixels(encoded: bytes) -> np.ndarray:
+        img = open_image(encoded)
+        img.load()
+        return np.asarray(img)
+    try:
+        return np.array_equal(pixels(data + EOI), pixels(data + SCAN_PROBE + EOI))
+    except ImageError:
+        raise
+    except Exception:  # Pillow refuses it either way: nothing complete to keep
+        return False
 
 
 def decode(data: bytes, p: Probe, need_h: int, need_w: int, mode: str = "faithful",
@@ -269,6 +301,12 @@ def decode(data: bytes, p: Probe, need_h: int, need_w: int, mode: str = "faithfu
     if p.swaps_axes:
         need_h, need_w = need_w, need_h
     jpeg = p.format == "JPEG"
+    if jpeg and lacks_eoi(data):
+        if not _scan_is_complete(data):
+            raise ImageError("corrupt or truncated JPEG data (the scan is cut off: no end-of-image marker)")
+        warnings.warn("no end-of-image marker (FF D9) after a complete scan; decoded and kept",
+                      IncompleteJpegWarning, stacklevel=2)
+        data += EOI
     scale = dct_scale(p.width, p.height, need_w, need_h, mode) if jpeg else 1
     if jpeg and p.mode in ("RGB", "L") and turbojpeg_library():
         rgb = _decode_jpeg(data, p, scale)

@@ -73,9 +73,10 @@ def compact(stage: Path, ok: np.ndarray, job: WriteJob) -> int:
 
 def finish(stage: Path, job: WriteJob, ok: np.ndarray, sizes: np.ndarray, labels: np.ndarray,
            sources: list[str], classes: list[str], skipped: list[tuple[str, str]], options: dict,
-           threads: int, fields: list[tuple[fmt.FieldEntry, np.ndarray]] = ()) -> fmt.Manifest:
-    """Close up skipped slots, make the shards durable, write index, fields (per slot, like `labels`),
-    skip list and manifest (last), and check the build as `open_dataset` will."""
+           threads: int, fields: list[tuple[fmt.FieldEntry, np.ndarray]] = (),
+           warned: np.ndarray | None = None) -> fmt.Manifest:
+    """Close up skipped slots, make the shards durable, write index, fields and decoder warnings (per slot,
+    like `labels`), skip list and manifest (last), and check the build as `open_dataset` will."""
     journal.write_kept(stage, ok)  # state "compacting": a resume finds moved records through it
     kept = compact(stage, ok, job)
     if kept == 0:
@@ -89,11 +90,13 @@ def finish(stage: Path, job: WriteJob, ok: np.ndarray, sizes: np.ndarray, labels
         shards = output.shard_entries(stage, kept, per_shard, record_bytes, map_fn=pool.map)
     index = output.write_index(stage, labels[ok], sizes[ok], [s for s, k in zip(sources, ok) if k])
     written_fields = output.write_fields(stage, [(spec, values[ok]) for spec, values in fields])
+    warnings = output.write_warnings(stage, warned[ok]) if warned is not None and warned[ok].any() else None
     skip_list = [{"source": printable(s), "reason": r} for s, r in skipped]
     manifest = fmt.Manifest(height=job.target.height, width=job.target.width, count=kept,
                             records_per_shard=per_shard, classes=tuple(classes), shards=shards, index=index,
                             compile=options, skipped=tuple(skip_list[:fmt.SKIPPED_IN_MANIFEST]),
-                            skipped_list=output.write_skip_list(stage, skip_list), fields=written_fields)
+                            skipped_list=output.write_skip_list(stage, skip_list), fields=written_fields,
+                            warnings=warnings)
     output.write_manifest(stage, manifest)
     try:  # never publish what the reader would refuse
         storage.validate(stage)

@@ -47,6 +47,7 @@ class SlotResult:
     width: int = 0
     reason: str = ""  # why the source was skipped; empty when it was written
     warning: str = ""  # what was odd about a source that was written anyway (e.g. a missing EOI)
+    warnings: int = 0  # how many decoder warnings that was: stored per record (format 1.2), refused by --strict
     crc: int = 0  # CRC-32 of the record's bytes, so a resume can check what it reuses
 
     @property

@@ -8,8 +8,9 @@ is published:
 - `sources.jsonl`: that listing, so the refusal can name the file that changed.
 - `kept.bin`: the kept mask, written before compaction moves records down.
 - `journal.jsonl`: one line per finished slot, appended by the main process after the worker
-  wrote the record: `{"slot", "h", "w", "crc", "check"}` (`crc`: CRC-32 of the record bytes;
-  `check`: CRC-32 of "slot:h:w:crc", so an edited size is caught too) or `{"slot", "reason"}`
+  wrote the record: `{"slot", "h", "w", "crc", "check"}`, with `"warnings": n` for a record the
+  decoder warned about (`crc`: CRC-32 of the record bytes; `check`: CRC-32 of "slot:h:w:crc", then
+  ":n" with warnings, so an edited size or count is caught too) or `{"slot", "reason"}`
   for a skipped source. A torn or unchecked line is ignored: that slot is decoded again.
   Lines are written unbuffered, so a failed write (a full disk) is never written twice.
 
@@ -173,7 +174,8 @@ class Journal:
     def append(self, results: Iterable[SlotResult]) -> None:
         lines = [json.dumps({"slot": r.slot, "reason": r.reason} if r.reason else
                             {"slot": r.slot, "h": r.height, "w": r.width, "crc": r.crc,
-                             "check": _line_check(r.slot, r.height, r.width, r.crc)}) for r in results]
+                             **({"warnings": r.warnings} if r.warnings else {}),
+                             "check": _line_check(r.slot, r.height, r.width, r.crc, r.warnings)}) for r in results]
         payload = "".join(line + "\n" for line in lines).encode("utf-8")
         while payload:  # unbuffered: nothing is left behind to be written again by close()
             payload = payload[os.write(self._fd, payload):]
@@ -184,8 +186,8 @@ class Journal:
             os.close(fd)
 
 
-def _line_check(slot: int, height: int, width: int, crc: int) -> int:
-    return zlib.crc32(f"{slot}:{height}:{width}:{crc}".encode())
+def _line_check(slot: int, height: int, width: int, crc: int, warnings: int = 0) -> int:
+    return zlib.crc32(f"{slot}:{height}:{width}:{crc}{f':{warnings}' if warnings else ''}".encode())
 
 
 def _parse(line: str, count: int) -> SlotResult | None:
@@ -196,8 +198,9 @@ def _parse(line: str, count: int) -> SlotResult | None:
             return None
         if "reason" in entry:
             return SlotResult(slot, reason=str(entry["reason"]))
-        result = SlotResult(slot, int(entry["h"]), int(entry["w"]), crc=int(entry["crc"]))
-        if entry["check"] != _line_check(slot, result.height, result.width, result.crc):
+        result = SlotResult(slot, int(entry["h"]), int(entry["w"]), crc=int(entry["crc"]),
+                            warnings=int(entry.get("warnings", 0)))
+        if entry["check"] != _line_check(slot, result.height, result.width, result.crc, result.warnings):
             return None
         return result
     except (ValueError, KeyError, TypeError):

@@ -1,7 +1,7 @@
 """Output: the files of a build, written into its staging folder (the format's payloads, made durable).
 
 The shard files are sized up front (`allocate_shards`: workers then fill record slots in
-place) and cut down after compaction (`trim_shards`); the index, fields, skip list and
+place) and cut down after compaction (`trim_shards`); the index, fields, warnings, skip list and
 manifest are built by `dsc.format` and written here, each atomically, the manifest last.
 """
 
@@ -78,6 +78,11 @@ def write_fields(root: Path, fields: list[tuple[fmt.FieldEntry, np.ndarray]]) ->
         entries.append(fmt.FieldEntry(written.file, written.bytes, written.sha256, spec.name, spec.kind,
                                       tuple(spec.shape), tuple(spec.classes)))
     return tuple(entries)
+
+
+def write_warnings(root: Path, counts: np.ndarray) -> fmt.FileEntry:
+    """Write the decoder warnings of each record (format 1.2; only when some record has one)."""
+    return _write(root, *fmt.warnings_payload(counts))
 
 
 def write_skip_list(root: Path, skipped: list[dict[str, str]]) -> fmt.SkipListEntry:

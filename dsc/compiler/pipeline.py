@@ -102,16 +102,22 @@ class StrictFailure(CompileError):
 def _decode_all(job: WriteJob, sources: list[str], engine: Engine, strict: bool, done: dict[int, SlotResult],
                 log: journal.Journal, on_skip: Callable[[str, str], None],
                 progress: Callable[[int], None] | None):
-    """Fill every slot not `done` already; return (ok mask, upright sizes, skipped (source, reason) list)."""
+    """Fill every slot not `done` already; return (ok mask, upright sizes, skipped (source, reason) list,
+    decoder warnings per slot)."""
     ok = np.zeros(len(sources), dtype=bool)
     sizes = np.zeros((len(sources), 2), dtype=np.int64)
+    warned = np.zeros(len(sources), dtype=np.int64)
     failed: list[tuple[str, str]] = []
 
     def collect(results: list[SlotResult]) -> None:
         for result in results:
             if result.ok:
+                if result.warnings and strict:
+                    raise StrictFailure(f"{Path(job.src_root) / sources[result.slot]}: {result.warning} "
+                                        "(--strict refuses a source the decoder warned about: nothing written)")
                 if result.warning:
                     logger.warning("%s: %s", sources[result.slot], result.warning)
+                warned[result.slot] = result.warnings
                 ok[result.slot] = True
                 sizes[result.slot] = (result.height, result.width)
             elif strict:
@@ -127,7 +133,7 @@ def _decode_all(job: WriteJob, sources: list[str], engine: Engine, strict: bool,
     tasks = [(slot, source) for slot, source in enumerate(sources) if slot not in done]
     chunks = split(tasks, chunk_size(len(tasks), engine.workers))
     engine.fill(job, chunks, lambda results: (log.append(results), collect(results)))
-    return ok, sizes, failed
+    return ok, sizes, failed, warned
 
 
 def _fields_digest(fields: list[tuple[fmt.FieldEntry, np.ndarray]]) -> str:
@@ -318,9 +324,9 @@ def _build(stage: Path, plan: Plan, runner: Engine, resumed: bool, strict: bool,
     done = journal.reusable(stage, job) if resumed else {}
     log = journal.Journal(stage)
     try:
-        ok, sizes, failed = _decode_all(job, plan.sources, runner, strict, done, log, on_skip, progress)
+        ok, sizes, failed, warned = _decode_all(job, plan.sources, runner, strict, done, log, on_skip, progress)
     finally:
         log.close()
     finish(stage, job, ok, sizes, plan.found.labels[plan.order], plan.sources, plan.found.classes,
-           sorted(plan.found.skipped + failed), plan.options, min(4, runner.workers), plan.fields())
+           sorted(plan.found.skipped + failed), plan.options, min(4, runner.workers), plan.fields(), warned)
     return len(done)

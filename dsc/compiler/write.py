@@ -20,7 +20,7 @@ import numpy as np
 from PIL import Image
 
 from dsc import format as fmt
-from dsc.compiler.decode import IncompleteJpegWarning, decode, probe
+from dsc.compiler.decode import DecoderWarning, decode, probe
 from dsc.compiler.jobs import Chunk, SlotResult, WriteJob
 from dsc.compiler.resize import resize_into
 from dsc.compiler.target import Target, needed_size
@@ -102,12 +102,13 @@ class SlotWriter:
                 try:
                     path = os.path.join(self.job.src_root, source)
                     with warnings.catch_warnings(record=True) as caught:  # they travel back in the result
-                        warnings.simplefilter("always", IncompleteJpegWarning)
+                        warnings.simplefilter("always", DecoderWarning)
                         h, w = compile_image(path, self.job.target, self.buffer, self.job.max_pixels,
                                              self.job.decode_mode, self.job.alpha)
                     self._store(slot)
-                    note = "; ".join(str(c.message) for c in caught if c.category is IncompleteJpegWarning)
-                    results.append(SlotResult(slot, h, w, crc=zlib.crc32(self.buffer), warning=note))
+                    notes = [str(c.message) for c in caught if issubclass(c.category, DecoderWarning)]
+                    results.append(SlotResult(slot, h, w, crc=zlib.crc32(self.buffer), warning="; ".join(notes),
+                                              warnings=len(notes)))
                 except ImageError as e:
                     results.append(SlotResult(slot, reason=str(e)))
         finally:

@@ -7,13 +7,15 @@ machine and the operating-system plumbing the compiler writes with.
 from dsc.storage.store import (
     DatasetStore,
     OpenedDataset,
+    check_skip_list,
     is_dataset,
     open_dataset,
     parse_manifest,
     read_skipped,
+    read_warnings,
     validate,
     verify_checksums,
 )
 
 __all__ = ["DatasetStore", "OpenedDataset", "open_dataset", "validate", "parse_manifest", "read_skipped",
-           "is_dataset", "verify_checksums"]
+           "read_warnings", "check_skip_list", "is_dataset", "verify_checksums"]

@@ -171,6 +171,35 @@ def read_skipped(root: str | os.PathLike, manifest: fmt.Manifest) -> list[dict[s
         return fmt.parse_skip_list(store.read(entry.file, entry.bytes + 1), entry, store.root)
 
 
+def read_warnings(root: str | os.PathLike, manifest: fmt.Manifest) -> np.ndarray:
+    """Each record's count of decoder warnings (format 1.2); zeros for a dataset without the file."""
+    entry = manifest.warnings
+    if entry is None:
+        return np.zeros(manifest.count, fmt.WARNING_DTYPE)
+    with _opened(root) as store:
+        data = store.read(entry.file, entry.bytes + 1)
+    if len(data) != manifest.count * fmt.WARNING_DTYPE.itemsize:
+        raise DatasetError(f"{Path(root) / entry.file}: file is {len(data)} bytes, the manifest says {entry.bytes}; "
+                           "the dataset is damaged")
+    return np.frombuffer(data, fmt.WARNING_DTYPE)
+
+
+def check_skip_list(dataset: OpenedDataset) -> None:
+    """Refuse a skip list that names a source the index stores: a source is either a record or skipped.
+    Skips are few, so each skipped name is searched for in sources.bin and matched to a record's bounds."""
+    blob = dataset.sources.tobytes()
+    starts = np.asarray(dataset.source_offsets)
+    for item in read_skipped(dataset.root, dataset.manifest):
+        name = os.fsencode(item["source"])
+        at = blob.find(name)
+        while at >= 0:
+            record = int(np.searchsorted(starts, at))
+            if record < dataset.manifest.count and starts[record] == at and starts[record + 1] == at + len(name):
+                raise DatasetError(f"{dataset.root}: {item['source']!r} is listed as skipped ({item['reason']}) but "
+                                   f"is also stored as record {record}; the skip list contradicts the index")
+            at = blob.find(name, at + 1)
+
+
 def is_dataset(path: str | os.PathLike) -> bool:
     """Whether `path` looks like a dsc dataset: its manifest names this format (a cheap check, not
     validation; an image folder may hold a manifest.json of its own)."""

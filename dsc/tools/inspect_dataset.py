@@ -26,11 +26,19 @@ def summary(path: str | os.PathLike) -> dict[str, Any]:
         "record_shape": list(m.record_shape), "dtype": "uint8", "labeled": m.labeled,
         "classes": {name: int(n) for name, n in zip(m.classes, counts)},
         "skipped": storage.read_skipped(d.root, m),
+        "warned": [{"record": int(i), "source": d.source(int(i)), "warnings": int(n)}
+                   for i, n in zip(*_warned(storage.read_warnings(d.root, m)))],
         "shards": len(m.shards), "records_per_shard": m.records_per_shard,
         "bytes_on_disk": sum(f.bytes for f in m.files) + (d.root / fmt.MANIFEST_FILE).stat().st_size,
         "jpeg_decoder": m.compile.get("jpeg_decoder"), "compile": m.compile,
         "fields": [field_summary(f, d.fields[f.name]) for f in m.fields],
     }
+
+
+def _warned(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The records with decoder warnings, and how many each."""
+    records = np.flatnonzero(counts)
+    return records, counts[records]
 
 
 def field_summary(entry: fmt.FieldEntry, values: np.ndarray) -> dict[str, Any]:

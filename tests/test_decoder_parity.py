@@ -1,0 +1,165 @@
+"""Issue 26, points 8 and 9: the same SRC gives the same dataset whichever JPEG decoder runs; what a
+decoder warned about is counted per record, shown by `dsc info` and refused by `--strict`; `dsc verify`
+refuses a skip list that names a stored source.
+
+The sources are a real photo (tests/data/photos) and three damaged copies: cut inside its scan, its
+final end-of-image marker stripped, and bytes of its entropy-coded data flipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+import dsc
+from dsc import format as fmt
+from dsc import storage
+from dsc.cli import app
+from dsc.compiler.decode import DECODER_ENV, turbojpeg_library
+
+from conftest import rewrite_manifest
+
+PHOTO = Path(__file__).parent / "data" / "photos" / "chelsea.jpg"
+runner = CliRunner()
+
+
+def _scan(data: bytes) -> tuple[int, int]:
+    """Where the photo's entropy-coded data starts and ends (its end-of-image marker)."""
+    sos = data.index(b"\xff\xda")
+    return sos + 2 + int.from_bytes(data[sos + 2:sos + 4], "big"), data.rindex(b"\xff\xd9")
+
+
+def _flipped(data: bytes) -> bytes:
+    """A few bytes of the entropy-coded data inverted (never a 0xFF or a byte after one: markers stay)."""
+    out = bytearray(data)
+    start, end = _scan(data)
+    for at in range(start + (end - start) // 3, end - 16, (end - start) // 5):
+        if out[at] not in (0x00, 0xFF) and out[at - 1] != 0xFF:
+            out[at] ^= 0x5A
+    return bytes(out)
+
+
+def damaged_folder(root: Path) -> Path:
+    data = PHOTO.read_bytes()
+    start, end = _scan(data)
+    assert data.endswith(b"\xff\xd9")
+    files = {"cat/whole.jpg": data, "cat/no_eoi.jpg": data[:-2], "dog/cut.jpg": data[:start + (end - start) * 7 // 10],
+             "dog/flipped.jpg": _flipped(data), "dog/whole_too.jpg": data}
+    for name, payload in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(payload)
+    return root
+
+
+COMPILE = """
+import json, sys
+import dsc
+from dsc.compiler.decode import decoder_name
+summary = dsc.compile_folder(sys.argv[1], sys.argv[2], size=48, workers=1)
+print(json.dumps({"decoder": decoder_name(), "skipped": summary.skipped}))
+"""
+
+
+def _compile_in_a_process(src: Path, out: Path, hide_turbojpeg: bool) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != DECODER_ENV}
+    if hide_turbojpeg:
+        env[DECODER_ENV] = "pillow"  # what a pip-only machine without libturbojpeg.so.0 does
+    run = subprocess.run([sys.executable, "-c", COMPILE, str(src), str(out)], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def _digests(root: Path, manifest: fmt.Manifest) -> dict[str, str]:
+    entries = [*manifest.shards, *manifest.index.values(), *filter(None, [manifest.skipped_list])]
+    return {e.file: hashlib.sha256((root / e.file).read_bytes()).hexdigest() for e in entries}
+
+
+@pytest.mark.skipif(turbojpeg_library() is None, reason="libturbojpeg.so.0 is not installed here")
+def test_the_same_dataset_with_and_without_the_system_libjpeg_turbo(tmp_path: Path) -> None:
+    src = damaged_folder(tmp_path / "src")
+    turbo = _compile_in_a_process(src, tmp_path / "turbo", hide_turbojpeg=False)
+    pillow = _compile_in_a_process(src, tmp_path / "pillow", hide_turbojpeg=True)
+    assert turbo["decoder"].startswith("jpeg4py") and pillow["decoder"].startswith("Pillow")
+    assert turbo["skipped"] == pillow["skipped"] == [["dog/cut.jpg", turbo["skipped"][0][1]]]
+    assert turbo["skipped"][0][1].startswith("corrupt or truncated JPEG data")
+    a, b = storage.open_dataset(tmp_path / "turbo"), storage.open_dataset(tmp_path / "pillow")
+    assert a.manifest.count == b.manifest.count == 4  # the file missing only its EOI is kept by both
+    assert [a.source(i) for i in range(4)] == [b.source(i) for i in range(4)]
+    assert _digests(a.root, a.manifest) == _digests(b.root, b.manifest)  # records, index, skips: byte for byte
+    by_source = {b.source(i): n for i, n in enumerate(storage.read_warnings(b.root, b.manifest))}
+    assert by_source["cat/no_eoi.jpg"] == 1 and by_source["cat/whole.jpg"] == 0  # both count the missing EOI
+    assert {a.source(i): n for i, n in enumerate(storage.read_warnings(a.root, a.manifest))} == \
+        {**by_source, "dog/flipped.jpg": 1}  # only libjpeg-turbo reports damage inside the scan
+
+
+def test_decoder_warnings_are_counted_shown_and_refused_by_strict(tmp_path: Path) -> None:
+    src = damaged_folder(tmp_path / "src")
+    out = tmp_path / "out"
+    dsc.compile_folder(src, out, size=32, workers=1)
+    ds = storage.open_dataset(out)
+    assert ds.manifest.version == fmt.FORMAT_VERSION and ds.manifest.warnings is not None
+    counts = {ds.source(i): int(n) for i, n in enumerate(storage.read_warnings(out, ds.manifest))}
+    assert counts["cat/no_eoi.jpg"] == 1 and counts["cat/whole.jpg"] == counts["dog/whole_too.jpg"] == 0
+    assert counts["dog/flipped.jpg"] == (1 if turbojpeg_library() else 0)
+    info = runner.invoke(app, ["info", str(out)])
+    assert info.exit_code == 0, info.stderr
+    assert "kept despite decoder warnings" in info.stdout and "cat/no_eoi.jpg: 1 warning(s)" in info.stdout
+    warned = json.loads(runner.invoke(app, ["info", str(out), "--json"]).stdout)["warned"]
+    assert {w["source"] for w in warned} == {s for s, n in counts.items() if n}
+    assert runner.invoke(app, ["verify", str(out)]).exit_code == 0
+
+    (src / "dog" / "cut.jpg").unlink()  # --strict: a skip would stop it first
+    strict = runner.invoke(app, ["compile", str(src), str(tmp_path / "strict"), "--size", "32", "-j", "1",
+                                 "--strict"])
+    assert strict.exit_code == 1 and not (tmp_path / "strict").exists()
+    assert "--strict refuses a source the decoder warned about" in strict.stderr
+    assert "no end-of-image marker" in strict.stderr or "libjpeg-turbo" in strict.stderr
+    assert "Traceback" not in strict.stderr
+
+
+def test_a_dataset_without_warnings_writes_nothing_new(tmp_path: Path) -> None:
+    (tmp_path / "src" / "cat").mkdir(parents=True)
+    (tmp_path / "src" / "cat" / "a.jpg").write_bytes(PHOTO.read_bytes())
+    dsc.compile_folder(tmp_path / "src", tmp_path / "out", size=16, workers=1)
+    manifest = storage.parse_manifest(tmp_path / "out")
+    assert manifest.version == fmt.FORMAT_VERSION and manifest.warnings is None
+    assert not (tmp_path / "out" / fmt.WARNINGS_FILE).exists()
+    assert "warnings" not in json.loads((tmp_path / "out" / fmt.MANIFEST_FILE).read_text())
+
+
+def test_verify_refuses_a_skip_list_that_names_a_stored_source(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    for name in ("cat/a.jpg", "cat/b.jpg", "dog/c.jpg"):
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        (src / name).write_bytes(PHOTO.read_bytes())
+    (src / "dog" / "empty.jpg").write_bytes(b"")
+    out = tmp_path / "out"
+    dsc.compile_folder(src, out, size=16, workers=1)
+    assert runner.invoke(app, ["verify", str(out)]).exit_code == 0
+
+    # Edit the dataset as a careless tool would, keeping it otherwise valid: the skip list also names
+    # a stored source, and the manifest's entry (size, SHA-256, count, first lines) matches the new file.
+    skipped = [*storage.read_skipped(out, storage.parse_manifest(out)),
+               {"source": "cat/b.jpg", "reason": "not a recognised image file"}]
+    payload = fmt.skip_list_payload(skipped)
+    (out / fmt.SKIP_LIST_FILE).write_bytes(payload)
+    doc = json.loads((out / fmt.MANIFEST_FILE).read_text())
+    doc["skipped_list"].update(bytes=len(payload), sha256=hashlib.sha256(payload).hexdigest(), count=len(skipped))
+    doc["skipped"] = skipped[:fmt.SKIPPED_IN_MANIFEST]
+    rewrite_manifest(out, doc)
+    storage.open_dataset(out)  # still opens: only verify looks at both lists
+
+    result = runner.invoke(app, ["verify", str(out)])
+    assert result.exit_code == 1 and "ok:" not in result.stdout
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "'cat/b.jpg' is listed as skipped" in lines[0] and "also stored as record" in lines[0]
+    assert np.isin(["cat/b.jpg"], [storage.open_dataset(out).source(i) for i in range(3)]).all()
