@@ -368,6 +368,35 @@ def test_cpu_device_and_batch_layout(ds: MemmapDataset) -> None:
         assert batch["size"][k].tolist() == [height, width]
 
 
+@pytest.mark.parametrize("batch_size", [1, 2, 3, 21])
+def test_unpacking_a_batch_fails_naming_as_tuple_and_as_tuple_gives_tuples(ds: MemmapDataset,
+                                                                           batch_size: int) -> None:
+    """`x, y = batch` (the DataLoader habit) gave two samples at batch size 2: it fails at every size (issue 26)."""
+    batch = next(iter(ds.loader(batch_size, order="sequential")))
+    for unpack in (lambda: tuple(batch), lambda: [s for s in batch], lambda: tuple(batch.to("cpu"))):
+        with pytest.raises(TypeError, match=r"as_tuple=\('image', 'label'\)"):
+            unpack()
+    with pytest.raises(TypeError, match="as_tuple"):
+        x, y = batch
+    assert [tuple(s.batch_size) for s in batch.unbind(0)] == [()] * batch_size  # samples stay one call away
+    tuples = ds.loader(batch_size, order="sequential", as_tuple=("image", "label"))
+    x, y = next(iter(tuples))
+    assert torch.equal(x, batch["image"]) and torch.equal(y, batch["label"])
+    assert x.is_contiguous(memory_format=torch.channels_last)
+    for got, want in zip(tuples, ds.loader(batch_size, order="sequential"), strict=True):  # the next epoch too
+        assert isinstance(got, tuple) and len(got) == 2 and torch.equal(got[1], want["label"])
+    index, size = next(iter(ds.loader(batch_size, order="sequential", as_tuple=["index", "size"])))
+    assert torch.equal(index, batch["index"]) and torch.equal(size, batch["size"])
+
+
+@pytest.mark.parametrize(("as_tuple", "message"), [("image", "a tuple of field names"), ((), "a tuple of field"),
+                                                   (("image", 1), "a tuple of field"),
+                                                   (("image", "target"), r"as_tuple names \['target'\]")])
+def test_bad_as_tuple_is_refused_where_the_loader_is_made(ds: MemmapDataset, as_tuple, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ds.loader(4, as_tuple=as_tuple)
+
+
 @pytest.mark.parametrize(("device", "message"), [
     ("gpu", "unknown device 'gpu'; use 'cuda', 'cuda:N' or None"),
     ("cuda:x", "unknown device 'cuda:x'; use 'cuda', 'cuda:N' or None"),

@@ -27,14 +27,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from tensordict import TensorDict
 
 from dsc.arguments import check_int
 from dsc.errors import LoaderError
 from dsc.reader import order as orders
 from dsc.reader import progress
 from dsc.reader.gather import fill_parallel
-from dsc.reader.host import HostSink
+from dsc.reader.host import Batch, HostSink
 
 POLL_S = 0.1  # how often blocked queue waits look at the stop event / the producer's health
 JOIN_S = 30.0  # how long closing waits for a producer that is mid-copy
@@ -267,6 +266,16 @@ def _batch_maker(sink, opened, pool: ThreadPoolExecutor | None, num_threads: int
     return make
 
 
+def check_as_tuple(as_tuple: Any) -> tuple[str, ...] | None:
+    """`as_tuple` as a tuple of field names (None: TensorDict batches); a bare string is refused, not spelt out."""
+    if as_tuple is None:
+        return None
+    names = tuple(as_tuple) if isinstance(as_tuple, (tuple, list)) else ()
+    if not names or not all(isinstance(name, str) for name in names):
+        raise ValueError(f"as_tuple must be a tuple of field names, e.g. ('image', 'label'), got {as_tuple!r}")
+    return names
+
+
 def order_for_shuffle(order: str | None, shuffle: bool | None) -> str:
     """torch's spelling: `shuffle=True` is order "random", `shuffle=False` "sequential"; the default "block"."""
     if shuffle is None:
@@ -313,11 +322,13 @@ class LoaderConfig:
     num_threads: int
     world: tuple[int | None, int | None]  # (rank, world_size) as given; None: from torch.distributed
     locality: str | None
+    as_tuple: tuple[str, ...] | None = None  # field names: batches are tuples of these tensors
 
     @classmethod
     def checked(cls, batch_size: int, *, order: str | None, seed: int, drop_last: bool,
                 device: str | torch.device | None, prefetch: int, num_threads: int | None, rank: int | None,
-                world_size: int | None, locality: str | None, shuffle: bool | None) -> LoaderConfig:
+                world_size: int | None, locality: str | None, shuffle: bool | None,
+                as_tuple: tuple[str, ...] | None = None) -> LoaderConfig:
         """The configuration of these arguments, each checked: a bad one fails where the loader is made."""
         order = order_for_shuffle(order, shuffle)
         if order not in orders.ORDERS:
@@ -327,7 +338,7 @@ class LoaderConfig:
         return cls(check_int("batch_size", batch_size, 1), order, check_int("seed", seed, 0), bool(drop_last),
                    resolve_device(device), check_int("prefetch", prefetch, 1),
                    default_threads() if num_threads is None else check_int("num_threads", num_threads, 1),
-                   (rank, world_size), locality)
+                   (rank, world_size), locality, check_as_tuple(as_tuple))
 
 
 def _setting(name: str) -> property:
@@ -343,6 +354,8 @@ class Loader:
 
     `size` is each record's source image's original (height, width), int64 [B, 2]. A dataset with
     fields (format 1.1, from a label table) adds each of them by name, in its own dtype.
+    The TensorDict (`host.Batch`) refuses iteration, so ``x, y = batch`` fails naming `as_tuple`;
+    ``as_tuple=("image", "label")`` gives tuples of those tensors instead, DataLoader's way.
 
     Epochs: the next iteration serves the next epoch as soon as the last batch of an epoch has
     been handed out, whether or not the consumer goes on to exhaust the iterator (Lightning,
@@ -369,16 +382,22 @@ class Loader:
     def __init__(self, dataset, batch_size: int, *, order: str | None = None, seed: int = 0, drop_last: bool = False,
                  device: str | torch.device | None = None, prefetch: int = 2, num_threads: int | None = None,
                  rank: int | None = None, world_size: int | None = None, locality: str | None = None,
-                 shuffle: bool | None = None) -> None:
+                 shuffle: bool | None = None, as_tuple: tuple[str, ...] | None = None) -> None:
         self._config = LoaderConfig.checked(batch_size, order=order, seed=seed, drop_last=drop_last, device=device,
                                             prefetch=prefetch, num_threads=num_threads, rank=rank,
-                                            world_size=world_size, locality=locality, shuffle=shuffle)
+                                            world_size=world_size, locality=locality, shuffle=shuffle,
+                                            as_tuple=as_tuple)
+        specs = field_specs(dataset.opened)
+        unknown = [name for name in self._config.as_tuple or () if name != "image" and name not in specs]
+        if unknown:
+            raise ValueError(f"as_tuple names {unknown}, which batches of {dataset.path} lack; they hold "
+                             f"{['image', *specs]}")
         self._dataset = dataset
         self._dataset_id = dataset.manifest.fingerprint
         self._position: tuple[int, list[progress.Round]] = (0, [])  # where the next iteration starts
         self._progress: tuple[int, list[progress.Round]] = (0, [])  # what state_dict() reports
         self._sink = _sink_class(self.device)(self.device, self.prefetch + 2, self.batch_size,  # ahead, held,
-                                              dataset.record_shape, field_specs(dataset.opened))  # being let go
+                                              dataset.record_shape, specs)  # being let go
         self._threads = _Threads(self.num_threads)
         weakref.finalize(self, self._threads.close)
         self._iteration = 0  # which iteration is the live one: an older iterator refuses to go on
@@ -478,7 +497,7 @@ class Loader:
             raise ValueError(f"this state belongs to another epoch order, (saved, ours): {wrong}. A resumed epoch "
                              "keeps its dataset, order and seed; world size and batch size may change")
 
-    def __iter__(self) -> Iterator[TensorDict]:
+    def __iter__(self) -> Iterator[Batch | tuple[torch.Tensor, ...]]:
         return self._run()
 
     def _start_pass(self) -> tuple[progress.Pass, _Producer | None]:
@@ -504,7 +523,7 @@ class Loader:
             threads.producer = _Producer(make, planner.jobs(p, share), self.prefetch, self._sink.prepare_thread)
         return p, threads.producer
 
-    def _run(self) -> Iterator[TensorDict]:
+    def _run(self) -> Iterator[Batch | tuple[torch.Tensor, ...]]:
         """One pass, bound to the loader's position when it starts (its first batch is asked for, so
         a framework may call set_epoch between iter() and next()); it hands out the batches and keeps
         the state and the epoch in step with them. A later pass, set_epoch or load_state_dict
@@ -521,6 +540,8 @@ class Loader:
                 self._check_live(iteration)
                 describe = f"batch {b} of epoch {p.epoch} (rank {p.rank}/{p.split.world_size})"
                 batch = self._sink.hand_over(producer.take((p, b), describe, self._meter))
+                if self._config.as_tuple is not None:
+                    batch = tuple(batch[name] for name in self._config.as_tuple)
                 if b + 1 < p.count:
                     self._progress = (p.epoch, [*p.done, progress.Round(p.split, b + 1)])
                 else:  # the epoch's last batch is out: whatever the consumer does next, the next epoch comes next
