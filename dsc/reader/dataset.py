@@ -346,7 +346,8 @@ class MemmapDataset(Dataset):
         """Batches as TensorDicts {image, label, index, size, and any fields}, fast (`dsc.reader.loader.Loader`).
 
         order: "block" (default: shuffled runs of contiguous records, contiguous reads), "random"
-            (a full permutation) or "sequential"; `shuffle=True`/`False` means "random"/"sequential".
+            (a full permutation; the default for a dataset compiled with shuffle off, whose records are
+            sorted) or "sequential"; `shuffle=True`/`False` means "random"/"sequential".
         seed: with the epoch, fixes every order. drop_last: drop each rank's last partial batch.
         device: e.g. "cuda" or f"cuda:{local_rank}": pinned buffers and side-stream uploads; None or
             "cpu": batches in host memory. Other devices are refused here.

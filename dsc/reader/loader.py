@@ -276,10 +276,31 @@ def check_as_tuple(as_tuple: Any) -> tuple[str, ...] | None:
     return names
 
 
-def order_for_shuffle(order: str | None, shuffle: bool | None) -> str:
-    """torch's spelling: `shuffle=True` is order "random", `shuffle=False` "sequential"; the default "block"."""
+def stored_sorted(manifest) -> bool:
+    """Whether the records are stored in discovery order (compiled with shuffle off): for a folder, class after
+    class, so contiguous records share a class and block order would give batches of one or two classes."""
+    return manifest.compile.get("shuffle") is False
+
+
+def sorted_block_warning(dataset, batch_size: int) -> str:
+    """What block order does to a dataset stored sorted, with the figure: distinct classes per batch,
+    against random order (estimated on epoch 0's first batches)."""
+    figure = ""
+    if len(dataset.classes) > 1:
+        n, labels = len(dataset), dataset.opened.labels
+        block, rand = (orders.mean_distinct(labels, orders.epoch_order(n, order, 0, 0), batch_size)
+                       for order in ("block", "random"))
+        figure = (f" ({block:.1f} distinct classes per batch of {batch_size} on average, against {rand:.1f} in "
+                  f"random order, of {len(dataset.classes)})")
+    return (f"{dataset.path} was compiled with shuffle off: its records are stored in discovery order (class "
+            f"after class for a folder), so order='block' serves batches of few classes{figure}; use order='random' "
+            "(the default for such a dataset) or recompile without --no-shuffle")
+
+
+def order_for_shuffle(order: str | None, shuffle: bool | None, default: str = "block") -> str:
+    """torch's spelling: `shuffle=True` is order "random", `shuffle=False` "sequential"; else `default`."""
     if shuffle is None:
-        return "block" if order is None else order
+        return default if order is None else order
     if not isinstance(shuffle, bool):
         raise TypeError(f"shuffle must be True or False, got {shuffle!r}")
     wanted = "random" if shuffle else "sequential"
@@ -328,9 +349,10 @@ class LoaderConfig:
     def checked(cls, batch_size: int, *, order: str | None, seed: int, drop_last: bool,
                 device: str | torch.device | None, prefetch: int, num_threads: int | None, rank: int | None,
                 world_size: int | None, locality: str | None, shuffle: bool | None,
-                as_tuple: tuple[str, ...] | None = None) -> LoaderConfig:
-        """The configuration of these arguments, each checked: a bad one fails where the loader is made."""
-        order = order_for_shuffle(order, shuffle)
+                as_tuple: tuple[str, ...] | None = None, sorted_records: bool = False) -> LoaderConfig:
+        """The configuration of these arguments, each checked: a bad one fails where the loader is made.
+        Records stored sorted (`stored_sorted`) make "random" the default order, unless locality asks for blocks."""
+        order = order_for_shuffle(order, shuffle, "random" if sorted_records and locality is None else "block")
         if order not in orders.ORDERS:
             raise ValueError(f"order must be one of {orders.ORDERS}, got {order!r}")
         orders.check_locality(order, locality)
@@ -386,7 +408,9 @@ class Loader:
         self._config = LoaderConfig.checked(batch_size, order=order, seed=seed, drop_last=drop_last, device=device,
                                             prefetch=prefetch, num_threads=num_threads, rank=rank,
                                             world_size=world_size, locality=locality, shuffle=shuffle,
-                                            as_tuple=as_tuple)
+                                            as_tuple=as_tuple, sorted_records=stored_sorted(dataset.manifest))
+        if self._config.order == "block" and stored_sorted(dataset.manifest):
+            warnings.warn(sorted_block_warning(dataset, self._config.batch_size), stacklevel=3)
         specs = field_specs(dataset.opened)
         unknown = [name for name in self._config.as_tuple or () if name != "image" and name not in specs]
         if unknown:
