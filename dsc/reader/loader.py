@@ -86,6 +86,25 @@ def resolve_device(device: str | torch.device | None) -> torch.device | None:
     return device
 
 
+def draw_seed() -> int:
+    """A seed for a loader made without one, from torch's default generator, as `DataLoader(shuffle=True)`
+    draws one: every new loader orders its epochs anew, and `torch.manual_seed` makes runs repeat."""
+    return int(torch.randint(0, 2**62, (), dtype=torch.int64))
+
+
+def agreed_seed(seed: int, world_size: int) -> int:
+    """Rank 0's `seed` on every rank (a broadcast over the process group): ranks that ordered an epoch with
+    different seeds would serve overlapping shares. Without a process group of `world_size` ranks, refuse."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() == world_size):
+        raise ValueError(f"{world_size} ranks and no seed: a seed drawn in each process would differ between "
+                         "ranks (their shares would overlap), and there is no torch.distributed process group to "
+                         "agree on one; give every rank the same seed=")
+    box = [seed]
+    dist.broadcast_object_list(box, src=0)
+    return check_int("seed", box[0], 0)
+
+
 def _sink_class(device: torch.device | None) -> type:
     """Host buffers, or the CUDA ring: two implementations of one interface (see `host`)."""
     if device is not None:  # resolve_device lets only CUDA devices through
@@ -336,7 +355,7 @@ class LoaderConfig:
 
     batch_size: int
     order: str
-    seed: int
+    seed: int | None  # as given; None: the loader draws one (`Loader.seed` is the one in use)
     drop_last: bool
     device: torch.device | None
     prefetch: int
@@ -346,7 +365,7 @@ class LoaderConfig:
     as_tuple: tuple[str, ...] | None = None  # field names: batches are tuples of these tensors
 
     @classmethod
-    def checked(cls, batch_size: int, *, order: str | None, seed: int, drop_last: bool,
+    def checked(cls, batch_size: int, *, order: str | None, seed: int | None, drop_last: bool,
                 device: str | torch.device | None, prefetch: int, num_threads: int | None, rank: int | None,
                 world_size: int | None, locality: str | None, shuffle: bool | None,
                 as_tuple: tuple[str, ...] | None = None, sorted_records: bool = False) -> LoaderConfig:
@@ -357,7 +376,8 @@ class LoaderConfig:
             raise ValueError(f"order must be one of {orders.ORDERS}, got {order!r}")
         orders.check_locality(order, locality)
         resolve_world(rank, world_size)  # bad explicit values fail here, not at the first epoch
-        return cls(check_int("batch_size", batch_size, 1), order, check_int("seed", seed, 0), bool(drop_last),
+        seed = None if seed is None else check_int("seed", seed, 0)
+        return cls(check_int("batch_size", batch_size, 1), order, seed, bool(drop_last),
                    resolve_device(device), check_int("prefetch", prefetch, 1),
                    default_threads() if num_threads is None else check_int("num_threads", num_threads, 1),
                    (rank, world_size), locality, check_as_tuple(as_tuple))
@@ -387,6 +407,9 @@ class Loader:
     Resume: `state_dict()` says which samples of the epoch have been served (`progress`), the
     same on every rank at the same step, so any rank may load rank 0's state, also with another
     world size or batch size: the samples not served yet are split among the new ranks.
+    Seed: given, or drawn from torch's generator when the loader is made (a loader made anew orders
+    anew; `torch.manual_seed` repeats a run); over several ranks a drawn seed becomes rank 0's when
+    an epoch first starts (`agreed_seed`), and `load_state_dict` puts back the state's.
     The world (rank, world_size) is taken from `torch.distributed` each time an epoch starts,
     unless given, so a loader made before `init_process_group` splits the data all the same.
     Batches stay valid as long as you keep them (see `host.HostBuffers` and `device.CudaSink`).
@@ -396,13 +419,13 @@ class Loader:
     Its settings are a frozen `LoaderConfig` (`loader.config`), readable as attributes.
     """
 
-    batch_size, order, seed, drop_last = _setting("batch_size"), _setting("order"), _setting("seed"), \
-        _setting("drop_last")
+    batch_size, order, drop_last = _setting("batch_size"), _setting("order"), _setting("drop_last")
     device, prefetch, num_threads, locality = _setting("device"), _setting("prefetch"), _setting("num_threads"), \
         _setting("locality")
 
-    def __init__(self, dataset, batch_size: int, *, order: str | None = None, seed: int = 0, drop_last: bool = False,
-                 device: str | torch.device | None = None, prefetch: int = 2, num_threads: int | None = None,
+    def __init__(self, dataset, batch_size: int, *, order: str | None = None, seed: int | None = None,
+                 drop_last: bool = False, device: str | torch.device | None = None, prefetch: int = 2,
+                 num_threads: int | None = None,
                  rank: int | None = None, world_size: int | None = None, locality: str | None = None,
                  shuffle: bool | None = None, as_tuple: tuple[str, ...] | None = None) -> None:
         self._config = LoaderConfig.checked(batch_size, order=order, seed=seed, drop_last=drop_last, device=device,
@@ -417,6 +440,8 @@ class Loader:
             raise ValueError(f"as_tuple names {unknown}, which batches of {dataset.path} lack; they hold "
                              f"{['image', *specs]}")
         self._dataset = dataset
+        self._seed = draw_seed() if self._config.seed is None else self._config.seed
+        self._seed_agreed = self._config.seed is not None  # a drawn one becomes rank 0's (`_agree_seed`)
         self._dataset_id = dataset.manifest.fingerprint
         self._position: tuple[int, list[progress.Round]] = (0, [])  # where the next iteration starts
         self._progress: tuple[int, list[progress.Round]] = (0, [])  # what state_dict() reports
@@ -431,6 +456,28 @@ class Loader:
     @property
     def config(self) -> LoaderConfig:
         return self._config
+
+    @property
+    def seed(self) -> int:
+        """The seed of the epochs' order (read-only): the one given, else drawn from torch's generator when the
+        loader was made; rank 0's on every rank once an epoch starts under a process group; a loaded state's."""
+        return self._seed
+
+    @seed.setter
+    def seed(self, value: Any) -> None:
+        _setting("seed").fset(self, value)
+
+    def _use_seed(self, seed: int) -> None:
+        """Order the coming epochs with `seed`; a producer already making batches with another one goes."""
+        if seed != self._seed:
+            self._threads.stop_producer()
+            self._seed = seed
+
+    def _agree_seed(self, world_size: int) -> None:
+        """Before a drawn seed orders an epoch over several ranks, make it rank 0's on every rank."""
+        if not self._seed_agreed and world_size > 1 and self.order != "sequential":  # sequential: no seed used
+            self._use_seed(agreed_seed(self._seed, world_size))
+            self._seed_agreed = True
 
     @property
     def dataset(self):
@@ -488,8 +535,13 @@ class Loader:
                 "order": self.order, "seed": self.seed, "epoch": epoch, "rounds": [r.to_dict() for r in rounds]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue where `state` (from any rank, any world size or batch size) says the epoch got to."""
-        self._position = self._progress = self._parse_state(state)
+        """Continue where `state` (from any rank, any world size or batch size) says the epoch got to; a loader
+        made without a seed takes the state's (one given must be the state's)."""
+        epoch, rounds = self._parse_state(state)
+        if self._config.seed is None:
+            self._use_seed(check_int("seed", state.get("seed"), 0))
+            self._seed_agreed = True  # every rank loads the same state
+        self._position = self._progress = (epoch, rounds)
         self._iteration += 1  # a paused iterator must not overwrite the position loaded here
 
     def _parse_state(self, state: Any) -> tuple[int, list[progress.Round]]:
@@ -516,6 +568,7 @@ class Loader:
 
     def _check_same_order(self, state: dict[str, Any], keys: tuple[str, ...]) -> None:
         ours = {"order": self.order, "seed": self.seed, "count": len(self.dataset), "dataset": self._dataset_id}
+        keys = keys if self._config.seed is not None else tuple(k for k in keys if k != "seed")  # drawn: the state's
         wrong = {k: (state.get(k), ours[k]) for k in keys if state.get(k) != ours[k]}
         if wrong:
             raise ValueError(f"this state belongs to another epoch order, (saved, ours): {wrong}. A resumed epoch "
@@ -532,6 +585,7 @@ class Loader:
                           f"rank(s) give each rank fewer than batch_size={self.batch_size}: every epoch is empty; "
                           "lower batch_size or keep the last partial batch (drop_last=False)", stacklevel=3)
         split = self._split()
+        self._agree_seed(split.world_size)
         epoch, rounds = self._position
         done, start = progress.resume_point(rounds, split)
         planner, threads = self._planner(self.rank), self._threads
