@@ -425,9 +425,9 @@ class Loader:
 
     def __init__(self, dataset, batch_size: int, *, order: str | None = None, seed: int | None = None,
                  drop_last: bool = False, device: str | torch.device | None = None, prefetch: int = 2,
-                 num_threads: int | None = None,
-                 rank: int | None = None, world_size: int | None = None, locality: str | None = None,
-                 shuffle: bool | None = None, as_tuple: tuple[str, ...] | None = None) -> None:
+                 num_threads: int | None = None, rank: int | None = None, world_size: int | None = None,
+                 locality: str | None = None, shuffle: bool | None = None,
+                 as_tuple: tuple[str, ...] | None = None) -> None:
         self._config = LoaderConfig.checked(batch_size, order=order, seed=seed, drop_last=drop_last, device=device,
                                             prefetch=prefetch, num_threads=num_threads, rank=rank,
                                             world_size=world_size, locality=locality, shuffle=shuffle,
