@@ -54,7 +54,7 @@ def run_ranks(ds: MemmapDataset, world: int, order: str, locality: str | None, b
 
     def rank(r: int) -> None:
         try:
-            loader = ds.loader(batch, order=order, locality=locality, rank=r, world_size=world, num_threads=1)
+            loader = ds.loader(batch, order=order, seed=0, locality=locality, rank=r, world_size=world, num_threads=1)
             start.wait()
             for e in range(epochs):
                 loader.set_epoch(e)

@@ -158,10 +158,24 @@ def to_device(params: torch.Tensor, device: torch.device) -> torch.Tensor:
     return params.pin_memory().to(device, non_blocking=True)
 
 
+def _check_unit(mean: torch.Tensor, std: torch.Tensor) -> None:
+    """Refuse 0..255 statistics (FFCV's and DALI's unit): on pixels scaled to 0..1 they give nearly
+    constant output, and training goes on without a word."""
+    if ((mean >= 0) & (mean <= 1)).all() and (std <= 1).all():
+        return
+    def scaled(values: torch.Tensor) -> tuple[float, ...]:
+        return tuple(round(v / 255, 4) for v in values.tolist())
+
+    raise ValueError(f"Normalize takes mean and std in 0..1 units (pixel / 255, torchvision's), got mean="
+                     f"{tuple(mean.tolist())}, std={tuple(std.tolist())}; for 0..255 values (FFCV's, DALI's) divide "
+                     f"them by 255: mean={scaled(mean)}, std={scaled(std)}")
+
+
 class Normalize(Transform):
     """uint8 [0, 255] -> ``(x / 255 - mean) / std`` in `dtype`, as one fused multiply-add.
 
-    mean and std are in 0..1 units, like torchvision's. The arithmetic is float32 whatever the
+    mean and std are in 0..1 units, like torchvision's; values outside 0..1 (the 0..255 units of
+    FFCV and DALI) are refused, naming the divided values. The arithmetic is float32 whatever the
     output dtype, rounded once when written, and the output keeps the input's memory format.
     """
 
@@ -169,6 +183,7 @@ class Normalize(Transform):
         mean, std = _channel_values(mean, "mean"), _channel_values(std, "std")
         if not (std > 0).all():
             raise ValueError(f"Normalize std must be > 0 for every channel, got {std.tolist()}")
+        _check_unit(mean, std)
         if dtype not in FLOAT_DTYPES:
             raise ValueError(f"Normalize dtype must be one of {FLOAT_DTYPES}, got {dtype!r}")
         self.mean, self.std, self.dtype = tuple(mean.tolist()), tuple(std.tolist()), dtype

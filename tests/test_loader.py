@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from dsc.reader import order as orders
 from dsc.reader.gather import fill, fill_parallel, split
 from dsc.reader.loader import LoaderError
 from dsc.reader.reference import reference_batches
+from dsc.testing import make_image_folder
 
 SIZE = (16, 20)
 COUNT = 21
@@ -287,7 +289,7 @@ def test_state_dict_right_after_load_reports_the_loaded_position(ds: MemmapDatas
 
 
 def test_batches_kept_stay_valid(ds: MemmapDataset) -> None:
-    loader = ds.loader(2, order="random", prefetch=1, num_threads=2)
+    loader = ds.loader(2, order="random", seed=0, prefetch=1, num_threads=2)
     kept = [b for _ in range(3) for b in loader]
     pieces = [b["image"][0] for b in loader]  # only a view of each batch survives
     for batch in kept:
@@ -366,6 +368,65 @@ def test_cpu_device_and_batch_layout(ds: MemmapDataset) -> None:
         with Image.open(ds.source(i)) as img:
             width, height = ImageOps.exif_transpose(img).size
         assert batch["size"][k].tolist() == [height, width]
+
+
+@pytest.fixture(scope="module")
+def sorted_ds(tmp_path_factory) -> MemmapDataset:
+    """4 classes of 12 real images compiled with shuffle off: stored class after class."""
+    root = tmp_path_factory.mktemp("sorted")
+    make_image_folder(root / "src", classes=4, per_class=12, size=(12, 16), seed=2)
+    dsc.compile_folder(root / "src", root / "ds", size=(8, 8), shuffle=False, workers=1)
+    return MemmapDataset(root / "ds")
+
+
+def test_a_dataset_stored_sorted_is_read_in_random_order_by_default(sorted_ds: MemmapDataset, ds) -> None:
+    """--no-shuffle + the default block order gave batches of one or two classes (14.5% top-1; issue 26)."""
+    labels = sorted_ds.opened.labels
+    assert np.array_equal(labels, np.sort(labels))  # stored class after class
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the default warns about nothing
+        loader = sorted_ds.loader(8)
+        assert loader.order == "random" and ds.loader(8).order == "block"  # a shuffled dataset keeps blocks
+        assert sorted_ds.loader(8, order="sequential").order == "sequential"  # asked for: served as asked
+        ds.loader(8, order="block")
+    assert loader.state_dict()["order"] == "random"
+    epoch = np.concatenate([b["index"].numpy() for b in loader])
+    assert np.array_equal(np.sort(epoch), np.arange(len(sorted_ds))) and not np.array_equal(epoch, np.sort(epoch))
+    with pytest.warns(UserWarning, match=r"compiled with shuffle off.*order='block' serves batches of few classes "
+                                         r"\(\d+\.\d distinct classes per batch of 8 on average, against \d+\.\d in "
+                                         r"random order, of 4\); use order='random'"):
+        assert sorted_ds.loader(8, order="block").order == "block"
+    with pytest.warns(UserWarning, match="compiled with shuffle off"):  # blocks are what locality reads
+        assert sorted_ds.loader(8, locality="shard", rank=0, world_size=2).order == "block"
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 3, 21])
+def test_unpacking_a_batch_fails_naming_as_tuple_and_as_tuple_gives_tuples(ds: MemmapDataset,
+                                                                           batch_size: int) -> None:
+    """`x, y = batch` (the DataLoader habit) gave two samples at batch size 2: it fails at every size (issue 26)."""
+    batch = next(iter(ds.loader(batch_size, order="sequential")))
+    for unpack in (lambda: tuple(batch), lambda: [s for s in batch], lambda: tuple(batch.to("cpu"))):
+        with pytest.raises(TypeError, match=r"as_tuple=\('image', 'label'\)"):
+            unpack()
+    with pytest.raises(TypeError, match="as_tuple"):
+        x, y = batch
+    assert [tuple(s.batch_size) for s in batch.unbind(0)] == [()] * batch_size  # samples stay one call away
+    tuples = ds.loader(batch_size, order="sequential", as_tuple=("image", "label"))
+    x, y = next(iter(tuples))
+    assert torch.equal(x, batch["image"]) and torch.equal(y, batch["label"])
+    assert x.is_contiguous(memory_format=torch.channels_last)
+    for got, want in zip(tuples, ds.loader(batch_size, order="sequential"), strict=True):  # the next epoch too
+        assert isinstance(got, tuple) and len(got) == 2 and torch.equal(got[1], want["label"])
+    index, size = next(iter(ds.loader(batch_size, order="sequential", as_tuple=["index", "size"])))
+    assert torch.equal(index, batch["index"]) and torch.equal(size, batch["size"])
+
+
+@pytest.mark.parametrize(("as_tuple", "message"), [("image", "a tuple of field names"), ((), "a tuple of field"),
+                                                   (("image", 1), "a tuple of field"),
+                                                   (("image", "target"), r"as_tuple names \['target'\]")])
+def test_bad_as_tuple_is_refused_where_the_loader_is_made(ds: MemmapDataset, as_tuple, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ds.loader(4, as_tuple=as_tuple)
 
 
 @pytest.mark.parametrize(("device", "message"), [

@@ -7,10 +7,12 @@ these tests pin the loader's own rules with in-process loaders standing for the 
 from __future__ import annotations
 
 import itertools
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -70,7 +72,7 @@ def test_lightning_style_set_epoch_through_the_sampler_hook(ds: MemmapDataset) -
 
 
 def test_an_empty_epoch_still_moves_on(ds: MemmapDataset) -> None:
-    loader = ds.loader(len(ds), drop_last=True, rank=0, world_size=2)  # not one full batch per rank
+    loader = ds.loader(len(ds), drop_last=True, rank=0, world_size=2, seed=0)  # not one full batch per rank
     assert len(loader) == 0 and list(loader) == [] and loader.epoch == 1
 
 
@@ -133,7 +135,7 @@ def test_a_new_world_or_batch_size_serves_the_rest_of_the_epoch(ds: MemmapDatase
 
 def test_two_ranks_resumed_on_three_continue_the_same_epoch(ds: MemmapDataset) -> None:
     got, _ = served_once(ds, [(2, 3, False, 2), (3, 3, False, None)], "block", seed=0)
-    first_round = ds.loader(3, order="block", rank=0, world_size=2)
+    first_round = ds.loader(3, order="block", rank=0, world_size=2, seed=0)
     assert got[:6] == indices(itertools.islice(first_round, 2))  # the first round is the plain 2-rank epoch
     left = len(ds) - 2 * 6
     assert set(got) == set(range(len(ds))) and len(got) == len(ds) + (-left) % 3  # the new round's padding
@@ -187,3 +189,69 @@ def test_the_world_is_taken_when_an_epoch_starts(ds: MemmapDataset, tmp_path: Pa
         assert (loader.rank, loader.world_size) == (0, 1) and len(indices(loader)) == len(ds)
     finally:
         dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- the seed of a loader made without one
+
+def test_a_loader_made_anew_orders_its_epoch_anew_and_torch_manual_seed_repeats_it(ds: MemmapDataset) -> None:
+    """Made anew each epoch, a loader served the same order every time (seed 0 by default; issue 26)."""
+    firsts = [indices(ds.loader(5, order="random")) for _ in range(3)]
+    assert len({tuple(f) for f in firsts}) == 3
+    for order in ("block", "random"):
+        torch.manual_seed(7)
+        a = ds.loader(5, order=order)
+        torch.manual_seed(7)
+        b = ds.loader(5, order=order)
+        assert a.seed == b.seed != ds.loader(5, order=order).seed and a.config.seed is None
+        assert indices(a) == indices(b) == reference(ds, 5, 0, order=order, seed=a.seed)
+
+
+def test_a_drawn_seed_is_saved_and_a_loader_without_one_takes_the_states(ds: MemmapDataset) -> None:
+    first = ds.loader(5, order="random")
+    uninterrupted = [reference(ds, 5, e, order="random", seed=first.seed) for e in (0, 1)]
+    assert indices(itertools.islice(first, 2)) == uninterrupted[0][:10]
+    state = first.state_dict()
+    assert state["seed"] == first.seed
+    resumed = ds.loader(5, order="random")
+    assert resumed.seed != state["seed"]
+    resumed.load_state_dict(state)
+    assert resumed.seed == state["seed"] and indices(resumed) == uninterrupted[0][10:]
+    ahead = ds.loader(5, order="random")
+    indices(ahead)  # its thread is now making epoch 1 with its own seed
+    resumed.set_epoch(1)
+    ahead.load_state_dict(resumed.state_dict())
+    assert indices(ahead) == uninterrupted[1]  # with the state's seed, not the batches made ahead
+    with pytest.raises(ValueError, match=r"another epoch order.*'seed'"):  # a seed given must be the state's
+        ds.loader(5, order="random", seed=state["seed"] + 1).load_state_dict(state)
+
+
+def test_ranks_without_a_process_group_need_a_seed(ds: MemmapDataset) -> None:
+    loader = ds.loader(2, order="block", rank=0, world_size=2)
+    with pytest.raises(ValueError, match="2 ranks and no seed: .*give every rank the same seed="):
+        next(iter(loader))
+    assert indices(ds.loader(2, order="sequential", rank=1, world_size=2))  # sequential order uses no seed
+    assert indices(ds.loader(2, order="block", rank=1, world_size=2, seed=5))
+
+
+def _rank(rank: int, path: str, init: str, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.manual_seed(rank)  # the ranks' generators differ: only the broadcast makes them agree
+    loader = MemmapDataset(path).loader(2, order="random")  # made before init_process_group, as torchrun scripts do
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        drawn = loader.seed
+        got = indices(loader)
+        Path(out, f"{rank}.json").write_text(json.dumps({"drawn": drawn, "seed": loader.seed, "indices": got,
+                                                         "state": loader.state_dict()["seed"]}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_in_a_process_group_take_rank_0s_drawn_seed(ds: MemmapDataset, tmp_path: Path) -> None:
+    torch.multiprocessing.start_processes(_rank, (str(ds.path), f"file://{tmp_path / 'pg'}", str(tmp_path)),
+                                          nprocs=2, start_method="spawn")
+    r0, r1 = (json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2))
+    assert r0["drawn"] != r1["drawn"]
+    assert r0["seed"] == r1["seed"] == r0["state"] == r1["state"] == r0["drawn"]
+    assert sorted(r0["indices"] + r1["indices"]) == list(range(len(ds)))  # disjoint shares of one order

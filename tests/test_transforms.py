@@ -97,6 +97,19 @@ def test_normalize_keeps_contiguous_layout_and_rejects_float_input():
         Normalize(MEAN, STD)(x.float())
 
 
+def test_normalize_refuses_0_to_255_statistics_naming_the_unit():
+    """FFCV and DALI take mean/std in 0..255; here they would give nearly constant output (issue 26)."""
+    ffcv_mean, ffcv_std = (123.675, 116.28, 103.53), (58.395, 57.12, 57.375)
+    with pytest.raises(ValueError, match=r"0\.\.1 units .*divide them by 255: mean=\(0\.485, 0\.456, 0\.406\), "
+                                         r"std=\(0\.229, 0\.224, 0\.225\)"):
+        Normalize(ffcv_mean, ffcv_std)
+    for mean, std in [(ffcv_mean, STD), (MEAN, ffcv_std), ((-0.1, 0.5, 0.5), STD), (MEAN, (1.5, 0.2, 0.2))]:
+        with pytest.raises(ValueError, match="0..1 units"):
+            Normalize(mean, std)
+    out = Normalize((0.0, 0.5, 1.0), (1.0, 1.0, 1.0))(batch())  # the edges of the unit are fine
+    assert torch.isfinite(out).all()
+
+
 # RandomCrop
 
 

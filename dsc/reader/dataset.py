@@ -339,22 +339,29 @@ class MemmapDataset(Dataset):
         return TensorDict(label=labels, fields=TensorDict(fields, batch_size=[m.count]),
                           shards=TensorDict(shards, batch_size=[]), batch_size=[])
 
-    def loader(self, batch_size: int, *, order: str | None = None, seed: int = 0, drop_last: bool = False,
+    def loader(self, batch_size: int, *, order: str | None = None, seed: int | None = None, drop_last: bool = False,
                device: str | torch.device | None = None, prefetch: int = 2, num_threads: int | None = None,
                rank: int | None = None, world_size: int | None = None, locality: str | None = None,
-               shuffle: bool | None = None):
+               shuffle: bool | None = None, as_tuple: tuple[str, ...] | None = None):
         """Batches as TensorDicts {image, label, index, size, and any fields}, fast (`dsc.reader.loader.Loader`).
 
         order: "block" (default: shuffled runs of contiguous records, contiguous reads), "random"
-            (a full permutation) or "sequential"; `shuffle=True`/`False` means "random"/"sequential".
-        seed: with the epoch, fixes every order. drop_last: drop each rank's last partial batch.
+            (a full permutation; the default for a dataset compiled with shuffle off, whose records are
+            sorted) or "sequential"; `shuffle=True`/`False` means "random"/"sequential".
+        seed: with the epoch, fixes every order [default: drawn from torch's generator, so each new loader
+            orders anew and `torch.manual_seed` repeats a run; under a process group every rank takes rank
+            0's; ranks given by rank/world_size without one need a seed]. drop_last: drop each rank's last
+            partial batch.
         device: e.g. "cuda" or f"cuda:{local_rank}": pinned buffers and side-stream uploads; None or
             "cpu": batches in host memory. Other devices are refused here.
         prefetch: batches made ahead. num_threads: copy threads (default: up to 4 cores).
         rank, world_size: this rank's share [default: from torch.distributed when an epoch starts].
         locality: "shard" (with order="block") gives each rank whole shard files.
+        as_tuple: field names, e.g. ("image", "label"): batches are tuples of those tensors, for
+            ``x, y = batch``; a TensorDict batch refuses to be unpacked (it would give samples).
         """
         from dsc.reader.loader import Loader
 
         return Loader(self, batch_size, order=order, seed=seed, drop_last=drop_last, device=device, prefetch=prefetch,
-                      num_threads=num_threads, rank=rank, world_size=world_size, locality=locality, shuffle=shuffle)
+                      num_threads=num_threads, rank=rank, world_size=world_size, locality=locality, shuffle=shuffle,
+                      as_tuple=as_tuple)

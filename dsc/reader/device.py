@@ -20,7 +20,8 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from tensordict import TensorDict
+
+from dsc.reader.host import Batch
 
 FIELD_ALIGN = 8  # each field starts at a multiple of this in the small-field slot: any dtype views it
 
@@ -84,7 +85,7 @@ class CudaSink:
         torch.cuda.set_device(self.device)  # a new thread starts on device 0
 
     def fill(self, fields: dict[str, np.ndarray],
-             gather: Callable[[np.ndarray], None]) -> tuple[TensorDict, torch.cuda.Event]:
+             gather: Callable[[np.ndarray], None]) -> tuple[Batch, torch.cuda.Event]:
         """Gather into the next free slot and start its upload; the event marks the copy's end."""
         n = len(fields["index"])
         with self._lock:
@@ -100,10 +101,10 @@ class CudaSink:
                 event = torch.cuda.Event()
                 event.record(self.stream)
             self.events[slot] = event
-        return TensorDict(image=image.permute(0, 3, 1, 2), **unpack_fields(small, layout), batch_size=[n],
-                          device=self.device), event
+        return Batch(image=image.permute(0, 3, 1, 2), **unpack_fields(small, layout), batch_size=[n],
+                     device=self.device), event
 
-    def hand_over(self, item: tuple[TensorDict, torch.cuda.Event]) -> TensorDict:
+    def hand_over(self, item: tuple[Batch, torch.cuda.Event]) -> Batch:
         """On the consumer's thread: make its current stream wait for the upload, then give the batch."""
         batch, event = item
         stream = torch.cuda.current_stream(self.device)

@@ -8,7 +8,9 @@ A sink is what the loader's producer thread fills and its consumer hands out; th
   per-record arrays ({"label": [n], "index": [n], "size": [n, 2]} in int64, then the dataset's
   own fields, as `loader.field_specs` describes them), `gather(host)` copies its records into
   a host array [n, H, W, 3];
-- `hand_over(item) -> TensorDict`: on the consumer's thread, the batch as the user gets it.
+- `hand_over(item) -> Batch`: on the consumer's thread, the batch as the user gets it.
+
+Both hand out a `Batch`: a TensorDict that refuses to be iterated (see there).
 """
 
 from __future__ import annotations
@@ -20,6 +22,22 @@ from collections.abc import Callable
 import numpy as np
 import torch
 from tensordict import TensorDict
+
+
+class Batch(TensorDict):
+    """A loader batch: a TensorDict {image, label, index, size, and the dataset's fields} whose
+    iteration raises, naming what to do instead.
+
+    A TensorDict iterates over its batch dimension, so the DataLoader habit ``x, y = batch`` gave
+    two *samples* at batch size 2 (and a bare unpacking error at other sizes) and trained on the
+    wrong thing without a word. Everything else is TensorDict's own (``.to``, indexing, ``unbind``);
+    the refusal costs nothing per batch.
+    """
+
+    def __iter__(self):
+        raise TypeError(f"a dsc batch is a TensorDict: take its fields by name (batch['image'], batch['label']; "
+                        f"it holds {sorted(self.keys())}), or make the loader with as_tuple=('image', 'label') to "
+                        "get tuples of tensors; batch.unbind(0) gives its samples")
 
 
 class HostBuffers:
@@ -60,12 +78,12 @@ class HostSink:
     def prepare_thread(self) -> None:
         pass
 
-    def fill(self, fields: dict[str, np.ndarray], gather: Callable[[np.ndarray], None]) -> TensorDict:
+    def fill(self, fields: dict[str, np.ndarray], gather: Callable[[np.ndarray], None]) -> Batch:
         n = len(fields["index"])
         host = self._buffers.take(n)
         gather(host)
-        return TensorDict(image=torch.from_numpy(host).permute(0, 3, 1, 2),
-                          **{k: torch.from_numpy(v) for k, v in fields.items()}, batch_size=[n])
+        return Batch(image=torch.from_numpy(host).permute(0, 3, 1, 2),
+                     **{k: torch.from_numpy(v) for k, v in fields.items()}, batch_size=[n])
 
-    def hand_over(self, batch: TensorDict) -> TensorDict:
+    def hand_over(self, batch: Batch) -> Batch:
         return batch

@@ -27,14 +27,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from tensordict import TensorDict
 
 from dsc.arguments import check_int
 from dsc.errors import LoaderError
 from dsc.reader import order as orders
 from dsc.reader import progress
 from dsc.reader.gather import fill_parallel
-from dsc.reader.host import HostSink
+from dsc.reader.host import Batch, HostSink
 
 POLL_S = 0.1  # how often blocked queue waits look at the stop event / the producer's health
 JOIN_S = 30.0  # how long closing waits for a producer that is mid-copy
@@ -85,6 +84,25 @@ def resolve_device(device: str | torch.device | None) -> torch.device | None:
     if device.index >= torch.cuda.device_count():
         raise ValueError(f"device={str(device)!r}, but this machine has {torch.cuda.device_count()} CUDA device(s)")
     return device
+
+
+def draw_seed() -> int:
+    """A seed for a loader made without one, from torch's default generator, as `DataLoader(shuffle=True)`
+    draws one: every new loader orders its epochs anew, and `torch.manual_seed` makes runs repeat."""
+    return int(torch.randint(0, 2**62, (), dtype=torch.int64))
+
+
+def agreed_seed(seed: int, world_size: int) -> int:
+    """Rank 0's `seed` on every rank (a broadcast over the process group): ranks that ordered an epoch with
+    different seeds would serve overlapping shares. Without a process group of `world_size` ranks, refuse."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() == world_size):
+        raise ValueError(f"{world_size} ranks and no seed: a seed drawn in each process would differ between "
+                         "ranks (their shares would overlap), and there is no torch.distributed process group to "
+                         "agree on one; give every rank the same seed=")
+    box = [seed]
+    dist.broadcast_object_list(box, src=0)
+    return check_int("seed", box[0], 0)
 
 
 def _sink_class(device: torch.device | None) -> type:
@@ -267,10 +285,41 @@ def _batch_maker(sink, opened, pool: ThreadPoolExecutor | None, num_threads: int
     return make
 
 
-def order_for_shuffle(order: str | None, shuffle: bool | None) -> str:
-    """torch's spelling: `shuffle=True` is order "random", `shuffle=False` "sequential"; the default "block"."""
+def check_as_tuple(as_tuple: Any) -> tuple[str, ...] | None:
+    """`as_tuple` as a tuple of field names (None: TensorDict batches); a bare string is refused, not spelt out."""
+    if as_tuple is None:
+        return None
+    names = tuple(as_tuple) if isinstance(as_tuple, (tuple, list)) else ()
+    if not names or not all(isinstance(name, str) for name in names):
+        raise ValueError(f"as_tuple must be a tuple of field names, e.g. ('image', 'label'), got {as_tuple!r}")
+    return names
+
+
+def stored_sorted(manifest) -> bool:
+    """Whether the records are stored in discovery order (compiled with shuffle off): for a folder, class after
+    class, so contiguous records share a class and block order would give batches of one or two classes."""
+    return manifest.compile.get("shuffle") is False
+
+
+def sorted_block_warning(dataset, batch_size: int) -> str:
+    """What block order does to a dataset stored sorted, with the figure: distinct classes per batch,
+    against random order (estimated on epoch 0's first batches)."""
+    figure = ""
+    if len(dataset.classes) > 1:
+        n, labels = len(dataset), dataset.opened.labels
+        block, rand = (orders.mean_distinct(labels, orders.epoch_order(n, order, 0, 0), batch_size)
+                       for order in ("block", "random"))
+        figure = (f" ({block:.1f} distinct classes per batch of {batch_size} on average, against {rand:.1f} in "
+                  f"random order, of {len(dataset.classes)})")
+    return (f"{dataset.path} was compiled with shuffle off: its records are stored in discovery order (class "
+            f"after class for a folder), so order='block' serves batches of few classes{figure}; use order='random' "
+            "(the default for such a dataset) or recompile without --no-shuffle")
+
+
+def order_for_shuffle(order: str | None, shuffle: bool | None, default: str = "block") -> str:
+    """torch's spelling: `shuffle=True` is order "random", `shuffle=False` "sequential"; else `default`."""
     if shuffle is None:
-        return "block" if order is None else order
+        return default if order is None else order
     if not isinstance(shuffle, bool):
         raise TypeError(f"shuffle must be True or False, got {shuffle!r}")
     wanted = "random" if shuffle else "sequential"
@@ -306,28 +355,32 @@ class LoaderConfig:
 
     batch_size: int
     order: str
-    seed: int
+    seed: int | None  # as given; None: the loader draws one (`Loader.seed` is the one in use)
     drop_last: bool
     device: torch.device | None
     prefetch: int
     num_threads: int
     world: tuple[int | None, int | None]  # (rank, world_size) as given; None: from torch.distributed
     locality: str | None
+    as_tuple: tuple[str, ...] | None = None  # field names: batches are tuples of these tensors
 
     @classmethod
-    def checked(cls, batch_size: int, *, order: str | None, seed: int, drop_last: bool,
+    def checked(cls, batch_size: int, *, order: str | None, seed: int | None, drop_last: bool,
                 device: str | torch.device | None, prefetch: int, num_threads: int | None, rank: int | None,
-                world_size: int | None, locality: str | None, shuffle: bool | None) -> LoaderConfig:
-        """The configuration of these arguments, each checked: a bad one fails where the loader is made."""
-        order = order_for_shuffle(order, shuffle)
+                world_size: int | None, locality: str | None, shuffle: bool | None,
+                as_tuple: tuple[str, ...] | None = None, sorted_records: bool = False) -> LoaderConfig:
+        """The configuration of these arguments, each checked: a bad one fails where the loader is made.
+        Records stored sorted (`stored_sorted`) make "random" the default order, unless locality asks for blocks."""
+        order = order_for_shuffle(order, shuffle, "random" if sorted_records and locality is None else "block")
         if order not in orders.ORDERS:
             raise ValueError(f"order must be one of {orders.ORDERS}, got {order!r}")
         orders.check_locality(order, locality)
         resolve_world(rank, world_size)  # bad explicit values fail here, not at the first epoch
-        return cls(check_int("batch_size", batch_size, 1), order, check_int("seed", seed, 0), bool(drop_last),
+        seed = None if seed is None else check_int("seed", seed, 0)
+        return cls(check_int("batch_size", batch_size, 1), order, seed, bool(drop_last),
                    resolve_device(device), check_int("prefetch", prefetch, 1),
                    default_threads() if num_threads is None else check_int("num_threads", num_threads, 1),
-                   (rank, world_size), locality)
+                   (rank, world_size), locality, check_as_tuple(as_tuple))
 
 
 def _setting(name: str) -> property:
@@ -343,6 +396,8 @@ class Loader:
 
     `size` is each record's source image's original (height, width), int64 [B, 2]. A dataset with
     fields (format 1.1, from a label table) adds each of them by name, in its own dtype.
+    The TensorDict (`host.Batch`) refuses iteration, so ``x, y = batch`` fails naming `as_tuple`;
+    ``as_tuple=("image", "label")`` gives tuples of those tensors instead, DataLoader's way.
 
     Epochs: the next iteration serves the next epoch as soon as the last batch of an epoch has
     been handed out, whether or not the consumer goes on to exhaust the iterator (Lightning,
@@ -352,6 +407,9 @@ class Loader:
     Resume: `state_dict()` says which samples of the epoch have been served (`progress`), the
     same on every rank at the same step, so any rank may load rank 0's state, also with another
     world size or batch size: the samples not served yet are split among the new ranks.
+    Seed: given, or drawn from torch's generator when the loader is made (a loader made anew orders
+    anew; `torch.manual_seed` repeats a run); over several ranks a drawn seed becomes rank 0's when
+    an epoch first starts (`agreed_seed`), and `load_state_dict` puts back the state's.
     The world (rank, world_size) is taken from `torch.distributed` each time an epoch starts,
     unless given, so a loader made before `init_process_group` splits the data all the same.
     Batches stay valid as long as you keep them (see `host.HostBuffers` and `device.CudaSink`).
@@ -361,24 +419,34 @@ class Loader:
     Its settings are a frozen `LoaderConfig` (`loader.config`), readable as attributes.
     """
 
-    batch_size, order, seed, drop_last = _setting("batch_size"), _setting("order"), _setting("seed"), \
-        _setting("drop_last")
+    batch_size, order, drop_last = _setting("batch_size"), _setting("order"), _setting("drop_last")
     device, prefetch, num_threads, locality = _setting("device"), _setting("prefetch"), _setting("num_threads"), \
         _setting("locality")
 
-    def __init__(self, dataset, batch_size: int, *, order: str | None = None, seed: int = 0, drop_last: bool = False,
-                 device: str | torch.device | None = None, prefetch: int = 2, num_threads: int | None = None,
-                 rank: int | None = None, world_size: int | None = None, locality: str | None = None,
-                 shuffle: bool | None = None) -> None:
+    def __init__(self, dataset, batch_size: int, *, order: str | None = None, seed: int | None = None,
+                 drop_last: bool = False, device: str | torch.device | None = None, prefetch: int = 2,
+                 num_threads: int | None = None, rank: int | None = None, world_size: int | None = None,
+                 locality: str | None = None, shuffle: bool | None = None,
+                 as_tuple: tuple[str, ...] | None = None) -> None:
         self._config = LoaderConfig.checked(batch_size, order=order, seed=seed, drop_last=drop_last, device=device,
                                             prefetch=prefetch, num_threads=num_threads, rank=rank,
-                                            world_size=world_size, locality=locality, shuffle=shuffle)
+                                            world_size=world_size, locality=locality, shuffle=shuffle,
+                                            as_tuple=as_tuple, sorted_records=stored_sorted(dataset.manifest))
+        if self._config.order == "block" and stored_sorted(dataset.manifest):
+            warnings.warn(sorted_block_warning(dataset, self._config.batch_size), stacklevel=3)
+        specs = field_specs(dataset.opened)
+        unknown = [name for name in self._config.as_tuple or () if name != "image" and name not in specs]
+        if unknown:
+            raise ValueError(f"as_tuple names {unknown}, which batches of {dataset.path} lack; they hold "
+                             f"{['image', *specs]}")
         self._dataset = dataset
+        self._seed = draw_seed() if self._config.seed is None else self._config.seed
+        self._seed_agreed = self._config.seed is not None  # a drawn one becomes rank 0's (`_agree_seed`)
         self._dataset_id = dataset.manifest.fingerprint
         self._position: tuple[int, list[progress.Round]] = (0, [])  # where the next iteration starts
         self._progress: tuple[int, list[progress.Round]] = (0, [])  # what state_dict() reports
         self._sink = _sink_class(self.device)(self.device, self.prefetch + 2, self.batch_size,  # ahead, held,
-                                              dataset.record_shape, field_specs(dataset.opened))  # being let go
+                                              dataset.record_shape, specs)  # being let go
         self._threads = _Threads(self.num_threads)
         weakref.finalize(self, self._threads.close)
         self._iteration = 0  # which iteration is the live one: an older iterator refuses to go on
@@ -388,6 +456,28 @@ class Loader:
     @property
     def config(self) -> LoaderConfig:
         return self._config
+
+    @property
+    def seed(self) -> int:
+        """The seed of the epochs' order (read-only): the one given, else drawn from torch's generator when the
+        loader was made; rank 0's on every rank once an epoch starts under a process group; a loaded state's."""
+        return self._seed
+
+    @seed.setter
+    def seed(self, value: Any) -> None:
+        _setting("seed").fset(self, value)
+
+    def _use_seed(self, seed: int) -> None:
+        """Order the coming epochs with `seed`; a producer already making batches with another one goes."""
+        if seed != self._seed:
+            self._threads.stop_producer()
+            self._seed = seed
+
+    def _agree_seed(self, world_size: int) -> None:
+        """Before a drawn seed orders an epoch over several ranks, make it rank 0's on every rank."""
+        if not self._seed_agreed and world_size > 1 and self.order != "sequential":  # sequential: no seed used
+            self._use_seed(agreed_seed(self._seed, world_size))
+            self._seed_agreed = True
 
     @property
     def dataset(self):
@@ -445,8 +535,13 @@ class Loader:
                 "order": self.order, "seed": self.seed, "epoch": epoch, "rounds": [r.to_dict() for r in rounds]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue where `state` (from any rank, any world size or batch size) says the epoch got to."""
-        self._position = self._progress = self._parse_state(state)
+        """Continue where `state` (from any rank, any world size or batch size) says the epoch got to; a loader
+        made without a seed takes the state's (one given must be the state's)."""
+        epoch, rounds = self._parse_state(state)
+        if self._config.seed is None:
+            self._use_seed(check_int("seed", state.get("seed"), 0))
+            self._seed_agreed = True  # every rank loads the same state
+        self._position = self._progress = (epoch, rounds)
         self._iteration += 1  # a paused iterator must not overwrite the position loaded here
 
     def _parse_state(self, state: Any) -> tuple[int, list[progress.Round]]:
@@ -473,12 +568,13 @@ class Loader:
 
     def _check_same_order(self, state: dict[str, Any], keys: tuple[str, ...]) -> None:
         ours = {"order": self.order, "seed": self.seed, "count": len(self.dataset), "dataset": self._dataset_id}
+        keys = keys if self._config.seed is not None else tuple(k for k in keys if k != "seed")  # drawn: the state's
         wrong = {k: (state.get(k), ours[k]) for k in keys if state.get(k) != ours[k]}
         if wrong:
             raise ValueError(f"this state belongs to another epoch order, (saved, ours): {wrong}. A resumed epoch "
                              "keeps its dataset, order and seed; world size and batch size may change")
 
-    def __iter__(self) -> Iterator[TensorDict]:
+    def __iter__(self) -> Iterator[Batch | tuple[torch.Tensor, ...]]:
         return self._run()
 
     def _start_pass(self) -> tuple[progress.Pass, _Producer | None]:
@@ -489,6 +585,7 @@ class Loader:
                           f"rank(s) give each rank fewer than batch_size={self.batch_size}: every epoch is empty; "
                           "lower batch_size or keep the last partial batch (drop_last=False)", stacklevel=3)
         split = self._split()
+        self._agree_seed(split.world_size)
         epoch, rounds = self._position
         done, start = progress.resume_point(rounds, split)
         planner, threads = self._planner(self.rank), self._threads
@@ -504,7 +601,7 @@ class Loader:
             threads.producer = _Producer(make, planner.jobs(p, share), self.prefetch, self._sink.prepare_thread)
         return p, threads.producer
 
-    def _run(self) -> Iterator[TensorDict]:
+    def _run(self) -> Iterator[Batch | tuple[torch.Tensor, ...]]:
         """One pass, bound to the loader's position when it starts (its first batch is asked for, so
         a framework may call set_epoch between iter() and next()); it hands out the batches and keeps
         the state and the epoch in step with them. A later pass, set_epoch or load_state_dict
@@ -521,6 +618,8 @@ class Loader:
                 self._check_live(iteration)
                 describe = f"batch {b} of epoch {p.epoch} (rank {p.rank}/{p.split.world_size})"
                 batch = self._sink.hand_over(producer.take((p, b), describe, self._meter))
+                if self._config.as_tuple is not None:
+                    batch = tuple(batch[name] for name in self._config.as_tuple)
                 if b + 1 < p.count:
                     self._progress = (p.epoch, [*p.done, progress.Round(p.split, b + 1)])
                 else:  # the epoch's last batch is out: whatever the consumer does next, the next epoch comes next

@@ -243,6 +243,15 @@ def distinct_shards(indices: np.ndarray, records_per_shard: int) -> int:
     return len(np.unique(fmt.locate(np.asarray(indices), records_per_shard)[0]))
 
 
+def mean_distinct(labels: np.ndarray, order: np.ndarray, batch_size: int, batches: int = 256) -> float:
+    """Mean number of distinct labels in the first `batches` full batches of `order` (one vectorised pass)."""
+    k = min(batches, len(order) // batch_size)
+    if k == 0:
+        return float(len(np.unique(np.asarray(labels)[order])))
+    picked = np.sort(np.asarray(labels)[order[:k * batch_size].reshape(k, batch_size)], axis=1)
+    return float(1 + (np.diff(picked, axis=1) != 0).sum(axis=1).mean())
+
+
 def class_mix(labels: np.ndarray, batches: list[np.ndarray]) -> tuple[float, float]:
     """(mean number of distinct classes per batch, mean label entropy per batch in bits)."""
     distinct, entropy = [], []
