@@ -79,11 +79,6 @@ def replace_problem(path: Path) -> str | None:
     return None
 
 
-def replaceable(path: Path) -> bool:
-    """What --force may replace (see `replace_problem`)."""
-    return replace_problem(path) is None
-
-
 def _some(names: list[str]) -> str:
     """Up to SHOWN names, and how many more."""
     more = len(names) - SHOWN
@@ -123,9 +118,13 @@ def _made_by_dsc(root: Path) -> local.Claims:
 
 def _remove_build(folder: Path) -> list[str]:
     """Delete a build or a replaced dataset when it holds only what dsc made, and then only that;
-    return what was left (nothing, or the entries dsc did not make, with nothing deleted)."""
-    if folder.is_symlink() or not folder.is_dir():
-        return [f"{folder.name} itself (a {'symbolic link' if folder.is_symlink() else 'file'})"]
+    return what was left (nothing, or the entries dsc did not make, with nothing deleted). A link at
+    its name is removed, never followed: that loses nothing."""
+    if folder.is_symlink():
+        folder.unlink()
+        return []
+    if not folder.is_dir():
+        return [f"{folder.name} itself, a file"]
     try:
         claims = _made_by_dsc(folder)
         return local.foreign_entries(folder, claims) or local.remove_claimed(folder, claims, fmt.MANIFEST_FILE)
@@ -334,12 +333,7 @@ def _check_resumable(stage: Path) -> None:
 def discard(stage: Path, refuse: bool = False) -> None:
     """Delete a build: a link at its name is removed (never followed), a folder only if it holds nothing
     dsc did not make, and then only what dsc made. What stays is refused (`refuse`) or warned about."""
-    if stage.is_symlink():
-        stage.unlink()
-        return
-    if not stage.exists():
-        return
-    left = _remove_build(stage)
+    left = _remove_build(stage) if stage.exists() or stage.is_symlink() else []
     if not left:
         return
     message = (f"the partial build at {stage} holds what dsc did not make ({_some(left)}), so it was left "
