@@ -27,3 +27,9 @@ class ImageError(DscError):
 
 class LoaderError(DscError, RuntimeError):
     """A batch could not be produced; the message names the batch, the cause is chained."""
+
+
+class NotReplaceableError(CompileError, DatasetError):
+    """OUT (or a folder dsc would delete) holds something that is not a dsc dataset of its own: a
+    user's files are never replaced or deleted, even with --force. A CompileError, as every refusal
+    of a compile is, and a DatasetError: what was found is not (only) a dataset."""

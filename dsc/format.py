@@ -455,6 +455,34 @@ def names_this_format(text: bytes) -> bool:
         return False
 
 
+def is_dataset_file_name(name: str) -> bool:
+    """Whether dsc gives a dataset's file this '/'-path: the manifest, an index file, the skip list,
+    a shard or a field (what a build of dsc may hold, before its manifest lists it)."""
+    if name in (MANIFEST_FILE, SKIP_LIST_FILE, *INDEX_FILES.values()):
+        return True
+    folder, _, base = name.partition("/")
+    stem = base.removesuffix(".bin")
+    if folder == SHARD_DIR:
+        return stem.isdigit() and shard_file(int(stem)) == name
+    return folder == FIELD_DIR and field_name_problem(stem) is None and field_file(stem) == name
+
+
+def listed_files(text: bytes) -> set[str]:
+    """The file names that manifest bytes of this format list, unchecked: what a writer may delete
+    with a dataset it replaced even when part of it is gone (not validation; see `parse_manifest`)."""
+    try:
+        doc = json.loads(text)
+    except (ValueError, RecursionError):
+        return set()
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+        return set()
+
+    def items(value: Any) -> list:
+        return list(value.values()) if isinstance(value, dict) else value if isinstance(value, list) else []
+    entries = [*items(doc.get("shards")), *items(doc.get("index")), *items(doc.get("fields")), doc.get("skipped_list")]
+    return {e["file"] for e in entries if isinstance(e, dict) and file_name_problem(e.get("file")) is None}
+
+
 class _Stored(NamedTuple):
     root: Any  # names the dataset in messages
     size_of: SizeOf

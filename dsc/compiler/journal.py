@@ -44,6 +44,7 @@ PLAN_FILE = "plan.json"
 JOURNAL_FILE = "journal.jsonl"
 LISTING_FILE = "sources.jsonl"  # the planned listing, to name what changed
 KEPT_FILE = "kept.bin"  # the kept mask, written before compaction moves any record
+STATE_FILES = (KEPT_FILE, JOURNAL_FILE, LISTING_FILE, PLAN_FILE)  # removed in this order, the plan last
 
 
 def source_listing(sources: list[str], labels: np.ndarray, stamps: list[str], classes: list[str]) -> list[str]:
@@ -258,5 +259,5 @@ def reusable(stage: Path, job: WriteJob) -> dict[int, SlotResult]:
 def remove(stage: Path) -> None:
     """Drop the resume files before the staging folder becomes the dataset (the plan last:
     while it exists, the folder is a build in progress)."""
-    for name in (KEPT_FILE, JOURNAL_FILE, LISTING_FILE, PLAN_FILE):
+    for name in STATE_FILES:
         (stage / name).unlink(missing_ok=True)

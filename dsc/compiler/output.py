@@ -20,7 +20,7 @@ from dsc.storage import local
 def allocate_shards(root: Path, count: int, records_per_shard: int, record_bytes: int) -> list[Path]:
     """Give every shard file its full size for `count` records, keeping bytes already written
     (a resumed build) and zero-filling the rest; return their paths."""
-    (root / fmt.SHARD_DIR).mkdir(parents=True, exist_ok=True)
+    (root / fmt.SHARD_DIR).mkdir(mode=0o755, parents=True, exist_ok=True)  # only we write in a build
     paths = []
     for shard, records in enumerate(fmt.shard_records(count, records_per_shard)):
         path = root / fmt.shard_file(shard)
@@ -58,7 +58,7 @@ def shard_entries(root: Path, count: int, records_per_shard: int, record_bytes: 
 
 
 def _write(root: Path, name: str, payload: bytes) -> fmt.FileEntry:
-    (root / name).parent.mkdir(exist_ok=True)
+    (root / name).parent.mkdir(mode=0o755, exist_ok=True)
     local.write_durably(root / name, payload)
     return fmt.file_entry(name, payload)
 

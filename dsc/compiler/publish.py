@@ -12,29 +12,43 @@ per OUT at a time; the holder removes the file before releasing it (`unlock`). W
 the build is renamed with RENAME_NOREPLACE; with it, exchanged with RENAME_EXCHANGE (readers see
 the old dataset or the new one) and exchanged back if what came out is not a dsc dataset.
 
+What --force may replace (`replace_problem`): a folder that opens as a valid dataset and holds
+nothing its manifest does not list, or an empty folder; checked before the swap, so nothing of a
+user's is ever moved, and again on what the swap took out. What dsc deletes (a replaced dataset,
+a build it discards) it deletes only when that holds nothing dsc did not make (`_made_by_dsc`),
+checked just before, and then only what dsc made; anything else is left where it is, and said.
+OUT's parent may be writable by others: every name dsc makes there is created without following
+a link or truncating anything (`local.write_durably`, `local.open_lock`); formats.md, "Threats".
+
 `LocalTarget` is the compiler's publish seam over all this: `stage` (make or find the build),
 `commit` (make it the dataset), `discard`. A bucket prefix will be its sibling.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import glob
 import hashlib
 import json
+import logging
 import os
 import secrets
-import shutil
+import stat
 import time
 from pathlib import Path
 
 from dsc import format as fmt
 from dsc.compiler import journal
-from dsc.errors import CompileError
-from dsc.storage import is_dataset, local, parse_manifest
+from dsc.errors import CompileError, DatasetError, NotReplaceableError
+from dsc.storage import local, parse_manifest, validate
 from dsc.storage.local import RENAME_EXCHANGE, RENAME_NOREPLACE, fsync_dir, renameat2
 
 LOCK_WAIT_S = 5.0
+SHOWN = 3  # entries a message names
+MAX_RECORD_BYTES = 1 << 16  # a publish record is two hex digests in JSON
+
+logger = logging.getLogger("dsc")
 
 
 def staging_path(out: Path) -> Path:
@@ -42,11 +56,82 @@ def staging_path(out: Path) -> Path:
     return out.parent / f".{out.name}.dsc-partial"
 
 
-def replaceable(path: Path) -> bool:
-    """What --force may replace: a dsc dataset or an empty folder, never a link or anything else."""
+def replace_problem(path: Path) -> str | None:
+    """Why --force may not replace `path` ("is ..."), or None: only a folder that opens as a valid
+    dsc dataset (the reader's validation) and holds nothing its manifest does not list, or an empty
+    folder, is replaced — a manifest.json saying "dsc" beside a user's files proves nothing."""
     if path.is_symlink() or not path.is_dir():
-        return False
-    return is_dataset(path) or not any(path.iterdir())
+        return "is a symbolic link" if path.is_symlink() else "is a file"
+    try:
+        entries = sorted(p.name for p in path.iterdir())
+        if not entries:
+            return None
+        manifest = validate(path)
+        foreign = local.foreign_entries(path, _listed_only(manifest))
+    except DatasetError as e:
+        mine = [name for name in entries if name != fmt.MANIFEST_FILE]
+        return (f"is a folder that is not a dsc dataset; it{f' holds {_some(mine)} and' if mine else ''} "
+                f"does not open as one: {e}")
+    except OSError as e:
+        return f"is a folder that cannot be read whole ({e.strerror or e})"
+    if foreign:
+        return f"is a dsc dataset that also holds what its manifest does not list: {_some(foreign)}"
+    return None
+
+
+def _some(names: list[str]) -> str:
+    """Up to SHOWN names, and how many more."""
+    more = len(names) - SHOWN
+    return ", ".join(names[:SHOWN]) + (f" and {more} more" if more > 0 else "")
+
+
+def _folders_of(names: set[str]) -> set[str]:
+    """Every folder on the way to the '/'-paths `names`."""
+    return {"/".join(name.split("/")[:k]) for name in names for k in range(1, name.count("/") + 1)}
+
+
+def _listed_only(manifest: fmt.Manifest) -> local.Claims:
+    """A dataset's own entries: its manifest, the files the manifest lists and the folders holding them."""
+    files = {fmt.MANIFEST_FILE, *(entry.file for entry in manifest.files)}
+    folders = _folders_of(files)
+    return lambda path, is_dir: path in (folders if is_dir else files)
+
+
+def _made_by_dsc(root: Path) -> local.Claims:
+    """What dsc may delete of a build or of a dataset it replaced, even one part deleted: the files
+    its manifest lists (while it has one), the names dsc gives a build's files, resume files and
+    temporaries, and the folders holding them. Anything else is someone's, and stays."""
+    try:
+        listed = fmt.listed_files(local.read_no_follow(root / fmt.MANIFEST_FILE, fmt.MAX_MANIFEST_BYTES))
+    except OSError:
+        listed = set()
+    folders = _folders_of(listed) | {fmt.SHARD_DIR, fmt.FIELD_DIR}
+
+    def claims(path: str, is_dir: bool) -> bool:
+        if is_dir:
+            return path in folders
+        folder, _, name = path.rpartition("/")
+        return (path in listed or fmt.is_dataset_file_name(path) or path in journal.STATE_FILES
+                or ((not folder or folder in folders) and local.is_temporary(name)))
+    return claims
+
+
+def _remove_build(folder: Path) -> list[str]:
+    """Delete a build or a replaced dataset when it holds only what dsc made, and then only that;
+    return what was left (nothing, or the entries dsc did not make, with nothing deleted). A link at
+    its name is removed, never followed: that loses nothing."""
+    if folder.is_symlink():
+        folder.unlink()
+        return []
+    if not folder.is_dir():
+        return [f"{folder.name} itself, a file"]
+    try:
+        claims = _made_by_dsc(folder)
+        return local.foreign_entries(folder, claims) or local.remove_claimed(folder, claims, fmt.MANIFEST_FILE)
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        return [f"what could not be read ({e.strerror or e})"]
 
 
 def lock_path(out: Path) -> Path:
@@ -71,11 +156,11 @@ def record_publish(out: Path, plan: str, manifest: str) -> None:
 def pending_publish(out: Path) -> dict | None:
     """The recorded publish of a finished build, or None when none is pending."""
     try:
-        record = json.loads(record_path(out).read_bytes())
+        record = json.loads(local.read_no_follow(record_path(out), MAX_RECORD_BYTES))
     except FileNotFoundError:
         return None
     except (OSError, ValueError):
-        return {}  # torn: written atomically, so only a foreign hand does this; proves nothing
+        return {}  # torn, a link, not a file: written atomically, so only a foreign hand does this; proves nothing
     return record if isinstance(record, dict) else {}
 
 
@@ -95,10 +180,9 @@ def _check_out(out: Path, force: bool) -> None:
     if out.is_symlink():
         raise CompileError(f"output {out} is a symbolic link; give the folder it points to instead")
     if out.exists():
-        if not replaceable(out):  # say so first: --force would not help
-            what = "a file" if not out.is_dir() else "a folder that is not a dsc dataset"
-            raise CompileError(f"output {out} is {what}; dsc replaces only a dsc dataset or an empty folder "
-                               "(even with --force): give another OUT, or move it away first")
+        problem = replace_problem(out)
+        if problem:  # say so first: --force would not help
+            raise NotReplaceableError(_refusal(out, problem))
         if not force:
             raise CompileError(f"output {out} already exists; pass --force to replace it")
     if not out.parent.is_dir():
@@ -108,6 +192,16 @@ def _check_out(out: Path, force: bool) -> None:
                            "it, which a mount point refuses: give a folder inside it instead")
     if not os.access(out.parent, os.W_OK | os.X_OK):
         raise CompileError(f"cannot write in {out.parent} (permission denied)")
+
+
+def _refusal(out: Path, problem: str) -> str:
+    """Why OUT is not replaced and what to do, in one line."""
+    what, _, why = problem.partition("; ")
+    if "also holds" in what:
+        return (f"output {out} {what}; dsc replaces only a dsc dataset or an empty folder (even with --force) "
+                f"and never deletes what is not its own: move those out of {out}, or give another OUT")
+    return (f"output {out} {what}; dsc replaces only a dsc dataset or an empty folder (even with --force): "
+            f"give another OUT, or move it away first{f' ({why})' if why else ''}")
 
 
 def lock(out: Path, wait_s: float = LOCK_WAIT_S) -> int:
@@ -124,10 +218,18 @@ def lock(out: Path, wait_s: float = LOCK_WAIT_S) -> int:
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            fd = os.open(lock_path(out), os.O_RDWR | os.O_CREAT, 0o644)
+            fd = local.open_lock(lock_path(out))
         except OSError as e:
+            if e.errno in (errno.ELOOP, errno.EISDIR):
+                what = "a symbolic link, which dsc never makes nor follows" if e.errno == errno.ELOOP else "a folder"
+                raise CompileError(f"the lock file {lock_path(out)} is {what}: remove it and run again") from e
             raise CompileError(f"cannot write in {out.parent} (creating the lock file {lock_path(out).name} failed: "
                                f"{e.strerror or e})") from e
+        problem = _lock_problem(fd)
+        if problem:
+            os.close(fd)
+            raise CompileError(f"the lock file {lock_path(out)} {problem}, so no compile of yours made it: remove "
+                               "it and run again")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -141,6 +243,17 @@ def lock(out: Path, wait_s: float = LOCK_WAIT_S) -> int:
         os.close(fd)  # the holder before us removed this file on its way out: lock the one there now
 
 
+def _lock_problem(fd: int) -> str | None:
+    """Why the opened lock file is not one this user's dsc made: it must be a regular file of this user
+    (a compile of another user's holds its own lock, and is refused here rather than run alongside)."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if st.st_uid != os.geteuid():
+        return f"belongs to another user (uid {st.st_uid})"
+    return None
+
+
 def unlock(out: Path, fd: int) -> None:
     """Remove the lock file, then release it: a compile waiting on the removed file finds that
     the name no longer leads to it and locks a new one, so two never hold OUT at once."""
@@ -152,9 +265,9 @@ def unlock(out: Path, fd: int) -> None:
 
 
 def _names(fd: int, path: Path) -> bool:
-    """Whether `path` is the file open as `fd`."""
+    """Whether `path` (not followed, if a link) is the file open as `fd`."""
     try:
-        st = os.stat(path)
+        st = os.lstat(path)
     except FileNotFoundError:
         return False
     held = os.fstat(fd)
@@ -165,7 +278,8 @@ def prepare(out: Path, force: bool, resume: bool, lock_fd: int) -> tuple[Path, b
     """Under OUT's lock: check OUT, then give (staging folder, whether it holds work to resume)."""
     stage = staging_path(out)
     for grave in out.parent.glob(f"{glob.escape(retired_prefix(out))}*"):  # a kill stopped its deletion
-        shutil.rmtree(grave, ignore_errors=True)
+        delete_retired(grave)
+    remove_temporaries(out.parent, f".{record_path(out).name}.")
     if pending_publish(out) is not None:
         if resume:
             return stage, True
@@ -176,22 +290,57 @@ def prepare(out: Path, force: bool, resume: bool, lock_fd: int) -> tuple[Path, b
     _check_out(out, force)
     if stage.is_symlink() or stage.exists():
         if resume and stage.is_dir() and not stage.is_symlink():
+            _check_resumable(stage)
+            for folder in (stage, stage / fmt.FIELD_DIR):
+                remove_temporaries(folder)
             return stage, True
         if not force:
             raise CompileError(f"an interrupted compile left a partial build at {stage}: run the command that "
                                "started it again with --resume to continue it (other options are refused), or pass "
                                "--force to discard it")
-        stage.unlink() if stage.is_symlink() or not stage.is_dir() else shutil.rmtree(stage)
-    try:
-        stage.mkdir()
-        fsync_dir(out.parent)
-    except OSError as e:
-        raise CompileError(f"cannot create {stage}: {e.strerror or e}") from e
+        discard(stage, refuse=True)
+    make_stage(stage)
     return stage, False
 
 
-def discard(stage: Path) -> None:
-    shutil.rmtree(stage, ignore_errors=True)
+def make_stage(stage: Path) -> None:
+    """Create the build folder, writable by this user alone: nobody else can plant a link in it that
+    the build's writes would follow (it becomes OUT: readable by all, as before)."""
+    try:
+        stage.mkdir(mode=0o755)
+        fsync_dir(stage.parent)
+    except OSError as e:
+        raise CompileError(f"cannot create {stage}: {e.strerror or e}") from e
+
+
+def remove_temporaries(folder: Path, prefix: str = ".") -> None:
+    """The temporary files of `local.write_durably` that a kill left in `folder` (with this prefix):
+    their names are random, so no later write replaces them, and none may be published."""
+    for path in folder.glob(f"{glob.escape(prefix)}*{local.TEMP_SUFFIX}"):
+        if local.is_temporary(path.name) and not path.is_dir():  # a link is removed, never followed
+            path.unlink(missing_ok=True)
+
+
+def _check_resumable(stage: Path) -> None:
+    """A build is written into only when nobody else could have planted a link in it."""
+    st = os.lstat(stage)
+    if st.st_uid != os.geteuid() or st.st_mode & stat.S_IWOTH:
+        raise CompileError(f"cannot resume {stage}: it is not a folder that only you can write (owner uid "
+                           f"{st.st_uid}, mode {stat.filemode(st.st_mode)}), so it may hold links that writing "
+                           "would follow; move it away and compile again")
+
+
+def discard(stage: Path, refuse: bool = False) -> None:
+    """Delete a build: a link at its name is removed (never followed), a folder only if it holds nothing
+    dsc did not make, and then only what dsc made. What stays is refused (`refuse`) or warned about."""
+    left = _remove_build(stage) if stage.exists() or stage.is_symlink() else []
+    if not left:
+        return
+    message = (f"the partial build at {stage} holds what dsc did not make ({_some(left)}), so it was left "
+               "there: move those out of it (or it away), then run again")
+    if refuse:
+        raise NotReplaceableError(message)
+    logger.warning("%s", message)
 
 
 def _rename_noreplace(stage: Path, out: Path) -> None:
@@ -212,24 +361,44 @@ def retire(old: Path, out: Path) -> None:
     grave = out.parent / f"{retired_prefix(out)}{secrets.token_hex(6)}"
     os.rename(old, grave)
     fsync_dir(out.parent)
-    shutil.rmtree(grave, ignore_errors=True)
+    delete_retired(grave)
+
+
+def delete_retired(grave: Path) -> None:
+    """Delete a replaced dataset, or what a kill left of its deletion, re-checked now: if it holds
+    anything dsc did not make (written into it since it was checked), it is left, and said where."""
+    left = _remove_build(grave)
+    if left:
+        logger.warning("%s", f"a dataset replaced by --force waits at {grave}: it holds what dsc did not make "
+                             f"({_some(left)}), so it was not deleted; move out what is yours, then delete it")
+
+
+def _changed(stage: Path, out: Path, problem: str) -> NotReplaceableError:
+    what = problem.split("; ")[0]
+    return NotReplaceableError(f"{out} appeared or changed while the dataset was compiled: it {what}; "
+                               f"it was left untouched, even with --force, and the finished build waits at {stage}: "
+                               f"move {out} away (or what is not the dataset's out of it) and run with --resume")
 
 
 def publish(stage: Path, out: Path, force: bool) -> None:
-    """Move the finished build to OUT. Without `force` nothing at OUT is ever replaced; with it,
-    only a dsc dataset (or an empty folder) is, and anything else swapped out is put back."""
+    """Move the finished build to OUT. Without `force` nothing at OUT is ever replaced; with it, only
+    a dsc dataset holding nothing else (or an empty folder) is — checked before the swap, so nothing
+    of a user's is moved, and again on what the swap took out, which is put back if it changed."""
     if not (force and (out.exists() or out.is_symlink())):
         _rename_noreplace(stage, out)
-    elif renameat2(stage, out, RENAME_EXCHANGE):
-        if not replaceable(stage):
-            renameat2(stage, out, RENAME_EXCHANGE)  # not ours to replace: put it back
-            raise CompileError(f"{out} is not a dsc dataset (it changed while compiling); it was left "
-                               "untouched, even with --force")
+        fsync_dir(out.parent)
+        return
+    problem = replace_problem(out)
+    if problem:
+        raise _changed(stage, out, problem)
+    if renameat2(stage, out, RENAME_EXCHANGE):
+        problem = replace_problem(stage)
+        if problem:
+            renameat2(stage, out, RENAME_EXCHANGE)  # it changed since the check: put it back
+            raise _changed(stage, out, problem)
         fsync_dir(out.parent)
         retire(stage, out)  # the previous dataset; open maps keep it readable
     else:  # no atomic exchange here: a moment without OUT, never a mixed OUT
-        if not replaceable(out):
-            raise CompileError(f"{out} is not a dsc dataset; refusing to replace it, even with --force")
         old = out.parent / f"{retired_prefix(out)}{secrets.token_hex(6)}"
         os.rename(out, old)
         try:
@@ -291,8 +460,8 @@ class LocalTarget:
 
     def restart(self) -> None:
         """Empty the build folder: what it holds was made from no plan."""
-        discard(self.stage_dir)
-        self.stage_dir.mkdir()
+        discard(self.stage_dir, refuse=True)
+        make_stage(self.stage_dir)
 
     def pending(self, plan_digest: str, force: bool) -> fmt.Manifest | None:
         """Publish a build of this plan that finished before an interruption; None when there is none."""

@@ -6,6 +6,9 @@
   holes of sparse files, `pread_exact` reads an exact byte range.
 - Durable writes: `write_durably` (temporary file, fsync, rename, fsync of the folder),
   `fsync_dir`, `reserve` (Linux `fallocate`, never glibc's emulation) and `renameat2`.
+- Names in a folder others may write (OUT's parent): `create_exclusive` (a new file under an
+  unguessable name, never through a link), `open_lock`, `read_no_follow`, and `foreign_entries` /
+  `remove_claimed`, which walk and delete a tree by directory descriptors, never following a link.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import errno
 import functools
 import hashlib
 import os
+import secrets
 import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -160,21 +164,131 @@ def sha256_file(path: Path, progress: Callable[[int], None] | None = None) -> st
 
 # ----------------------------------------------------------------------------- durable writes
 
+TEMP_SUFFIX = ".tmp"
+
+
+def create_exclusive(path: Path, mode: int = 0o644) -> int:
+    """A write descriptor of a new file at `path`: O_EXCL and O_NOFOLLOW, so nothing already there
+    (a file, or a link someone planted) is ever truncated, written or followed."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+
+
+def is_temporary(name: str) -> bool:
+    """Whether `name` is one `write_durably` gives its temporary files (a kill may leave one behind)."""
+    return name.startswith(".") and name.endswith(TEMP_SUFFIX)
+
+
 def write_durably(path: Path, payload: bytes) -> None:
     """Write `payload` to `path` atomically and durably: a crash or a full disk leaves the old file
     or the new one whole, never an empty or torn one (a temporary file, fsynced, renamed over),
-    and once this returns the new name survives a crash too (the folder is fsynced after the rename)."""
-    temp = path.with_name(f".{path.name}.tmp")
+    and once this returns the new name survives a crash too (the folder is fsynced after the rename).
+
+    The temporary file has an unguessable name and is created exclusively (`create_exclusive`): in
+    a folder others can write, a link planted at a predictable name would be followed and its target
+    overwritten. The rename replaces a link at `path` itself, never its target."""
+    temp = path.with_name(f".{path.name}.{secrets.token_hex(8)}{TEMP_SUFFIX}")
+    fd = create_exclusive(temp)
     try:
-        with open(temp, "wb") as f:
+        with os.fdopen(fd, "wb") as f:
             f.write(payload)
             f.flush()
             os.fsync(f.fileno())
         os.replace(temp, path)
     except BaseException:
-        temp.unlink(missing_ok=True)
+        temp.unlink(missing_ok=True)  # ours: made by create_exclusive above
         raise
     fsync_dir(path.parent)
+
+
+def open_lock(path: Path) -> int:
+    """A descriptor to `flock` on the lock file `path`, made if missing: read-only, never through a
+    link (ELOOP), never truncated, a FIFO never waited on; the caller checks what it opened."""
+    return os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+
+
+def read_no_follow(path: Path, limit: int) -> bytes:
+    """At most `limit` bytes of the regular file `path`, never read through a link (OSError otherwise)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        return f.read(limit)
+
+
+def _open_dir(name: str | Path, dir_fd: int | None = None) -> int:
+    return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+
+
+def _entries(fd: int, prefix: str) -> list[tuple[str, str, bool]]:
+    """(name, '/'-path from the top, is a folder) of a folder's entries, links never taken for folders."""
+    with os.scandir(fd) as it:
+        return sorted((e.name, prefix + e.name, e.is_dir(follow_symlinks=False)) for e in it)
+
+
+Claims = Callable[[str, bool], bool]  # (a '/'-path from the top, is a folder) -> whether it is dsc's
+
+
+def foreign_entries(root: Path, claims: Claims) -> list[str]:
+    """The entries under the folder `root` that `claims` does not claim ('/'-paths, folders ending in
+    '/'), walked by descriptors without following a link or entering an unclaimed folder."""
+    found: list[str] = []
+
+    def walk(fd: int, prefix: str) -> None:
+        for name, path, is_dir in _entries(fd, prefix):
+            if not claims(path, is_dir):
+                found.append(path + "/" if is_dir else path)
+            elif is_dir:
+                sub = _open_dir(name, fd)
+                try:
+                    walk(sub, path + "/")
+                finally:
+                    os.close(sub)
+
+    top = _open_dir(root)
+    try:
+        walk(top, "")
+    finally:
+        os.close(top)
+    return found
+
+
+def remove_claimed(root: Path, claims: Claims, last: str) -> list[str]:
+    """Delete what `claims` claims under the folder `root`, deepest first and the top's `last` after
+    everything else (so a deletion cut short by a kill is still recognisable), then `root` if that
+    emptied it. Never follows a link and never touches an unclaimed entry, even one that appeared
+    after the caller looked; returns what is left (empty when `root` is gone)."""
+    def clear(fd: int, prefix: str) -> None:
+        for name, path, is_dir in sorted(_entries(fd, prefix), key=lambda e: e[0] == last and not prefix):
+            if not claims(path, is_dir):
+                continue
+            try:
+                if is_dir:
+                    sub = _open_dir(name, fd)
+                    try:
+                        clear(sub, path + "/")
+                    finally:
+                        os.close(sub)
+                    os.rmdir(name, dir_fd=fd)
+                else:
+                    os.unlink(name, dir_fd=fd)
+            except OSError:
+                pass  # gone already, not empty (something unclaimed is inside), or not ours to delete
+
+    try:
+        top = _open_dir(root)
+    except FileNotFoundError:
+        return []
+    try:
+        clear(top, "")
+    finally:
+        os.close(top)
+    try:
+        os.rmdir(root)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return foreign_entries(root, lambda path, is_dir: False)  # what is left, as it is now
+    return []
 
 
 def fsync_dir(path: Path) -> None:
