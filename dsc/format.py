@@ -660,19 +660,20 @@ def _parse_fields(stored: _Stored, fields_doc: Any, count: int, newer: bool) -> 
 
 
 def check_index(manifest: Manifest, root: Any, values_of: ValuesOf) -> None:
-    """Labels in range (-1, no label, or a class index), source offsets rising from 0 to the size of
-    sources.bin, field values their kind allows: checked piece by piece as `values_of` hands them in,
-    so the cost follows the bytes really stored, not what a manifest claims (a 1 KB manifest may
-    claim 2^40 records over sparse files)."""
+    """Labels in range (a class index, or -1: no label — in a labeled dataset from 1.2 on), source
+    offsets rising from 0 to the size of sources.bin, field values their kind allows: checked piece by
+    piece as `values_of` hands them in, so the cost follows the bytes really stored, not what a
+    manifest claims (a 1 KB manifest may claim 2^40 records over sparse files)."""
     k, index = len(manifest.classes), manifest.index
-    low, high = UNLABELED, k - 1 if k else UNLABELED
+    unlabeled_ok = not k or minor_version(manifest.version) >= 2
+    low, high = UNLABELED if unlabeled_ok else 0, k - 1 if k else UNLABELED
     found_low, found_high = high, low
     for values in values_of(index["labels"].file, LABEL_DTYPE, manifest.count):
         found_low, found_high = min(found_low, int(values.min())), max(found_high, int(values.max()))
     if found_low < low or found_high > high:
-        raise DatasetError(f"{_at(root, index['labels'].file)}: labels must lie in [{low if not k else 0}, {high}] "
+        raise DatasetError(f"{_at(root, index['labels'].file)}: labels must lie in [{0 if k else low}, {high}] "
                            f"for {k} classes, found [{found_low}, {found_high}]"
-                           + (f"; {UNLABELED} (no label) is allowed too" if k else ""))
+                           + (f"; {UNLABELED} (no label) is allowed too" if k and unlabeled_ok else ""))
     previous, rising = None, True
     for values in values_of(index["source_offsets"].file, OFFSET_DTYPE, manifest.count + 1):
         joined = values[0] == 0 if previous is None else values[0] >= previous

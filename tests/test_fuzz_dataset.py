@@ -280,7 +280,9 @@ def check_reads(root: Path, ds: dsc.MemmapDataset) -> None:
         assert os.stat(root / s.file).st_size == s.bytes == s.records * m.record_bytes
     labels = np.frombuffer(read_exact(root / m.index["labels"].file, 0, 8 * m.count), "<i8")
     k = len(m.classes)
-    assert ((labels >= 0) & (labels < k)).all() if k else (labels == fmt.UNLABELED).all()
+    no_label_ok = fmt.minor_version(m.version) >= 2  # 1.2: -1 (no label) in a labeled dataset too
+    assert ((labels >= (fmt.UNLABELED if no_label_ok else 0)) & (labels < k)).all() if k else \
+        (labels == fmt.UNLABELED).all()
     offsets = np.frombuffer(read_exact(root / m.index["source_offsets"].file, 0, 8 * (m.count + 1)), "<u8")
     sources_size = os.stat(root / m.index["sources"].file).st_size
     assert offsets[0] == 0 and offsets[-1] == sources_size and (np.diff(offsets.astype(np.int64)) >= 0).all()
