@@ -1,4 +1,4 @@
-"""The dsc dataset format, version 1.2 (1.1 without a warnings file): the only module that knows the on-disk layout.
+"""The dsc dataset format, version 1.2: the only module that knows the on-disk layout.
 
 The contract is ``formats.md`` at the repository root; this module uses the same
 names for the same things. In short::
@@ -14,7 +14,8 @@ names for the same things. In short::
       fields/NAME.bin       (1.1) one typed per-record value per field: [count, *shape], little-endian
       warnings.bin          (1.2, only when a record has one) uint16 LE [count] decoder warnings per record
 
-The manifest (formats.md, "manifest.json") names every other file with its size and SHA-256;
+The manifest (formats.md, "manifest.json") names every other file with its size and SHA-256,
+and (1.2) carries its own SHA-256, taken with that value as 64 '0's (`sealed`, `seal_problem`);
 record i lives in shard i // records_per_shard at byte (i % records_per_shard) * H * W * 3.
 
 Readers validate before they trust: the manifest's size, keys and types, its version, every
