@@ -32,6 +32,7 @@ from dsc.arguments import check_int
 from dsc.errors import LoaderError
 from dsc.reader import order as orders
 from dsc.reader import progress
+from dsc.reader.frameworks import PassTracker
 from dsc.reader.gather import fill_parallel
 from dsc.reader.host import Batch, HostSink
 
@@ -613,6 +614,7 @@ class Loader:
         finished = p.start >= p.count  # nothing (left) to serve, e.g. drop_last with fewer samples than ranks
         if finished:
             self._position = self._progress = (p.epoch + 1, [])
+        tracker = PassTracker()  # tells Accelerate's gradient accumulation where the epoch ends
         try:
             for b in range(p.start, p.count):
                 self._check_live(iteration)
@@ -626,8 +628,10 @@ class Loader:
                     finished = True
                     self._position = self._progress = (p.epoch + 1, [])
                     self._threads.next_pass = self._planner(p.rank).fresh(p.epoch + 1, p.split)  # producer's next
+                    tracker.last_batch()
                 yield batch
         finally:
+            tracker.end()
             if not finished and self._threads.producer is producer:  # abandoned: what it made is unwanted
                 self._threads.stop_producer()
 
