@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dsc import fits
 from dsc.arguments import check_int
 from dsc.errors import LoaderError
 from dsc.reader import order as orders
@@ -620,6 +621,7 @@ class Loader:
                 self._check_live(iteration)
                 describe = f"batch {b} of epoch {p.epoch} (rank {p.rank}/{p.split.world_size})"
                 batch = self._sink.hand_over(producer.take((p, b), describe, self._meter))
+                fits.mark(batch, self.dataset.fit)  # for the transforms that need one fit (`dsc.fits`)
                 if self._config.as_tuple is not None:
                     batch = tuple(batch[name] for name in self._config.as_tuple)
                 if b + 1 < p.count:
