@@ -6,6 +6,9 @@ random. `Resize` and `CenterCrop` follow torchvision's geometry (new long side
 resampling. `OriginalCenterCrop` is for records compiled with ``--fit stretch``: given the
 batch's original sizes (``batch["size"]``), it cuts the region that ``Resize + CenterCrop`` would
 keep of each *original* image out of its stretched record, so eval sees undistorted images.
+Each refuses records of the other fit when the loader's batch says which it is (`dsc.fits`):
+`OriginalCenterCrop` takes stretched records only, `Resize` and `CenterCrop` refuse them unless
+``allow_stretched=True`` (a squeezed view on purpose).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from dsc import fits
 from dsc.arguments import is_int
 from dsc.transforms import Transform, _check_batch, _check_sizes, _memory_format, _resample, _size
 
@@ -22,6 +26,12 @@ from dsc.transforms import Transform, _check_batch, _check_sizes, _memory_format
 def _short_side(value: object, who: str) -> int:
     if not is_int(value) or value < 1:
         raise ValueError(f"{who} resize must be a positive int (the short side), got {value!r}")
+    return value
+
+
+def _flag(value: object, who: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{who} allow_stretched must be True or False, got {value!r}")
     return value
 
 
@@ -35,15 +45,31 @@ def resized_shape(height: torch.Tensor | int, width: torch.Tensor | int, short: 
     return (torch.where(wide, short, torch.floor(short * h / w)), torch.where(wide, torch.floor(short * w / h), short))
 
 
-class Resize(Transform):
-    """Resize every sample's short side to `size`, keeping the aspect ratio (all samples share a shape)."""
+def _instead(crop: str, resize: str) -> str:
+    """What to use on stretched records instead of Resize + CenterCrop (the arguments as they will read)."""
+    return (f"OriginalCenterCrop({crop}, resize={resize})(images, sizes=batch['size']), which crops that region of "
+            "the undistorted original")
 
-    def __init__(self, size: int) -> None:
+
+def _spelled(size: tuple[int, int]) -> str:
+    return str(size[0]) if size[0] == size[1] else str(size)
+
+
+class Resize(Transform):
+    """Resize every sample's short side to `size`, keeping the aspect ratio (all samples share a shape).
+
+    On records compiled with ``--fit stretch`` that aspect ratio is not the source's, so a batch the
+    loader marked so is refused unless ``allow_stretched=True``.
+    """
+
+    def __init__(self, size: int, *, allow_stretched: bool = False) -> None:
         self.size = _short_side(size, "Resize")
-        self._describe = f"size={self.size}"
+        self.allow_stretched = _flag(allow_stretched, "Resize")
+        self._describe = f"size={self.size}" + (", allow_stretched=True" if allow_stretched else "")
 
     def __call__(self, batch: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         batch = _check_batch(batch, "Resize")
+        fits.refuse_stretch("Resize", fits.of(batch), self.allow_stretched, _instead("crop", str(self.size)))
         shape = resized_shape(batch.shape[2], batch.shape[3], self.size)
         work = torch.float64 if batch.dtype == torch.float64 else torch.float32
         out = F.interpolate(batch.to(work), size=shape, mode="bilinear", antialias=True, align_corners=False)
@@ -54,14 +80,21 @@ class Resize(Transform):
 
 
 class CenterCrop(Transform):
-    """Cut the centred `size` box (int or (height, width)) out of every sample, as torchvision does."""
+    """Cut the centred `size` box (int or (height, width)) out of every sample, as torchvision does.
 
-    def __init__(self, size: int | Sequence[int]) -> None:
+    A batch the loader marked as ``--fit stretch`` records is refused unless ``allow_stretched=True``
+    (see `Resize`).
+    """
+
+    def __init__(self, size: int | Sequence[int], *, allow_stretched: bool = False) -> None:
         self.size = _size(size, "CenterCrop")
-        self._describe = f"size={self.size}"
+        self.allow_stretched = _flag(allow_stretched, "CenterCrop")
+        self._describe = f"size={self.size}" + (", allow_stretched=True" if allow_stretched else "")
 
     def __call__(self, batch: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         batch = _check_batch(batch, "CenterCrop")
+        fits.refuse_stretch("CenterCrop", fits.of(batch), self.allow_stretched,
+                            _instead(_spelled(self.size), "short_side"))
         (h, w), (ch, cw) = batch.shape[2:], self.size
         if ch > h or cw > w:
             raise ValueError(f"CenterCrop size {self.size} is larger than the images ({h}, {w})")
@@ -75,6 +108,8 @@ class OriginalCenterCrop(Transform):
     The crop box is computed in the resized original's pixels (torchvision's rounding) and
     scaled into the record, then resampled bilinearly to `size` in one grid_sample. Call it as
     ``t(batch["image"], sizes=batch["size"])``; everything happens on the batch's device.
+    Records the loader marked with another fit than stretch are refused: there the box would not
+    be the original's centre.
     """
 
     def __init__(self, size: int | Sequence[int], resize: int) -> None:
@@ -86,6 +121,8 @@ class OriginalCenterCrop(Transform):
     def __call__(self, batch: torch.Tensor, generator: torch.Generator | None = None, *,
                  sizes: torch.Tensor | None = None) -> torch.Tensor:
         batch = _check_batch(batch, "OriginalCenterCrop")
+        fits.need_stretch("OriginalCenterCrop", fits.of(batch, sizes),
+                          f"CenterCrop({_spelled(self.size)})(Resize({self.resize})(images))")
         sizes = _check_sizes(sizes, batch, "OriginalCenterCrop")
         work = torch.float64 if batch.dtype == torch.float64 else torch.float32
         rh, rw = resized_shape(sizes[:, 0], sizes[:, 1], self.resize)

@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from dsc import fits
 from dsc.arguments import is_int
 from dsc.boxes import BoxDraws, BoxParams, boxes, draws, map_boxes
 
@@ -289,6 +290,8 @@ class RandomResizedCrop(RandomTransform):
     ``sizes=batch["size"]`` and each box is drawn by the same rules over the *original* image
     ((height, width) of the source), then mapped into the stretched record. The crop then has
     the area and aspect ratio torchvision would give on the original, over its whole field of view.
+    Records marked with another fit (`dsc.fits`: the loader marks each batch's image and size) are
+    refused, and so are `sizes` without ``original_sizes=True``, which would be ignored.
     Boxes are made on the batch's device from draws copied there pinned and ``non_blocking``, so
     a CUDA batch with CUDA sizes costs no host sync.
     """
@@ -320,7 +323,14 @@ class RandomResizedCrop(RandomTransform):
         _check_params(params, batch, "RandomResizedCrop")
         work = torch.float64 if batch.dtype == torch.float64 else torch.float32
         if not self.original_sizes:
+            if sizes is not None:
+                raise ValueError("RandomResizedCrop got sizes= but was made without original_sizes=True: it draws its "
+                                 "boxes over the records and would ignore them. For records compiled with --fit "
+                                 f"stretch make it RandomResizedCrop({self.size}, original_sizes=True); else leave "
+                                 "sizes out")
             return _resample(batch, to_device(torch.stack(params).to(work), batch.device).unbind(0), self.size)
+        fits.need_stretch("RandomResizedCrop(original_sizes=True)", fits.of(batch, sizes),
+                          f"RandomResizedCrop({self.size}), whose boxes are drawn over the records themselves")
         sizes = _check_sizes(sizes, batch, "RandomResizedCrop")
         box = boxes(BoxDraws(to_device(params.draws, batch.device)), sizes[:, 0], sizes[:, 1], self.ratio)
         return _resample(batch, map_boxes(box, sizes, batch.shape[2:], work), self.size)

@@ -39,7 +39,8 @@ def stretched(tmp_path_factory: pytest.TempPathFactory) -> dict:
     compile_folder(tmp / "src", tmp / "out", size=256, fit="stretch", workers=1)
     ds = MemmapDataset(tmp / "out")
     batch = next(iter(ds.loader(len(ds), order="sequential")))
-    return {"image": batch["image"], "size": batch["size"], "paths": [ds.source(i) for i in range(len(ds))]}
+    return {"image": batch["image"], "size": batch["size"], "paths": [ds.source(i) for i in range(len(ds))],
+            "fits": (ds.fit, batch.fit)}
 
 
 def mean_diff(ours: torch.Tensor, reference: Image.Image) -> float:
@@ -140,12 +141,56 @@ def test_resize_and_center_crop_equal_pillow_per_image() -> None:
 def test_original_center_crop_of_stretched_records_equals_pillow_on_the_originals(stretched: dict) -> None:
     x, sizes = stretched["image"], stretched["size"]
     ours = OriginalCenterCrop(224, 256)(x, sizes=sizes)
-    distorted = CenterCrop(224)(Resize(256)(x))  # what the plain recipe does to a stretched record
+    distorted = CenterCrop(224)(Resize(256, allow_stretched=True)(x))  # the plain recipe on a stretched record
     for i, path in enumerate(stretched["paths"]):
         ref = pillow_eval(original(path))
         assert mean_diff(ours[i], ref) <= CROP_LIMIT
     assert max(mean_diff(distorted[i], pillow_eval(original(p))) for i, p in enumerate(stretched["paths"])) \
         > WRONG_PLACE
+
+
+@pytest.fixture(scope="module")
+def cropped(tmp_path_factory: pytest.TempPathFactory) -> MemmapDataset:
+    """The photos compiled with the default --fit center-crop, 256x256."""
+    tmp = tmp_path_factory.mktemp("crop")
+    shutil.copytree(PHOTOS, tmp / "src", ignore=shutil.ignore_patterns("*.md"))
+    compile_folder(tmp / "src", tmp / "out", size=256, workers=1)
+    return MemmapDataset(tmp / "out")
+
+
+def test_batches_carry_the_fit_they_were_compiled_with(stretched: dict, cropped: MemmapDataset) -> None:
+    batch = next(iter(cropped.loader(2)))
+    assert (cropped.fit, batch.fit, batch.to("cpu", non_blocking=True).fit) == ("center-crop",) * 3
+    assert stretched["fits"] == ("stretch", "stretch")
+
+
+def test_stretch_transforms_refuse_center_crop_records_naming_both_fits(cropped: MemmapDataset) -> None:
+    batch = next(iter(cropped.loader(len(cropped), order="sequential")))
+    both = r"--fit stretch.*--fit center-crop"
+    with pytest.raises(ValueError, match=both + r".*CenterCrop\(224\)\(Resize\(256\)"):
+        OriginalCenterCrop(224, 256)(batch["image"], sizes=batch["size"])
+    with pytest.raises(ValueError, match=both):
+        RandomResizedCrop(96, original_sizes=True)(batch["image"], seeded(), sizes=batch["size"])
+    image, size = next(iter(cropped.loader(2, as_tuple=("image", "size"))))  # tuples carry it too
+    with pytest.raises(ValueError, match=both):
+        OriginalCenterCrop(224, 256)(image.clone(), sizes=size)  # the sizes alone say it
+    out = CenterCrop(224)(Resize(256)(batch["image"]))  # the right pairing for these records
+    assert out.shape == (len(cropped), 3, 224, 224)
+
+
+def test_resize_and_center_crop_refuse_stretched_records_unless_told(stretched: dict) -> None:
+    x = stretched["image"]
+    for transform in (Resize(256), CenterCrop(224)):
+        with pytest.raises(ValueError, match=r"--fit stretch, not --fit center-crop.*OriginalCenterCrop\(.*"
+                                             r"allow_stretched=True"):
+            transform(x)
+    assert CenterCrop(224, allow_stretched=True)(Resize(256, allow_stretched=True)(x)).shape == (4, 3, 224, 224)
+    assert OriginalCenterCrop(224, 256)(x, sizes=stretched["size"]).shape == (4, 3, 224, 224)
+
+
+def test_random_resized_crop_refuses_sizes_it_would_ignore(stretched: dict) -> None:
+    with pytest.raises(ValueError, match=r"without original_sizes=True.*ignore"):
+        RandomResizedCrop(96)(stretched["image"], seeded(), sizes=stretched["size"])
 
 
 @pytest.mark.parametrize(("make", "match"), [(lambda: Resize(0), "positive int"),

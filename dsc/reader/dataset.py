@@ -217,6 +217,13 @@ class MemmapDataset(Dataset):
         return self.opened.manifest
 
     @property
+    def fit(self) -> str | None:
+        """How the records were made from their sources (`dsc compile --fit`): "center-crop", "stretch" or
+        "pad"; None where the manifest does not say. The loader's batches carry it (`dsc.fits`)."""
+        fit = self.manifest.compile.get("fit")
+        return fit if isinstance(fit, str) else None
+
+    @property
     def record_shape(self) -> tuple[int, int, int]:
         return self.manifest.record_shape
 

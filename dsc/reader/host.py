@@ -23,6 +23,8 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
+from dsc import fits
+
 
 class Batch(TensorDict):
     """A loader batch: a TensorDict {image, label, index, size, and the dataset's fields} whose
@@ -32,7 +34,24 @@ class Batch(TensorDict):
     two *samples* at batch size 2 (and a bare unpacking error at other sizes) and trained on the
     wrong thing without a word. Everything else is TensorDict's own (``.to``, indexing, ``unbind``);
     the refusal costs nothing per batch.
+
+    `fit` is how the records were compiled (`dsc.fits`): the loader marks each batch's image and
+    size with it, and `to` (e.g. a CPU batch copied to the GPU) carries the mark over.
     """
+
+    @property
+    def fit(self) -> str | None:
+        """The records' `--fit` (center-crop, stretch or pad) as the loader marked it; None if unmarked."""
+        return fits.of(self.get("image", None), self.get("size", None))
+
+    def to(self, *args, **kwargs):
+        """TensorDict's `to`; the new batch's image and size carry this batch's fit."""
+        moved = super().to(*args, **kwargs)
+        fit = self.fit
+        if fit is not None and isinstance(moved, TensorDict) and moved is not self \
+                and all(name in moved.keys() for name in fits.MARKED):
+            fits.mark(moved, fit)
+        return moved
 
     def __iter__(self):
         raise TypeError(f"a dsc batch is a TensorDict: take its fields by name (batch['image'], batch['label']; "

@@ -28,10 +28,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from dsc import fits
 from dsc.arguments import check_int
 from dsc.errors import LoaderError
 from dsc.reader import order as orders
 from dsc.reader import progress
+from dsc.reader.frameworks import PassTracker
 from dsc.reader.gather import fill_parallel
 from dsc.reader.host import Batch, HostSink
 
@@ -613,11 +615,13 @@ class Loader:
         finished = p.start >= p.count  # nothing (left) to serve, e.g. drop_last with fewer samples than ranks
         if finished:
             self._position = self._progress = (p.epoch + 1, [])
+        tracker = PassTracker()  # tells Accelerate's gradient accumulation where the epoch ends
         try:
             for b in range(p.start, p.count):
                 self._check_live(iteration)
                 describe = f"batch {b} of epoch {p.epoch} (rank {p.rank}/{p.split.world_size})"
                 batch = self._sink.hand_over(producer.take((p, b), describe, self._meter))
+                fits.mark(batch, self.dataset.fit)  # for the transforms that need one fit (`dsc.fits`)
                 if self._config.as_tuple is not None:
                     batch = tuple(batch[name] for name in self._config.as_tuple)
                 if b + 1 < p.count:
@@ -626,8 +630,10 @@ class Loader:
                     finished = True
                     self._position = self._progress = (p.epoch + 1, [])
                     self._threads.next_pass = self._planner(p.rank).fresh(p.epoch + 1, p.split)  # producer's next
+                    tracker.last_batch()
                 yield batch
         finally:
+            tracker.end()
             if not finished and self._threads.producer is producer:  # abandoned: what it made is unwanted
                 self._threads.stop_producer()
 
