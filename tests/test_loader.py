@@ -476,10 +476,11 @@ def test_bench_device_cpu_is_noted_and_rows_give_producer_costs_not_waits(ds: Me
 def test_cuda_path_equals_reference(ds: MemmapDataset, order: str) -> None:
     loader = ds.loader(4, order=order, device="cuda", prefetch=2)
     for _epoch in range(2):
-        ref = list(reference_batches(ds, 4, order=order, epoch=loader.epoch))
+        ref = list(reference_batches(ds, 4, order=order, seed=loader.seed, epoch=loader.epoch))  # its drawn seed
         kept = list(loader)  # kept across ring wrap-arounds: must all stay valid
         torch.cuda.synchronize()
-        for b, r in zip(kept, ref):
+        assert len(ref) > 0 and len(kept) == len(ref) == len(loader)
+        for b, r in zip(kept, ref, strict=True):
             assert b["image"].device.type == "cuda"
             assert torch.equal(b["image"].cpu(), r["image"]) and torch.equal(b["index"].cpu(), r["index"])
             assert torch.equal(b["label"].cpu(), r["label"]) and torch.equal(b["size"].cpu(), r["size"])

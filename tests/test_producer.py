@@ -159,6 +159,38 @@ def test_cuda_without_cuda_is_refused_where_the_loader_is_made(ds: MemmapDataset
         ds.loader(4, device="cuda")
 
 
+def test_a_bare_cuda_is_not_bound_where_the_loader_is_made(ds: MemmapDataset, monkeypatch) -> None:
+    """A DDP script may make its loader before torch.cuda.set_device(local_rank): "cuda" must follow the
+    device current when the first pass starts, not the one current here. Runs on CPU: torch.cuda's
+    availability and current device are stand-ins, and no pass starts (the sink is made then)."""
+    current = [0]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    loader = ds.loader(4, device="cuda")  # made while device 0 is current, touching no CUDA
+    assert loader.config.device == torch.device("cuda") and loader.device == torch.device("cuda", 0)
+    current[0] = 1  # the script's set_device(local_rank)
+    assert loader.device == torch.device("cuda", 1) and "device='cuda:1'" in repr(loader)
+    assert ds.loader(4, device="cuda:0").device == torch.device("cuda", 0)
+    with pytest.raises(AttributeError, match="a loader's device is fixed when it is made"):
+        loader.device = "cuda:0"
+
+
+def test_next_inside_a_pause_is_refused(ds: MemmapDataset) -> None:
+    """A batch asked for while the producer is held for a graph capture would wait for ever (or be captured)."""
+    loader = ds.loader(4, order="random", seed=2)
+    it = iter(loader)
+    next(it)
+    with loader.paused(), pytest.raises(LoaderError, match=r"next\(\) inside loader.paused\(\)"):
+        next(it)
+    assert len(next(iter(loader))["index"]) == 4  # the loader serves again once the pause is over
+
+
+def test_a_stream_is_refused_for_host_batches(ds: MemmapDataset) -> None:
+    with pytest.raises(ValueError, match="stream= is for a loader with a CUDA device"):
+        ds.loader(4).iter(stream=object())
+
+
 @cuda
 def test_cuda_resolves_to_the_current_device_and_fields_are_contiguous(ds: MemmapDataset) -> None:
     torch.cuda.set_device(0)

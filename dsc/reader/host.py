@@ -1,14 +1,16 @@
 """Where batches land off the GPU path: recycled host buffers (`HostSink`).
 
 A sink is what the loader's producer thread fills and its consumer hands out; the CUDA one
-(`device.CudaSink`) has the same three methods:
+(`device.CudaSink`) has the same four methods:
 
 - `prepare_thread()`: on the producer thread, before any other call;
 - `fill(fields, gather) -> item`: on the producer thread; `fields` are the batch's small
   per-record arrays ({"label": [n], "index": [n], "size": [n, 2]} in int64, then the dataset's
   own fields, as `loader.field_specs` describes them), `gather(host)` copies its records into
   a host array [n, H, W, 3];
-- `hand_over(item) -> Batch`: on the consumer's thread, the batch as the user gets it.
+- `hand_over(item, stream=None) -> Batch`: on the consumer's thread, the batch as the user gets
+  it (on CUDA, ready on `stream`, by default the current one: see `device`'s stream contract);
+- `paused()`: a context in which the producer makes no CUDA call (for a graph capture).
 
 Both hand out a `Batch`: a TensorDict that refuses to be iterated (see there).
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import numpy as np
 import torch
@@ -104,5 +107,8 @@ class HostSink:
         return Batch(image=torch.from_numpy(host).permute(0, 3, 1, 2),
                      **{k: torch.from_numpy(v) for k, v in fields.items()}, batch_size=[n])
 
-    def hand_over(self, batch: Batch) -> Batch:
+    def hand_over(self, batch: Batch, stream: None = None) -> Batch:
         return batch
+
+    def paused(self) -> AbstractContextManager[None]:
+        return nullcontext()  # host batches make no CUDA call

@@ -14,6 +14,7 @@ The plain single-threaded `reference.reference_batches` serves identical batches
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -66,7 +67,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device | None:
     """The CUDA device batches go to, or None for host batches ("cpu" means the same as None).
 
     Checked where the loader is made, so a device that is not there fails here, not at the first
-    batch; "cuda" becomes cuda:{current_device()} here (after the user's set_device).
+    batch. A bare "cuda" stays bare: `bind_device` binds it when the first pass starts.
     """
     if device is None:
         return None
@@ -81,10 +82,17 @@ def resolve_device(device: str | torch.device | None) -> torch.device | None:
     if not torch.cuda.is_available():
         raise ValueError(f"device={str(device)!r}: no CUDA device is available here (torch.cuda.is_available() "
                          "is False); leave device unset for CPU batches")
-    if device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    if device.index >= torch.cuda.device_count():
+    if device.index is not None and device.index >= torch.cuda.device_count():
         raise ValueError(f"device={str(device)!r}, but this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
+def bind_device(device: torch.device | None) -> torch.device | None:
+    """`device` with its index: a bare "cuda" is the current CUDA device of this thread. The loader binds
+    its device when its first pass starts, as it takes the world then: a DDP script that makes its loader
+    before `torch.cuda.set_device(local_rank)` gets its batches on its own GPU, not all on GPU 0."""
+    if device is not None and device.index is None:
+        return torch.device(device.type, torch.cuda.current_device())
     return device
 
 
@@ -359,7 +367,7 @@ class LoaderConfig:
     order: str
     seed: int | None  # as given; None: the loader draws one (`Loader.seed` is the one in use)
     drop_last: bool
-    device: torch.device | None
+    device: torch.device | None  # as given; a bare "cuda" is bound when the first pass starts (`Loader.device`)
     prefetch: int
     num_threads: int
     world: tuple[int | None, int | None]  # (rank, world_size) as given; None: from torch.distributed
@@ -415,6 +423,9 @@ class Loader:
     The world (rank, world_size) is taken from `torch.distributed` each time an epoch starts,
     unless given, so a loader made before `init_process_group` splits the data all the same.
     Batches stay valid as long as you keep them (see `host.HostBuffers` and `device.CudaSink`).
+    CUDA: a bare "cuda" is bound when the first pass starts (`bind_device`); a batch is ready on the
+    stream current when `next()` returns, or on the one given to `iter(stream=s)` (`device`'s stream
+    contract); wrap a CUDA graph capture in `paused()`.
     One consumer thread per loader: iterate it from one thread at a time.
     `locality="shard"` (with order="block") gives each rank its own rotating subset of the shard
     files every epoch instead of a slice of one global order (`order.shard_share`).
@@ -422,8 +433,7 @@ class Loader:
     """
 
     batch_size, order, drop_last = _setting("batch_size"), _setting("order"), _setting("drop_last")
-    device, prefetch, num_threads, locality = _setting("device"), _setting("prefetch"), _setting("num_threads"), \
-        _setting("locality")
+    prefetch, num_threads, locality = _setting("prefetch"), _setting("num_threads"), _setting("locality")
 
     def __init__(self, dataset, batch_size: int, *, order: str | None = None, seed: int | None = None,
                  drop_last: bool = False, device: str | torch.device | None = None, prefetch: int = 2,
@@ -447,8 +457,9 @@ class Loader:
         self._dataset_id = dataset.manifest.fingerprint
         self._position: tuple[int, list[progress.Round]] = (0, [])  # where the next iteration starts
         self._progress: tuple[int, list[progress.Round]] = (0, [])  # what state_dict() reports
-        self._sink = _sink_class(self.device)(self.device, self.prefetch + 2, self.batch_size,  # ahead, held,
-                                              dataset.record_shape, specs)  # being let go
+        self._device = self._config.device  # bound, with the sink, when the first pass starts (`_bound_sink`)
+        self._sink: Any = None
+        self._paused = False
         self._threads = _Threads(self.num_threads)
         weakref.finalize(self, self._threads.close)
         self._iteration = 0  # which iteration is the live one: an older iterator refuses to go on
@@ -458,6 +469,23 @@ class Loader:
     @property
     def config(self) -> LoaderConfig:
         return self._config
+
+    def _device_now(self) -> torch.device | None:
+        return bind_device(self._device)
+
+    device = property(_device_now, _setting("device").fset,
+                      doc="""Where batches go (read-only): None for host memory, else a CUDA device. A bare "cuda" is
+                      bound to the current device of the thread that starts the first pass; until then this
+                      names the device current now.""")
+
+    def _bound_sink(self) -> Any:
+        """Where batches land (`host.HostSink` or `device.CudaSink`), made when the first pass starts: a bare
+        "cuda" is bound then, on the consumer's thread, after a training script's `set_device`."""
+        if self._sink is None:
+            self._device = bind_device(self._device)
+            self._sink = _sink_class(self._device)(self._device, self.prefetch + 2, self.batch_size,  # ahead, held,
+                                                   self.dataset.record_shape, field_specs(self.dataset.opened))  # gone
+        return self._sink
 
     @property
     def seed(self) -> int:
@@ -577,7 +605,35 @@ class Loader:
                              "keeps its dataset, order and seed; world size and batch size may change")
 
     def __iter__(self) -> Iterator[Batch | tuple[torch.Tensor, ...]]:
-        return self._run()
+        return self._run(None)
+
+    def iter(self, stream: torch.cuda.Stream | None = None) -> Iterator[Batch | tuple[torch.Tensor, ...]]:
+        """A pass like `iter(loader)`, whose CUDA batches are ready on `stream` rather than on the stream
+        current when `next()` returns: for a step that runs inside `torch.cuda.stream(stream)` while the
+        loop itself (and so `next()`) runs on another one. Only the stream a batch is handed to waits for
+        its upload and keeps its memory from the next upload (`device.ready_on`)."""
+        if stream is not None and self._config.device is None:
+            raise ValueError("stream= is for a loader with a CUDA device; this one gives host batches")
+        if stream is not None and torch.device(stream.device) != self.device:
+            raise ValueError(f"stream= is on {stream.device}, but this loader's batches go to {self.device}")
+        return self._run(stream)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Keep the producer thread from making any CUDA call inside this block: wrap a CUDA graph capture in it.
+
+        `torch.cuda.graph` and `make_graphed_callables` capture in CUDA's "global" mode, in which a
+        capture-unsafe call on any other thread (an event wait, a cudaMalloc), such as the producer makes
+        for every batch, invalidates the capture. The upload in progress finishes first; no batch is handed
+        out inside (take the one to capture with before). `torch.cuda.graph(g,
+        capture_error_mode="thread_local")` checks the capturing thread only and needs no pause.
+        """
+        self._paused = True
+        try:
+            with self._sink.paused() if self._sink is not None else contextlib.nullcontext():
+                yield
+        finally:
+            self._paused = False
 
     def _start_pass(self) -> tuple[progress.Pass, _Producer | None]:
         """The pass the loader's position asks for, and the producer making it: the running one when it
@@ -586,6 +642,7 @@ class Loader:
             warnings.warn(f"drop_last=True, but the {len(self.dataset)} records split over {self.world_size} "
                           f"rank(s) give each rank fewer than batch_size={self.batch_size}: every epoch is empty; "
                           "lower batch_size or keep the last partial batch (drop_last=False)", stacklevel=3)
+        sink = self._bound_sink()
         split = self._split()
         self._agree_seed(split.world_size)
         epoch, rounds = self._position
@@ -599,11 +656,11 @@ class Loader:
         threads.stop_producer()
         p, share = planner.plan(epoch, done, split, start)
         if p.count > start:  # a pass with nothing to serve needs no producer
-            make = _batch_maker(self._sink, self.dataset.opened, threads.pool, self.num_threads, self.batch_size)
-            threads.producer = _Producer(make, planner.jobs(p, share), self.prefetch, self._sink.prepare_thread)
+            make = _batch_maker(sink, self.dataset.opened, threads.pool, self.num_threads, self.batch_size)
+            threads.producer = _Producer(make, planner.jobs(p, share), self.prefetch, sink.prepare_thread)
         return p, threads.producer
 
-    def _run(self) -> Iterator[Batch | tuple[torch.Tensor, ...]]:
+    def _run(self, stream: torch.cuda.Stream | None) -> Iterator[Batch | tuple[torch.Tensor, ...]]:
         """One pass, bound to the loader's position when it starts (its first batch is asked for, so
         a framework may call set_epoch between iter() and next()); it hands out the batches and keeps
         the state and the epoch in step with them. A later pass, set_epoch or load_state_dict
@@ -619,8 +676,11 @@ class Loader:
         try:
             for b in range(p.start, p.count):
                 self._check_live(iteration)
+                if self._paused:
+                    raise LoaderError("next() inside loader.paused(): no batch is handed out while the producer is "
+                                      "held for a graph capture; take the batch before the pause")
                 describe = f"batch {b} of epoch {p.epoch} (rank {p.rank}/{p.split.world_size})"
-                batch = self._sink.hand_over(producer.take((p, b), describe, self._meter))
+                batch = self._sink.hand_over(producer.take((p, b), describe, self._meter), stream)
                 fits.mark(batch, self.dataset.fit)  # for the transforms that need one fit (`dsc.fits`)
                 if self._config.as_tuple is not None:
                     batch = tuple(batch[name] for name in self._config.as_tuple)
