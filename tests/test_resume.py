@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -255,3 +256,37 @@ def test_ranks_in_a_process_group_take_rank_0s_drawn_seed(ds: MemmapDataset, tmp
     assert r0["drawn"] != r1["drawn"]
     assert r0["seed"] == r1["seed"] == r0["state"] == r1["state"] == r0["drawn"]
     assert sorted(r0["indices"] + r1["indices"]) == list(range(len(ds)))  # disjoint shares of one order
+
+
+
+def resumed_ranks(ds, state: dict, world: int, batch_size: int, **options) -> list:
+    loaders = ranks(ds, world, batch_size, **options)
+    for ld in loaders:
+        ld.load_state_dict(state)
+    return loaders
+
+
+@pytest.mark.parametrize("world, batch_size, drop_last", [(1, 5, False), (2, 3, False), (3, 2, True), (1, 2, False),
+                                                          (2, 2, False), (1, 8, False), (1, 12, False)])
+def test_the_warning_at_load_counts_exactly_what_a_len_bounded_consumer_skips(
+        ds: MemmapDataset, world: int, batch_size: int, drop_last: bool) -> None:
+    """Lightning ends a resumed epoch after len(loader) batches, counting those taken before the checkpoint
+    (test_frameworks runs the real Trainer); the warning at load must name exactly what that skips, or say nothing.
+    When those batches already reach len(loader) (batch 8 or 12 of 24 records), Lightning goes on to the pass's
+    end (measured with lightning_train.py at batch 16 and 20 of 40 records): nothing is skipped, nothing said."""
+    options = {"order": "random", "seed": 2, "drop_last": drop_last}
+    first = ds.loader(4, **options)
+    indices(itertools.islice(first, 3))
+    state = first.state_dict()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cut = resumed_ranks(ds, state, world, batch_size, **options)
+    whole = set(step_together(resumed_ranks(ds, state, world, batch_size, **options), len(ds)))  # to the end
+    lightning_takes = len(cut[0]) - 3 if len(cut[0]) > 3 else len(ds)  # to the end
+    skipped = len(whole - set(step_together(cut, lightning_takes)))
+    messages = [str(w.message) for w in caught if "will skip" in str(w.message)]
+    assert skipped == 0 if (world, batch_size) in [(1, 2), (2, 2), (1, 8), (1, 12)] else skipped > 0  # both kinds
+    if skipped:
+        assert len(messages) == world and all(f"will skip {skipped} of the" in m for m in messages)
+    else:
+        assert messages == []

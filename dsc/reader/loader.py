@@ -543,6 +543,33 @@ class Loader:
             self._seed_agreed = True  # every rank loads the same state
         self._position = self._progress = (epoch, rounds)
         self._iteration += 1  # a paused iterator must not overwrite the position loaded here
+        if rounds:
+            self._warn_cut_off(epoch, rounds)
+
+    def _warn_cut_off(self, epoch: int, rounds: list[progress.Round]) -> None:
+        """Warn when a consumer that ends the resumed epoch the way Lightning does would skip samples.
+
+        Lightning reads len(loader) before it loads this state, counts the batches taken before the
+        checkpoint (every round's) and ends the epoch after len(loader) batches in all: with a larger
+        world or batch size the rest of the epoch needs more batches than that, and no loader can serve
+        them inside that count (a loop that iterates the loader to its end gets them all).
+        """
+        taken, whole = sum(r.batches for r in rounds), len(self)
+        if taken >= whole:  # Lightning's count is already reached: it goes on until the pass ends (measured)
+            return
+        budget, split = whole - taken, self._split()
+        spec = progress.Epoch(len(self.dataset), self.order, self.seed, epoch, self.dataset.manifest.records_per_shard)
+        skipped, left = progress.cut_off(spec, rounds, split, budget)
+        if skipped > 0:
+            saved = rounds[-1].split
+            warnings.warn(
+                f"this loader state was saved on {saved.world_size} rank(s) with batch_size={saved.batch_size} after "
+                f"{taken} batches of epoch {epoch}, and is resumed on {split.world_size} rank(s) with batch_size="
+                f"{split.batch_size}: Lightning, which ends an epoch after len(loader)={whole} batches counting "
+                f"those {taken}, takes {budget} more per rank and will skip {skipped} of the {left} samples epoch "
+                f"{epoch} has left (the later epochs are whole). To serve them all, resume with the saved world size "
+                "and batch size, or from a checkpoint saved at an epoch's end; a loop that iterates the loader to "
+                "its end (torchrun, Accelerate) serves them all and skips nothing", stacklevel=3)
 
     def _parse_state(self, state: Any) -> tuple[int, list[progress.Round]]:
         if not isinstance(state, dict):
