@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 import dsc
 from dsc.reader import MemmapDataset
@@ -156,6 +157,51 @@ def test_lightning_resumed_with_another_batch_or_world_size_warns_with_what_it_s
         output[-3000:]
     epoch1 = sorted(i for r in resumed for x in r if x["epoch"] == 1 for i in x["index"])
     assert epoch1 == list(range(40))  # the next epoch is whole
+
+
+def test_lightning_sanity_check_and_limited_epochs_eat_no_epoch(data: Path) -> None:
+    """A pass abandoned before its end makes the next one move on to the next epoch (issue 20), so the rule
+    must leave Lightning alone: its sanity check peeks at 2 validation batches, and limit_train_batches stops
+    every training epoch early; Lightning calls set_epoch before each, and that wins (a real Trainer)."""
+    import lightning as L
+
+    sys.path.insert(0, str(EXAMPLES))
+    from common import loss_of, small_net
+
+    seen: dict[str, list[tuple[int, list[int]]]] = {"train": [], "val": []}
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = small_net(4)
+
+        def train_dataloader(self):
+            return MemmapDataset(data).loader(BATCH, order="random", seed=0)
+
+        def val_dataloader(self):
+            return MemmapDataset(data).loader(BATCH, order="random", seed=1)
+
+        def training_step(self, batch, batch_idx):
+            seen["train"].append((self.current_epoch, batch["index"].tolist()))
+            return loss_of(self.net, batch)
+
+        def validation_step(self, batch, batch_idx):
+            seen["val"].append((self.current_epoch, batch["index"].tolist()))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    trainer = L.Trainer(max_epochs=EPOCHS, limit_train_batches=3, num_sanity_val_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        accelerator="cpu", devices=1)
+    trainer.fit(Module())
+    ds = MemmapDataset(data)
+
+    def epoch(seed: int, e: int) -> list[list[int]]:
+        return [b["index"].tolist() for b in reference_batches(ds, BATCH, order="random", seed=seed, epoch=e)]
+
+    assert [b for _, b in seen["train"]] == [b for e in range(EPOCHS) for b in epoch(0, e)[:3]]
+    assert [b for _, b in seen["val"]] == epoch(1, 0)[:2] + [b for e in range(EPOCHS) for b in epoch(1, e)]
 
 
 def test_accelerate_on_two_processes_saves_and_loads_the_loader_state(data: Path, tmp_path: Path) -> None:

@@ -52,14 +52,36 @@ def test_the_next_epoch_comes_once_the_last_batch_is_handed_out(ds: MemmapDatase
         assert epochs[0] != epochs[1]
 
 
-def test_an_abandoned_pass_is_served_again_and_set_epoch_still_picks(ds: MemmapDataset) -> None:
+def test_a_pass_after_an_abandoned_one_moves_on_and_set_epoch_still_picks(ds: MemmapDataset) -> None:
+    """Issue 20: an abandoned pass used to be served again from where it began (this test said "a peek does
+    not eat the epoch"), so a loop capped at a few steps trained on the same batches every epoch."""
     loader = ds.loader(5, order="random", seed=1)
     assert indices(itertools.islice(loader, 2)) == reference(ds, 5, 0, order="random", seed=1)[:10]
-    assert indices(loader) == reference(ds, 5, 0, order="random", seed=1)  # a peek does not eat the epoch
+    assert indices(loader) == reference(ds, 5, 1, order="random", seed=1)  # a new order, as DataLoader's iter()
     loader.set_epoch(7)
     assert indices(loader) == reference(ds, 5, 7, order="random", seed=1)
     loader.set_epoch(7)  # asked again: epoch 7 again, as DistributedSampler would
     assert indices(loader) == reference(ds, 5, 7, order="random", seed=1)
+
+
+def test_a_loop_that_stops_every_epoch_early_without_set_epoch_moves_on(ds: MemmapDataset) -> None:
+    """`for i, b in enumerate(loader): if i >= k: break` served the same first batches every epoch."""
+    loader = ds.loader(5, order="random", seed=1)
+    seen = []
+    for _ in range(3):
+        for i, batch in enumerate(loader):
+            seen.append((loader.state_dict()["epoch"], batch["index"].tolist()))
+            if i >= 1:
+                break
+    assert [e for e, _ in seen] == [0, 0, 1, 1, 2, 2] and loader.epoch == 3
+    assert [i for _, b in seen for i in b] == [i for e in range(3) for i in reference(ds, 5, e, order="random",
+                                                                                       seed=1)[:10]]
+    state = loader.state_dict()  # saved after the break: epoch 2, two batches in
+    resumed = ds.loader(5, order="random", seed=1)
+    resumed.load_state_dict(state)  # a loaded position wins over the move: the rest of epoch 2, as saved
+    assert indices(resumed) == reference(ds, 5, 2, order="random", seed=1)[10:]
+    loader.set_epoch(2)  # so does an epoch asked for
+    assert indices(loader) == reference(ds, 5, 2, order="random", seed=1)
 
 
 def test_lightning_style_set_epoch_through_the_sampler_hook(ds: MemmapDataset) -> None:

@@ -401,8 +401,10 @@ class Loader:
 
     Epochs: the next iteration serves the next epoch as soon as the last batch of an epoch has
     been handed out, whether or not the consumer goes on to exhaust the iterator (Lightning,
-    `islice` and `zip` stop after `len(loader)` batches). A pass abandoned earlier is served
-    again from where it began. `set_epoch(e)` picks an epoch, as with DistributedSampler.
+    `islice` and `zip` stop after `len(loader)` batches). After a pass abandoned earlier (a
+    `break`, a step cap, a peek) the next iteration serves the next epoch too, as a DataLoader
+    reshuffles at each iter(). `set_epoch(e)` picks an epoch, as with DistributedSampler, and
+    `load_state_dict` a position; either one overrides that move.
 
     Resume: `state_dict()` says which samples of the epoch have been served (`progress`), the
     same on every rank at the same step, so any rank may load rank 0's state, also with another
@@ -450,6 +452,7 @@ class Loader:
         self._threads = _Threads(self.num_threads)
         weakref.finalize(self, self._threads.close)
         self._iteration = 0  # which iteration is the live one: an older iterator refuses to go on
+        self._abandoned = False  # a pass began at the position and stopped before its epoch's end (`_run`)
         self._meter = _Meter()
         self.sampler, self.batch_sampler = EpochHook(self), None  # what Lightning reads (EpochHook)
 
@@ -494,8 +497,8 @@ class Loader:
 
     @property
     def epoch(self) -> int:
-        """The epoch the next iteration serves."""
-        return self._position[0]
+        """The epoch the next iteration serves (the next one after a pass left before its end, see `_run`)."""
+        return self._position[0] + self._abandoned
 
     def _split(self) -> progress.Split:
         return progress.Split(self.world_size, self.batch_size, self.drop_last, self.locality)
@@ -525,6 +528,7 @@ class Loader:
         top of every epoch resumes mid-epoch, not from its start)."""
         epoch = check_int("epoch", epoch, 0)
         self._iteration += 1  # a paused iterator must not overwrite the epoch chosen here
+        self._abandoned = False  # the epoch is chosen here, not moved on from a pass left half-way
         if epoch != self._position[0] or not self._position[1]:
             self._position = self._progress = (epoch, [])
 
@@ -543,6 +547,7 @@ class Loader:
             self._seed_agreed = True  # every rank loads the same state
         self._position = self._progress = (epoch, rounds)
         self._iteration += 1  # a paused iterator must not overwrite the position loaded here
+        self._abandoned = False
         if rounds:
             self._warn_cut_off(epoch, rounds)
 
@@ -632,14 +637,22 @@ class Loader:
         """One pass, bound to the loader's position when it starts (its first batch is asked for, so
         a framework may call set_epoch between iter() and next()); it hands out the batches and keeps
         the state and the epoch in step with them. A later pass, set_epoch or load_state_dict
-        replaces it."""
+        replaces it. A pass that starts after one abandoned before its end (a `break`, a step cap, a
+        peek) serves the next epoch, as DataLoader(shuffle=True) gives a new order at each iter():
+        a loop that stops every epoch early and never calls set_epoch must not train on the same
+        first batches forever. set_epoch and load_state_dict say where to go instead (Lightning calls
+        set_epoch before every training epoch and validation, so its sanity-check peek eats nothing)."""
         self._iteration += 1
         iteration = self._iteration
+        if self._abandoned:
+            self._position = (self._position[0] + 1, [])
         p, producer = self._start_pass()
+        self._abandoned = True  # until the epoch's last batch is handed out
         self._progress = (p.epoch, [*p.done, *([progress.Round(p.split, p.start)] if p.start else [])])
         finished = p.start >= p.count  # nothing (left) to serve, e.g. drop_last with fewer samples than ranks
         if finished:
             self._position = self._progress = (p.epoch + 1, [])
+            self._abandoned = False
         try:
             for b in range(p.start, p.count):
                 self._check_live(iteration)
@@ -650,7 +663,7 @@ class Loader:
                 if b + 1 < p.count:
                     self._progress = (p.epoch, [*p.done, progress.Round(p.split, b + 1)])
                 else:  # the epoch's last batch is out: whatever the consumer does next, the next epoch comes next
-                    finished = True
+                    finished, self._abandoned = True, False
                     self._position = self._progress = (p.epoch + 1, [])
                     self._threads.next_pass = self._planner(p.rank).fresh(p.epoch + 1, p.split)  # producer's next
                 yield batch
