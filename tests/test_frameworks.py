@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 import dsc
 from dsc.reader import MemmapDataset
@@ -46,7 +47,7 @@ def data(tmp_path_factory) -> Path:
     return root / "ds"
 
 
-def run(command: list[str], env: dict[str, str] | None = None) -> None:
+def run(command: list[str], env: dict[str, str] | None = None) -> str:
     """Run a training job; one that hangs is stopped with SIGABRT, which makes every Python process of it
     print all its threads' stacks (faulthandler) into the failure message. The job's whole process tree
     is signalled: torchrun starts its workers in sessions of their own."""
@@ -65,6 +66,7 @@ def run(command: list[str], env: dict[str, str] | None = None) -> None:
     finally:
         signal_tree(job, signal.SIGKILL)  # nothing of a job outlives it
     assert proc.returncode == 0, output[-6000:]
+    return output
 
 
 def signal_tree(process: psutil.Process, signum: int) -> None:
@@ -129,6 +131,77 @@ def test_lightning_ddp_on_two_processes_resumes_on_every_rank(data: Path, tmp_pa
     first, resumed = stop_and_resume(lambda out, *o: lightning(data, out, 2, *o), tmp_path, 2, 3, 8, "step=6.ckpt")
     assert [(r[0]["epoch"], r[0]["step"]) for r in resumed] == [(1, 6), (1, 6)]  # 5 batches an epoch
     assert trained_on(first, resumed, 6) == uninterrupted(data, 2)
+
+
+@pytest.mark.parametrize("devices, batch", [(1, 8), (2, 4)])
+def test_lightning_resumed_with_another_batch_or_world_size_warns_with_what_it_skips(
+        data: Path, tmp_path: Path, devices: int, batch: int) -> None:
+    """Lightning reads len(loader) before it loads the state, counts the 3 batches taken before the checkpoint
+    and stops epoch 0 after len - 3 more. With batch 8 (or two ranks of 4) the 28 samples left need 4 batches
+    (on every rank), len is 5: Lightning takes 2, and 12 of epoch 0's samples are never served. No framework-
+    blind loader can serve them inside Lightning's count, so the loader says so when it loads the state, with
+    the exact number, and no other epoch is touched."""
+    run(lightning(data, tmp_path / "first", 1, "--every", "3", "--max-steps", "3", "--checkpoint-dir",
+                  str(tmp_path / "ck")))
+    command = lightning(data, tmp_path / "resumed", devices, "--resume", str(tmp_path / "ck" / "step=3.ckpt"),
+                        "--checkpoint-dir", str(tmp_path / "ck2"), "--epochs", "2")
+    output = run([*command[:command.index("--batch-size") + 1], str(batch),
+                  *command[command.index("--batch-size") + 2:]])
+    first, resumed = recorded(tmp_path / "first", 1)[0], recorded(tmp_path / "resumed", devices)
+    epoch0 = [i for x in first for i in x["index"]] + [i for r in resumed for x in r if x["epoch"] == 0
+                                                          for i in x["index"]]
+    skipped = 40 - len(set(epoch0))
+    assert (len(epoch0), skipped) == (28, 12)  # what Lightning does; the loader cannot change it
+    assert len(epoch0) == len(set(epoch0))  # nothing served twice
+    assert re.search(r"Lightning.* will skip 12 of the 28 samples epoch 0 has left", " ".join(output.split())), \
+        output[-3000:]
+    epoch1 = sorted(i for r in resumed for x in r if x["epoch"] == 1 for i in x["index"])
+    assert epoch1 == list(range(40))  # the next epoch is whole
+
+
+def test_lightning_sanity_check_and_limited_epochs_eat_no_epoch(data: Path) -> None:
+    """A pass abandoned before its end makes the next one move on to the next epoch (issue 20), so the rule
+    must leave Lightning alone: its sanity check peeks at 2 validation batches, and limit_train_batches stops
+    every training epoch early; Lightning calls set_epoch before each, and that wins (a real Trainer)."""
+    import lightning as L
+
+    sys.path.insert(0, str(EXAMPLES))
+    from common import loss_of, small_net
+
+    seen: dict[str, list[tuple[int, list[int]]]] = {"train": [], "val": []}
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = small_net(4)
+
+        def train_dataloader(self):
+            return MemmapDataset(data).loader(BATCH, order="random", seed=0)
+
+        def val_dataloader(self):
+            return MemmapDataset(data).loader(BATCH, order="random", seed=1)
+
+        def training_step(self, batch, batch_idx):
+            seen["train"].append((self.current_epoch, batch["index"].tolist()))
+            return loss_of(self.net, batch)
+
+        def validation_step(self, batch, batch_idx):
+            seen["val"].append((self.current_epoch, batch["index"].tolist()))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    trainer = L.Trainer(max_epochs=EPOCHS, limit_train_batches=3, num_sanity_val_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        accelerator="cpu", devices=1)
+    trainer.fit(Module())
+    ds = MemmapDataset(data)
+
+    def epoch(seed: int, e: int) -> list[list[int]]:
+        return [b["index"].tolist() for b in reference_batches(ds, BATCH, order="random", seed=seed, epoch=e)]
+
+    assert [b for _, b in seen["train"]] == [b for e in range(EPOCHS) for b in epoch(0, e)[:3]]
+    assert [b for _, b in seen["val"]] == epoch(1, 0)[:2] + [b for e in range(EPOCHS) for b in epoch(1, e)]
 
 
 def test_accelerate_on_two_processes_saves_and_loads_the_loader_state(data: Path, tmp_path: Path) -> None:

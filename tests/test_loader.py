@@ -334,8 +334,8 @@ def test_early_break_stops_the_producer(ds: MemmapDataset) -> None:
     for _k, _batch in zip(range(2), loader):
         pass
     assert threading.active_count() == before
-    assert taken(loader.state_dict()) == 2 and loader.epoch == 0
-    assert len(served(loader)) == COUNT  # a new iteration starts the epoch again
+    assert taken(loader.state_dict()) == 2 and loader.epoch == 1  # was 0: a pass after a break moves on (issue 20)
+    assert len(served(loader)) == COUNT  # a new iteration serves a whole epoch, the next one
 
 
 def test_bad_arguments(ds: MemmapDataset) -> None:

@@ -411,8 +411,10 @@ class Loader:
 
     Epochs: the next iteration serves the next epoch as soon as the last batch of an epoch has
     been handed out, whether or not the consumer goes on to exhaust the iterator (Lightning,
-    `islice` and `zip` stop after `len(loader)` batches). A pass abandoned earlier is served
-    again from where it began. `set_epoch(e)` picks an epoch, as with DistributedSampler.
+    `islice` and `zip` stop after `len(loader)` batches). After a pass abandoned earlier (a
+    `break`, a step cap, a peek) the next iteration serves the next epoch too, as a DataLoader
+    reshuffles at each iter(). `set_epoch(e)` picks an epoch, as with DistributedSampler, and
+    `load_state_dict` a position; either one overrides that move.
 
     Resume: `state_dict()` says which samples of the epoch have been served (`progress`), the
     same on every rank at the same step, so any rank may load rank 0's state, also with another
@@ -463,6 +465,7 @@ class Loader:
         self._threads = _Threads(self.num_threads)
         weakref.finalize(self, self._threads.close)
         self._iteration = 0  # which iteration is the live one: an older iterator refuses to go on
+        self._abandoned = False  # a pass began at the position and stopped before its epoch's end (`_run`)
         self._meter = _Meter()
         self.sampler, self.batch_sampler = EpochHook(self), None  # what Lightning reads (EpochHook)
 
@@ -524,8 +527,8 @@ class Loader:
 
     @property
     def epoch(self) -> int:
-        """The epoch the next iteration serves."""
-        return self._position[0]
+        """The epoch the next iteration serves (the next one after a pass left before its end, see `_run`)."""
+        return self._position[0] + self._abandoned
 
     def _split(self) -> progress.Split:
         return progress.Split(self.world_size, self.batch_size, self.drop_last, self.locality)
@@ -555,6 +558,7 @@ class Loader:
         top of every epoch resumes mid-epoch, not from its start)."""
         epoch = check_int("epoch", epoch, 0)
         self._iteration += 1  # a paused iterator must not overwrite the epoch chosen here
+        self._abandoned = False  # the epoch is chosen here, not moved on from a pass left half-way
         if epoch != self._position[0] or not self._position[1]:
             self._position = self._progress = (epoch, [])
 
@@ -573,6 +577,34 @@ class Loader:
             self._seed_agreed = True  # every rank loads the same state
         self._position = self._progress = (epoch, rounds)
         self._iteration += 1  # a paused iterator must not overwrite the position loaded here
+        self._abandoned = False
+        if rounds:
+            self._warn_cut_off(epoch, rounds)
+
+    def _warn_cut_off(self, epoch: int, rounds: list[progress.Round]) -> None:
+        """Warn when a consumer that ends the resumed epoch the way Lightning does would skip samples.
+
+        Lightning reads len(loader) before it loads this state, counts the batches taken before the
+        checkpoint (every round's) and ends the epoch after len(loader) batches in all: with a larger
+        world or batch size the rest of the epoch needs more batches than that, and no loader can serve
+        them inside that count (a loop that iterates the loader to its end gets them all).
+        """
+        taken, whole = sum(r.batches for r in rounds), len(self)
+        if taken >= whole:  # Lightning's count is already reached: it goes on until the pass ends (measured)
+            return
+        budget, split = whole - taken, self._split()
+        spec = progress.Epoch(len(self.dataset), self.order, self.seed, epoch, self.dataset.manifest.records_per_shard)
+        skipped, left = progress.cut_off(spec, rounds, split, budget)
+        if skipped > 0:
+            saved = rounds[-1].split
+            warnings.warn(
+                f"this loader state was saved on {saved.world_size} rank(s) with batch_size={saved.batch_size} after "
+                f"{taken} batches of epoch {epoch}, and is resumed on {split.world_size} rank(s) with batch_size="
+                f"{split.batch_size}: Lightning, which ends an epoch after len(loader)={whole} batches counting "
+                f"those {taken}, takes {budget} more per rank and will skip {skipped} of the {left} samples epoch "
+                f"{epoch} has left (the later epochs are whole). To serve them all, resume with the saved world size "
+                "and batch size, or from a checkpoint saved at an epoch's end; a loop that iterates the loader to "
+                "its end (torchrun, Accelerate) serves them all and skips nothing", stacklevel=3)
 
     def _parse_state(self, state: Any) -> tuple[int, list[progress.Round]]:
         if not isinstance(state, dict):
@@ -664,14 +696,22 @@ class Loader:
         """One pass, bound to the loader's position when it starts (its first batch is asked for, so
         a framework may call set_epoch between iter() and next()); it hands out the batches and keeps
         the state and the epoch in step with them. A later pass, set_epoch or load_state_dict
-        replaces it."""
+        replaces it. A pass that starts after one abandoned before its end (a `break`, a step cap, a
+        peek) serves the next epoch, as DataLoader(shuffle=True) gives a new order at each iter():
+        a loop that stops every epoch early and never calls set_epoch must not train on the same
+        first batches forever. set_epoch and load_state_dict say where to go instead (Lightning calls
+        set_epoch before every training epoch and validation, so its sanity-check peek eats nothing)."""
         self._iteration += 1
         iteration = self._iteration
+        if self._abandoned:
+            self._position = (self._position[0] + 1, [])
         p, producer = self._start_pass()
+        self._abandoned = True  # until the epoch's last batch is handed out
         self._progress = (p.epoch, [*p.done, *([progress.Round(p.split, p.start)] if p.start else [])])
         finished = p.start >= p.count  # nothing (left) to serve, e.g. drop_last with fewer samples than ranks
         if finished:
             self._position = self._progress = (p.epoch + 1, [])
+            self._abandoned = False
         tracker = PassTracker()  # tells Accelerate's gradient accumulation where the epoch ends
         try:
             for b in range(p.start, p.count):
@@ -687,7 +727,7 @@ class Loader:
                 if b + 1 < p.count:
                     self._progress = (p.epoch, [*p.done, progress.Round(p.split, b + 1)])
                 else:  # the epoch's last batch is out: whatever the consumer does next, the next epoch comes next
-                    finished = True
+                    finished, self._abandoned = True, False
                     self._position = self._progress = (p.epoch + 1, [])
                     self._threads.next_pass = self._planner(p.rank).fresh(p.epoch + 1, p.split)  # producer's next
                     tracker.last_batch()

@@ -109,10 +109,8 @@ def unserved(shares: np.ndarray, taken: int, base: np.ndarray, count: int) -> np
     return queue[~served[queue]]
 
 
-def remaining_share(epoch: Epoch, done: list[Round], split: Split, rank: int) -> np.ndarray:
-    """This rank's share of the round that follows the finished rounds `done` (module docstring)."""
-    if not done:
-        return epoch.first_round_share(split, rank)
+def replay(epoch: Epoch, done: list[Round]) -> np.ndarray:
+    """The samples the finished rounds `done` (at least one) left unserved, in the order they would have come."""
     remaining = None
     for k, past in enumerate(done):
         if k == 0:
@@ -121,7 +119,31 @@ def remaining_share(epoch: Epoch, done: list[Round], split: Split, rank: int) ->
             shares, base = orders.rank_shares(remaining, past.split.world_size, past.split.batch_size,
                                               past.split.drop_last), remaining
         remaining = unserved(shares, past.batches * past.split.batch_size, base, epoch.count)
-    return orders.rank_share(remaining, rank, split.world_size, split.batch_size, split.drop_last)
+    return remaining
+
+
+def remaining_share(epoch: Epoch, done: list[Round], split: Split, rank: int) -> np.ndarray:
+    """This rank's share of the round that follows the finished rounds `done` (module docstring)."""
+    if not done:
+        return epoch.first_round_share(split, rank)
+    return orders.rank_share(replay(epoch, done), rank, split.world_size, split.batch_size, split.drop_last)
+
+
+def cut_off(epoch: Epoch, rounds: list[Round], split: Split, batches: int) -> tuple[int, int]:
+    """(samples left unserved, samples the epoch has left) when every rank takes only `batches` more batches
+    of the round `split` goes on with: what a consumer that stops early skips, beyond the samples the whole
+    round would leave out too (drop_last tails)."""
+    done, start = resume_point(rounds, split)
+    if done:
+        base = replay(epoch, done)
+        shares = orders.rank_shares(base, split.world_size, split.batch_size, split.drop_last)
+    else:
+        shares, base = epoch.first_round(split)
+
+    def left(taken: int) -> int:
+        return len(unserved(shares, taken, base, epoch.count))
+    whole = left(shares.shape[1])
+    return left((start + batches) * split.batch_size) - whole, left(start * split.batch_size) - whole
 
 
 def resume_point(rounds: list[Round], split: Split) -> tuple[list[Round], int]:
