@@ -38,7 +38,7 @@ __all__ = ["make_image_folder", "pillow_reference", "assert_roundtrip", "RoundTr
 # The per-record limit on the mean absolute difference (over all H·W·3 channel values, 0-255)
 # between a record and `pillow_reference`, by the decode mode the manifest records. A faithful
 # compile (the default: JPEGs decoded at full size) differs from Pillow only by the resize
-# kernel's rounding: formats.md bounds it at 2.5 on real photos at every size (held by
+# kernel's rounding: the README bounds it at 2.5 on real photos at every size (held by
 # tests/test_fidelity.py; make_image_folder's pictures give 0.002-0.35). With fast_decode=True,
 # sources 2-8x the target are first downscaled by libjpeg-turbo in the DCT domain, a box-like
 # filter unlike Pillow's full-size bilinear, which costs up to ~5 on small synthetic images (3.9
