@@ -600,10 +600,17 @@ def discover_listed(src: str | os.PathLike, table_path: str | os.PathLike, kinds
     if LABEL_COLUMN not in kinds and not unlabeled:
         raise _no_label_column(table)
     # the gaps of integer labels are no classes the user named: not listed as classes without images
-    empty = [] if integer_label and classes is None else \
-        [c for i, c in enumerate(vocabulary) if not np.any(labels[keep] == i)]
+    empty = [] if integer_label and classes is None else classes_without_records(labels[keep], vocabulary)
     return Discovery(root, sources, labels[keep], vocabulary, sorted(skipped), empty,
                      [s for s, k in zip(stamps, keep) if k], [(spec, values[keep]) for spec, values in fields], ignored)
+
+
+def classes_without_records(labels: np.ndarray, vocabulary: list[str]) -> list[str]:
+    """The classes of `vocabulary` that no label names, in vocabulary order: one count per class in a
+    single pass (a per-class scan of the labels took 2.6 s at 2k classes and 1M records, minutes at
+    ImageNet-21k). -1 (no label) is no class."""
+    counts = np.bincount(labels[labels >= 0], minlength=len(vocabulary))
+    return [c for c, n in zip(vocabulary, counts) if n == 0]
 
 
 def _stamp(path: Path) -> str | None:
