@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shutil
 import time
@@ -228,6 +229,26 @@ def test_a_listed_image_that_is_missing_or_undecodable_is_skipped_and_recorded(f
     ds = MemmapDataset(tmp_path / "out")
     by_path = {r["path"]: r for r in rows}
     assert all(int(ds.fields["count"][i]) == by_path[ds.opened.source(i)]["count"] for i in range(4))
+
+
+def test_a_listed_broken_link_or_fifo_is_skipped_once_with_the_walks_reason(flat, tmp_path: Path) -> None:
+    """The walk skips them, and the table's lookup found no file there either: one entry each, the
+    walk's (which says what the file is), in the summary, the skip list and the on_skip calls."""
+    src, paths = flat
+    (src / "gone.jpg").symlink_to(src / "nowhere.jpg")
+    os.mkfifo(src / "pipe.jpg")
+    rows = rows_for([*paths[:4], "gone.jpg", "pipe.jpg", "missing.jpg"])
+    told = []
+    summary = dsc.compile_folder(src, tmp_path / "out", size=8, workers=1, on_skip=lambda s, r: told.append(s),
+                                 labels=write_csv(tmp_path / "labels.csv", rows))
+    assert sorted(source for source, _ in summary.skipped) == ["gone.jpg", "missing.jpg", "pipe.jpg"]
+    assert sorted(told) == ["gone.jpg", "missing.jpg", "pipe.jpg"]
+    skipped = dict(summary.skipped)
+    assert skipped["gone.jpg"] == "broken symbolic link (its target does not exist)"
+    assert skipped["pipe.jpg"] == "not a regular file (a device, pipe or socket)"
+    assert skipped["missing.jpg"] == "listed in labels.csv but not found"
+    manifest = MemmapDataset(tmp_path / "out").manifest
+    assert manifest.count == 4 and [s["source"] for s in manifest.skipped] == ["gone.jpg", "missing.jpg", "pipe.jpg"]
 
 
 def test_empty_classes_are_found_in_one_pass() -> None:

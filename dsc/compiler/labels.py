@@ -584,16 +584,15 @@ def discover_listed(src: str | os.PathLike, table_path: str | os.PathLike, kinds
 
     on_disk, on_disk_stamps, walk_skipped = list_images(root, on_found)  # one walk, not a stat per row
     found = dict(zip(on_disk, on_disk_stamps))
+    walk_reasons = dict(walk_skipped)  # a listed broken link or FIFO: the walk says why, once
     stamps = []
     for row, source in enumerate(table.sources):
         stamp = found.get(source) or _stamp(root / source)  # not walked: hidden, or another suffix
         if keep[row] and stamp is None:
             keep[row] = False
-            skipped.append((source, f"listed in {table.path.name} but not found"))
+            skipped.append((source, walk_reasons.get(source, f"listed in {table.path.name} but not found")))
         stamps.append(stamp)
-    listed = set(table.sources)
-    ignored = len(found.keys() - listed)
-    skipped += [s for s in walk_skipped if s[0] in listed]
+    ignored = len(found.keys() - set(table.sources))
     sources = [s for s, k in zip(table.sources, keep) if k]
     if not sources:
         raise _none_found(table, root)
