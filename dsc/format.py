@@ -662,7 +662,8 @@ def _parse_fields(stored: _Stored, fields_doc: Any, count: int, newer: bool) -> 
 
 def check_index(manifest: Manifest, root: Any, values_of: ValuesOf) -> None:
     """Labels in range (a class index, or -1: no label — in a labeled dataset from 1.2 on), source
-    offsets rising from 0 to the size of sources.bin, field values their kind allows: checked piece by
+    offsets rising from 0 to the size of sources.bin, original sizes of at least 1 pixel a side, field
+    values their kind allows: checked piece by
     piece as `values_of` hands them in, so the cost follows the bytes really stored, not what a
     manifest claims (a 1 KB manifest may claim 2^40 records over sparse files)."""
     k, index = len(manifest.classes), manifest.index
@@ -683,8 +684,22 @@ def check_index(manifest: Manifest, root: Any, values_of: ValuesOf) -> None:
     if not rising or previous != index["sources"].bytes:
         raise DatasetError(f"{_at(root, index['source_offsets'].file)}: offsets must rise from 0 to the "
                            f"size of {index['sources'].file} ({index['sources'].bytes})")
+    _check_sizes(index["sizes"].file, manifest.count, root, values_of)
     for entry in manifest.fields:
         _check_field(entry, manifest.count, root, values_of)
+
+
+def _check_sizes(file: str, count: int, root: Any, values_of: ValuesOf) -> None:
+    """Every original (height, width) at least 1: a 0 is no image a record could come from, and a
+    transform that crops by the original size (`original_sizes=True`) would divide by it or crop
+    nothing. Scanned in pieces like the labels; a hole of a sparse file reads as 0, so it is refused."""
+    low = high = None
+    for values in values_of(file, SIZE_DTYPE, count * 2):
+        low = int(values.min()) if low is None else min(low, int(values.min()))
+        high = int(values.max()) if high is None else max(high, int(values.max()))
+    if low is not None and low < 1:
+        raise DatasetError(f"{_at(root, file)}: every original (height, width) must be at least 1 pixel a side, "
+                           f"found sides in [{low}, {high}]")
 
 
 def _check_field(entry: FieldEntry, count: int, root: Any, values_of: ValuesOf) -> None:

@@ -85,13 +85,22 @@ def test_the_console_script_runs_without_the_system_libjpeg_turbo(folder: Path, 
     assert "Pillow" in storage.open_dataset(tmp_path / "out").manifest.compile["jpeg_decoder"]
 
 
+@pytest.fixture(scope="module")
+def big(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """240 PNGs of 600x800, slow enough to decode that a signal lands mid-compile: encoded once and
+    written 240 times (the encoding was most of this test's time), read-only to the compiles."""
+    root = tmp_path_factory.mktemp("interrupted") / "big"
+    data = save(root / "c0" / "0.png", pattern(600, 800), "PNG", compress_level=1).read_bytes()
+    (root / "c1").mkdir()
+    for i in range(1, 240):
+        (root / f"c{i % 2}" / f"{i}.png").write_bytes(data)
+    return root
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_an_interrupted_cli_compile_with_workers_cleans_up(tmp_path: Path, sig: int) -> None:
-    image = pattern(600, 800)
-    for i in range(240):
-        save(tmp_path / "big" / f"c{i % 2}" / f"{i}.png", image, "PNG", compress_level=1)
+def test_an_interrupted_cli_compile_with_workers_cleans_up(big: Path, tmp_path: Path, sig: int) -> None:
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "dsc", "compile", str(tmp_path / "big"), str(out),
+    proc = subprocess.Popen([sys.executable, "-m", "dsc", "compile", str(big), str(out),
                              "--size", "64", "-j", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True,  # a foreground job: Ctrl-C not ignored, even if
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # pytest runs in `&`
@@ -107,7 +116,7 @@ def test_an_interrupted_cli_compile_with_workers_cleans_up(tmp_path: Path, sig: 
         f"error: interrupted; {out} was not written; the work so far is kept in {staging_path(out)}: "
         "add --resume to continue"]
     assert not out.exists() and staging_path(out).exists()
-    resumed = runner.invoke(app, ["compile", str(tmp_path / "big"), str(out), "--size", "64", "--resume"])
+    resumed = runner.invoke(app, ["compile", str(big), str(out), "--size", "64", "--resume"])
     assert resumed.exit_code == 0 and "240 records" in resumed.stdout
 
 

@@ -16,7 +16,9 @@ from typer.testing import CliRunner
 
 from dsc import CompileError, DatasetError, compile_folder, storage
 from dsc.cli import app
+from dsc.compiler import publish
 from dsc.compiler.publish import lock_path, record_path, retired_prefix, staging_path
+from dsc.storage.local import RENAME_EXCHANGE
 
 from conftest import make_folder
 
@@ -135,6 +137,49 @@ def test_the_replaced_dataset_is_checked_again_before_it_is_deleted(src: Path, t
     assert storage.open_dataset(out).manifest.height == 12
     assert dsc_compile(src, out, "--force").exit_code == 0  # later compiles leave it too
     assert (graves[0] / "notes.txt").exists()
+
+
+def test_a_users_folder_swapped_out_by_a_killed_force_compile_is_never_deleted(src: Path, tmp_path: Path) -> None:
+    """The race no check before the swap closes: OUT is a dataset when checked, a user's folder by the
+    time RENAME_EXCHANGE runs, and the compile is killed right after the exchange, so the build folder
+    holds the user's folder and nothing re-checked it. The resume (which once rmtree'd whatever the
+    build folder held) deletes only what dsc made: every file stays, byte for byte, where it says -
+    even the user's files that carry names dsc gives its own."""
+    out, theirs = tmp_path / "out", tmp_path / "theirs"
+    compile_folder(src, out, size=8, workers=1)
+    (theirs / "shards").mkdir(parents=True)
+    (theirs / "notes.txt").write_text("a user's notes")
+    (theirs / "labels.bin").write_bytes(b"a user's file named like an index file")
+    (theirs / "shards" / "00000.bin").write_bytes(bytes(range(256)))
+    (theirs / "photo.jpg").write_bytes((src / "class_0" / "img_0.jpg").read_bytes())
+    kept = files_of(theirs)
+
+    def child() -> None:
+        real = publish.renameat2
+
+        def swap_then_die(a: Path, b: Path, flags: int) -> bool:
+            if flags != RENAME_EXCHANGE:
+                return real(a, b, flags)
+            os.rename(out, tmp_path / "moved-away")  # after publish checked OUT: someone replaces it
+            os.rename(theirs, out)
+            real(a, b, flags)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        publish.renameat2 = swap_then_die
+        compile_folder(src, out, size=12, workers=1, force=True)
+
+    proc = multiprocessing.get_context("fork").Process(target=child)
+    proc.start()
+    proc.join(120)
+    assert proc.exitcode == -signal.SIGKILL
+    assert files_of(staging_path(out)) == kept  # the exchange took the user's folder out
+    result = dsc_compile(src, out, "--force", "--resume", "--size", "12")
+    assert result.exit_code == 0, result.stderr
+    assert storage.open_dataset(out).manifest.height == 12
+    graves = list(tmp_path.glob(f"{retired_prefix(out)}*"))
+    assert len(graves) == 1 and files_of(graves[0]) == kept
+    assert f"waits at {graves[0]}: it holds what dsc did not make" in result.stderr
+    assert storage.open_dataset(tmp_path / "moved-away").manifest.height == 8
 
 
 def test_a_folder_at_a_retired_name_is_deleted_only_if_dsc_made_it(src: Path, tmp_path: Path) -> None:

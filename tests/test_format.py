@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dsc import ChecksumError, DatasetError, UnsupportedVersionError, compile_folder, storage
+from dsc import ChecksumError, DatasetError, MemmapDataset, UnsupportedVersionError, compile_folder, storage
 from dsc import format as fmt
 from dsc.compiler import output
 
@@ -354,6 +355,25 @@ def test_labels_out_of_range_and_bad_offsets_are_refused(tiny: Path) -> None:
     offsets.flush()
     with pytest.raises(DatasetError, match="offsets must rise from 0"):
         storage.open_dataset(tiny)
+
+
+@pytest.mark.parametrize("side", [0, 1])
+def test_an_original_size_of_zero_is_refused_naming_sizes_bin(tmp_path: Path, side: int) -> None:
+    """sizes.bin was the one index file never range-checked: a 0 side is no image a record came from,
+    and a crop drawn over the original size (`original_sizes=True`) turns it into garbage."""
+    out = tmp_path / "out"
+    compile_folder(make_folder(tmp_path / "src"), out, size=8, workers=1, records_per_shard=5)
+    assert storage.open_dataset(out).sizes.min() >= 1  # what a compile writes passes
+    sizes = np.memmap(out / fmt.SIZES_FILE, "<u4", "r+").reshape(-1, 2)
+    sizes[7, side] = 0
+    sizes.flush()
+    del sizes
+    refusal = (rf"{re.escape(str(out / fmt.SIZES_FILE))}: every original \(height, width\) must be at least 1 "
+               r"pixel a side, found sides in \[0, \d+\]")
+    with pytest.raises(DatasetError, match=refusal):
+        storage.open_dataset(out)
+    with pytest.raises(DatasetError, match=refusal):
+        MemmapDataset(out)
 
 
 def test_verify_checksums_names_the_damaged_file(tiny: Path) -> None:

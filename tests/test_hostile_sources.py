@@ -43,7 +43,7 @@ pytestmark = pytest.mark.skipif(os.name != "posix", reason="FIFOs and symbolic l
 SIZE = 32
 COMPILE_TIMEOUT_S = 120  # the compile takes ~1 s here; a hang is anything much longer
 # Sources at most 2x the target are not DCT-scaled: dsc then agrees with Pillow to < 0.1 mean
-# absolute difference per record (test_compile.LIMITS["no-dct-scaling"], worst record 0.2).
+# absolute difference per record (test_compile.LIMITS["faithful"], worst record 0.2).
 # Every compiled case here is that small, or a single row/column that cannot be DCT-scaled.
 MAX_MEAN_ABS_DIFF = 0.2
 # Peak resident memory of the compile process and of its largest worker: importing torch and

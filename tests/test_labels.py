@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +20,7 @@ import dsc
 from dsc import CompileError, MemmapDataset
 from dsc import format as fmt
 from dsc.cli import app
+from dsc.compiler.labels import classes_without_records
 from dsc.reader.device import pack_fields, packed_bytes, unpack_fields
 from dsc.reader.loader import field_specs
 from dsc.testing import assert_roundtrip, make_image_folder
@@ -226,6 +229,45 @@ def test_a_listed_image_that_is_missing_or_undecodable_is_skipped_and_recorded(f
     ds = MemmapDataset(tmp_path / "out")
     by_path = {r["path"]: r for r in rows}
     assert all(int(ds.fields["count"][i]) == by_path[ds.opened.source(i)]["count"] for i in range(4))
+
+
+def test_a_listed_broken_link_or_fifo_is_skipped_once_with_the_walks_reason(flat, tmp_path: Path) -> None:
+    """The walk skips them, and the table's lookup found no file there either: one entry each, the
+    walk's (which says what the file is), in the summary, the skip list and the on_skip calls."""
+    src, paths = flat
+    (src / "gone.jpg").symlink_to(src / "nowhere.jpg")
+    os.mkfifo(src / "pipe.jpg")
+    rows = rows_for([*paths[:4], "gone.jpg", "pipe.jpg", "missing.jpg"])
+    told = []
+    summary = dsc.compile_folder(src, tmp_path / "out", size=8, workers=1, on_skip=lambda s, r: told.append(s),
+                                 labels=write_csv(tmp_path / "labels.csv", rows))
+    assert sorted(source for source, _ in summary.skipped) == ["gone.jpg", "missing.jpg", "pipe.jpg"]
+    assert sorted(told) == ["gone.jpg", "missing.jpg", "pipe.jpg"]
+    skipped = dict(summary.skipped)
+    assert skipped["gone.jpg"] == "broken symbolic link (its target does not exist)"
+    assert skipped["pipe.jpg"] == "not a regular file (a device, pipe or socket)"
+    assert skipped["missing.jpg"] == "listed in labels.csv but not found"
+    manifest = MemmapDataset(tmp_path / "out").manifest
+    assert manifest.count == 4 and [s["source"] for s in manifest.skipped] == ["gone.jpg", "missing.jpg", "pipe.jpg"]
+
+
+def test_empty_classes_are_found_in_one_pass() -> None:
+    """Which vocabulary classes no record has: as the per-class definition says, and linear in the
+    records (a scan per class took ~2.6 s at 2k classes x 1M records in discovery, and 0.1 ms a class
+    at best: ~5 s for the 50k classes here; one pass takes milliseconds)."""
+    rng = np.random.default_rng(0)
+    for k, n in [(1, 0), (1, 3), (5, 3), (40, 200), (300, 1000)]:
+        vocabulary = [f"c{i}" for i in range(k)]
+        labels = rng.integers(-1, k, n)  # -1: no label, which is no class
+        assert classes_without_records(labels, vocabulary) == \
+            [c for i, c in enumerate(vocabulary) if not np.any(labels == i)]
+    vocabulary = [f"c{i}" for i in range(50_000)]
+    labels = rng.integers(0, 25_000, 1_000_000) * 2  # the odd classes have no record
+    started = time.perf_counter()
+    empty = classes_without_records(labels, vocabulary)
+    elapsed = time.perf_counter() - started
+    assert empty[:3] == ["c1", "c3", "c5"] and len(empty) == 25_000
+    assert elapsed < 1.0, f"{elapsed:.1f} s for 50k classes x 1M records"
 
 
 def test_column_kinds_are_inferred_or_given(flat, tmp_path: Path) -> None:

@@ -175,13 +175,17 @@ except DatasetError as e:
 """
 
 
-def test_a_hostile_sparse_dataset_opens_in_bounded_memory(tmp_path: Path) -> None:
+def test_a_hostile_sparse_dataset_is_checked_in_bounded_memory(tmp_path: Path) -> None:
+    """Every index file is scanned to its end through 1 GiB of holes each: labels and offsets (all
+    zeros) pass, then the sizes (zeros too: no image has a 0 side) are refused, all in bounded memory.
+    (Before sizes.bin was range-checked this all-zero dataset opened; it was never a valid one.)"""
     count = 1 << 27  # 1 GiB per index file, nothing stored; the format allows 2^40
     root = sparse_dataset(tmp_path / "ds", count, ("a",))
     run = subprocess.run([sys.executable, "-c", PEAK_MEMORY, str(root)], capture_output=True, text=True, timeout=300)
-    outcome, grown_kib, *_ = run.stdout.split() + ["", ""]
-    assert outcome == "opened", run.stdout + run.stderr  # all zeros: a valid, if useless, dataset
-    assert int(grown_kib) < 64 << 10, f"opening took {int(grown_kib) >> 10} MiB more memory"
+    outcome, grown_kib, *reason = run.stdout.split() + ["", ""]
+    assert outcome == "refused", run.stdout + run.stderr
+    assert f"{fmt.SIZES_FILE}: every original (height, width) must be at least 1" in " ".join(reason), run.stdout
+    assert int(grown_kib) < 64 << 10, f"checking took {int(grown_kib) >> 10} MiB more memory"
 
 
 def test_values_after_a_hole_are_still_checked(tmp_path: Path) -> None:

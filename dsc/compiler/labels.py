@@ -584,26 +584,32 @@ def discover_listed(src: str | os.PathLike, table_path: str | os.PathLike, kinds
 
     on_disk, on_disk_stamps, walk_skipped = list_images(root, on_found)  # one walk, not a stat per row
     found = dict(zip(on_disk, on_disk_stamps))
+    walk_reasons = dict(walk_skipped)  # a listed broken link or FIFO: the walk says why, once
     stamps = []
     for row, source in enumerate(table.sources):
         stamp = found.get(source) or _stamp(root / source)  # not walked: hidden, or another suffix
         if keep[row] and stamp is None:
             keep[row] = False
-            skipped.append((source, f"listed in {table.path.name} but not found"))
+            skipped.append((source, walk_reasons.get(source, f"listed in {table.path.name} but not found")))
         stamps.append(stamp)
-    listed = set(table.sources)
-    ignored = len(found.keys() - listed)
-    skipped += [s for s in walk_skipped if s[0] in listed]
+    ignored = len(found.keys() - set(table.sources))
     sources = [s for s, k in zip(table.sources, keep) if k]
     if not sources:
         raise _none_found(table, root)
     if LABEL_COLUMN not in kinds and not unlabeled:
         raise _no_label_column(table)
     # the gaps of integer labels are no classes the user named: not listed as classes without images
-    empty = [] if integer_label and classes is None else \
-        [c for i, c in enumerate(vocabulary) if not np.any(labels[keep] == i)]
+    empty = [] if integer_label and classes is None else classes_without_records(labels[keep], vocabulary)
     return Discovery(root, sources, labels[keep], vocabulary, sorted(skipped), empty,
                      [s for s, k in zip(stamps, keep) if k], [(spec, values[keep]) for spec, values in fields], ignored)
+
+
+def classes_without_records(labels: np.ndarray, vocabulary: list[str]) -> list[str]:
+    """The classes of `vocabulary` that no label names, in vocabulary order: one count per class in a
+    single pass (a per-class scan of the labels took 2.6 s at 2k classes and 1M records, minutes at
+    ImageNet-21k). -1 (no label) is no class."""
+    counts = np.bincount(labels[labels >= 0], minlength=len(vocabulary))
+    return [c for c, n in zip(vocabulary, counts) if n == 0]
 
 
 def _stamp(path: Path) -> str | None:

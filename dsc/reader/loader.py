@@ -674,6 +674,11 @@ class Loader:
             warnings.warn(f"drop_last=True, but the {len(self.dataset)} records split over {self.world_size} "
                           f"rank(s) give each rank fewer than batch_size={self.batch_size}: every epoch is empty; "
                           "lower batch_size or keep the last partial batch (drop_last=False)", stacklevel=3)
+        if self.drop_last and self.locality is not None:  # unequal shard groups: what every epoch leaves out
+            dropped = orders.dropped_by_locality(len(self.dataset), self.dataset.manifest.records_per_shard,
+                                                 self.world_size, self.batch_size)
+            if dropped:
+                warnings.warn(dropped, stacklevel=3)
         sink = self._bound_sink()
         split = self._split()
         self._agree_seed(split.world_size)

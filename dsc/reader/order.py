@@ -12,7 +12,9 @@ number under locality="shard"), so every rank and every resumed run computes the
   (slice copies when warm, large sequential reads when cold).
 - ``random``: a full permutation.
 
-An epoch is then split between ranks (`rank_share`) and cut into batches (`batch_indices`);
+An epoch is then split between ranks (`rank_share`; `epoch_share` computes one rank's part with
+`order_slice`, which expands only that part of a block or sequential order, so a rank holds 1/world_size
+of the order, never the whole) and cut into batches (`batch_indices`);
 inside a batch the indices are sorted, which turns neighbours into runs and groups records by
 shard, so every batch is a few large copies. The batch's ``index`` entry says what was served.
 
@@ -54,6 +56,7 @@ LOCALITIES = ("shard",)  # values of the loader's `locality` besides None
 BLOCK_RECORDS = 64  # ~10 MB at 224×224: large enough for fast reads from a cold disk
 WINDOW_BLOCKS = 8  # blocks whose runs are mixed together
 RUN_RECORDS = 8  # the unit of mixing inside a window; stays one slice copy
+DROPPED_WARN_FRACTION = 0.05  # locality="shard" with drop_last=True warns when it leaves out more
 
 
 def generator(seed: int, epoch: int, *stream: int) -> np.random.Generator:
@@ -68,7 +71,7 @@ def sequential(n: int, seed: int = 0, epoch: int = 0) -> np.ndarray:
 
 
 def random(n: int, seed: int, epoch: int) -> np.ndarray:
-    return generator(seed, epoch).permutation(n).astype(np.int64)
+    return generator(seed, epoch).permutation(n).astype(np.int64, copy=False)  # int64 already: no second copy
 
 
 def expand_runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -82,6 +85,13 @@ def expand_runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 def block(n: int, seed: int, epoch: int, block_records: int = BLOCK_RECORDS,
           window: int = WINDOW_BLOCKS, run: int = RUN_RECORDS, stream: tuple[int, ...] = ()) -> np.ndarray:
     """Shuffled blocks of contiguous records, runs mixed within windows of blocks (module docstring)."""
+    return expand_runs(*block_runs(n, seed, epoch, block_records, window, run, stream))
+
+
+def block_runs(n: int, seed: int, epoch: int, block_records: int = BLOCK_RECORDS, window: int = WINDOW_BLOCKS,
+               run: int = RUN_RECORDS, stream: tuple[int, ...] = ()) -> tuple[np.ndarray, np.ndarray]:
+    """Block order as (first record, length) of its runs, in order: `block` before it expands them,
+    about 1/RUN_RECORDS of its size, so that a rank can expand only its own part (`order_slice`)."""
     rng = generator(seed, epoch, *stream)
     shift = int(rng.integers(block_records)) if n > block_records else 0
     edges = np.unique(np.r_[0, np.arange(shift, n, block_records), n]).astype(np.int64)
@@ -90,10 +100,42 @@ def block(n: int, seed: int, epoch: int, block_records: int = BLOCK_RECORDS,
     runs_per_block = -(-lengths // run)
     block_of_run = np.repeat(np.arange(len(perm)), runs_per_block)
     k = np.arange(len(block_of_run)) - np.repeat(np.cumsum(runs_per_block) - runs_per_block, runs_per_block)
-    run_starts = starts[block_of_run] + k * run
-    run_lengths = np.minimum(run, lengths[block_of_run] - k * run)
-    mix = np.lexsort((rng.random(len(run_starts)), block_of_run // window))
-    return expand_runs(run_starts[mix], run_lengths[mix])
+    k *= run  # the offset of each run in its block
+    run_starts = starts[block_of_run] + k
+    run_lengths = np.minimum(run, lengths[block_of_run] - k)
+    window_of_run = block_of_run // window
+    del k, block_of_run  # at 10^8 records each of these is 100 MB: free them before the sort
+    mix = np.lexsort((rng.random(len(run_starts)), window_of_run))
+    del window_of_run
+    run_starts = run_starts[mix]
+    return run_starts, run_lengths[mix]
+
+
+def runs_slice(starts: np.ndarray, lengths: np.ndarray, start: int, stop: int) -> np.ndarray:
+    """Positions [start, stop) of `expand_runs(starts, lengths)`, expanding only the runs that hold them."""
+    if stop <= start:
+        return np.empty(0, dtype=np.int64)
+    ends = np.cumsum(lengths)
+    first = int(np.searchsorted(ends, start, side="right"))  # the run holding position `start`
+    last = int(np.searchsorted(ends, stop, side="left"))  # the run holding position `stop - 1`
+    firsts = starts[first:last + 1].astype(np.int64)  # copies: the caller's runs stay as they are
+    counts = lengths[first:last + 1].astype(np.int64)
+    cut = start - int(ends[first] - lengths[first])
+    firsts[0] += cut
+    counts[0] -= cut
+    counts[-1] -= int(ends[last]) - stop
+    return expand_runs(firsts, counts)
+
+
+def _wrapped(start: int, stop: int, n: int) -> list[tuple[int, int]]:
+    """Positions [start, stop) of an order of n repeated end to end, as ranges of the order itself."""
+    pieces = []
+    while start < stop:
+        first = start % n
+        last = min(n, first + stop - start)
+        pieces.append((first, last))
+        start += last - first
+    return pieces
 
 
 _ORDER_FUNCTIONS = {"sequential": sequential, "block": block, "random": random}
@@ -121,10 +163,34 @@ def rank_shares(order: np.ndarray, world_size: int, batch_size: int, drop_last: 
 
 
 def rank_share(order: np.ndarray, rank: int, world_size: int, batch_size: int, drop_last: bool) -> np.ndarray:
-    """This rank's row of `rank_shares`; every rank gets the same length."""
+    """This rank's row of `rank_shares`; every rank gets the same length. A copy of its slice: a view
+    would keep the whole epoch order alive as long as the share (0.8 GB per rank at 10^8 records)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must lie in [0, world_size={world_size}), got {rank}")
-    return rank_shares(order, world_size, batch_size, drop_last)[rank]
+    per_rank = share_length(len(order), world_size, batch_size, drop_last)
+    pieces = _wrapped(rank * per_rank, (rank + 1) * per_rank, len(order))
+    return np.concatenate([order[a:b] for a, b in pieces]) if pieces else order[:0].copy()
+
+
+def order_slice(n: int, order: str, seed: int, epoch: int, start: int, stop: int) -> np.ndarray:
+    """Positions [start, stop) of the epoch's order repeated end to end (`rank_shares`' padding): one
+    rank's share, without the whole order where the order allows. Sequential and block orders expand
+    only these positions (block order draws its runs, 1/RUN_RECORDS of the order, as `block` does);
+    random order has no cheaper slice of numpy's permutation, so it is drawn whole and let go."""
+    if order not in _ORDER_FUNCTIONS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+    pieces = _wrapped(start, stop, n) if n else []
+    if not pieces:
+        return np.empty(0, dtype=np.int64)
+    if order == "sequential":
+        parts = [np.arange(a, b, dtype=np.int64) for a, b in pieces]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+    if order == "block":
+        starts, lengths = block_runs(n, seed, epoch)
+        parts = [runs_slice(starts, lengths, a, b) for a, b in pieces]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+    whole = random(n, seed, epoch)
+    return np.concatenate([whole[a:b] for a, b in pieces])  # a copy: `whole` is freed on return
 
 
 def share_length(n: int, world_size: int, batch_size: int, drop_last: bool, *,
@@ -154,7 +220,10 @@ def epoch_share(n: int, order: str, seed: int, epoch: int, rank: int, world_size
     check_locality(order, locality)
     if locality is not None:
         return shard_share(n, records_per_shard, seed, epoch, rank, world_size, batch_size, drop_last)
-    return rank_share(epoch_order(n, order, seed, epoch), rank, world_size, batch_size, drop_last)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must lie in [0, world_size={world_size}), got {rank}")
+    per_rank = share_length(n, world_size, batch_size, drop_last)
+    return order_slice(n, order, seed, epoch, rank * per_rank, (rank + 1) * per_rank)  # = rank_share(epoch_order)
 
 
 # ----------------------------------------------------------------------------- locality="shard"
@@ -217,6 +286,31 @@ def group_records(units: np.ndarray, group_of: np.ndarray, group: int) -> np.nda
 def shard_group(rank: int, world_size: int, seed: int, epoch: int) -> int:
     """The group `rank` reads in `epoch`: a rotation by one group per epoch (module docstring)."""
     return (rank + seed + epoch) % world_size
+
+
+def dropped_by_locality(n: int, records_per_shard: int, world_size: int, batch_size: int) -> str | None:
+    """What locality="shard" with drop_last=True leaves out of every epoch, said when it is more than
+    DROPPED_WARN_FRACTION of the records (e.g. 30% of ImageNet in 1 GiB shards at 64 ranks), with the
+    --records-per-shard that keeps it under that, or None.
+
+    Every rank serves the smallest group cut to whole batches, and groups differ by at most one unit
+    of at most records_per_shard records, so at most world_size * (records_per_shard + batch_size - 1)
+    records are left out: a shard of n // (20 * world_size) - batch_size + 1 records keeps that <= 5%."""
+    per_rank = share_length(n, world_size, batch_size, True, locality="shard", records_per_shard=records_per_shard)
+    dropped = n - per_rank * world_size
+    if dropped <= n * DROPPED_WARN_FRACTION:
+        return None
+    fits = int(n * DROPPED_WARN_FRACTION) // world_size - batch_size + 1
+    fix = (f"compile with --records-per-shard {fits} (or fewer) to leave out at most "
+           f"{DROPPED_WARN_FRACTION:.0%}, or pass drop_last=False (smaller groups then repeat records instead)"
+           if fits >= 1 else
+           f"at batch_size={batch_size} no --records-per-shard is sure to keep that under "
+           f"{DROPPED_WARN_FRACTION:.0%}: pass drop_last=False (smaller groups then repeat records instead), or a "
+           "smaller batch_size")
+    return (f"locality='shard' with drop_last=True serves {per_rank * world_size} of the {n} records per epoch "
+            f"({dropped / n:.0%} left out): at world_size={world_size} the shards of {records_per_shard} records "
+            f"split into groups of unequal size, and every rank serves only the smallest group's count, cut to "
+            f"whole batches of {batch_size}; {fix}")
 
 
 def shard_share(n: int, records_per_shard: int, seed: int, epoch: int, rank: int, world_size: int,
