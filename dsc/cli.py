@@ -22,7 +22,7 @@ from pathlib import Path
 import typer
 from tqdm import tqdm
 
-from dsc.compiler.decode import DEFAULT_MAX_PIXELS, turbojpeg_library
+from dsc.compiler.decode import DEFAULT_MAX_PIXELS
 from dsc.compiler.engines import ENGINES
 from dsc.compiler.labels import parse_column_kinds
 from dsc.compiler.pipeline import compile_folder
@@ -165,9 +165,6 @@ def compile_command(
         raise typer.BadParameter("only with --engine ray", param_hint="--address")
     if column and labels is None:
         raise typer.BadParameter("only with --labels (it gives a label table column its kind)", param_hint="--column")
-    if turbojpeg_library() is None:
-        typer.echo("note: libturbojpeg.so.0 not found, so JPEGs are decoded by Pillow's bundled libjpeg-turbo "
-                   "(same pixels, slower). Install it with: apt-get install libturbojpeg0", err=True)
     if classes is not None and classes_from is not None:
         raise typer.BadParameter("give --classes or --classes-from, not both", param_hint="--classes")
     if skip_unknown_classes and classes is None and classes_from is None:

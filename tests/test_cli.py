@@ -81,8 +81,8 @@ def test_the_console_script_runs_without_the_system_libjpeg_turbo(folder: Path, 
     run = subprocess.run([sys.executable, "-m", "dsc", "compile", str(folder), str(tmp_path / "out"),
                           "--size", "16", "-j", "1"], capture_output=True, text=True, env=env)
     assert run.returncode == 0, run.stderr
-    assert run.stderr.count("libturbojpeg.so.0 not found") == 1
-    assert "Pillow" in storage.open_dataset(tmp_path / "out").manifest.compile["jpeg_decoder"]
+    assert "libturbojpeg" not in run.stderr  # nothing to say: simplejpeg's libjpeg-turbo does the same work
+    assert "simplejpeg" in storage.open_dataset(tmp_path / "out").manifest.compile["jpeg_decoder"]
 
 
 @pytest.fixture(scope="module")

@@ -3,12 +3,15 @@ decoder warned about is counted per record, shown by `dsc info` and refused by `
 refuses a skip list that names a stored source.
 
 The sources are a real photo (tests/data/photos) and three damaged copies: cut inside its scan, its
-final end-of-image marker stripped, and bytes of its entropy-coded data flipped.
+final end-of-image marker stripped, and bytes of its entropy-coded data flipped. "Without the system
+library" is a subprocess with DSC_JPEG_DECODER=pillow: what a pip-only machine does, which decodes
+with simplejpeg.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import subprocess
@@ -17,15 +20,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 from typer.testing import CliRunner
 
 import dsc
 from dsc import format as fmt
 from dsc import storage
 from dsc.cli import app
+from dsc.compiler import decode as dec
 from dsc.compiler.decode import DECODER_ENV, turbojpeg_library
 
-from conftest import rewrite_manifest
+from conftest import pattern, rewrite_manifest
 
 PHOTO = Path(__file__).parent / "data" / "photos" / "chelsea.jpg"
 runner = CliRunner()
@@ -59,6 +64,44 @@ def damaged_folder(root: Path) -> Path:
     return root
 
 
+def _outcome(decode, data: bytes, p: dec.Probe, scale: int) -> np.ndarray | str:
+    """The pixels, or libjpeg-turbo's words where the binding raised."""
+    try:
+        return decode(data, p, scale)
+    except Exception as e:
+        return dec._turbo_message(e)
+
+
+@pytest.mark.skipif(turbojpeg_library() is None, reason="libturbojpeg.so.0 is not installed here")
+@pytest.mark.parametrize("scale", [1, 2, 4, 8])
+def test_simplejpeg_decodes_and_refuses_as_the_system_libjpeg_turbo_does(scale: int) -> None:
+    """What the fallback rests on: the same pixels at every DCT scale, the same warning about the same damage."""
+    cases = []
+    for photo in sorted(PHOTO.parent.glob("*.jpg")):
+        data = photo.read_bytes()
+        start, end = _scan(data)
+        cases += [data, data[:-2], data[:start + (end - start) * 7 // 10], _flipped(data)]
+    for h in range(1, 9):  # a few pixels: where a smaller scale than 1/scale could also reach the size
+        for w in range(1, 9):
+            buf = io.BytesIO()
+            Image.fromarray(pattern(h, w, seed=h * 9 + w)).save(buf, "JPEG", quality=90)
+            cases.append(buf.getvalue())
+    refused = 0
+    for data in cases:
+        p = dec.probe(data)
+        if p.width // scale < 1 or p.height // scale < 1:
+            continue
+        system, bundled = (_outcome(f, data, p, scale) for f in (dec._decode_jpeg4py, dec._decode_simplejpeg))
+        if isinstance(system, str):
+            refused += 1
+            assert bundled == system
+        else:
+            assert isinstance(bundled, np.ndarray) and bundled.shape == system.shape
+            assert np.array_equal(bundled, system)
+    # every copy cut short or missing its EOI, and flipped ones (some flips happen to leave valid code: decoded)
+    assert refused > 2 * len(list(PHOTO.parent.glob("*.jpg")))
+
+
 COMPILE = """
 import json, sys
 import dsc
@@ -68,19 +111,32 @@ print(json.dumps({"decoder": decoder_name(), "skipped": summary.skipped}))
 """
 
 
-def _compile_in_a_process(src: Path, out: Path, hide_turbojpeg: bool) -> dict:
+def _env(hide_turbojpeg: bool) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != DECODER_ENV}
     if hide_turbojpeg:
         env[DECODER_ENV] = "pillow"  # what a pip-only machine without libturbojpeg.so.0 does
+    return env
+
+
+def _compile_in_a_process(src: Path, out: Path, hide_turbojpeg: bool) -> dict:
     run = subprocess.run([sys.executable, "-c", COMPILE, str(src), str(out)], capture_output=True, text=True,
-                         env=env, timeout=300)
+                         env=_env(hide_turbojpeg), timeout=300)
     assert run.returncode == 0, run.stderr
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 def _digests(root: Path, manifest: fmt.Manifest) -> dict[str, str]:
-    entries = [*manifest.shards, *manifest.index.values(), *filter(None, [manifest.skipped_list])]
+    """Every file the manifest lists (shards, index, skip list, warnings.bin) by its SHA-256."""
+    entries = [*manifest.shards, *manifest.index.values(), *filter(None, [manifest.skipped_list, manifest.warnings])]
     return {e.file: hashlib.sha256((root / e.file).read_bytes()).hexdigest() for e in entries}
+
+
+def _manifest_but_its_decoder(root: Path) -> dict:
+    """The manifest without what names this process's decoder (and the checksum that covers it)."""
+    doc = json.loads((root / fmt.MANIFEST_FILE).read_text())
+    doc.pop("manifest_sha256")
+    doc["compile"].pop("jpeg_decoder")
+    return doc
 
 
 @pytest.mark.skipif(turbojpeg_library() is None, reason="libturbojpeg.so.0 is not installed here")
@@ -88,17 +144,34 @@ def test_the_same_dataset_with_and_without_the_system_libjpeg_turbo(tmp_path: Pa
     src = damaged_folder(tmp_path / "src")
     turbo = _compile_in_a_process(src, tmp_path / "turbo", hide_turbojpeg=False)
     pillow = _compile_in_a_process(src, tmp_path / "pillow", hide_turbojpeg=True)
-    assert turbo["decoder"].startswith("jpeg4py") and pillow["decoder"].startswith("Pillow")
     assert turbo["skipped"] == pillow["skipped"] == [["dog/cut.jpg", turbo["skipped"][0][1]]]
     assert turbo["skipped"][0][1].startswith("corrupt or truncated JPEG data")
     a, b = storage.open_dataset(tmp_path / "turbo"), storage.open_dataset(tmp_path / "pillow")
     assert a.manifest.count == b.manifest.count == 4  # the file missing only its EOI is kept by both
     assert [a.source(i) for i in range(4)] == [b.source(i) for i in range(4)]
-    assert _digests(a.root, a.manifest) == _digests(b.root, b.manifest)  # records, index, skips: byte for byte
+    assert a.manifest.warnings is not None and b.manifest.warnings is not None
+    # records, index, skips, warnings: byte for byte; the manifest differs only in naming the decoder
+    assert _digests(a.root, a.manifest) == _digests(b.root, b.manifest)
+    assert sorted(p.name for p in a.root.iterdir()) == sorted(p.name for p in b.root.iterdir())
+    assert _manifest_but_its_decoder(a.root) == _manifest_but_its_decoder(b.root)
     by_source = {b.source(i): n for i, n in enumerate(storage.read_warnings(b.root, b.manifest))}
-    assert by_source["cat/no_eoi.jpg"] == 1 and by_source["cat/whole.jpg"] == 0  # both count the missing EOI
-    assert {a.source(i): n for i, n in enumerate(storage.read_warnings(a.root, a.manifest))} == \
-        {**by_source, "dog/flipped.jpg": 1}  # only libjpeg-turbo reports damage inside the scan
+    assert by_source == {"cat/no_eoi.jpg": 1, "cat/whole.jpg": 0, "dog/flipped.jpg": 1, "dog/whole_too.jpg": 0}
+    assert turbo["decoder"].startswith("jpeg4py") and pillow["decoder"].startswith("simplejpeg")
+
+
+@pytest.mark.skipif(turbojpeg_library() is None, reason="libturbojpeg.so.0 is not installed here")
+@pytest.mark.parametrize("hide_turbojpeg", [False, True])
+def test_strict_refuses_corrupt_entropy_data_with_and_without_the_system_libjpeg_turbo(
+        tmp_path: Path, hide_turbojpeg: bool) -> None:
+    src = damaged_folder(tmp_path / "src")
+    for name in ("dog/cut.jpg", "cat/no_eoi.jpg"):  # a skip or the missing EOI would stop it first
+        (src / name).unlink()
+    run = subprocess.run([sys.executable, "-m", "dsc", "compile", str(src), str(tmp_path / "out"), "--size", "48",
+                          "-j", "1", "--strict"], capture_output=True, text=True, env=_env(hide_turbojpeg),
+                         timeout=300)
+    assert run.returncode == 1 and not (tmp_path / "out").exists(), run.stderr
+    assert "flipped.jpg: libjpeg-turbo: Corrupt JPEG data" in run.stderr
+    assert "--strict refuses a source the decoder warned about" in run.stderr and "Traceback" not in run.stderr
 
 
 def test_decoder_warnings_are_counted_shown_and_refused_by_strict(tmp_path: Path) -> None:
@@ -109,7 +182,7 @@ def test_decoder_warnings_are_counted_shown_and_refused_by_strict(tmp_path: Path
     assert ds.manifest.version == fmt.FORMAT_VERSION and ds.manifest.warnings is not None
     counts = {ds.source(i): int(n) for i, n in enumerate(storage.read_warnings(out, ds.manifest))}
     assert counts["cat/no_eoi.jpg"] == 1 and counts["cat/whole.jpg"] == counts["dog/whole_too.jpg"] == 0
-    assert counts["dog/flipped.jpg"] == (1 if turbojpeg_library() else 0)
+    assert counts["dog/flipped.jpg"] == 1  # libjpeg-turbo's warning, through jpeg4py or simplejpeg
     info = runner.invoke(app, ["info", str(out)])
     assert info.exit_code == 0, info.stderr
     assert "kept despite decoder warnings" in info.stdout and "cat/no_eoi.jpg: 1 warning(s)" in info.stdout

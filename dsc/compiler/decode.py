@@ -1,14 +1,19 @@
 """Decode: encoded bytes → an EXIF-oriented RGB uint8 array, at full size unless "fast".
 
-JPEGs go through libjpeg-turbo (jpeg4py), scaled in the DCT domain by the largest of
-1/8, 1/4, 1/2 that the decode mode allows (other M/8 scales are slower than a full decode).
+JPEGs (greyscale and YCbCr) go through libjpeg-turbo: the system's libturbojpeg through jpeg4py
+where it loads, else the copy that simplejpeg's wheels bundle, so a pip-only machine runs the same
+decoder: the two give the same pixels at every scale, and raise on the same damage with the same
+words (checked with the system's 2.1.5 against simplejpeg 1.9.0's 3.1.2, accurate IDCT, on 2,000
+real photos and on cut scans, missing EOIs and flipped entropy bytes). JPEGs are scaled in the DCT
+domain by the largest of 1/8, 1/4, 1/2 that the decode mode allows (other M/8 scales are slower
+than a full decode).
 The "fast" mode takes any scale that still covers the size the resize needs. The default,
 "faithful", decodes in full: against a full decode (benchmarks/decode_fidelity.py),
 fine-grained sources miss mean |diff| 2.5 at 1/2 scale whatever the margin (2.8 at 11x
 the target), and 1/8 keeps only each block's DC coefficient: no margin holds for all.
-Everything else — CMYK JPEGs, PNG, WebP, BMP, TIFF, GIF — goes
-through Pillow, as do JPEGs where the system's libturbojpeg is missing; Pillow's JPEG
-decoder is libjpeg-turbo too, and at the same scale gives the same pixels.
+Everything else — CMYK JPEGs, PNG, WebP, BMP, TIFF, GIF — goes through Pillow. Pillow cannot
+stand in for libjpeg-turbo on JPEGs: its decoder is libjpeg-turbo too, but it drops libjpeg's
+warnings, so damage inside a scan would go uncounted.
 
 A JPEG without its final end-of-image marker (FF D9, common in scraped data) is judged the same
 way whichever decoder runs, for libjpeg-turbo's "premature end" warning is the same for a cut-off
@@ -17,10 +22,10 @@ Pillow, with the marker appended and with SCAN_PROBE bytes before it. Bytes afte
 scan are skipped (identical pixels): it is kept, with an `IncompleteJpegWarning`; a cut-off scan
 decodes the probe as image data (other pixels): it is skipped.
 
-Damage inside the scan (corrupt entropy-coded data) only makes libjpeg-turbo warn; such a file is
-kept as Pillow decodes it (grey or smeared blocks), with a `DecoderWarning` that the compiler
-counts per record. Pillow ignores libjpeg's warnings, so without the system library the same file
-is kept with the same pixels, uncounted.
+Damage inside the scan (corrupt entropy-coded data) only makes libjpeg-turbo warn; both of its
+bindings raise on a warning as on an error, and such a file is kept as Pillow decodes it (grey or
+smeared blocks), with a `DecoderWarning` that the compiler counts per record: the same count, and
+the same pixels, whichever binding runs.
 
 Alpha is composited onto black (premultiplied; the default), onto white, or dropped (the stored
 RGB, as Pillow's `convert("RGB")` keeps it); 16-bit samples keep their high byte.
@@ -53,7 +58,9 @@ TURBOJPEG_LIBRARY = "libturbojpeg.so.0"
 EOI = b"\xff\xd9"  # JPEG's end-of-image marker
 SOS = b"\xff\xda"  # start of scan: neither marker can occur inside entropy-coded data
 SCAN_PROBE = bytes(range(1, 250, 3))  # no 0xFF: libjpeg skips it after a complete scan, decodes it in a cut one
-DECODER_ENV = "DSC_JPEG_DECODER"  # "pillow" forces the fallback (tests, comparisons)
+# "pillow" hides the system library, as on a pip-only machine (tests, comparisons); the name is from when
+# such a machine decoded JPEGs with Pillow: it now uses simplejpeg.
+DECODER_ENV = "DSC_JPEG_DECODER"
 _SOF_MARKERS = frozenset({0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF})
 
 # Each EXIF orientation (1-8) as the numpy view that shows the image upright.
@@ -112,7 +119,10 @@ def turbojpeg_library() -> str | None:
 def decoder_name() -> str:
     """How JPEGs are decoded in this process, for the manifest and for users."""
     lib = turbojpeg_library()
-    return f"jpeg4py ({lib})" if lib else f"Pillow {Image.__version__} (bundled libjpeg-turbo)"
+    if lib:
+        return f"jpeg4py ({lib})"
+    import simplejpeg
+    return f"simplejpeg {simplejpeg.__version__} (bundled libjpeg-turbo)"
 
 
 def open_image(data: bytes) -> Image.Image:
@@ -180,7 +190,7 @@ def probe(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> Probe:
     """Read the header; refuse empty files, unknown formats and oversized images."""
     if not data:
         raise ImageError("empty file (0 bytes)")
-    p = (_probe_jpeg(data) if turbojpeg_library() else None) or _probe_pillow(data)
+    p = _probe_jpeg(data) or _probe_pillow(data)
     if p.width < 1 or p.height < 1:
         raise ImageError(f"invalid dimensions {p.width}x{p.height} in the header")
     if p.width * p.height > max_pixels:
@@ -199,12 +209,29 @@ def dct_scale(width: int, height: int, need_w: int, need_h: int, mode: str = "fa
     return 1
 
 
-def _decode_turbo(data: bytes, p: Probe, scale: int) -> np.ndarray:
+def _decode_jpeg4py(data: bytes, p: Probe, scale: int) -> np.ndarray:
+    """The system's libjpeg-turbo at 1/scale; raises on libjpeg's warnings as on its errors."""
     import jpeg4py
 
     dst = np.empty((-(-p.height // scale), -(-p.width // scale), 3), np.uint8)
-    jpeg4py.JPEG(np.frombuffer(data, np.uint8)).decode(dst=dst)  # dst's size selects the DCT scale
+    jpeg4py.JPEG(np.frombuffer(data, np.uint8)).decode(dst=dst)  # the largest scale whose output fits dst
     return dst
+
+
+def _decode_simplejpeg(data: bytes, p: Probe, scale: int) -> np.ndarray:
+    """simplejpeg's bundled libjpeg-turbo at 1/scale, as jpeg4py decodes it: the accurate IDCT and smooth
+    upsampling (jpeg4py passes no flags), and libjpeg's warnings raised (strict)."""
+    import simplejpeg
+
+    # It takes the smallest scale whose output is at least this size: 1/scale (for images of a few pixels,
+    # where a smaller M/8 reaches the same size, it picks what jpeg4py picks: tests/test_decoder_parity.py).
+    return simplejpeg.decode_jpeg(data, colorspace="RGB", fastdct=False, fastupsample=False,
+                                  min_height=-(-p.height // scale), min_width=-(-p.width // scale), strict=True)
+
+
+def _decode_turbo(data: bytes, p: Probe, scale: int) -> np.ndarray:
+    """libjpeg-turbo at 1/scale: the system's where it loads, else simplejpeg's (same pixels, same warnings)."""
+    return (_decode_jpeg4py if turbojpeg_library() else _decode_simplejpeg)(data, p, scale)
 
 
 def _to_rgb(img: Image.Image, alpha: str = "black") -> np.ndarray:
@@ -252,7 +279,7 @@ def _decode_pillow(data: bytes, p: Probe, scale: int, alpha: str = "black") -> n
 
 
 def _turbo_message(error: Exception) -> str:
-    """libjpeg-turbo's own words from jpeg4py's exception."""
+    """libjpeg-turbo's own words from jpeg4py's exception (simplejpeg's holds nothing else)."""
     text = str(error)
     return text.split("error string ", 1)[-1]
 
@@ -308,7 +335,7 @@ def decode(data: bytes, p: Probe, need_h: int, need_w: int, mode: str = "faithfu
                       IncompleteJpegWarning, stacklevel=2)
         data += EOI
     scale = dct_scale(p.width, p.height, need_w, need_h, mode) if jpeg else 1
-    if jpeg and p.mode in ("RGB", "L") and turbojpeg_library():
+    if jpeg and p.mode in ("RGB", "L"):
         rgb = _decode_jpeg(data, p, scale)
     else:
         rgb = _decode_pillow(data, p, scale, alpha)
