@@ -1,7 +1,9 @@
 """The version of dsc (a leaf: the compiler records it without importing the package's API).
 
 A partial build records the version that began it and only that version resumes it: bump it
-whenever a build's plan gains a key (0.2.0: `alpha`), so an older dsc never resumes a newer plan.
+whenever a build's plan gains a key or its records could come out otherwise (0.2.0: `alpha`;
+0.3.0: format 1.2, decoder warnings in the journal, simplejpeg where the system libjpeg-turbo is
+missing), so an older dsc never resumes a newer plan, nor a newer one an older build.
 """
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
