@@ -308,3 +308,20 @@ def test_the_build_folder_is_writable_by_its_owner_alone(src: Path, tmp_path: Pa
     for folder in (tmp_path / "out", tmp_path / "out" / "shards"):
         assert folder.stat().st_mode & 0o777 == 0o755
     assert json.loads((tmp_path / "out" / "manifest.json").read_text())["format"] == "dsc"
+
+
+def test_force_deletes_the_whole_replaced_dataset_when_it_has_decoder_warnings(tmp_path: Path, caplog) -> None:
+    """warnings.bin (format 1.2) is dsc's own file: a dataset holding one is deleted whole once replaced,
+    not left beside OUT as if it held a user's file (and warned about at every later compile)."""
+    from test_decoder_parity import damaged_folder
+
+    src = damaged_folder(tmp_path / "src")
+    (src / "dog" / "cut.jpg").unlink()
+    out = tmp_path / "out"
+    compile_folder(src, out, size=8, workers=1)
+    assert (out / "warnings.bin").is_file()
+    with caplog.at_level("WARNING", logger="dsc"):
+        compile_folder(src, out, size=8, workers=1, force=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]  # no .out.dsc-old-* left
+    assert "not deleted" not in caplog.text
+    assert publish.replace_problem(out) is None
