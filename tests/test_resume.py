@@ -71,6 +71,7 @@ def test_a_loop_that_stops_every_epoch_early_without_set_epoch_moves_on(ds: Memm
     for _ in range(3):
         for i, batch in enumerate(loader):
             seen.append((loader.state_dict()["epoch"], batch["index"].tolist()))
+            assert loader.epoch == seen[-1][0]  # while a pass is open, the epoch it serves
             if i >= 1:
                 break
     assert [e for e, _ in seen] == [0, 0, 1, 1, 2, 2] and loader.epoch == 3

@@ -466,6 +466,7 @@ class Loader:
         weakref.finalize(self, self._threads.close)
         self._iteration = 0  # which iteration is the live one: an older iterator refuses to go on
         self._abandoned = False  # a pass began at the position and stopped before its epoch's end (`_run`)
+        self._live: int | None = None  # the iteration whose pass is still open (its generator not closed)
         self._meter = _Meter()
         self.sampler, self.batch_sampler = EpochHook(self), None  # what Lightning reads (EpochHook)
 
@@ -527,8 +528,9 @@ class Loader:
 
     @property
     def epoch(self) -> int:
-        """The epoch the next iteration serves (the next one after a pass left before its end, see `_run`)."""
-        return self._position[0] + self._abandoned
+        """The epoch being served while a pass is open, else the epoch the next iteration serves (the next
+        one after a pass left before its end, see `_run`)."""
+        return self._position[0] + (self._abandoned and self._live is None)
 
     def _split(self) -> progress.Split:
         return progress.Split(self.world_size, self.batch_size, self.drop_last, self.locality)
@@ -718,6 +720,7 @@ class Loader:
             self._position = self._progress = (p.epoch + 1, [])
             self._abandoned = False
         tracker = PassTracker()  # tells Accelerate's gradient accumulation where the epoch ends
+        self._live = iteration
         try:
             for b in range(p.start, p.count):
                 self._check_live(iteration)
@@ -739,6 +742,8 @@ class Loader:
                 yield batch
         finally:
             tracker.end()
+            if self._live == iteration:
+                self._live = None
             if not finished and self._threads.producer is producer:  # abandoned: what it made is unwanted
                 self._threads.stop_producer()
 
