@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -213,3 +214,20 @@ def test_a_complete_scan_without_eoi_is_kept_with_a_warning_and_a_cut_one_refuse
     cut = data[: len(data) * 3 // 4]
     with pytest.raises(ImageError, match="corrupt or truncated"):
         decode_bytes(cut)
+
+
+@pytest.mark.parametrize("progressive", [False, True])
+def test_only_the_stream_itself_decides_whether_its_end_marker_is_missing(progressive: bool) -> None:
+    """Bytes after the end-of-image marker (a phone's trailer) are not a scan, whatever they hold; an
+    EXIF thumbnail's own markers, inside its segment, are not the image's."""
+    data = encode(pattern(120, 160), quality=90, progressive=progressive)
+    trailer = b"SEFT\x00\xff\xda\x00\x0c" + bytes(range(1, 200))  # holds FF DA and no later FF D9
+    assert not dec.lacks_eoi(data) and not dec.lacks_eoi(data + trailer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dec.DecoderWarning)  # no warning: nothing is missing
+        assert np.array_equal(decode_bytes(data + trailer), decode_bytes(data))
+    thumbnail = encode(pattern(8, 8), quality=50)
+    app1 = b"\xff\xe1" + (len(thumbnail) + 8).to_bytes(2, "big") + b"Exif\0\0" + thumbnail
+    with_thumbnail = data[:2] + app1 + data[2:]
+    assert not dec.lacks_eoi(with_thumbnail)
+    assert dec.lacks_eoi(with_thumbnail[:-2]) and dec.lacks_eoi(with_thumbnail[: len(with_thumbnail) * 3 // 4])

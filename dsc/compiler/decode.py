@@ -56,7 +56,7 @@ DCT_MARGINS: dict[str, dict[int, float]] = {
 EXIF_ORIENTATION = 0x0112
 TURBOJPEG_LIBRARY = "libturbojpeg.so.0"
 EOI = b"\xff\xd9"  # JPEG's end-of-image marker
-SOS = b"\xff\xda"  # start of scan: neither marker can occur inside entropy-coded data
+_BARE_MARKERS = frozenset({0x00, 0x01, 0xD8, *range(0xD0, 0xD8)})  # stuffing, TEM, SOI, RSTn: no length
 SCAN_PROBE = bytes(range(1, 250, 3))  # no 0xFF: libjpeg skips it after a complete scan, decodes it in a cut one
 # "pillow" hides the system library, as on a pip-only machine (tests, comparisons); the name is from when
 # such a machine decoded JPEGs with Pillow: it now uses simplejpeg.
@@ -300,8 +300,27 @@ def _decode_jpeg(data: bytes, p: Probe, scale: int) -> np.ndarray:
 
 
 def lacks_eoi(data: bytes) -> bool:
-    """Whether a JPEG's last scan is not followed by an end-of-image marker."""
-    return data.rfind(EOI) < data.rfind(SOS)
+    """Whether a JPEG's stream ends before its end-of-image marker. The markers are walked as a
+    decoder walks them: header segments skipped by their lengths (an EXIF thumbnail's own markers
+    inside them too), entropy-coded data up to the next marker; so bytes after the marker (a
+    phone's trailer) are never taken for a scan, whatever they hold."""
+    pos, end = 2, len(data)
+    while pos + 1 < end:
+        if data[pos] != 0xFF:  # entropy-coded data: on to the next marker
+            pos = data.find(b"\xff", pos + 1)
+            if pos < 0:
+                return True
+            continue
+        marker = data[pos + 1]
+        if marker == EOI[1]:
+            return False
+        if marker == 0xFF:  # a fill byte before a marker
+            pos += 1
+        elif marker in _BARE_MARKERS:  # stuffed 0x00, restart markers, SOI, TEM: no length follows
+            pos += 2
+        else:  # a segment (SOS too: its entropy-coded data follows its header)
+            pos += 2 + int.from_bytes(data[pos + 2:pos + 4], "big")
+    return True
 
 
 def _scan_is_complete(data: bytes) -> bool:
