@@ -6,6 +6,8 @@ DataLoader workers started by fork and by spawn."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -285,3 +287,19 @@ def test_records_are_byte_identical_in_the_cache(env: Path, url: str, local: Mem
     remote = open_dataset(url)
     for a, b in zip(remote.shards, open_dataset(local.path).shards):
         assert np.array_equal(a, b)
+
+
+def test_without_obstore_an_s3_url_names_the_extra(env: Path, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "obstore", None)  # what a base install without the extra has
+    monkeypatch.setitem(sys.modules, "obstore.store", None)
+    monkeypatch.setattr(s3, "_clients", {})
+    with pytest.raises(DatasetError, match=r"needs obstore, which is not installed: pip install 'dsc-images\[s3\]'"):
+        MemmapDataset(f"s3://{BUCKET}/x", cache_dir=env)
+
+
+def test_a_local_dataset_never_imports_the_s3_client(local: MemmapDataset) -> None:
+    code = ("import sys; from dsc.cli import app; from typer.testing import CliRunner; "
+            f"r = CliRunner().invoke(app, ['info', {str(local.path)!r}]); "
+            "print(r.exit_code, sorted(m for m in sys.modules if m.startswith(('obstore', 'dsc.storage.s3'))))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split("\n")[-2] == "0 []", done.stderr

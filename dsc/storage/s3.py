@@ -401,6 +401,8 @@ class S3Dataset:
                 return request()
             except FileNotFoundError as e:
                 raise DatasetError(f"{self._at(name)}: {missing}") from e
+            except DatasetError:  # dsc's own (the client not installed, a bad endpoint): no retry helps
+                raise
             except Exception as e:  # obstore's errors: connection, timeout, HTTP status
                 if _permanent(e):
                     raise StorageError(f"{self._at(name)}: {what} refused: {_first_line(e)}") from e
