@@ -30,7 +30,7 @@ from dsc.compiler.publish import pending_publish, staging_path
 from dsc.compiler.target import FITS, Target, parse_size
 from dsc.errors import CompileError, DscError
 from dsc.format import ALPHA, MANIFEST_FILE, minor_version
-from dsc.storage import check_skip_list, open_dataset, verify_checksums
+from dsc.storage import check_skip_list, is_url, open_dataset, verify_checksums
 from dsc.tools.inspect_dataset import summary as inspect_summary
 from dsc.tools.sheet import pick_records, save_sheet
 from dsc.version import __version__
@@ -284,14 +284,16 @@ def _interrupted(out: Path) -> str:
     return f"interrupted; {out} was not written"
 
 
-def _dataset_argument() -> Path:
-    return typer.Argument(..., metavar="DATASET", help="A compiled dsc dataset folder.")
+def _dataset_argument(urls: bool = False) -> Path:
+    return typer.Argument(..., metavar="DATASET", help="A compiled dsc dataset folder" + (
+        ", or an s3://bucket/prefix URL (its files are cached in $DSC_CACHE_DIR, else ~/.cache/dsc)." if urls else "."))
 
 
-def _fail_dataset(dataset: Path, e: DscError) -> None:
+def _fail_dataset(location: str | Path, e: DscError) -> None:
     """A dataset that cannot be opened; where it is missing because a compile was interrupted, say so."""
     problems = [*(getattr(e, "problems", None) or [str(e)])]
-    if not dataset.exists() and staging_path(dataset.absolute()).is_dir():
+    dataset = Path(location)
+    if not is_url(location) and not dataset.exists() and staging_path(dataset.absolute()).is_dir():
         problems.append(f"an interrupted compile left its work in {staging_path(dataset.absolute())}: run that "
                         "compile again with --resume to finish it")
     _fail(*problems)
@@ -299,7 +301,7 @@ def _fail_dataset(dataset: Path, e: DscError) -> None:
 
 @app.command("info")
 def info_command(
-    dataset: Path = _dataset_argument(),
+    dataset: str = _dataset_argument(urls=True),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
 ) -> None:
     """Summarise a dataset: records, shape, classes, skipped files, size, shards, compile options."""
@@ -338,7 +340,7 @@ def info_command(
 
 @app.command("verify")
 def verify_command(
-    dataset: Path = _dataset_argument(),
+    dataset: str = _dataset_argument(urls=True),
     decode: int = typer.Option(0, "--decode", min=0, metavar="N",
                                help="Also re-decode N random records from their source files and compare."),
     seed: int = typer.Option(0, "--seed", min=0, metavar="N", help="Seed of the records --decode picks."),
@@ -377,7 +379,7 @@ def verify_command(
 
 @app.command("show")
 def show_command(
-    dataset: Path = _dataset_argument(),
+    dataset: str = _dataset_argument(urls=True),
     output: Path = typer.Option(..., "--output", "-o", metavar="FILE", help="Image file to write (PNG, JPEG, ...)."),
     n: int = typer.Option(36, "--n", min=1, metavar="N", help="How many random records to show."),
     indices: str = typer.Option(None, "--indices", metavar="I,J,...",

@@ -17,6 +17,11 @@ class ChecksumError(DatasetError):
     """A file's bytes do not match the checksum recorded in the manifest."""
 
 
+class StorageError(DatasetError):
+    """Where the dataset is could not be read (an endpoint that does not answer, refused credentials),
+    which says nothing about the dataset itself: it is never reported as a missing or damaged file."""
+
+
 class CompileError(DscError):
     """A compile cannot start or cannot finish (bad options, bad SRC/OUT, --strict failure)."""
 

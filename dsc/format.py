@@ -485,6 +485,25 @@ def listed_files(text: bytes) -> set[str]:
     return {e["file"] for e in entries if isinstance(e, dict) and file_name_problem(e.get("file")) is None}
 
 
+def declared_sizes(text: bytes) -> dict[str, int]:
+    """Each listed file's size as manifest bytes declare it, unchecked: what lets a cache answer a
+    size without asking the bucket, before `parse_manifest` has validated anything (a wrong answer
+    only makes validation fail; it never lets a wrong file through)."""
+    try:
+        doc = json.loads(text)
+    except (ValueError, RecursionError):
+        return {}
+    if not isinstance(doc, dict):
+        return {}
+
+    def items(value: Any) -> list:
+        return list(value.values()) if isinstance(value, dict) else value if isinstance(value, list) else []
+    entries = [*items(doc.get("shards")), *items(doc.get("index")), *items(doc.get("fields")),
+               doc.get("skipped_list"), doc.get("warnings")]
+    return {e["file"]: e["bytes"] for e in entries if isinstance(e, dict) and file_name_problem(e.get("file")) is None
+            and isinstance(e.get("bytes"), int) and not isinstance(e.get("bytes"), bool)}
+
+
 class _Stored(NamedTuple):
     root: Any  # names the dataset in messages
     size_of: SizeOf

@@ -133,9 +133,9 @@ def record_index(i: Any, count: int) -> int:
     return k % count
 
 
-def _open(root: Path) -> storage.OpenedDataset:
+def _open(root: Path | str, cache_dir: str | None = None) -> storage.OpenedDataset:
     """Validate and map the dataset; shards copy-on-write (see the module docstring), as plain arrays."""
-    opened = storage.open_dataset(root, shard_mode="c")
+    opened = storage.open_dataset(root, shard_mode="c", cache_dir=cache_dir)
     return replace(opened, shards=tuple(s.view(np.ndarray) for s in opened.shards))
 
 
@@ -160,13 +160,20 @@ class MemmapDataset(Dataset):
     Picklable by path: a copy (e.g. in a DataLoader worker) re-opens the maps on first use,
     so no process ever copies the records; it refuses (`DatasetError`) a folder that was
     recompiled into another dataset since the original was opened.
+
+    `path` may be an ``s3://bucket/prefix`` URL: the dataset's files are downloaded once per node
+    into `cache_dir` (default ``$DSC_CACHE_DIR``, else ``~/.cache/dsc``) and read from there
+    (README, "Datasets in object storage"); `cache_dir` has no meaning for a folder.
     """
 
     def __init__(self, path: str | os.PathLike, *, target: str = "label",
                  transform: Callable[[Any], Any] | None = None,
-                 target_transform: Callable[[Any], Any] | None = None, return_index: bool = False) -> None:
-        self.path = Path(os.path.abspath(path))  # a spawned worker may start in another directory
-        self._data: storage.OpenedDataset | None = _open(self.path)  # validates now, fails here
+                 target_transform: Callable[[Any], Any] | None = None, return_index: bool = False,
+                 cache_dir: str | os.PathLike | None = None) -> None:
+        # a folder by absolute path: a spawned worker may start in another directory
+        self.path: Path | str = os.fspath(path) if storage.is_url(path) else Path(os.path.abspath(path))
+        self.cache_dir = None if cache_dir is None else os.path.abspath(cache_dir)
+        self._data: storage.OpenedDataset | None = _open(self.path, self.cache_dir)  # validates now, fails here
         self._fingerprint = self._data.manifest.fingerprint
         self._tensors: tuple[torch.Tensor, ...] | None = None
         if target != "label" and target not in self._data.fields:
@@ -176,12 +183,14 @@ class MemmapDataset(Dataset):
         self.return_index = bool(return_index)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"path": str(self.path), "fingerprint": self._fingerprint, "target": self.target,
+        return {"path": str(self.path), "cache_dir": self.cache_dir, "fingerprint": self._fingerprint,
+                "target": self.target,
                 "transform": self.transform, "target_transform": self.target_transform,
                 "return_index": self.return_index}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.path = Path(state["path"])
+        self.path = state["path"] if storage.is_url(state["path"]) else Path(state["path"])
+        self.cache_dir = state.get("cache_dir")
         self._fingerprint = state["fingerprint"]
         self.target = state.get("target", "label")
         self.transform, self.target_transform = state.get("transform"), state.get("target_transform")
@@ -192,7 +201,7 @@ class MemmapDataset(Dataset):
     def opened(self) -> storage.OpenedDataset:
         """The validated, mapped dataset (mapped again lazily after unpickling)."""
         if self._data is None:
-            data = _open(self.path)
+            data = _open(self.path, self.cache_dir)
             self._check_same(data.manifest)
             self._data = data
         return self._data
@@ -206,7 +215,7 @@ class MemmapDataset(Dataset):
     def _check_still_there(self) -> None:
         """For what maps the files by path again: the folder must still hold the dataset opened."""
         try:
-            manifest = storage.parse_manifest(self.path)
+            manifest = storage.parse_manifest(self.path, self.cache_dir)
         except DatasetError as e:
             raise DatasetError(f"{self.path}: the dataset was replaced or damaged after this MemmapDataset was "
                                f"opened ({e})") from e
@@ -267,7 +276,7 @@ class MemmapDataset(Dataset):
         i = record_index(i, len(self))
         root = self.manifest.compile.get("source_root")
         if not isinstance(root, str):
-            raise DatasetError(f"{self.path / fmt.MANIFEST_FILE}: 'compile' has no 'source_root' string")
+            raise DatasetError(f"{self.path}/{fmt.MANIFEST_FILE}: 'compile' has no 'source_root' string")
         return Path(root) / self.opened.source(i)
 
     def _shard_tensors(self) -> tuple[torch.Tensor, ...]:
@@ -331,10 +340,10 @@ class MemmapDataset(Dataset):
         from tensordict import MemoryMappedTensor, TensorDict
 
         d, m = self.opened, self.manifest
-        labels = MemoryMappedTensor.from_filename(d.root / m.index["labels"].file, torch.int64, (m.count,),
+        labels = MemoryMappedTensor.from_filename(d.local_root / m.index["labels"].file, torch.int64, (m.count,),
                                                   mode="r")
         dtypes = {f.name: torch.from_numpy(np.empty(0, f.dtype)).dtype for f in m.fields}
-        fields = {f.name: MemoryMappedTensor.from_filename(d.root / f.file, dtypes[f.name], (m.count, *f.shape),
+        fields = {f.name: MemoryMappedTensor.from_filename(d.local_root / f.file, dtypes[f.name], (m.count, *f.shape),
                                                            mode="r") for f in m.fields}
         shards, first = {}, 0
         for s, (path, records) in enumerate(zip(d.shard_paths(), fmt.shard_records(m.count, m.records_per_shard))):

@@ -1,7 +1,8 @@
 """Storage: where a dataset's files are, between the format (`dsc.format`) and the bytes.
 
 `store` is the reader's seam (`DatasetStore`, `open_dataset`); `local` is a folder on this
-machine and the operating-system plumbing the compiler writes with.
+machine and the operating-system plumbing the compiler writes with; `s3` a dataset in an
+S3-compatible bucket, read through a node-local cache (imported only for an s3:// URL).
 """
 
 from dsc.storage.store import (
@@ -9,6 +10,7 @@ from dsc.storage.store import (
     OpenedDataset,
     check_skip_list,
     is_dataset,
+    is_url,
     open_dataset,
     parse_manifest,
     read_skipped,
@@ -18,4 +20,4 @@ from dsc.storage.store import (
 )
 
 __all__ = ["DatasetStore", "OpenedDataset", "open_dataset", "validate", "parse_manifest", "read_skipped",
-           "read_warnings", "check_skip_list", "is_dataset", "verify_checksums"]
+           "read_warnings", "check_skip_list", "is_dataset", "is_url", "verify_checksums"]

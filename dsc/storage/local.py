@@ -50,6 +50,10 @@ class LocalFolder:
     def close(self) -> None:
         os.close(self.fd)
 
+    def local_folder(self) -> Path:
+        """The folder itself: its files are local already."""
+        return self.root
+
     def replaced(self) -> bool:
         """Whether the path now names another folder than the one held open (a recompile swapped it)."""
         held = os.fstat(self.fd)
@@ -153,8 +157,13 @@ def pread_exact(fd: int, n: int, offset: int) -> bytes:
 def sha256_file(path: Path, progress: Callable[[int], None] | None = None) -> str:
     """SHA-256 of a file, read in chunks (hashlib releases the GIL, so threads help);
     `progress(n)` is told of every n bytes hashed."""
+    return sha256_fd(os.open(path, os.O_RDONLY | os.O_CLOEXEC), progress)
+
+
+def sha256_fd(fd: int, progress: Callable[[int], None] | None = None) -> str:
+    """SHA-256 of an open file from its start, as `sha256_file`; the descriptor is closed."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with os.fdopen(fd, "rb") as f:
         while chunk := f.read(HASH_CHUNK):
             digest.update(chunk)
             if progress:

@@ -3,12 +3,15 @@
 A store answers three questions — the manifest's bytes, the stored size of a file, and a local,
 validated, mappable descriptor of a file — and `open_dataset` does the rest the same way for
 every store: `format.parse_manifest` and `format.check_index` validate, then the files are
-memory-mapped. `LocalFolder` (`dsc.storage.local`) is the store of a path; an object store is
-a sibling that fetches into a node-local cache and hands out descriptors of the cached files.
+memory-mapped. `LocalFolder` (`dsc.storage.local`) is the store of a path; `S3Dataset`
+(`dsc.storage.s3`, for `s3://bucket/prefix`) is a sibling that fetches into a node-local cache
+and hands out descriptors of the cached files. `STORES` picks one by the location's URL scheme,
+importing an object store's module (and its client) only for a URL of its scheme.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -20,8 +23,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from dsc import format as fmt
-from dsc.errors import ChecksumError, DatasetError
-from dsc.storage.local import LocalFolder, map_file, scan_values, sha256_file
+from dsc.errors import ChecksumError, DatasetError, StorageError
+from dsc.storage.local import LocalFolder, map_file, scan_values, sha256_fd
 
 REOPEN_ATTEMPTS = 5  # opens of a folder that recompiles keep swapping, before giving up
 REOPEN_PAUSE_S = 0.01  # the pause before the next attempt grows by this much each time
@@ -44,17 +47,48 @@ class DatasetStore(Protocol):
     def replaced(self) -> bool:
         """Whether the location now holds another dataset than the one this store opened."""
 
+    def local_folder(self) -> Path:
+        """The local folder holding the files `open` hands out (a folder itself; an object store's cache)."""
+
     def close(self) -> None: ...
 
 
-def store_for(location: str | os.PathLike) -> DatasetStore:
-    """The store of a dataset location (a folder path)."""
-    return LocalFolder(Path(location))
+Location = str | os.PathLike  # a folder path, or a URL whose scheme STORES names
+STORES = {"s3": "dsc.storage.s3"}  # URL scheme -> module with `open_store(url, cache_dir)`, imported when used
+
+
+def url_scheme(location: Location) -> str | None:
+    """The scheme of a URL location (`s3` of `s3://bucket/prefix`); None for a path."""
+    text = os.fspath(location)
+    if isinstance(text, str) and "://" in text:
+        scheme = text.split("://", 1)[0]
+        if scheme.isidentifier():
+            return scheme.lower()
+    return None
+
+
+def is_url(location: Location) -> bool:
+    """Whether `location` names a dataset in object storage rather than a folder."""
+    return url_scheme(location) is not None
+
+
+def store_for(location: Location, cache_dir: str | os.PathLike | None = None) -> DatasetStore:
+    """The store of a dataset location: a folder path, or a URL of a scheme in `STORES` (whose
+    files are cached under `cache_dir`; it has no meaning for a folder)."""
+    scheme = url_scheme(location)
+    if scheme is None:
+        if cache_dir is not None:
+            raise ValueError(f"cache_dir is for datasets in object storage (s3://...); {location} is a folder")
+        return LocalFolder(Path(location))
+    if scheme not in STORES:
+        raise DatasetError(f"{location}: dsc reads datasets from folders and from "
+                           f"{', '.join(s + '://' for s in STORES)} URLs, not {scheme}://")
+    return importlib.import_module(STORES[scheme]).open_store(os.fspath(location), cache_dir)
 
 
 @contextmanager
-def _opened(location: str | os.PathLike) -> Iterator[DatasetStore]:
-    store = store_for(location)
+def _opened(location: Location, cache_dir: str | os.PathLike | None = None) -> Iterator[DatasetStore]:
+    store = store_for(location, cache_dir)
     try:
         yield store
     finally:
@@ -63,9 +97,12 @@ def _opened(location: str | os.PathLike) -> Iterator[DatasetStore]:
 
 @dataclass(frozen=True)
 class OpenedDataset:
-    """A validated dataset: its manifest and read-only memory maps of every file."""
+    """A validated dataset: its manifest and read-only memory maps of every file.
 
-    root: Path
+    `root` is where it is (a folder's Path, or a URL); `local` the folder whose files are mapped
+    (the same folder, or an object store's cache of the dataset)."""
+
+    root: Path | str
     manifest: fmt.Manifest
     shards: tuple[np.memmap, ...]
     labels: np.ndarray
@@ -73,6 +110,12 @@ class OpenedDataset:
     source_offsets: np.ndarray
     sources: np.ndarray
     fields: dict[str, np.ndarray] = field(default_factory=dict)  # name -> [count, *shape], in manifest order
+    local: Path | None = None  # None: `root` itself
+
+    @property
+    def local_root(self) -> Path:
+        """The local folder of the mapped files (what code that maps them by path again uses)."""
+        return self.local if self.local is not None else Path(self.root)
 
     def source(self, i: int) -> str:
         """Record `i`'s source path, relative to the compiled SRC folder."""
@@ -80,13 +123,15 @@ class OpenedDataset:
         return os.fsdecode(self.sources[start:stop].tobytes())
 
     def shard_paths(self) -> list[Path]:
-        return [self.root / s.file for s in self.manifest.shards]
+        return [self.local_root / s.file for s in self.manifest.shards]
 
 
 def read_manifest(store: DatasetStore) -> fmt.Manifest:
     """The store's manifest, validated with the size of every file it names."""
     try:
         text = store.read(fmt.MANIFEST_FILE, fmt.MAX_MANIFEST_BYTES + 1)
+    except StorageError:
+        raise
     except DatasetError as e:
         raise DatasetError(f"{store.root}: no {fmt.MANIFEST_FILE}; not a dsc dataset, or its compile never "
                            "finished") from e
@@ -110,18 +155,19 @@ def _validated(store: DatasetStore) -> fmt.Manifest:
     return manifest
 
 
-def open_dataset(root: str | os.PathLike, shard_mode: str = "r") -> OpenedDataset:
+def open_dataset(root: Location, shard_mode: str = "r", cache_dir: str | os.PathLike | None = None) -> OpenedDataset:
     """Validate a dataset, then map its files (no data is read yet).
 
     Index files are mapped read-only; shards with `shard_mode`: "r" (read-only) or "c"
     (copy-on-write: writable views whose writes never reach the file). Reading through one
     folder descriptor never mixes two datasets; if a recompile swaps a new folder in meanwhile,
     the old one's files vanish under it, and the folder now at `root` is opened instead.
+    A URL's files are fetched into `cache_dir` first (see `store_for`).
     """
     if shard_mode not in ("r", "c"):
         raise ValueError(f"shard_mode must be 'r' or 'c', got {shard_mode!r}")
     for attempt in range(1, REOPEN_ATTEMPTS + 1):
-        store = store_for(root)
+        store = store_for(root, cache_dir)
         try:
             return _map_dataset(store, shard_mode)
         except DatasetError:
@@ -139,9 +185,9 @@ def validate(root: str | os.PathLike) -> fmt.Manifest:
         return _validated(store)
 
 
-def parse_manifest(root: str | os.PathLike) -> fmt.Manifest:
+def parse_manifest(root: Location, cache_dir: str | os.PathLike | None = None) -> fmt.Manifest:
     """The dataset's manifest, validated with its files' sizes (not their values: see `validate`)."""
-    with _opened(root) as store:
+    with _opened(root, cache_dir) as store:
         return read_manifest(store)
 
 
@@ -159,10 +205,12 @@ def _map_dataset(store: DatasetStore, shard_mode: str) -> OpenedDataset:
     fields = {f.name: mapped(f.file, f.dtype, (n, *f.shape)) for f in manifest.fields}
     shards = tuple(mapped(s.file, fmt.RECORD_DTYPE, (s.records, *manifest.record_shape), shard_mode)
                    for s in manifest.shards)
-    return OpenedDataset(Path(store.root), manifest, shards, labels, sizes, offsets, sources, fields)
+    local = store.local_folder()
+    return OpenedDataset(store.root, manifest, shards, labels, sizes, offsets, sources, fields,
+                         None if local == store.root else local)
 
 
-def read_skipped(root: str | os.PathLike, manifest: fmt.Manifest) -> list[dict[str, str]]:
+def read_skipped(root: Location, manifest: fmt.Manifest) -> list[dict[str, str]]:
     """Every skipped source of a dataset: the skip list file's lines (1.1), else the manifest's list."""
     entry = manifest.skipped_list
     if entry is None:
@@ -171,7 +219,7 @@ def read_skipped(root: str | os.PathLike, manifest: fmt.Manifest) -> list[dict[s
         return fmt.parse_skip_list(store.read(entry.file, entry.bytes + 1), entry, store.root)
 
 
-def read_warnings(root: str | os.PathLike, manifest: fmt.Manifest) -> np.ndarray:
+def read_warnings(root: Location, manifest: fmt.Manifest) -> np.ndarray:
     """Each record's count of decoder warnings (format 1.2); zeros for a dataset without the file."""
     entry = manifest.warnings
     if entry is None:
@@ -179,8 +227,8 @@ def read_warnings(root: str | os.PathLike, manifest: fmt.Manifest) -> np.ndarray
     with _opened(root) as store:
         data = store.read(entry.file, entry.bytes + 1)
     if len(data) != manifest.count * fmt.WARNING_DTYPE.itemsize:
-        raise DatasetError(f"{Path(root) / entry.file}: file is {len(data)} bytes, the manifest says {entry.bytes}; "
-                           "the dataset is damaged")
+        raise DatasetError(f"{str(root).rstrip('/')}/{entry.file}: file is {len(data)} bytes, the manifest says "
+                           f"{entry.bytes}; the dataset is damaged")
     return np.frombuffer(data, fmt.WARNING_DTYPE)
 
 
@@ -210,18 +258,24 @@ def is_dataset(path: str | os.PathLike) -> bool:
         return False
 
 
-def verify_checksums(root: str | os.PathLike, manifest: fmt.Manifest,
-                     progress: Callable[[int], None] | None = None) -> None:
+def verify_checksums(root: Location, manifest: fmt.Manifest, progress: Callable[[int], None] | None = None,
+                     cache_dir: str | os.PathLike | None = None) -> None:
     """Recompute every file's SHA-256 and check the manifest's own (format 1.2 on); raise
-    ChecksumError naming every damaged file."""
-    root = Path(root)
-    with _opened(root) as store:
+    ChecksumError naming every damaged file. A URL's files are its cached copies (fetched first
+    where missing), so a damaged one is named as the cached copy of its object."""
+    with _opened(root, cache_dir) as store:
         sealed = fmt.seal_problem(store.read(fmt.MANIFEST_FILE, fmt.MAX_MANIFEST_BYTES + 1), manifest, store.root)
-    bad = [f"{root / e.file}: SHA-256 is {digest}, the manifest says {e.sha256}; the file is damaged"
-           for e in manifest.files
-           if (digest := sha256_file(root / e.file, progress)) != e.sha256]
+        bad = [f"{_named(store, e.file)}: SHA-256 is {digest}, the manifest says {e.sha256}; the file is damaged"
+               for e in manifest.files
+               if (digest := sha256_fd(store.open(e.file, e.file), progress)) != e.sha256]
     bad = ([sealed] if sealed else []) + bad
     if bad:
         error = ChecksumError("\n".join(bad))
         error.problems = bad
         raise error
+
+
+def _named(store: DatasetStore, name: str) -> str:
+    """How messages name a file of `store`: its path, and for a cached copy the object it copies."""
+    local, at = store.local_folder() / name, f"{str(store.root).rstrip('/')}/{name}"
+    return str(local) if str(local) == at else f"{local} (the cached copy of {at})"

@@ -22,14 +22,15 @@ def summary(path: str | os.PathLike) -> dict[str, Any]:
     m = d.manifest
     counts = np.bincount(d.labels[d.labels >= 0], minlength=len(m.classes)) if m.classes else []
     return {
-        "path": str(Path(path).absolute()), "format_version": m.version, "records": m.count,
+        "path": os.fspath(path) if storage.is_url(path) else str(Path(path).absolute()),
+        "format_version": m.version, "records": m.count,
         "record_shape": list(m.record_shape), "dtype": "uint8", "labeled": m.labeled,
         "classes": {name: int(n) for name, n in zip(m.classes, counts)},
         "skipped": storage.read_skipped(d.root, m),
         "warned": [{"record": int(i), "source": d.source(int(i)), "warnings": int(n)}
                    for i, n in zip(*_warned(storage.read_warnings(d.root, m)))],
         "shards": len(m.shards), "records_per_shard": m.records_per_shard,
-        "bytes_on_disk": sum(f.bytes for f in m.files) + (d.root / fmt.MANIFEST_FILE).stat().st_size,
+        "bytes_on_disk": sum(f.bytes for f in m.files) + (d.local_root / fmt.MANIFEST_FILE).stat().st_size,
         "jpeg_decoder": m.compile.get("jpeg_decoder"), "compile": m.compile,
         "fields": [field_summary(f, d.fields[f.name]) for f in m.fields],
     }
