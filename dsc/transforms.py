@@ -32,6 +32,7 @@ from dsc.arguments import is_int
 from dsc.boxes import BoxDraws, BoxParams, boxes, draws, map_boxes
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INTERPOLATIONS = ("bilinear", "bicubic")
 
 
 class CropParams(NamedTuple):
@@ -282,9 +283,16 @@ class RandomResizedCrop(RandomTransform):
     """Crop each sample to its own random box and resize all boxes to `size` in one grid_sample.
 
     Boxes are drawn like torchvision's (area fraction in `scale`, aspect ratio log-uniform in
-    `ratio`, ten tries, then a centre crop) and are whole pixels. Resampling is bilinear without
-    antialiasing (torchvision's ``antialias=False``), in float32 (float64 input stays float64);
-    the output has the input's dtype, uint8 rounded to nearest.
+    `ratio`, ten tries, then a centre crop) and are whole pixels. Resampling is in float32 (float64
+    input stays float64); the output has the input's dtype, uint8 rounded to nearest.
+
+    `interpolation` ("bilinear", the default, or "bicubic") and `antialias` follow torch's
+    ``F.interpolate`` on each cropped box, which is what torchvision's tensor ``resized_crop`` does:
+    the default (bilinear, ``antialias=False``) is one ``grid_sample``; ``antialias=True`` widens the
+    filter by the downscale factor the way Pillow does (bicubic then matches Pillow's BICUBIC, the
+    reference recipe's ``RandomResizedCrop(..., interpolation=BICUBIC, antialias=True)``), and bicubic
+    without it is torch's a=-0.75 kernel. Those three resample through a per-sample weight matrix per
+    axis (two batched matmuls), costlier than the default on the CPU; the boxes are the same.
 
     ``original_sizes=True`` is for records compiled with ``--fit stretch``: call it with
     ``sizes=batch["size"]`` and each box is drawn by the same rules over the *original* image
@@ -298,15 +306,21 @@ class RandomResizedCrop(RandomTransform):
 
     def __init__(self, size: int | Sequence[int], scale: Sequence[float] = (0.08, 1.0),
                  ratio: Sequence[float] = (3 / 4, 4 / 3), *, original_sizes: bool = False,
+                 interpolation: str = "bilinear", antialias: bool = False,
                  generator: torch.Generator | None = None) -> None:
         super().__init__(generator)
         self.size = _size(size, "RandomResizedCrop")
         self.scale, self.ratio = _range(scale, "scale"), _range(ratio, "ratio")
-        if not isinstance(original_sizes, bool):
-            raise ValueError(f"RandomResizedCrop original_sizes must be True or False, got {original_sizes!r}")
-        self.original_sizes = original_sizes
+        for name, value in (("original_sizes", original_sizes), ("antialias", antialias)):
+            if not isinstance(value, bool):
+                raise ValueError(f"RandomResizedCrop {name} must be True or False, got {value!r}")
+        if interpolation not in INTERPOLATIONS:
+            raise ValueError(f"RandomResizedCrop interpolation must be one of {INTERPOLATIONS}, got {interpolation!r}")
+        self.original_sizes, self.interpolation, self.antialias = original_sizes, interpolation, antialias
         self._describe = (f"size={self.size}, scale={self.scale}, ratio={self.ratio}, "
                           f"original_sizes={original_sizes}")
+        if (interpolation, antialias) != ("bilinear", False):
+            self._describe += f", interpolation={interpolation!r}, antialias={antialias}"
 
     def draw(self, shape: Sequence[int], generator: torch.Generator | None = None) -> BoxParams | BoxDraws:
         """Boxes in the batch's pixels; with `original_sizes`, the raw draws (`apply` makes the boxes)."""
@@ -328,12 +342,14 @@ class RandomResizedCrop(RandomTransform):
                                  "boxes over the records and would ignore them. For records compiled with --fit "
                                  f"stretch make it RandomResizedCrop({self.size}, original_sizes=True); else leave "
                                  "sizes out")
-            return _resample(batch, to_device(torch.stack(params).to(work), batch.device).unbind(0), self.size)
+            box = to_device(torch.stack(params).to(work), batch.device).unbind(0)
+            return _resample(batch, box, self.size, self.interpolation, self.antialias)
         fits.need_stretch("RandomResizedCrop(original_sizes=True)", fits.of(batch, sizes),
                           f"RandomResizedCrop({self.size}), whose boxes are drawn over the records themselves")
         sizes = _check_sizes(sizes, batch, "RandomResizedCrop")
         box = boxes(BoxDraws(to_device(params.draws, batch.device)), sizes[:, 0], sizes[:, 1], self.ratio)
-        return _resample(batch, map_boxes(box, sizes, batch.shape[2:], work), self.size)
+        box = map_boxes(box, sizes, batch.shape[2:], work)
+        return _resample(batch, box, self.size, self.interpolation, self.antialias)
 
     def __call__(self, batch: torch.Tensor, generator: torch.Generator | None = None, *,
                  sizes: torch.Tensor | None = None) -> torch.Tensor:
@@ -350,16 +366,63 @@ def _check_sizes(sizes: object, batch: torch.Tensor, who: str) -> torch.Tensor:
     return to_device(sizes, batch.device)
 
 
-def _resample(batch: torch.Tensor, box: Sequence[torch.Tensor], size: tuple[int, int]) -> torch.Tensor:
-    """Resample each sample's (top, left, height, width) box (device tensors, float) to `size` in
-    one grid_sample; bilinear without antialiasing, the input's dtype (uint8 rounded)."""
+def _cubic(x: torch.Tensor, a: float) -> torch.Tensor:
+    """Keys' cubic convolution kernel (support 2): a=-0.5 is Pillow's BICUBIC, a=-0.75 torch's."""
+    x = x.abs()
+    near = ((a + 2) * x - (a + 3)) * x * x + 1
+    far = ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+    return torch.where(x < 1, near, torch.where(x < 2, far, torch.zeros_like(x)))
+
+
+def _weights(start: torch.Tensor, length: torch.Tensor, out: int, size: int, interpolation: str,
+             antialias: bool) -> torch.Tensor:
+    """Per-sample resampling matrices [B, out, size] along one axis: row i holds the weights of
+    the source pixels for output pixel i of the box [start, start + length), which is resized to
+    `out` pixels. Source pixels outside the box get no weight, as when the box is cut out first.
+
+    antialias: Pillow's (and torch's antialiased) filter: the kernel is stretched by the downscale
+    factor and each row renormalised over the box. Without it, torch's F.interpolate: taps around
+    the source position, indices clamped to the box (replicated edge)."""
+    dtype, device = start.dtype, start.device
+    scale = (length / out)[:, None, None]                                        # [B, 1, 1]
+    centre = start[:, None, None] + (torch.arange(out, device=device, dtype=dtype)[None, :, None] + 0.5) * scale
+    first = start.floor()[:, None, None]
+    last = ((start + length).ceil() - 1).clamp(max=size - 1)[:, None, None]
+    pixels = torch.arange(size, device=device, dtype=dtype)[None, None, :]      # [1, 1, size]
+    inside = (pixels >= first) & (pixels <= last)
+    if antialias:
+        stretch = scale.clamp(min=1.0)
+        x = (pixels + 0.5 - centre) / stretch
+        w = (1 - x.abs()).clamp(min=0) if interpolation == "bilinear" else _cubic(x, -0.5)
+        w = w * inside
+        return w / w.sum(dim=2, keepdim=True)
+    # torch's bicubic (a=-0.75): four taps at floor(real) - 1 .. + 2, indices clamped to the box
+    real = centre - 0.5
+    base = real.floor()
+    w = torch.zeros(start.shape[0], out, size, device=device, dtype=dtype)
+    for k in (-1, 0, 1, 2):
+        index = (base + k).clamp(min=first, max=last).long().expand(-1, out, 1)
+        w.scatter_add_(2, index, _cubic(real - (base + k), -0.75).expand(-1, out, 1))
+    return w
+
+
+def _resample(batch: torch.Tensor, box: Sequence[torch.Tensor], size: tuple[int, int],
+              interpolation: str = "bilinear", antialias: bool = False) -> torch.Tensor:
+    """Resample each sample's (top, left, height, width) box (device tensors, float) to `size`,
+    the input's dtype (uint8 rounded). Bilinear without antialiasing is one grid_sample; the other
+    modes apply per-sample separable weight matrices (`_weights`) as two batched matmuls."""
     top, left, h, w = box
     work = top.dtype
-    ys = _grid_axis(top, h, size[0], batch.shape[2])
-    xs = _grid_axis(left, w, size[1], batch.shape[3])
-    grid = torch.empty(*ys.shape, xs.shape[1], 2, device=batch.device, dtype=work)  # [B, h, w, (x, y)]
-    grid[..., 0], grid[..., 1] = xs[:, None, :], ys[:, :, None]
-    out = F.grid_sample(batch.to(work), grid, mode="bilinear", padding_mode="border", align_corners=False)
+    if interpolation == "bilinear" and not antialias:
+        ys = _grid_axis(top, h, size[0], batch.shape[2])
+        xs = _grid_axis(left, w, size[1], batch.shape[3])
+        grid = torch.empty(*ys.shape, xs.shape[1], 2, device=batch.device, dtype=work)  # [B, h, w, (x, y)]
+        grid[..., 0], grid[..., 1] = xs[:, None, :], ys[:, :, None]
+        out = F.grid_sample(batch.to(work), grid, mode="bilinear", padding_mode="border", align_corners=False)
+    else:
+        rows = _weights(top, h, size[0], batch.shape[2], interpolation, antialias)    # [B, out_h, H]
+        cols = _weights(left, w, size[1], batch.shape[3], interpolation, antialias)   # [B, out_w, W]
+        out = rows[:, None] @ (batch.to(work) @ cols.transpose(1, 2)[:, None])       # [B, C, out_h, out_w]
     if not batch.is_floating_point():
         info = torch.iinfo(batch.dtype)
         out = out.round_().clamp_(info.min, info.max)

@@ -30,6 +30,8 @@ TINY = {
     "benchmarks/startup_bench.py": ["--repeat", "1"],
     "benchmarks/peer_bench.py": ["--images", "12", "--size", "32", "--epochs", "2", "--repeat", "1", "--peers"],
     "examples/train.py": ["--steps", "2", "--data", "{tmp}/train_ds"],
+    "examples/imagenet_recipe.py": ["--steps", "2", "--size", "40", "--crop", "32", "--batch-size", "8",
+                                    "--data", "{tmp}/recipe_ds"],
     "examples/frameworks/lightning_train.py": ["--epochs", "1", "--max-steps", "2", "--checkpoint-dir",
                                                "{tmp}/checkpoints"],
 }

@@ -180,6 +180,61 @@ def test_resized_crop_matches_interpolate_reference(size):
     assert diff.max() <= 1 and (diff > 0).float().mean() < 0.01
 
 
+def ref_pillow(x, params, size, resample):
+    """Pillow, sample by sample: cut the box out, then resize it (what torchvision does on PIL images).
+    uint8 batches go through Pillow's RGB path, float ones channel by channel through its float
+    ("F") path, which has no 8-bit rounding between its horizontal and vertical passes."""
+    out = []
+    for b, (t, s, h, w) in enumerate(zip(*(p.tolist() for p in params))):
+        box, wh = (s, t, s + w, t + h), (size[1], size[0])
+        if x.dtype == torch.uint8:
+            image = Image.fromarray(x[b].permute(1, 2, 0).contiguous().numpy()).crop(box).resize(wh, resample)
+            out.append(torch.from_numpy(np.array(image)).permute(2, 0, 1))
+        else:
+            planes = [np.array(Image.fromarray(c.float().numpy(), mode="F").crop(box).resize(wh, resample))
+                      for c in x[b]]
+            out.append(torch.from_numpy(np.stack(planes)).to(x.dtype))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("interpolation, resample", [("bicubic", Image.BICUBIC), ("bilinear", Image.BILINEAR)])
+@pytest.mark.parametrize("size", [(16, 16), (9, 40), (40, 12)])  # down, mixed, up
+def test_antialiased_resized_crop_matches_pillow_on_the_same_boxes(interpolation, resample, size):
+    """antialias=True is Pillow's resampling (the reference recipe's bicubic, antialiased crop):
+    equal to Pillow's float path; within Pillow's own 8-bit rounding of its uint8 path."""
+    x = batch(b=8, h=40, w=56)
+    t = RandomResizedCrop(size, scale=(0.05, 1.0), interpolation=interpolation, antialias=True)
+    params = t.draw(x.shape, seeded(4))
+    torch.testing.assert_close(t.apply(x.double(), params), ref_pillow(x.double(), params, size, resample),
+                               rtol=0, atol=1e-3)
+    out = t.apply(x, params)
+    diff = (out.int() - ref_pillow(x, params, size, resample).int()).abs()
+    assert out.dtype == torch.uint8 and out.is_contiguous(memory_format=torch.channels_last)
+    assert diff.max() <= 3 and diff.float().mean() < 0.3  # Pillow rounds to 8 bits between its two passes
+    reference = [F.interpolate(x[b:b + 1, :, p[0]:p[0] + p[2], p[1]:p[1] + p[3]].double(), size=size,
+                               mode=interpolation, antialias=True, align_corners=False)[0]
+                 for b, p in enumerate(zip(*(v.tolist() for v in params)))]
+    torch.testing.assert_close(t.apply(x.double(), params), torch.stack(reference), rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("size", [(16, 16), (9, 40), (40, 12)])
+def test_bicubic_resized_crop_without_antialias_matches_interpolate(size):
+    x, t = batch(b=8), RandomResizedCrop(size, scale=(0.05, 1.0), interpolation="bicubic")
+    params = t.draw(x.shape, seeded(5))
+    reference = [F.interpolate(x[b:b + 1, :, p[0]:p[0] + p[2], p[1]:p[1] + p[3]].double(), size=size,
+                               mode="bicubic", antialias=False, align_corners=False)[0]
+                 for b, p in enumerate(zip(*(v.tolist() for v in params)))]
+    torch.testing.assert_close(t.apply(x.double(), params), torch.stack(reference), rtol=0, atol=1e-9)
+
+
+def test_resized_crop_default_is_bilinear_without_antialias_and_others_differ():
+    x = batch(b=8, h=40, w=56)
+    default = RandomResizedCrop(12)(x, seeded(6))
+    assert torch.equal(default, RandomResizedCrop(12, interpolation="bilinear", antialias=False)(x, seeded(6)))
+    for options in ({"interpolation": "bicubic"}, {"antialias": True}):
+        assert not torch.equal(default, RandomResizedCrop(12, **options)(x, seeded(6)))
+
+
 def test_resized_crop_of_float_batch_keeps_dtype_and_layout():
     x = batch(channels_last=False).half()
     out = RandomResizedCrop(10)(x, seeded())
@@ -241,6 +296,8 @@ def test_params_must_fit_the_batch():
     (lambda: RandomResizedCrop(8, scale=(0.0, 1.0)), "scale must be"),
     (lambda: RandomResizedCrop(8, ratio=(1.0,)), "ratio must be"),
     (lambda: RandomResizedCrop(8, ratio=(-1.0, 2.0)), "ratio must be"),
+    (lambda: RandomResizedCrop(8, interpolation="nearest"), "interpolation must be one of"),
+    (lambda: RandomResizedCrop(8, antialias=1), "antialias must be True or False"),
     (lambda: Compose([RandomCrop(4), "flip"]), "callables"),
 ])
 def test_bad_arguments_raise_value_error(make, match):
