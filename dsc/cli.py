@@ -207,9 +207,10 @@ def compile_command(
                    err=True)
     for f in inspect_summary(out)["fields"] if summary.fields else []:
         typer.echo(f"field {f['name']}: {_describe_field(f)}", err=True)
-    for name in summary.empty_classes:
-        typer.echo(f"note: class {name!r} has no images (its label index is kept)" if labels is not None else
-                   f"note: class folder {name!r} has no images (its label is kept)", err=True)
+    for name in summary.empty_classes:  # a vocabulary's class may have no folder at all (--classes, --classes-from)
+        typer.echo(f"note: class folder {name!r} has no images (its label is kept)"
+                   if labels is None and (src / name).is_dir() else
+                   f"note: class {name!r} has no images (its label index is kept)", err=True)
     h, w, c = summary.record_shape
     typer.echo(f"wrote {out}: {_count(summary.kept, 'record')} of {h}x{w}x{c} uint8 in {summary.shards} shard(s), "
                f"{_count(len(summary.classes), 'class', 'classes')}, {len(summary.skipped)} skipped, "

@@ -115,7 +115,12 @@ def test_the_cli_takes_classes_from_a_list_a_file_or_a_dataset(tmp_path: Path) -
         result = runner.invoke(app, ["compile", str(tmp_path / "src"), str(out), "--size", "8", "-j", "1", *args])
         assert result.exit_code == 0, result.output
         assert MemmapDataset(out).classes == ["cat", "bird", "emu"]
-        assert "class folder 'emu' has no images (its label is kept)" in result.stderr
+        assert "note: class 'emu' has no images (its label index is kept)\n" in result.stderr  # no folder emu
+        assert "folder" not in result.stderr
+    (tmp_path / "src" / "emu").mkdir()  # an empty class folder is called one
+    result = runner.invoke(app, ["compile", str(tmp_path / "src"), str(tmp_path / "empty"), "--size", "8", "-j", "1"])
+    assert result.exit_code == 0, result.output
+    assert "note: class folder 'emu' has no images (its label is kept)\n" in result.stderr
     result = runner.invoke(app, ["compile", str(tmp_path / "src"), str(tmp_path / "again"), "--size", "8",
                                  "--classes-from", str(out)])
     assert result.exit_code == 0 and MemmapDataset(tmp_path / "again").classes == ["cat", "bird", "emu"]
