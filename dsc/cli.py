@@ -36,7 +36,7 @@ from dsc.tools.sheet import pick_records, save_sheet
 from dsc.version import __version__
 
 SHOW_SKIPPED = 20  # skipped files listed by `dsc info` before "... and N more"
-SHOW_CLASSES = 20  # classes of a field listed with their counts
+SHOW_CLASSES = 20  # classes (of the label, of a field) listed with their counts before "..."
 DECODE_MEAN_LIMIT = 1.0  # `verify --decode`: the same pipeline gives identical pixels; allow other builds' rounding
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
@@ -315,7 +315,11 @@ def info_command(
     typer.echo(f"{s['path']}: dsc format {s['format_version']}, {s['records']} records of {h}x{w}x{c} uint8, "
                f"{s['shards']} shard(s) of up to {s['records_per_shard']}, {_human_bytes(s['bytes_on_disk'])} on disk")
     if s["labeled"]:
-        typer.echo(f"{len(s['classes'])} classes: " + ", ".join(f"{_clean(k)} ({n})" for k, n in s["classes"].items()))
+        shown = list(s["classes"].items())[:SHOW_CLASSES]
+        more = len(s["classes"]) - len(shown)
+        typer.echo(f"{len(s['classes'])} classes: " + ", ".join(f"{_clean(k)} ({n})" for k, n in shown)
+                   + (f", ... and {more} more (dsc info --json lists them all)" if more else "")
+                   + (f"; {s['unlabeled']} record(s) without a label (-1)" if s["unlabeled"] else ""))
     else:
         typer.echo("unlabeled (every label is -1)")
     for f in s["fields"]:
