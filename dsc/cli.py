@@ -36,7 +36,7 @@ from dsc.tools.sheet import pick_records, save_sheet
 from dsc.version import __version__
 
 SHOW_SKIPPED = 20  # skipped files listed by `dsc info` before "... and N more"
-SHOW_CLASSES = 20  # classes of a field listed with their counts
+SHOW_CLASSES = 20  # classes (of the label, of a field) listed with their counts before "..."
 DECODE_MEAN_LIMIT = 1.0  # `verify --decode`: the same pipeline gives identical pixels; allow other builds' rounding
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
@@ -207,9 +207,10 @@ def compile_command(
                    err=True)
     for f in inspect_summary(out)["fields"] if summary.fields else []:
         typer.echo(f"field {f['name']}: {_describe_field(f)}", err=True)
-    for name in summary.empty_classes:
-        typer.echo(f"note: class {name!r} has no images (its label index is kept)" if labels is not None else
-                   f"note: class folder {name!r} has no images (its label is kept)", err=True)
+    for name in summary.empty_classes:  # a vocabulary's class may have no folder at all (--classes, --classes-from)
+        typer.echo(f"note: class folder {name!r} has no images (its label is kept)"
+                   if labels is None and (src / name).is_dir() else
+                   f"note: class {name!r} has no images (its label index is kept)", err=True)
     h, w, c = summary.record_shape
     typer.echo(f"wrote {out}: {_count(summary.kept, 'record')} of {h}x{w}x{c} uint8 in {summary.shards} shard(s), "
                f"{_count(len(summary.classes), 'class', 'classes')}, {len(summary.skipped)} skipped, "
@@ -316,7 +317,11 @@ def info_command(
     typer.echo(f"{s['path']}: dsc format {s['format_version']}, {s['records']} records of {h}x{w}x{c} uint8, "
                f"{s['shards']} shard(s) of up to {s['records_per_shard']}, {_human_bytes(s['bytes_on_disk'])} on disk")
     if s["labeled"]:
-        typer.echo(f"{len(s['classes'])} classes: " + ", ".join(f"{_clean(k)} ({n})" for k, n in s["classes"].items()))
+        shown = list(s["classes"].items())[:SHOW_CLASSES]
+        more = len(s["classes"]) - len(shown)
+        typer.echo(f"{len(s['classes'])} classes: " + ", ".join(f"{_clean(k)} ({n})" for k, n in shown)
+                   + (f", ... and {more} more (dsc info --json lists them all)" if more else "")
+                   + (f"; {s['unlabeled']} record(s) without a label (-1)" if s["unlabeled"] else ""))
     else:
         typer.echo("unlabeled (every label is -1)")
     for f in s["fields"]:

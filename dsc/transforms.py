@@ -163,14 +163,16 @@ def to_device(params: torch.Tensor, device: torch.device) -> torch.Tensor:
 def _check_unit(mean: torch.Tensor, std: torch.Tensor) -> None:
     """Refuse 0..255 statistics (FFCV's and DALI's unit): on pixels scaled to 0..1 they give nearly
     constant output, and training goes on without a word."""
-    if ((mean >= 0) & (mean <= 1)).all() and (std <= 1).all():
+    mean_ok, std_ok = bool(((mean >= 0) & (mean <= 1)).all()), bool((std <= 1).all())
+    if mean_ok and std_ok:
         return
-    def scaled(values: torch.Tensor) -> tuple[float, ...]:
-        return tuple(round(v / 255, 4) for v in values.tolist())
+    def scaled(values: torch.Tensor, ok: bool) -> tuple[float, ...]:  # only what is out of the unit is divided
+        return tuple(v if ok else round(v / 255, 4) for v in values.tolist())
 
     raise ValueError(f"Normalize takes mean and std in 0..1 units (pixel / 255, torchvision's), got mean="
                      f"{tuple(mean.tolist())}, std={tuple(std.tolist())}; for 0..255 values (FFCV's, DALI's) divide "
-                     f"them by 255: mean={scaled(mean)}, std={scaled(std)}")
+                     f"{'them' if not (mean_ok or std_ok) else 'mean' if std_ok else 'std'} by 255: "
+                     f"mean={scaled(mean, mean_ok)}, std={scaled(std, std_ok)}")
 
 
 class Normalize(Transform):

@@ -115,7 +115,12 @@ def test_the_cli_takes_classes_from_a_list_a_file_or_a_dataset(tmp_path: Path) -
         result = runner.invoke(app, ["compile", str(tmp_path / "src"), str(out), "--size", "8", "-j", "1", *args])
         assert result.exit_code == 0, result.output
         assert MemmapDataset(out).classes == ["cat", "bird", "emu"]
-        assert "class folder 'emu' has no images (its label is kept)" in result.stderr
+        assert "note: class 'emu' has no images (its label index is kept)\n" in result.stderr  # no folder emu
+        assert "folder" not in result.stderr
+    (tmp_path / "src" / "emu").mkdir()  # an empty class folder is called one
+    result = runner.invoke(app, ["compile", str(tmp_path / "src"), str(tmp_path / "empty"), "--size", "8", "-j", "1"])
+    assert result.exit_code == 0, result.output
+    assert "note: class folder 'emu' has no images (its label is kept)\n" in result.stderr
     result = runner.invoke(app, ["compile", str(tmp_path / "src"), str(tmp_path / "again"), "--size", "8",
                                  "--classes-from", str(out)])
     assert result.exit_code == 0 and MemmapDataset(tmp_path / "again").classes == ["cat", "bird", "emu"]
@@ -558,6 +563,13 @@ def test_integer_labels_are_stored_as_given(flat, tmp_path: Path) -> None:
     assert_roundtrip(src, tmp_path / "out")
     result = runner.invoke(app, ["verify", str(tmp_path / "out")])
     assert result.exit_code == 0, result.output
+    info = runner.invoke(app, ["info", str(tmp_path / "out")])  # the -1 records counted, not 70,001 names listed
+    assert info.exit_code == 0 and len(info.stdout) < 2000, info.stdout[:2000]
+    assert "70001 classes: 0 (3), 1 (0), 2 (0), 3 (3), 4 (0), 5 (2), 6 (0)" in info.stdout
+    assert "19 (0), ... and 69981 more (dsc info --json lists them all); 2 record(s) without a label (-1)\n" \
+        in info.stdout
+    data = json.loads(runner.invoke(app, ["info", str(tmp_path / "out"), "--json"]).stdout)
+    assert len(data["classes"]) == 70001 and data["unlabeled"] == 2 and sum(data["classes"].values()) == 10
     dsc.compile_folder(src, tmp_path / "named", size=8, workers=1, labels=table, columns={"label": "class"})
     assert MemmapDataset(tmp_path / "named").classes == ["-1", "0", "3", "5", "70000"]
 

@@ -106,6 +106,13 @@ def test_normalize_refuses_0_to_255_statistics_naming_the_unit():
     for mean, std in [(ffcv_mean, STD), (MEAN, ffcv_std), ((-0.1, 0.5, 0.5), STD), (MEAN, (1.5, 0.2, 0.2))]:
         with pytest.raises(ValueError, match="0..1 units"):
             Normalize(mean, std)
+    # one of the two in 0..255: only that one is to be divided (not the mean already in 0..1)
+    with pytest.raises(ValueError, match=r"divide std by 255: mean=\(0\.485, 0\.456, 0\.406\), "
+                                         r"std=\(0\.229, 0\.224, 0\.225\)"):
+        Normalize(MEAN, ffcv_std)
+    with pytest.raises(ValueError, match=r"divide mean by 255: mean=\(0\.485, 0\.456, 0\.406\), "
+                                         r"std=\(0\.229, 0\.224, 0\.225\)"):
+        Normalize(ffcv_mean, STD)
     out = Normalize((0.0, 0.5, 1.0), (1.0, 1.0, 1.0))(batch())  # the edges of the unit are fine
     assert torch.isfinite(out).all()
 

@@ -26,6 +26,7 @@ def summary(path: str | os.PathLike) -> dict[str, Any]:
         "format_version": m.version, "records": m.count,
         "record_shape": list(m.record_shape), "dtype": "uint8", "labeled": m.labeled,
         "classes": {name: int(n) for name, n in zip(m.classes, counts)},
+        "unlabeled": int(np.count_nonzero(d.labels < 0)),  # label -1: every record of an unlabeled dataset
         "skipped": storage.read_skipped(d.root, m),
         "warned": [{"record": int(i), "source": d.source(int(i)), "warnings": int(n)}
                    for i, n in zip(*_warned(storage.read_warnings(d.root, m)))],
