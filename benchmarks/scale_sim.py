@@ -117,7 +117,8 @@ HEADER = (f"{'N':>2} {'order':<13} {'shards/rank':>11} {'files/rank':>10} {'page
 
 def row(world: int, name: str, r: dict[str, float], rate: float, record_bytes: int) -> str:
     mb = "".join(f" {r[k] / 1e6:>8.1f}MB" for k in ("files", "pages", "node files", "node pages"))
-    return (f"{world:>2} {name:<13} {r['shards']:>11.1f}{mb} {r['kept']:>5.0%} {r['classes']:>7.2f} "
+    kept = "n/a" if np.isnan(r["kept"]) else f"{r['kept']:.0%}"  # one epoch: no epoch before it to keep from
+    return (f"{world:>2} {name:<13} {r['shards']:>11.1f}{mb} {kept:>5} {r['classes']:>7.2f} "
             f"{r['bits']:>5.2f} {rate:>9.0f} {rate * record_bytes / 1e9:>5.2f}")
 
 
