@@ -28,6 +28,7 @@ TINY = {
                                     "--resume-engine", "", "--root", "{tmp}/scale"],
     "benchmarks/scale_sim.py": ["--ranks", "2", "--batch", "4", "--epochs", "1", "--repeat", "1"],
     "benchmarks/startup_bench.py": ["--repeat", "1"],
+    "benchmarks/reader_ab.py": ["--rounds", "1", "--epochs", "2", "--batch", "4"],
     "benchmarks/peer_bench.py": ["--images", "12", "--size", "32", "--epochs", "2", "--repeat", "1", "--peers"],
     "examples/train.py": ["--steps", "2", "--data", "{tmp}/train_ds"],
     "examples/imagenet_recipe.py": ["--steps", "2", "--size", "40", "--crop", "32", "--batch-size", "8",
@@ -35,7 +36,8 @@ TINY = {
     "examples/frameworks/lightning_train.py": ["--epochs", "1", "--max-steps", "2", "--checkpoint-dir",
                                                "{tmp}/checkpoints"],
 }
-PATHS = {"/tmp/corpus": "{tmp}/corpus", "/tmp/scale_ds": "{tmp}/scale_ds", "out/": "{tmp}/dataset"}
+PATHS = {"/tmp/corpus": "{tmp}/corpus", "/tmp/scale_ds": "{tmp}/scale_ds", "out/": "{tmp}/dataset",
+         "/tmp/ab_ds": "{tmp}/dataset", "/tmp/dsc-old": str(ROOT)}  # reader_ab: this checkout against itself
 
 
 def shown_commands() -> list[str]:
