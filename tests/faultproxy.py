@@ -21,6 +21,7 @@ import http.client
 import http.server
 import ipaddress
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -63,7 +64,7 @@ class FaultProxy:
         self.seen: list[Seen] = []
         self.connections: set[socket.socket] = set()
         self.port = 0
-        self.server: http.server.ThreadingHTTPServer | None = None
+        self.server: _Server | None = None
         self.thread: threading.Thread | None = None
         self.start()
 
@@ -79,7 +80,7 @@ class FaultProxy:
         class Handler(_Handler):
             owner = proxy
 
-        server = http.server.ThreadingHTTPServer((HOST, self.port), Handler, bind_and_activate=False)
+        server = _Server((HOST, self.port), Handler, bind_and_activate=False)
         server.allow_reuse_address = True  # restart() binds the port the killed server held
         server.daemon_threads = True
         server.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -151,6 +152,14 @@ class FaultProxy:
                     self.faults.remove(hit)
             self.seen.append(Seen(method, path, hit.kind if hit else "forwarded"))
             return hit
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    def handle_error(self, request, client_address) -> None:
+        """Quiet about connections the client (or a fault) closed: a late answer to a client that gave
+        up is the point of `delay`; anything else is printed as usual."""
+        if not isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
+            super().handle_error(request, client_address)
 
 
 def _cut(conn: socket.socket) -> None:
