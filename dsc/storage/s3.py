@@ -39,7 +39,8 @@ EXTRA = "pip install 'dsc-images[s3]'"
 ATTEMPTS = 4  # tries of one request before giving up (timeouts, 5xx, refused or reset connections)
 BACKOFF_S = 0.25  # the pause before try k + 1 is BACKOFF_S * 2**(k - 1)
 CONNECT_TIMEOUT = "5s"
-REQUEST_TIMEOUT = "120s"  # one ranged GET of PIECE_BYTES, start to end
+REQUEST_TIMEOUT_S = 120.0  # one ranged GET of PIECE_BYTES, start to end; $DSC_S3_TIMEOUT overrides it
+TIMEOUT_ENV = "DSC_S3_TIMEOUT"
 PIECE_BYTES = 32 << 20  # a download is a run of ranged GETs of this size, each retried on its own
 FETCHES = 2  # downloads of a file whose bytes do not match the manifest, before it is an error
 LOCK_SUFFIX = ".lock"
@@ -86,7 +87,7 @@ def _client_options() -> tuple[dict[str, Any], dict[str, Any]]:
     """(S3 config, client options) from the standard AWS environment: the endpoint (plain http only to
     a loopback address), timeouts; credentials and region obstore reads from the environment itself."""
     config: dict[str, Any] = {}
-    options: dict[str, Any] = {"connect_timeout": CONNECT_TIMEOUT, "timeout": REQUEST_TIMEOUT}
+    options: dict[str, Any] = {"connect_timeout": CONNECT_TIMEOUT, "timeout": f"{_request_timeout() * 1000:.0f}ms"}
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     if endpoint:
         parts = urlsplit(endpoint)
@@ -99,6 +100,20 @@ def _client_options() -> tuple[dict[str, Any], dict[str, Any]]:
             raise StorageError(f"AWS_ENDPOINT_URL={endpoint}: expected an http(s):// URL")
         config["endpoint"] = endpoint
     return config, options
+
+
+def _request_timeout() -> float:
+    """Seconds one request may take, start to end: $DSC_S3_TIMEOUT (a positive number), else 120."""
+    text = os.environ.get(TIMEOUT_ENV)
+    if not text:
+        return REQUEST_TIMEOUT_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not 0.001 <= seconds < 1e6:
+        raise StorageError(f"{TIMEOUT_ENV}={text}: expected seconds per request, a positive number")
+    return seconds
 
 
 def _forked() -> bool:
@@ -132,6 +147,26 @@ def _first_line(e: BaseException) -> str:
 
 
 _STATUS = re.compile(r"status code: (\d{3})")  # how obstore's message gives an HTTP status
+_STATUS_LINE = re.compile(r"status code: (\d{3}[^:\n]*)")  # "503 Service Unavailable"
+_S3_CODE = re.compile(r"<Code>([^<]{1,64})</Code>")  # the S3 error XML's code, e.g. SlowDown
+
+
+def _describe(e: BaseException) -> str:
+    """One line on what went wrong with a request: the HTTP status and the S3 error code, a timeout
+    with its limit, a connection cut mid-answer; else the first line of obstore's message."""
+    text = str(e)
+    status = _STATUS_LINE.search(text)
+    if status is not None:
+        code = _S3_CODE.search(text)
+        return f"HTTP {status.group(1).strip()}" + (f" ({code.group(1)})" if code else "")
+    if "kind: Timeout" in text or "TimedOut" in text:
+        return (f"no complete answer within {_request_timeout():g} s (the limit per request; "
+                f"${TIMEOUT_ENV} sets it)")
+    if "ConnectionRefused" in text or "Connection refused" in text:
+        return "connection refused (nothing listens at the endpoint)"
+    if "body error" in text:
+        return "the connection was cut in the middle of the answer"
+    return _first_line(e)
 
 
 def _permanent(e: BaseException) -> bool:
@@ -405,12 +440,12 @@ class S3Dataset:
                 raise
             except Exception as e:  # obstore's errors: connection, timeout, HTTP status
                 if _permanent(e):
-                    raise StorageError(f"{self._at(name)}: {what} refused: {_first_line(e)}") from e
+                    raise StorageError(f"{self._at(name)}: {what} refused: {_describe(e)}") from e
                 last = e
             if attempt < ATTEMPTS:
                 time.sleep(BACKOFF_S * 2 ** (attempt - 1))
         raise StorageError(f"{self._at(name)}: {what} failed {ATTEMPTS} times in {time.monotonic() - began:.1f} s; "
-                           f"last: {_first_line(last)}") from last
+                           f"last: {_describe(last)}") from last
 
     def _forked_error(self, name: str) -> StorageError:
         return StorageError(f"{self._at(name)}: not in the cache {self.cache}, and this process cannot reach the "

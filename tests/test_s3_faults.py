@@ -1,0 +1,200 @@
+"""Faults between dsc and a real S3 server (moto's, or $DSC_TEST_S3_ENDPOINT), made by a loopback
+proxy of our own (tests/faultproxy.py): 503 SlowDown and connections cut mid-answer are retried
+and the dataset serves the same batches; a persistent 503, a slow endpoint and a server killed
+mid-download are one clear error within seconds that names the object and the tries, with nothing
+partial left in the cache; a later open, the server back, completes. Retries are counted at the
+proxy (what the server side saw), not by dsc's word."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsc import MemmapDataset
+from dsc import format as fmt
+from dsc.errors import StorageError
+from dsc.reader import order as orders
+from dsc.storage import s3
+
+from conftest import tiny_dataset
+from s3server import S3Server  # skips this module when the server packages are missing
+
+from faultproxy import FaultProxy  # isort: skip (after s3server, which may skip the module)
+
+BUCKET = "dsc-fault-tests"
+QUICK_S = 10  # ATTEMPTS tries with their pauses (0.25 + 0.5 + 1 s) fit well within this
+
+
+@pytest.fixture(scope="module")
+def server():
+    running = S3Server()
+    running.create_bucket(BUCKET)
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def proxy_running(server: S3Server):
+    running = FaultProxy(server.endpoint)
+    yield running
+    running.kill()
+
+
+@pytest.fixture
+def proxy(proxy_running: FaultProxy) -> FaultProxy:
+    """The proxy, listening, with no faults armed."""
+    proxy_running.clear()
+    if proxy_running.server is None:
+        proxy_running.start()
+    return proxy_running
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory):
+    return tiny_dataset(tmp_path_factory.mktemp("s3-faults-local"), seed=5, records_per_shard=5)  # 24 records
+
+
+@pytest.fixture
+def env(server: S3Server, proxy: FaultProxy, monkeypatch, tmp_path: Path) -> Path:
+    """The AWS environment pointing dsc at the proxy (not the server), and a fresh cache (returned)."""
+    for name, value in server.env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    monkeypatch.delenv(s3.TIMEOUT_ENV, raising=False)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("DSC_CACHE_DIR", str(cache))
+    return cache
+
+
+_uploads = iter(range(1 << 30))
+
+
+@pytest.fixture
+def url(server: S3Server, local) -> str:
+    return server.upload(local.path, BUCKET, f"faults/tiny-{next(_uploads)}")
+
+
+def key(url: str, name: str) -> str:
+    """The request path of a dataset file (path-style: /bucket/prefix/name)."""
+    return f"/{url.removeprefix('s3://')}/{name}"
+
+
+def same_batches(remote: MemmapDataset, local: MemmapDataset) -> None:
+    for order in orders.ORDERS:
+        got = [{k: v.clone() for k, v in b.items() if isinstance(v, torch.Tensor)}
+               for b in remote.loader(5, order=order, seed=3)]
+        want = [{k: v.clone() for k, v in b.items() if isinstance(v, torch.Tensor)}
+                for b in local.loader(5, order=order, seed=3)]
+        assert len(got) == len(want) == 5
+        for g, w in zip(got, want):
+            assert g.keys() == w.keys() and all(torch.equal(g[k], w[k]) for k in w)
+
+
+def leftovers(cache: Path) -> list[str]:
+    return sorted(p.name for p in cache.rglob("*.tmp"))
+
+
+# ----------------------------------------------------------------------------- transient faults
+
+@pytest.mark.parametrize("fault", ["slow_down", "drop"])
+def test_a_transient_fault_is_retried_and_the_batches_are_identical(env: Path, url: str, local, proxy: FaultProxy,
+                                                                     fault: str) -> None:
+    shard = fmt.shard_file(2)
+    getattr(proxy, fault)(2, match=key(url, shard))  # the next two GETs of shard 2 fail, the third succeeds
+    remote = MemmapDataset(url, cache_dir=env)
+    assert proxy.count("GET", key(url, shard), action=fault) == 2  # the server side saw both failures...
+    assert proxy.count("GET", key(url, shard), action="forwarded") == 1  # ...and then one good answer
+    assert proxy.count("GET", key(url, fmt.shard_file(1))) == 1  # the other files: one GET each
+    same_batches(remote, local)
+    assert leftovers(env) == []
+
+
+def test_a_short_delay_within_the_timeout_is_no_error(env: Path, url: str, local, proxy: FaultProxy,
+                                                       monkeypatch) -> None:
+    monkeypatch.setenv(s3.TIMEOUT_ENV, "5")
+    proxy.delay(0.5, 1, match=key(url, fmt.shard_file(0)))
+    same_batches(MemmapDataset(url, cache_dir=env), local)
+    assert proxy.count("GET", key(url, fmt.shard_file(0))) == 1  # answered late, not retried
+
+
+# ----------------------------------------------------------------------------- persistent faults
+
+def test_a_persistent_503_is_one_clear_error_naming_the_object_and_the_tries(env: Path, url: str,
+                                                                             proxy: FaultProxy) -> None:
+    shard = fmt.shard_file(1)
+    proxy.slow_down(1000, match=key(url, shard))
+    began = time.monotonic()
+    with pytest.raises(StorageError) as raised:
+        MemmapDataset(url, cache_dir=env)
+    took = time.monotonic() - began
+    message = str(raised.value)
+    assert message.splitlines() == [message]  # one line
+    assert message.startswith(f"{url}/{shard}: GET failed {s3.ATTEMPTS} times in "), message
+    assert message.endswith("; last: HTTP 503 Service Unavailable (SlowDown)"), message
+    assert proxy.count("GET", key(url, shard)) == s3.ATTEMPTS  # tried exactly that often, no more
+    assert 0.25 + 0.5 + 1 <= took < QUICK_S  # with the pauses between tries, and bounded
+    assert not list(env.rglob(shard.split("/")[-1])) and leftovers(env) == []
+
+
+def test_a_slow_endpoint_beyond_the_timeout_is_a_clear_error_not_a_hang(env: Path, url: str, proxy: FaultProxy,
+                                                                        monkeypatch) -> None:
+    monkeypatch.setenv(s3.TIMEOUT_ENV, "0.5")
+    shard = fmt.shard_file(3)
+    proxy.delay(3, 1000, match=key(url, shard))  # each answer 3 s late: every try times out
+    began = time.monotonic()
+    with pytest.raises(StorageError) as raised:
+        MemmapDataset(url, cache_dir=env)
+    took = time.monotonic() - began
+    message = str(raised.value)
+    assert message.startswith(f"{url}/{shard}: GET failed {s3.ATTEMPTS} times in "), message
+    assert message.endswith(f"; last: no complete answer within 0.5 s (the limit per request; "
+                            f"${s3.TIMEOUT_ENV} sets it)"), message
+    assert proxy.count("GET", key(url, shard)) == s3.ATTEMPTS
+    assert took < s3.ATTEMPTS * 0.5 + 1.75 + 3  # never waited for the slow answers
+    assert not list(env.rglob(shard.split("/")[-1])) and leftovers(env) == []
+
+
+def test_a_bad_timeout_setting_is_named(env: Path, url: str, monkeypatch) -> None:
+    monkeypatch.setenv(s3.TIMEOUT_ENV, "soon")
+    with pytest.raises(StorageError, match=f"{s3.TIMEOUT_ENV}=soon: expected seconds per request"):
+        MemmapDataset(url, cache_dir=env)
+
+
+# ----------------------------------------------------------------------------- a server killed
+
+def test_a_server_killed_mid_download_leaves_nothing_partial_and_a_later_open_completes(
+        env: Path, url: str, local, proxy: FaultProxy) -> None:
+    shard = fmt.shard_file(3)
+    proxy.kill_mid_response(match=key(url, shard))  # half of shard 3's bytes, then the server is gone
+    began = time.monotonic()
+    with pytest.raises(StorageError) as raised:
+        MemmapDataset(url, cache_dir=env)
+    message = str(raised.value)
+    assert message.startswith(f"{url}/{shard}: GET failed {s3.ATTEMPTS} times in "), message
+    assert message.endswith("; last: connection refused (nothing listens at the endpoint)"), message
+    assert time.monotonic() - began < QUICK_S
+    assert proxy.count("GET", key(url, shard)) == 1  # the server saw one try; the others found no server
+    assert proxy.server is None
+    assert not list(env.rglob(shard.split("/")[-1])) and leftovers(env) == []  # nothing partial in place
+    folder = next(env.iterdir())
+    placed = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and not p.name.startswith(".")}
+
+    proxy.restart()  # the server is back, on the same port
+    before = len(proxy.seen)
+    remote = MemmapDataset(url, cache_dir=env)
+    same_batches(remote, local)
+    again = {s.path for s in proxy.seen[before:] if s.method == "GET"}
+    assert key(url, shard) in again
+    assert not {key(url, name) for name in placed if name != fmt.MANIFEST_FILE} & again  # kept, not fetched again
+    assert leftovers(env) == []
+
+
+def test_a_server_killed_after_open_does_not_disturb_the_epoch(env: Path, url: str, local,
+                                                               proxy: FaultProxy) -> None:
+    remote = MemmapDataset(url, cache_dir=env)
+    proxy.kill()  # mid-epoch: everything is in the node's cache already
+    same_batches(remote, local)
