@@ -14,9 +14,11 @@ number under locality="shard"), so every rank and every resumed run computes the
 
 An epoch is then split between ranks (`rank_share`; `epoch_share` computes one rank's part with
 `order_slice`, which expands only that part of a block or sequential order, so a rank holds 1/world_size
-of the order, never the whole) and cut into batches (`batch_indices`);
-inside a batch the indices are sorted, which turns neighbours into runs and groups records by
-shard, so every batch is a few large copies. The batch's ``index`` entry says what was served.
+of the order, never the whole) and cut into batches (`batch_indices`); inside a batch of block or
+random order the records take a seeded random arrangement (`position_keys`, fixed by seed, epoch
+and the records), so that pairing samples by position never pairs stored neighbours; the copy
+reads them sorted all the same (neighbours make runs, shards stay grouped: a few large copies) and
+writes each into its row. The batch's ``index`` entry says what is where.
 
 ``locality="shard"`` (block order only) splits an epoch between ranks by shard instead
 (`shard_share`), so that each rank reads about 1/world_size of the shard files per epoch:
@@ -56,6 +58,7 @@ LOCALITIES = ("shard",)  # values of the loader's `locality` besides None
 BLOCK_RECORDS = 64  # ~10 MB at 224×224: large enough for fast reads from a cold disk
 WINDOW_BLOCKS = 8  # blocks whose runs are mixed together
 RUN_RECORDS = 8  # the unit of mixing inside a window; stays one slice copy
+POSITIONS_STREAM = 1 << 32  # `generator` stream of the arrangement within batches (shard groups use 0..world_size-1)
 DROPPED_WARN_FRACTION = 0.05  # locality="shard" with drop_last=True warns when it leaves out more
 
 
@@ -208,9 +211,33 @@ def batch_count(share: int, batch_size: int) -> int:
     return -(-share // batch_size)
 
 
-def batch_indices(share: np.ndarray, batch: int, batch_size: int) -> np.ndarray:
-    """Batch number `batch` of a rank's share, sorted (see the module docstring)."""
-    return np.sort(share[batch * batch_size:(batch + 1) * batch_size])
+@functools.lru_cache(maxsize=8)  # one per epoch in use; drawing it costs ~30 µs, a batch's keys ~5 µs
+def _position_salt(seed: int, epoch: int) -> np.uint64:
+    return generator(seed, epoch, POSITIONS_STREAM).integers(2**64, dtype=np.uint64)
+
+
+def position_keys(index: np.ndarray, seed: int, epoch: int) -> np.ndarray:
+    """A pseudo-random uint64 key per record, fixed for (seed, epoch): splitmix64's output for the
+    record's number in a stream started at the epoch's salt. A function of the record alone (not of
+    its rank, batch number or resume round), so a batch's arrangement depends only on which records
+    it holds; new every epoch, so a record's batch-mate at the next position changes too."""
+    with np.errstate(over="ignore"):  # uint64 arithmetic wraps, as splitmix64 wants
+        z = _position_salt(seed, epoch) + (index.astype(np.uint64) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def batch_indices(share: np.ndarray, batch: int, batch_size: int, order: str, seed: int, epoch: int) -> np.ndarray:
+    """Batch number `batch` of a rank's share. In the shuffled orders its records take a seeded random
+    arrangement (ordered by `position_keys`): a pairing by position (torchvision's MixUp/CutMix mix
+    sample k with k - 1, timm's with B - 1 - k) then pairs random batch-mates, not the stored neighbours
+    a run of block order brings. Sequential order keeps the records in order (evaluation writes its
+    outputs in record order; it uses no seed). The copy reads the records sorted anyway (`gather.fill`)."""
+    index = share[batch * batch_size:(batch + 1) * batch_size]
+    if order == "sequential":
+        return index.copy()  # a copy, like the arranged ones: a batch must not keep the share alive
+    return index[np.argsort(position_keys(index, seed, epoch), kind="stable")]
 
 
 def epoch_share(n: int, order: str, seed: int, epoch: int, rank: int, world_size: int,
