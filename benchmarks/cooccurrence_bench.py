@@ -6,8 +6,8 @@
 DATASET is any compiled dataset; the figures in the README come from 8,000 records at 224×224
 (`python benchmarks/corpus.py /tmp/c8k-src --images 8000 --seed 1`, then
 `dsc compile /tmp/c8k-src /tmp/c8k --size 224`: 1.2 GB). For each order setting (random order,
-and block order with its block, window and run lengths: `block:64/8/8` is 64-record blocks,
-windows of 8 blocks, runs of 8 records), columns:
+and block order with its block and window lengths: `block:64/32` is 64-record blocks, each
+window of 32 blocks served in a random order of its records), columns:
 
   same batch 1 ep  of the stored-neighbour pairs (i, i+1), the fraction that share a batch in one
                    epoch (mean over epochs); random order: about batch/records
@@ -41,29 +41,28 @@ from dsc.reader import MemmapDataset
 from dsc.reader import order as orders
 from dsc.tools.bench import COLD_RESIDENT_MAX, evict, warm_up
 
-DEFAULT_SETTINGS = ("random", "block:64/8/8", "block:64/8/4", "block:64/8/2", "block:64/32/2", "block:64/32/1",
-                    "block:64/64/1", "block")
+DEFAULT_SETTINGS = ("random", "block:64/2", "block:64/8", "block:64/32", "block:64/128", "block")
 
 
 def parse(setting: str) -> tuple[str, dict[str, int]]:
-    """("block", {block_records, window, run}) from "block:64/8/8"; a bare order name: its defaults."""
+    """("block", {block_records, window}) from "block:64/32"; a bare order name: its defaults."""
     name, _, spec = setting.partition(":")
     if not spec:
         return name, {}
-    block_records, window, run = (int(v) for v in spec.split("/"))
-    return name, {"block_records": block_records, "window": window, "run": run}
+    block_records, window = (int(v) for v in spec.split("/"))
+    return name, {"block_records": block_records, "window": window}
 
 
 @contextlib.contextmanager
 def block_setting(params: dict[str, int]) -> Iterator[None]:
-    """Block order with other lengths than its defaults, for the loader too (it calls `order.block_runs`)."""
-    real = orders.block_runs
+    """Block order with other lengths than its defaults, for the loader too (it calls `order.block_slice`)."""
+    real = orders.block_slice
     if params:
-        orders.block_runs = functools.partial(real, **params)
+        orders.block_slice = functools.partial(real, **params)
     try:
         yield
     finally:
-        orders.block_runs = real
+        orders.block_slice = real
 
 
 @contextlib.contextmanager
@@ -150,7 +149,7 @@ def main() -> None:
     n, shape, shards = len(ds), ds.record_shape, ds.opened.shard_paths()
     del ds  # its maps would keep the pages in the page cache
     print(f"{args.dataset}: {n} records of {'x'.join(map(str, shape))}, batch {args.batch}, "
-          f"{args.epochs} epochs; defaults: block {orders.BLOCK_RECORDS}/{orders.WINDOW_BLOCKS}/{orders.RUN_RECORDS}")
+          f"{args.epochs} epochs; defaults: block {orders.BLOCK_RECORDS}/{orders.WINDOW_BLOCKS}")
     print(f"{'setting':<16}{'same batch 1 ep':>16}{'2 consecutive':>15}{'partner = nbr':>15}"
           f"{'cold samples/s':>16}{'warm samples/s':>16}")
     for setting in args.settings:
