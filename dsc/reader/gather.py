@@ -4,18 +4,18 @@ A batch is an index array. `fill` splits it into pieces that each come from one 
 copies every piece with a single numpy call, so the Python cost is per run or per shard,
 never per record:
 
-- when the batch is made of long runs of consecutive records (sequential and block
-  orders), each run is one `np.copyto` of a slice of the map (the fastest copy measured);
-- otherwise (random order) each stretch of same-shard records is one
+- when the batch is made of long runs of consecutive records (sequential order), each run is
+  one `np.copyto` of a slice of the map (the fastest copy measured);
+- otherwise (block and random order) each stretch of same-shard records is one
   `np.take(shard, local, axis=0, out=..., mode="clip")`, the fastest gather measured.
 
 Indices in another order than ascending (the loader's batches, whose positions are a seeded
 arrangement, or a DataLoader sampler's) are copied so that every byte is still copied once:
 
-- when their sorted form makes long runs (block order), the runs are read in sorted order and
+- when their sorted form makes long runs (a sampler's contiguous batches), the runs are read in order and
   each is written straight into the rows the caller wants it in, `dst[rows] = shard[lo:hi]`
   (one row copy per record, no temporary; measured as fast as the slice copy);
-- when it does not (random order), records of `HOP_MIN_BYTES` or more are gathered in the
+- when it does not (block and random order), records of `HOP_MIN_BYTES` or more are gathered in the
   order asked, one `np.take` per stretch of one shard: a call per shard hop (~1 µs) costs less
   than copying a 150 KB record twice; smaller records are gathered sorted into a scratch
   buffer (a few pieces) and put in order with one more `np.take`.

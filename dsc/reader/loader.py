@@ -336,7 +336,7 @@ def order_for_shuffle(order: str | None, shuffle: bool | None, default: str = "b
     wanted = "random" if shuffle else "sequential"
     if order is not None and (order == "sequential") == shuffle:
         raise ValueError(f"shuffle={shuffle} contradicts order={order!r}; give one of them (orders: "
-                         f"sequential; block, shuffled in contiguous runs, the fast default; random)")
+                         f"sequential; block, shuffled within windows of contiguous blocks, the default; random)")
     return order or wanted
 
 

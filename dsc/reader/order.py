@@ -21,8 +21,8 @@ An epoch is then split between ranks (`rank_share`; `epoch_share` computes one r
 of the order, never the whole) and cut into batches (`batch_indices`); inside a batch of block or
 random order the records take a seeded random arrangement (`position_keys`, fixed by seed, epoch
 and the records), so that pairing samples by position never pairs stored neighbours; the copy
-reads them sorted all the same (neighbours make runs, shards stay grouped: a few large copies) and
-writes each into its row. The batch's ``index`` entry says what is where.
+reads them sorted all the same (shards stay grouped, neighbours make runs) and writes each into
+its row. The batch's ``index`` entry says what is where.
 
 ``locality="shard"`` (block order only) splits an epoch between ranks by shard instead
 (`shard_share`), so that each rank reads about 1/world_size of the shard files per epoch:
@@ -156,7 +156,7 @@ def rank_shares(order: np.ndarray, world_size: int, batch_size: int, drop_last: 
 
     drop_last=False pads like DistributedSampler (the order repeats from its start, so at most
     `world_size - 1` records are served twice); drop_last=True keeps only full batches on every rank.
-    A contiguous slice (not DistributedSampler's stride) keeps block order's runs intact.
+    A contiguous slice (not DistributedSampler's stride) keeps block order's windows whole.
     """
     per_rank = share_length(len(order), world_size, batch_size, drop_last)
     pad = per_rank * world_size - len(order)
