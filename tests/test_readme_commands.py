@@ -41,7 +41,6 @@ TINY = {
 PATHS = {"/tmp/corpus": "{tmp}/corpus", "/tmp/scale_ds": "{tmp}/scale_ds", "out/": "{tmp}/dataset",
          "/tmp/ab_ds": "{tmp}/dataset", "/tmp/dsc-old": str(ROOT),  # reader_ab: this checkout against itself
          "/tmp/c8k": "{tmp}/dataset"}
->>>>>>> 0e73cbd (Block order: each window of 32 blocks served in a random order of its records (issue 21): stored neighbours share a batch in two consecutive epochs 1.6% of the time (was 84%), under a bound derived from the design and tested)
 
 
 def shown_commands() -> list[str]:
