@@ -70,7 +70,8 @@ def sorted_batches() -> Iterator[None]:
     """The loader's batches as before issue 21: indices sorted within a batch, no arrangement."""
     real = orders.batch_indices
 
-    def ascending(share: np.ndarray, batch: int, batch_size: int, order: str, seed: int, epoch: int) -> np.ndarray:
+    def ascending(share: np.ndarray, batch: int, batch_size: int, order: str, seed: int, epoch: int,
+                  records_per_shard: int) -> np.ndarray:
         return np.sort(share[batch * batch_size:(batch + 1) * batch_size])
     orders.batch_indices = ascending
     try:

@@ -12,7 +12,10 @@ never per record:
 Indices in another order than ascending (the loader's batches, whose positions are a seeded
 arrangement, or a DataLoader sampler's) are copied so that every byte is still copied once:
 
-- when their sorted form makes long runs (a sampler's contiguous batches), the runs are read in order and
+- when each shard's records are one contiguous stretch of rows (the loader's arrangement,
+  `order.arrange`), each stretch is one `np.take` straight into its rows, in the order asked: the
+  same calls as for the sorted batch, whatever the record size;
+- otherwise, when their sorted form makes long runs (a sampler's contiguous batches), the runs are read in order and
   each is written straight into the rows the caller wants it in, `dst[rows] = shard[lo:hi]`
   (one row copy per record, no temporary; measured as fast as the slice copy);
 - when it does not (block and random order), records of `HOP_MIN_BYTES` or more are gathered in the
@@ -81,6 +84,12 @@ def _runs(shard: np.ndarray, local: np.ndarray) -> tuple[np.ndarray, bool]:
     return run_starts, (len(run_starts) + 1) * MIN_RUN <= len(shard)
 
 
+def one_stretch_per_shard(shard: np.ndarray) -> bool:
+    """Whether the records of every shard in the batch are one contiguous stretch of it."""
+    firsts = shard[np.r_[0, np.flatnonzero(shard[1:] != shard[:-1]) + 1]]
+    return len(np.unique(firsts)) == len(firsts)
+
+
 def fill(dst: np.ndarray, shards: Sequence[np.ndarray], idx: np.ndarray, per_shard: int) -> None:
     """Copy records `idx` (checked, in any order) into `dst[:len(idx)]`, a few numpy calls in all."""
     fill_parallel(dst, shards, idx, per_shard, None, 1)
@@ -136,6 +145,8 @@ def fill_parallel(dst: np.ndarray, shards: Sequence[np.ndarray], idx: np.ndarray
     ranges = split(n, threads if pool is not None else 1)
     if ascending(idx):
         jobs = [functools.partial(_copy_pieces, dst[a:b], shards, shard[a:b], local[a:b]) for a, b in ranges]
+    elif one_stretch_per_shard(shard):  # each thread a range of rows, one gather per stretch in it
+        jobs = [functools.partial(_gather_stretches, dst[a:b], shards, shard[a:b], local[a:b]) for a, b in ranges]
     else:
         order = np.argsort(idx, kind="stable")
         if _runs(shard[order], local[order])[1]:  # each thread a range of the sorted runs, into their rows

@@ -284,7 +284,7 @@ def _batch_maker(sink, opened, pool: ThreadPoolExecutor | None, num_threads: int
     per_shard = opened.manifest.records_per_shard
 
     def make(p: progress.Pass, b: int, share: np.ndarray) -> tuple[Any, float]:
-        idx = orders.batch_indices(share, b, batch_size, order, seed, p.epoch)
+        idx = orders.batch_indices(share, b, batch_size, order, seed, p.epoch, per_shard)
         took = [0.0]
 
         def gather(host: np.ndarray) -> None:

@@ -19,10 +19,11 @@ number under locality="shard"), so every rank and every resumed run computes the
 An epoch is then split between ranks (`rank_share`; `epoch_share` computes one rank's part with
 `order_slice`, which expands only that part of a block or sequential order, so a rank holds 1/world_size
 of the order, never the whole) and cut into batches (`batch_indices`); inside a batch of block or
-random order the records take a seeded random arrangement (`position_keys`, fixed by seed, epoch
-and the records), so that pairing samples by position never pairs stored neighbours; the copy
-reads them sorted all the same (shards stay grouped, neighbours make runs) and writes each into
-its row. The batch's ``index`` entry says what is where.
+random order the records take a seeded random arrangement (`arrange`, fixed by seed, epoch and
+the records): each shard's records one contiguous segment in a random order, the segments in a
+random order, so that pairing samples by position pairs random same-shard batch-mates, not stored
+neighbours, and the copy stays one gather per shard straight into its segment. The batch's
+``index`` entry says what is where.
 
 ``locality="shard"`` (block order only) splits an epoch between ranks by shard instead
 (`shard_share`), so that each rank reads about 1/world_size of the shard files per epoch:
@@ -233,16 +234,34 @@ def position_keys(index: np.ndarray, seed: int, epoch: int) -> np.ndarray:
     return splitmix64(index, _position_salt(seed, epoch))
 
 
-def batch_indices(share: np.ndarray, batch: int, batch_size: int, order: str, seed: int, epoch: int) -> np.ndarray:
+def arrange(index: np.ndarray, seed: int, epoch: int, records_per_shard: int) -> np.ndarray:
+    """`index` in its seeded arrangement: the records of each shard file take one contiguous segment of
+    positions, the segments in a random order (keyed by shard) and the records in each segment in a
+    random order (`position_keys`), all fixed by (seed, epoch) and the records alone. The copy then
+    writes each segment with one gather from its shard (`gather.fill`), as a sorted batch was copied:
+    one copy per byte, one call per shard.
+
+    What a pairing by position meets (torchvision's MixUp/CutMix: k with k - 1): inside a segment, a
+    uniformly random batch-mate from the same shard; at the first position of a segment, the last
+    record of the segment before it, from another shard. Records are stored in a seeded random
+    permutation of the sources at compile time, so a shard is a random sample of them (unless compiled
+    with --no-shuffle, whose datasets the loader reads in random order by default)."""
+    keys = position_keys(index, seed, epoch)
+    shard_keys = splitmix64(index // max(records_per_shard, 1), ~_position_salt(seed, epoch))
+    return index[np.lexsort((keys, shard_keys))]
+
+
+def batch_indices(share: np.ndarray, batch: int, batch_size: int, order: str, seed: int, epoch: int,
+                  records_per_shard: int) -> np.ndarray:
     """Batch number `batch` of a rank's share. In the shuffled orders its records take a seeded random
-    arrangement (ordered by `position_keys`): a pairing by position (torchvision's MixUp/CutMix mix
+    arrangement, shard by shard (`arrange`): a pairing by position (torchvision's MixUp/CutMix mix
     sample k with k - 1, timm's with B - 1 - k) then pairs random batch-mates, not the stored neighbours
-    a run of block order brings. Sequential order keeps the records in order (evaluation writes its
-    outputs in record order; it uses no seed). The copy reads the records sorted anyway (`gather.fill`)."""
+    a sorted batch (dsc before 0.4) put side by side. Sequential order keeps the records in order
+    (evaluation writes its outputs in record order; it uses no seed)."""
     index = share[batch * batch_size:(batch + 1) * batch_size]
     if order == "sequential":
         return index.copy()  # a copy, like the arranged ones: a batch must not keep the share alive
-    return index[np.argsort(position_keys(index, seed, epoch), kind="stable")]
+    return arrange(index, seed, epoch, records_per_shard)
 
 
 def epoch_share(n: int, order: str, seed: int, epoch: int, rank: int, world_size: int,
