@@ -247,7 +247,10 @@ def arrange(index: np.ndarray, seed: int, epoch: int, records_per_shard: int) ->
     permutation of the sources at compile time, so a shard is a random sample of them (unless compiled
     with --no-shuffle, whose datasets the loader reads in random order by default)."""
     keys = position_keys(index, seed, epoch)
-    shard_keys = splitmix64(index // max(records_per_shard, 1), ~_position_salt(seed, epoch))
+    shard = index // max(records_per_shard, 1)
+    if len(index) == 0 or shard.min() == shard.max():  # one segment: ~10 µs less per batch
+        return index[np.argsort(keys)]
+    shard_keys = splitmix64(shard, ~_position_salt(seed, epoch))  # a bijection: one key per shard
     return index[np.lexsort((keys, shard_keys))]
 
 
