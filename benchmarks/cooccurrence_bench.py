@@ -20,9 +20,10 @@ window of 32 blocks served in a random order of its records), columns:
                    `mincore`: at most 5% resident), best of --cold-repeat
   warm samples/s   the same with the page cache warm, best of --warm-repeat
 
-Then the cost of arranging records within a batch (`order.batch_indices`): warm epochs of the
-default loader against the same loader with the batches left sorted (the layout before issue 21),
-interleaved in one run, as a ratio of loader time.
+Then the cost of arranging records within a batch (`order.batch_indices`): warm epochs of one
+dataset's loader with the batches sorted (the layout before issue 21), arranged shard by shard (the
+loader's: one gather per shard) and arranged uniformly (i21-mix: one gather per switch between
+shards), alternating in one process --cost-repeat times, as samples/s and ratios to sorted.
 """
 
 from __future__ import annotations
@@ -65,19 +66,17 @@ def block_setting(params: dict[str, int]) -> Iterator[None]:
         orders.block_slice = real
 
 
-@contextlib.contextmanager
-def sorted_batches() -> Iterator[None]:
-    """The loader's batches as before issue 21: indices sorted within a batch, no arrangement."""
-    real = orders.batch_indices
-
-    def ascending(share: np.ndarray, batch: int, batch_size: int, order: str, seed: int, epoch: int,
+def sorted_layout(share: np.ndarray, batch: int, batch_size: int, order: str, seed: int, epoch: int,
                   records_per_shard: int) -> np.ndarray:
-        return np.sort(share[batch * batch_size:(batch + 1) * batch_size])
-    orders.batch_indices = ascending
-    try:
-        yield
-    finally:
-        orders.batch_indices = real
+    """The loader's batches as before issue 21: indices sorted within a batch, no arrangement."""
+    return np.sort(share[batch * batch_size:(batch + 1) * batch_size])
+
+
+def uniform_layout(share: np.ndarray, batch: int, batch_size: int, order: str, seed: int, epoch: int,
+                   records_per_shard: int) -> np.ndarray:
+    """A uniformly random arrangement (branch i21-mix): the copy takes one gather per switch between shards."""
+    index = share[batch * batch_size:(batch + 1) * batch_size]
+    return index[np.argsort(orders.position_keys(index, seed, epoch), kind="stable")]
 
 
 def served(path: Path, batch: int, order: str, epoch: int) -> tuple[list[np.ndarray], float]:
@@ -121,19 +120,35 @@ def cold_rate(path: Path, shards: list[Path], batch: int, order: str, repeat: in
     return best
 
 
-def permutation_cost(path: Path, shards: list[Path], n: int, batch: int, repeat: int) -> None:
-    """Warm epochs of the default loader, arranged against sorted, alternating in one run: the ratio of times."""
+def permutation_cost(path: Path, shards: list[Path], batch: int, repeat: int) -> None:
+    """Warm epochs through one dataset's loader, the batches sorted / arranged shard by shard (the loader's) /
+    arranged uniformly, alternating in one process; median samples/s of each epoch after its first batch."""
     warm_up(shards)
-    times: dict[str, list[float]] = {"sorted": [], "arranged": []}
-    for r in range(repeat):
-        for name in ("sorted", "arranged"):
-            with sorted_batches() if name == "sorted" else contextlib.nullcontext():
-                for order in ("block", "random"):
-                    times.setdefault(f"{name} {order}", []).append(served(path, batch, order, r)[1])
+    ds = MemmapDataset(path)
+    layouts = {"sorted": sorted_layout, "shard by shard": orders.batch_indices, "uniform": uniform_layout}
+    real = orders.batch_indices
     for order in ("block", "random"):
-        a, s = min(times[f"arranged {order}"]), min(times[f"sorted {order}"])
-        print(f"permutation cost, order={order}: sorted {n / s:,.0f} samples/s, arranged "
-              f"{n / a:,.0f} samples/s: arranged/sorted time = {a / s:.3f} (best of {repeat}, warm)")
+        rates: dict[str, list[float]] = {name: [] for name in layouts}
+        try:
+            for r in range(repeat):
+                for name, layout in layouts.items():
+                    orders.batch_indices = layout
+                    loader = ds.loader(batch, order=order, seed=0)
+                    loader.set_epoch(r)
+                    batches = iter(loader)
+                    next(batches)  # the producer is running: time the rest
+                    start, n = time.perf_counter(), 0
+                    for b in batches:
+                        n += len(b)
+                    rates[name].append(n / (time.perf_counter() - start))
+                    loader.close()
+        finally:
+            orders.batch_indices = real
+        med = {name: float(np.median(v)) for name, v in rates.items()}
+        print(f"arrangement cost, order={order} (median of {repeat}, warm): "
+              + "  ".join(f"{name} {v:,.0f} samples/s" for name, v in med.items())
+              + f"; shard by shard / sorted {med['shard by shard'] / med['sorted']:.3f}, uniform / sorted "
+              f"{med['uniform'] / med['sorted']:.3f}", flush=True)
 
 
 def main() -> None:
@@ -143,6 +158,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--cold-repeat", type=int, default=2)
     parser.add_argument("--warm-repeat", type=int, default=5)
+    parser.add_argument("--cost-repeat", type=int, default=40)
     parser.add_argument("--settings", nargs="+", default=list(DEFAULT_SETTINGS))
     parser.add_argument("--skip-cold", action="store_true")
     args = parser.parse_args()
@@ -163,7 +179,7 @@ def main() -> None:
             warm = max(n / served(args.dataset, args.batch, order, 200 + r)[1] for r in range(args.warm_repeat))
         cold_text = "n/a" if cold is None else f"{cold:,.0f}"
         print(f"{setting:<16}{one:>16.1%}{two:>15.1%}{partner:>15.1%}{cold_text:>16}{warm:>16,.0f}", flush=True)
-    permutation_cost(args.dataset, shards, n, args.batch, args.warm_repeat)
+    permutation_cost(args.dataset, shards, args.batch, args.cost_repeat)
 
 
 if __name__ == "__main__":
