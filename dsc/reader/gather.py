@@ -15,10 +15,10 @@ arrangement, or a DataLoader sampler's) are copied so that every byte is still c
 - when each shard's records are one contiguous stretch of rows (the loader's arrangement,
   `order.arrange`), each stretch is one `np.take` straight into its rows, in the order asked: the
   same calls as for the sorted batch, whatever the record size;
-- otherwise, when their sorted form makes long runs (a sampler's contiguous batches), the runs are read in order and
-  each is written straight into the rows the caller wants it in, `dst[rows] = shard[lo:hi]`
+- otherwise, when their sorted form makes long runs (a sampler's contiguous batches), the runs
+  are read in order and each is written straight into the rows the caller wants it in, `dst[rows] = shard[lo:hi]`
   (one row copy per record, no temporary; measured as fast as the slice copy);
-- when it does not (block and random order), records of `HOP_MIN_BYTES` or more are gathered in the
+- when it does not (a sampler's shuffled batches), records of `HOP_MIN_BYTES` or more are gathered in the
   order asked, one `np.take` per stretch of one shard: a call per shard hop (~1 µs) costs less
   than copying a 150 KB record twice; smaller records are gathered sorted into a scratch
   buffer (a few pieces) and put in order with one more `np.take`.
