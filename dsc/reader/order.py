@@ -256,14 +256,18 @@ def arrange(index: np.ndarray, seed: int, epoch: int, records_per_shard: int) ->
 
 def batch_indices(share: np.ndarray, batch: int, batch_size: int, order: str, seed: int, epoch: int,
                   records_per_shard: int) -> np.ndarray:
-    """Batch number `batch` of a rank's share. In the shuffled orders its records take a seeded random
+    """Batch number `batch` of a rank's share. In block order its records take a seeded random
     arrangement, shard by shard (`arrange`): a pairing by position (torchvision's MixUp/CutMix mix
     sample k with k - 1, timm's with B - 1 - k) then pairs random batch-mates, not the stored neighbours
-    a sorted batch (dsc before 0.4) put side by side. Sequential order keeps the records in order
-    (evaluation writes its outputs in record order; it uses no seed)."""
+    a sorted batch (dsc before 0.4) put side by side. Random order's batches are random samples of the
+    dataset, sorted (their partners are stored neighbours about as rarely as arranged ones', and sorted
+    batches read fastest); sequential order keeps the records in order (evaluation writes its outputs
+    in record order; it uses no seed)."""
     index = share[batch * batch_size:(batch + 1) * batch_size]
     if order == "sequential":
         return index.copy()  # a copy, like the arranged ones: a batch must not keep the share alive
+    if order == "random":  # a random sample already: sorted, its position partners are rarely neighbours
+        return np.sort(index)  # (README, MixUp), and an arrangement cost 4-6% of the read here
     return arrange(index, seed, epoch, records_per_shard)
 
 
