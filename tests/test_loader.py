@@ -22,7 +22,7 @@ from dsc.cli import app
 from dsc.reader import MemmapDataset
 from dsc.reader import loader as loader_module
 from dsc.reader import order as orders
-from dsc.reader.gather import fill, fill_parallel, split
+from dsc.reader.gather import fill, fill_parallel, one_stretch_per_shard, split
 from dsc.reader.loader import LoaderError
 from dsc.reader.reference import reference_batches
 from dsc.testing import make_image_folder
@@ -84,11 +84,11 @@ def test_orders_change_with_epoch_and_seed(order: str) -> None:
     assert not np.array_equal(base, np.arange(n))
 
 
-def test_block_order_keeps_runs_and_locality() -> None:
+def test_block_order_keeps_locality_within_windows() -> None:
+    """Block order reads one window of WINDOW_BLOCKS blocks at a time (dsc before 0.4 also kept runs of 8
+    contiguous records together; since issue 21 a window's records come in a random order instead)."""
     n = 10_000
     idx = orders.block(n, seed=0, epoch=0)
-    runs = np.count_nonzero(np.diff(idx) != 1) + 1
-    assert runs <= n / orders.RUN_RECORDS + 2 * n / orders.BLOCK_RECORDS  # runs of RUN_RECORDS, cut at block edges
     window = orders.BLOCK_RECORDS * orders.WINDOW_BLOCKS
     for start in range(0, n - window, window):
         # a stretch of one window's length overlaps at most two windows of shifted blocks, and a shifted
@@ -97,6 +97,20 @@ def test_block_order_keeps_runs_and_locality() -> None:
         assert len(blocks) <= 4 * orders.WINDOW_BLOCKS
     first = idx[:window]
     assert not np.array_equal(np.sort(first), np.arange(first.min(), first.min() + window))  # blocks were moved
+    assert np.count_nonzero(np.diff(idx) == 1) < n / 100  # no runs: records mixed within their window
+
+
+@pytest.mark.parametrize("n,batch", [(16_384, 256), (16_384, 32), (100_000, 256), (3_000, 64)])
+def test_block_orders_batch_mates_change_every_epoch(n: int, batch: int) -> None:
+    """Issue 21: stored neighbours shared a batch in two consecutive epochs 75-84% of the time (runs of 8
+    records stayed together). Now at most `cooccurrence_bound`, derived from the design (its docstring),
+    plus four binomial standard errors over the n - 1 pairs."""
+    bound = orders.cooccurrence_bound(n, batch)
+    assert bound < 0.03 or n <= orders.BLOCK_RECORDS * orders.WINDOW_BLOCKS * 2
+    for seed in (0, 1):
+        measured = [orders.neighbour_cooccurrence(orders.block(n, seed, e), orders.block(n, seed, e + 1), batch)
+                    for e in range(3)]
+        assert np.mean(measured) <= bound + 4 * np.sqrt(bound / (n - 1)), (measured, bound)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -157,6 +171,107 @@ def test_a_ranks_share_does_not_keep_the_epoch_order_alive(order: str) -> None:
     assert not np.shares_memory(mine, whole)
 
 
+def partner_is_neighbour(batches: list[np.ndarray], records_per_shard: int) -> tuple[float, float]:
+    """(the fraction of samples whose position partner k - 1 is a stored neighbour, as torchvision's MixUp and
+    CutMix pair them; the fraction the design gives the same batches in expectation). The design
+    (`order.arrange`): each shard's records of a batch are one segment of positions in a uniformly random order,
+    so two adjacent positions inside a segment of s records hold a uniformly random pair of its records, a
+    stored-neighbour pair with probability pairs / C(s, 2); across the edge of segments A and B they hold a
+    uniformly random record of A and one of B, neighbours with probability pairs(A, B) / (|A| |B|)."""
+    hits = expected = total = 0.0
+    for idx in batches:
+        if len(idx) < 2:
+            continue
+        shard = idx // records_per_shard
+        starts = np.r_[0, np.flatnonzero(shard[1:] != shard[:-1]) + 1, len(idx)]
+        segments = [np.sort(idx[a:b]) for a, b in zip(starts[:-1], starts[1:])]
+        for seg in segments:
+            s = len(seg)
+            if s > 1:
+                expected += (s - 1) * np.count_nonzero(np.diff(seg) == 1) / (s * (s - 1) / 2)
+        for left, right in zip(segments, segments[1:]):
+            expected += np.count_nonzero(np.abs(left[:, None] - right[None, :]) == 1) / (len(left) * len(right))
+        hits += np.count_nonzero(np.abs(np.diff(idx)) == 1)
+        total += len(idx) - 1
+    return hits / total, expected / total
+
+
+@pytest.mark.parametrize("order", ["block"])
+@pytest.mark.parametrize("records_per_shard", [20_000, 1_000, 100])
+def test_a_batchs_positions_are_a_seeded_arrangement_not_stored_neighbours(order: str, records_per_shard: int) -> None:
+    """Issue 21: batches sorted within (dsc before 0.4) made a MixUp/CutMix partner the stored neighbour 85%
+    of the time in block order. Positions are now a seeded arrangement, shard by shard (`order.arrange`): each
+    shard's records one contiguous segment (one gather each), the segments and the records within them in a
+    random order. The partner is a stored neighbour as often as that design makes it (`partner_is_neighbour`):
+    with one shard, as often as a uniformly random arrangement of the batch; with more, as often as a random
+    arrangement of each shard's part."""
+    n, b = 20_000, 32
+    share = orders.epoch_share(n, order, 7, 0, 0, 1, b, False)
+    batches = [orders.batch_indices(share, k, b, order, 7, 0, records_per_shard)
+               for k in range(orders.batch_count(n, b))]
+    assert np.array_equal(np.sort(np.concatenate(batches)), np.arange(n))  # the same records, once each
+    for k, idx in enumerate(batches):
+        assert np.array_equal(np.sort(idx), np.sort(share[k * b:(k + 1) * b]))  # each batch the same records
+        assert one_stretch_per_shard(idx // records_per_shard)  # each shard one segment
+    rate, designed = partner_is_neighbour(batches, records_per_shard)
+    sigma = np.sqrt(designed / (n - len(batches)))  # binomial over the n - batches adjacent pairs
+    assert abs(rate - designed) <= 5 * sigma + 1e-9, (rate, designed)
+    again = [orders.batch_indices(share, k, b, order, 7, 0, records_per_shard) for k in range(len(batches))]
+    assert all(np.array_equal(x, y) for x, y in zip(batches, again))  # deterministic
+    other = [orders.batch_indices(share, k, b, order, 7, 1, records_per_shard) for k in range(len(batches))]
+    assert sum(np.array_equal(x, y) for x, y in zip(batches, other)) < len(batches) / 10  # new each epoch
+
+
+def test_random_orders_batches_are_sorted_samples() -> None:
+    """Random order's batches are random samples of the dataset: kept sorted (the fastest read), their
+    position partners are stored neighbours about as rarely as an arrangement's (README's table)."""
+    share = orders.epoch_share(20_000, "random", 7, 0, 0, 1, 32, False)
+    batches = [orders.batch_indices(share, k, 32, "random", 7, 0, 1_000) for k in range(625)]
+    assert all(np.array_equal(idx, np.sort(share[k * 32:(k + 1) * 32])) for k, idx in enumerate(batches))
+    rate = np.mean([np.count_nonzero(np.diff(idx) == 1) / 31 for idx in batches])
+    assert rate < 0.01  # expected 31 / 20,000 per pair ~ 0.16%: a neighbour pair in a 32-sample is rare
+
+
+def test_the_segments_come_in_a_random_order() -> None:
+    """The segments' order is seeded too, not by shard number: over many batches of two shards, each comes
+    first about half the time."""
+    n, b = 2_000, 64
+    share = orders.epoch_share(n, "block", 3, 0, 0, 1, b, False)
+    firsts = [orders.batch_indices(share, k, b, "block", 3, e, 1_000)[0] // 1_000
+              for e in range(20) for k in range(orders.batch_count(n, b))]
+    assert 0.3 < np.mean(firsts) < 0.7, np.mean(firsts)  # 620 batches: 0.5 ± 0.02 (1 sigma)
+
+
+def test_fill_gathers_an_arranged_batch_with_one_take_per_shard(monkeypatch) -> None:
+    """The loader's arranged batches cost the calls a sorted batch did: one `np.take` per shard, straight
+    into the shard's segment of rows (the arrangement of i21-mix took one per switch between shards)."""
+    shards = [np.arange(k * 100, k * 100 + 100).reshape(100, 1, 1, 1).astype(np.uint16) for k in range(4)]
+    share = orders.epoch_share(400, "block", 5, 0, 0, 1, 64, False)
+    idx = orders.batch_indices(share, 0, 64, "block", 5, 0, 100)
+    assert not np.array_equal(idx, np.sort(idx))
+    calls = []
+    real = np.take
+    monkeypatch.setattr(np, "take", lambda *a, **k: calls.append(1) or real(*a, **k))
+    dst = np.zeros((64, 1, 1, 1), np.uint16)
+    fill(dst, shards, idx, 100)
+    monkeypatch.undo()
+    assert dst.reshape(-1).tolist() == idx.tolist()
+    assert len(calls) == len(np.unique(idx // 100)), calls
+
+
+def test_the_loader_serves_the_arrangement_and_sequential_order_stays_in_order(ds: MemmapDataset) -> None:
+    """`index` says what is where: every image is its record's, in the arranged order."""
+    got = served(ds.loader(8, order="block", seed=2))
+    share = orders.epoch_share(len(ds), "block", 2, 0, 0, 1, 8, False)
+    rps = ds.manifest.records_per_shard
+    assert all(np.array_equal(g, orders.batch_indices(share, k, 8, "block", 2, 0, rps)) for k, g in enumerate(got))
+    assert any(not np.array_equal(g, np.sort(g)) for g in got)
+    for batch in ds.loader(8, order="random", seed=2):
+        check_batch(ds, batch)
+    assert [g.tolist() for g in served(ds.loader(8, order="sequential"))] == [list(range(0, 8)), list(range(8, 16)),
+                                                                               list(range(16, 21))]
+
+
 def test_gather_fill_and_split() -> None:
     shards = [np.arange(k * 10, k * 10 + n).reshape(n, 1, 1, 1).astype(np.uint8) for k, n in enumerate([10, 10, 3])]
     for idx in [np.arange(23), np.arange(23)[::-1].copy(), np.array([22, 0, 5, 5, 13, 9, 10]), np.array([4])]:
@@ -178,7 +293,9 @@ def test_fill_copies_interleaved_shards_in_sorted_pieces(monkeypatch) -> None:
     fill(dst, shards, idx, 10)
     monkeypatch.undo()
     assert dst.reshape(-1).tolist() == idx.tolist()
-    assert len(calls) <= len(shards) + 1, calls  # one copy per shard (sorted), one take back into order
+    # read in sorted order, each of the 3 runs written straight into its rows (`dst[rows] = run`, not counted
+    # here): no gather per hop and no second copy back into order (dsc before 0.4: one take per shard + one)
+    assert calls == [], calls
     for threads in (1, 3):  # the loader's threaded fill takes any order too
         dst[:] = 0
         with ThreadPoolExecutor(2) as pool:

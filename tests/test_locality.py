@@ -149,8 +149,9 @@ def test_order_is_deterministic_and_block_like_within_a_rank() -> None:
     assert not np.array_equal(share, orders.epoch_share(20_000, "block", 5, 4, 1, 4, 64, False,
                                                         locality="shard", records_per_shard=1000))
     assert orders.distinct_shards(share, 1000) == 5  # 20 shards over 4 ranks
-    runs = np.count_nonzero(np.diff(share) != 1) + 1
-    assert runs <= len(share) / orders.RUN_RECORDS + 2 * len(share) / orders.BLOCK_RECORDS + 5  # block order's runs
+    window = orders.BLOCK_RECORDS * orders.WINDOW_BLOCKS  # block order's windows: each a few blocks' records
+    for start in range(0, len(share) - window, window):
+        assert len(np.unique(share[start:start + window] // orders.BLOCK_RECORDS)) <= 4 * orders.WINDOW_BLOCKS
     assert not np.array_equal(np.sort(share[:512]), np.arange(share[:512].min(), share[:512].min() + 512))
 
 

@@ -29,6 +29,9 @@ TINY = {
     "benchmarks/scale_sim.py": ["--ranks", "2", "--batch", "4", "--epochs", "1", "--repeat", "1"],
     "benchmarks/startup_bench.py": ["--repeat", "1"],
     "benchmarks/reader_ab.py": ["--rounds", "1", "--epochs", "2", "--batch", "4"],
+    "benchmarks/cooccurrence_bench.py": ["--batch", "4", "--epochs", "2", "--cold-repeat", "1", "--warm-repeat", "1",
+                                         "--settings", "random", "block:4/2", "block", "--cost-repeat", "1"],
+    "benchmarks/partner_rates.py": ["--records", "300", "--records-per-shard", "100", "--batch", "16", "--epochs", "2"],
     "benchmarks/peer_bench.py": ["--images", "12", "--size", "32", "--epochs", "2", "--repeat", "1", "--peers"],
     "examples/train.py": ["--steps", "2", "--data", "{tmp}/train_ds"],
     "examples/imagenet_recipe.py": ["--steps", "2", "--size", "40", "--crop", "32", "--batch-size", "8",
@@ -37,7 +40,8 @@ TINY = {
                                                "{tmp}/checkpoints"],
 }
 PATHS = {"/tmp/corpus": "{tmp}/corpus", "/tmp/scale_ds": "{tmp}/scale_ds", "out/": "{tmp}/dataset",
-         "/tmp/ab_ds": "{tmp}/dataset", "/tmp/dsc-old": str(ROOT)}  # reader_ab: this checkout against itself
+         "/tmp/ab_ds": "{tmp}/dataset", "/tmp/dsc-old": str(ROOT),  # reader_ab: this checkout against itself
+         "/tmp/c8k": "{tmp}/dataset"}
 
 
 def shown_commands() -> list[str]:

@@ -361,7 +361,7 @@ class MemmapDataset(Dataset):
                shuffle: bool | None = None, as_tuple: tuple[str, ...] | None = None):
         """Batches as TensorDicts {image, label, index, size, and any fields}, fast (`dsc.reader.loader.Loader`).
 
-        order: "block" (default: shuffled runs of contiguous records, contiguous reads), "random"
+        order: "block" (default: shuffled windows of contiguous blocks, reads local to a window), "random"
             (a full permutation; the default for a dataset compiled with shuffle off, whose records are
             sorted) or "sequential"; `shuffle=True`/`False` means "random"/"sequential".
         seed: with the epoch, fixes every order [default: drawn from torch's generator, so each new loader

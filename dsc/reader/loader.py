@@ -1,14 +1,15 @@
 """`Loader`: batches of a `MemmapDataset` as TensorDicts, gathered on a background thread.
 
 A pass = this rank's share of (what is left of) an epoch (`progress.remaining_share`), cut into
-sorted batches. One producer thread, kept across epochs, copies each batch out of the maps
-(`gather.fill_parallel`, split over a copy pool that lives as long as the loader) into a sink
-(`host.HostSink`, or `device.CudaSink` with its pinned ring and side stream) and hands it over
-through a bounded queue. When an epoch's last batch is handed out, the producer goes on with
-the next epoch's first batches, so a loop over many epochs has no gap at their edges; an
-iteration that asks for anything else (`set_epoch`, `load_state_dict`, an abandoned pass) gets
-a new producer. Errors on that thread reach the consumer as `LoaderError`, naming the batch.
-The plain single-threaded `reference.reference_batches` serves identical batches.
+batches (`order.batch_indices`: in block and random order, records in a seeded random arrangement).
+One producer thread, kept across epochs, copies each batch out of the maps (`gather.fill_parallel`,
+split over a copy pool that lives as long as the loader) into a sink (`host.HostSink`, or
+`device.CudaSink` with its pinned ring and side stream) and hands it over through a bounded queue.
+When an epoch's last batch is handed out, the producer goes on with the next epoch's first
+batches, so a loop over many epochs has no gap at their edges; an iteration that asks for
+anything else (`set_epoch`, `load_state_dict`, an abandoned pass) gets a new producer. Errors on
+that thread reach the consumer as `LoaderError`, naming the batch. The plain single-threaded
+`reference.reference_batches` serves identical batches.
 `Loader.stats()` says how long the consumer waited for data.
 """
 
@@ -277,13 +278,13 @@ def field_specs(opened) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
             **{f.name: (f.dtype, f.shape) for f in opened.manifest.fields}}
 
 
-def _batch_maker(sink, opened, pool: ThreadPoolExecutor | None, num_threads: int,
-                 batch_size: int) -> Callable[[progress.Pass, int, np.ndarray], tuple[Any, float]]:
+def _batch_maker(sink, opened, pool: ThreadPoolExecutor | None, num_threads: int, batch_size: int,
+                 order: str, seed: int) -> Callable[[progress.Pass, int, np.ndarray], tuple[Any, float]]:
     """make(pass, b, share): batch b of the pass into the sink, and the seconds its gather took."""
     per_shard = opened.manifest.records_per_shard
 
     def make(p: progress.Pass, b: int, share: np.ndarray) -> tuple[Any, float]:
-        idx = orders.batch_indices(share, b, batch_size)
+        idx = orders.batch_indices(share, b, batch_size, order, seed, p.epoch, per_shard)
         took = [0.0]
 
         def gather(host: np.ndarray) -> None:
@@ -335,7 +336,7 @@ def order_for_shuffle(order: str | None, shuffle: bool | None, default: str = "b
     wanted = "random" if shuffle else "sequential"
     if order is not None and (order == "sequential") == shuffle:
         raise ValueError(f"shuffle={shuffle} contradicts order={order!r}; give one of them (orders: "
-                         f"sequential; block, shuffled in contiguous runs, the fast default; random)")
+                         f"sequential; block, shuffled within windows of contiguous blocks, the default; random)")
     return order or wanted
 
 
@@ -695,7 +696,8 @@ class Loader:
         threads.stop_producer()
         p, share = planner.plan(epoch, done, split, start)
         if p.count > start:  # a pass with nothing to serve needs no producer
-            make = _batch_maker(sink, self.dataset.opened, threads.pool, self.num_threads, self.batch_size)
+            make = _batch_maker(sink, self.dataset.opened, threads.pool, self.num_threads, self.batch_size,
+                               self.order, self.seed)
             threads.producer = _Producer(make, planner.jobs(p, share), self.prefetch, sink.prepare_thread)
         return p, threads.producer
 

@@ -5,18 +5,25 @@ number under locality="shard"), so every rank and every resumed run computes the
 
 - ``sequential``: 0, 1, …, n-1.
 - ``block``: the records are cut into blocks of `BLOCK_RECORDS` contiguous records (block edges
-  move by a random shift each epoch), the blocks are shuffled, and within each window of
-  `WINDOW_BLOCKS` consecutive blocks, runs of `RUN_RECORDS` records are shuffled. Records were
-  stored shuffled at compile time, so a block is already class-mixed; the window mixes which
-  records share a batch from epoch to epoch, and reads stay runs of contiguous records
-  (slice copies when warm, large sequential reads when cold).
+  move by a random shift each epoch), the blocks are shuffled, and each window of `WINDOW_BLOCKS`
+  consecutive blocks (2,048 records, ~300 MB at 224×224) is served in a random order of its
+  records (`window_keys`, new every epoch). Records were stored shuffled at compile time, so a
+  block is already class-mixed; a batch is a random sample of its window, so stored neighbours
+  share a batch about as often as batch_size / window records, and a different batch-mate every
+  epoch (`cooccurrence_bound`). Reads stay inside one window at a time: a cold disk's read-ahead
+  brings a window in with large reads, and its batches then read it from the page cache.
+  (Before issue 21, runs of 8 contiguous records stayed together inside a batch, so stored
+  neighbours shared a batch 85-92% of the time in every epoch.)
 - ``random``: a full permutation.
 
 An epoch is then split between ranks (`rank_share`; `epoch_share` computes one rank's part with
 `order_slice`, which expands only that part of a block or sequential order, so a rank holds 1/world_size
-of the order, never the whole) and cut into batches (`batch_indices`);
-inside a batch the indices are sorted, which turns neighbours into runs and groups records by
-shard, so every batch is a few large copies. The batch's ``index`` entry says what was served.
+of the order, never the whole) and cut into batches (`batch_indices`); inside a batch of block or
+random order the records take a seeded random arrangement (`arrange`, fixed by seed, epoch and
+the records): each shard's records one contiguous segment in a random order, the segments in a
+random order, so that pairing samples by position pairs random same-shard batch-mates, not stored
+neighbours, and the copy stays one gather per shard straight into its segment. The batch's
+``index`` entry says what is where.
 
 ``locality="shard"`` (block order only) splits an epoch between ranks by shard instead
 (`shard_share`), so that each rank reads about 1/world_size of the shard files per epoch:
@@ -54,8 +61,8 @@ from dsc import format as fmt
 ORDERS = ("sequential", "block", "random")
 LOCALITIES = ("shard",)  # values of the loader's `locality` besides None
 BLOCK_RECORDS = 64  # ~10 MB at 224×224: large enough for fast reads from a cold disk
-WINDOW_BLOCKS = 8  # blocks whose runs are mixed together
-RUN_RECORDS = 8  # the unit of mixing inside a window; stays one slice copy
+WINDOW_BLOCKS = 32  # blocks whose records are mixed together: a batch of 256 is 1/8 of a window
+POSITIONS_STREAM = 1 << 32  # `generator` stream of the arrangement within batches (shard groups use 0..world_size-1)
 DROPPED_WARN_FRACTION = 0.05  # locality="shard" with drop_last=True warns when it leaves out more
 
 
@@ -82,49 +89,46 @@ def expand_runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.repeat(starts.astype(np.int64), lengths) + offset
 
 
-def block(n: int, seed: int, epoch: int, block_records: int = BLOCK_RECORDS,
-          window: int = WINDOW_BLOCKS, run: int = RUN_RECORDS, stream: tuple[int, ...] = ()) -> np.ndarray:
-    """Shuffled blocks of contiguous records, runs mixed within windows of blocks (module docstring)."""
-    return expand_runs(*block_runs(n, seed, epoch, block_records, window, run, stream))
+def block(n: int, seed: int, epoch: int, block_records: int = BLOCK_RECORDS, window: int = WINDOW_BLOCKS,
+          stream: tuple[int, ...] = ()) -> np.ndarray:
+    """Shuffled blocks of contiguous records, each window of blocks in a random order of its records
+    (module docstring)."""
+    return block_slice(n, seed, epoch, 0, n, block_records, window, stream)
 
 
-def block_runs(n: int, seed: int, epoch: int, block_records: int = BLOCK_RECORDS, window: int = WINDOW_BLOCKS,
-               run: int = RUN_RECORDS, stream: tuple[int, ...] = ()) -> tuple[np.ndarray, np.ndarray]:
-    """Block order as (first record, length) of its runs, in order: `block` before it expands them,
-    about 1/RUN_RECORDS of its size, so that a rank can expand only its own part (`order_slice`)."""
+def block_windows(n: int, seed: int, epoch: int, block_records: int = BLOCK_RECORDS,
+                  stream: tuple[int, ...] = ()) -> tuple[np.ndarray, np.ndarray, np.uint64]:
+    """(first record, length) of the epoch's blocks in their shuffled order, and the salt of its
+    `window_keys`: 1/block_records of the order's size, so that a rank expands only its own windows."""
     rng = generator(seed, epoch, *stream)
     shift = int(rng.integers(block_records)) if n > block_records else 0
     edges = np.unique(np.r_[0, np.arange(shift, n, block_records), n]).astype(np.int64)
     perm = rng.permutation(len(edges) - 1)
-    starts, lengths = edges[:-1][perm], np.diff(edges)[perm]
-    runs_per_block = -(-lengths // run)
-    block_of_run = np.repeat(np.arange(len(perm)), runs_per_block)
-    k = np.arange(len(block_of_run)) - np.repeat(np.cumsum(runs_per_block) - runs_per_block, runs_per_block)
-    k *= run  # the offset of each run in its block
-    run_starts = starts[block_of_run] + k
-    run_lengths = np.minimum(run, lengths[block_of_run] - k)
-    window_of_run = block_of_run // window
-    del k, block_of_run  # at 10^8 records each of these is 100 MB: free them before the sort
-    mix = np.lexsort((rng.random(len(run_starts)), window_of_run))
-    del window_of_run
-    run_starts = run_starts[mix]
-    return run_starts, run_lengths[mix]
+    salt = rng.integers(2**64, dtype=np.uint64)
+    return edges[:-1][perm], np.diff(edges)[perm], salt
 
 
-def runs_slice(starts: np.ndarray, lengths: np.ndarray, start: int, stop: int) -> np.ndarray:
-    """Positions [start, stop) of `expand_runs(starts, lengths)`, expanding only the runs that hold them."""
+def window_keys(records: np.ndarray, salt: np.uint64) -> np.ndarray:
+    """The key that orders records within their window: `splitmix64` of the record, a function of the
+    record and the epoch's salt alone, so any window is ordered without the others."""
+    return splitmix64(records, salt)
+
+
+def block_slice(n: int, seed: int, epoch: int, start: int, stop: int, block_records: int = BLOCK_RECORDS,
+                window: int = WINDOW_BLOCKS, stream: tuple[int, ...] = ()) -> np.ndarray:
+    """Positions [start, stop) of `block`'s order (0 <= start <= stop <= n), expanding only the windows
+    that hold them."""
     if stop <= start:
         return np.empty(0, dtype=np.int64)
+    starts, lengths, salt = block_windows(n, seed, epoch, block_records, stream)
     ends = np.cumsum(lengths)
-    first = int(np.searchsorted(ends, start, side="right"))  # the run holding position `start`
-    last = int(np.searchsorted(ends, stop, side="left"))  # the run holding position `stop - 1`
-    firsts = starts[first:last + 1].astype(np.int64)  # copies: the caller's runs stay as they are
-    counts = lengths[first:last + 1].astype(np.int64)
-    cut = start - int(ends[first] - lengths[first])
-    firsts[0] += cut
-    counts[0] -= cut
-    counts[-1] -= int(ends[last]) - stop
-    return expand_runs(firsts, counts)
+    first = int(np.searchsorted(ends, start, side="right")) // window * window  # the first block of its window
+    last = min(len(lengths), (int(np.searchsorted(ends, stop - 1, side="right")) // window + 1) * window)
+    records = expand_runs(starts[first:last], lengths[first:last])
+    window_of = np.repeat(np.arange(first, last) // window, lengths[first:last])
+    records = records[np.lexsort((window_keys(records, salt), window_of))]
+    offset = int(ends[first - 1]) if first else 0
+    return records[start - offset:stop - offset].copy()  # a copy: the windows' records are freed on return
 
 
 def _wrapped(start: int, stop: int, n: int) -> list[tuple[int, int]]:
@@ -153,7 +157,7 @@ def rank_shares(order: np.ndarray, world_size: int, batch_size: int, drop_last: 
 
     drop_last=False pads like DistributedSampler (the order repeats from its start, so at most
     `world_size - 1` records are served twice); drop_last=True keeps only full batches on every rank.
-    A contiguous slice (not DistributedSampler's stride) keeps block order's runs intact.
+    A contiguous slice (not DistributedSampler's stride) keeps block order's windows whole.
     """
     per_rank = share_length(len(order), world_size, batch_size, drop_last)
     pad = per_rank * world_size - len(order)
@@ -175,7 +179,7 @@ def rank_share(order: np.ndarray, rank: int, world_size: int, batch_size: int, d
 def order_slice(n: int, order: str, seed: int, epoch: int, start: int, stop: int) -> np.ndarray:
     """Positions [start, stop) of the epoch's order repeated end to end (`rank_shares`' padding): one
     rank's share, without the whole order where the order allows. Sequential and block orders expand
-    only these positions (block order draws its runs, 1/RUN_RECORDS of the order, as `block` does);
+    only these positions (block order draws its blocks, 1/BLOCK_RECORDS of the order, as `block` does);
     random order has no cheaper slice of numpy's permutation, so it is drawn whole and let go."""
     if order not in _ORDER_FUNCTIONS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
@@ -186,8 +190,7 @@ def order_slice(n: int, order: str, seed: int, epoch: int, start: int, stop: int
         parts = [np.arange(a, b, dtype=np.int64) for a, b in pieces]
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
     if order == "block":
-        starts, lengths = block_runs(n, seed, epoch)
-        parts = [runs_slice(starts, lengths, a, b) for a, b in pieces]
+        parts = [block_slice(n, seed, epoch, a, b) for a, b in pieces]
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
     whole = random(n, seed, epoch)
     return np.concatenate([whole[a:b] for a, b in pieces])  # a copy: `whole` is freed on return
@@ -208,9 +211,64 @@ def batch_count(share: int, batch_size: int) -> int:
     return -(-share // batch_size)
 
 
-def batch_indices(share: np.ndarray, batch: int, batch_size: int) -> np.ndarray:
-    """Batch number `batch` of a rank's share, sorted (see the module docstring)."""
-    return np.sort(share[batch * batch_size:(batch + 1) * batch_size])
+@functools.lru_cache(maxsize=8)  # one per epoch in use; drawing it costs ~30 µs, a batch's keys ~5 µs
+def _position_salt(seed: int, epoch: int) -> np.uint64:
+    return generator(seed, epoch, POSITIONS_STREAM).integers(2**64, dtype=np.uint64)
+
+
+def splitmix64(records: np.ndarray, salt: np.uint64) -> np.ndarray:
+    """splitmix64's output for each record's number in a stream started at `salt`: a well-mixed
+    pseudo-random uint64 per record, computed for any subset of records on its own."""
+    with np.errstate(over="ignore"):  # uint64 arithmetic wraps, as splitmix64 wants
+        z = salt + (records.astype(np.uint64) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def position_keys(index: np.ndarray, seed: int, epoch: int) -> np.ndarray:
+    """A pseudo-random key per record, fixed for (seed, epoch) (`splitmix64` with the epoch's salt). A
+    function of the record alone (not of its rank, batch number or resume round), so a batch's
+    arrangement depends only on which records it holds; new every epoch, so a record's batch-mate at
+    the next position changes too."""
+    return splitmix64(index, _position_salt(seed, epoch))
+
+
+def arrange(index: np.ndarray, seed: int, epoch: int, records_per_shard: int) -> np.ndarray:
+    """`index` in its seeded arrangement: the records of each shard file take one contiguous segment of
+    positions, the segments in a random order (keyed by shard) and the records in each segment in a
+    random order (`position_keys`), all fixed by (seed, epoch) and the records alone. The copy then
+    writes each segment with one gather from its shard (`gather.fill`), as a sorted batch was copied:
+    one copy per byte, one call per shard.
+
+    What a pairing by position meets (torchvision's MixUp/CutMix: k with k - 1): inside a segment, a
+    uniformly random batch-mate from the same shard; at the first position of a segment, the last
+    record of the segment before it, from another shard. Records are stored in a seeded random
+    permutation of the sources at compile time, so a shard is a random sample of them (unless compiled
+    with --no-shuffle, whose datasets the loader reads in random order by default)."""
+    keys = position_keys(index, seed, epoch)
+    shard = index // max(records_per_shard, 1)
+    if len(index) == 0 or shard.min() == shard.max():  # one segment: ~10 µs less per batch
+        return index[np.argsort(keys)]
+    shard_keys = splitmix64(shard, ~_position_salt(seed, epoch))  # a bijection: one key per shard
+    return index[np.lexsort((keys, shard_keys))]
+
+
+def batch_indices(share: np.ndarray, batch: int, batch_size: int, order: str, seed: int, epoch: int,
+                  records_per_shard: int) -> np.ndarray:
+    """Batch number `batch` of a rank's share. In block order its records take a seeded random
+    arrangement, shard by shard (`arrange`): a pairing by position (torchvision's MixUp/CutMix mix
+    sample k with k - 1, timm's with B - 1 - k) then pairs random batch-mates, not the stored neighbours
+    a sorted batch (dsc before 0.4) put side by side. Random order's batches are random samples of the
+    dataset, sorted (their partners are stored neighbours about as rarely as arranged ones', and sorted
+    batches read fastest); sequential order keeps the records in order (evaluation writes its outputs
+    in record order; it uses no seed)."""
+    index = share[batch * batch_size:(batch + 1) * batch_size]
+    if order == "sequential":
+        return index.copy()  # a copy, like the arranged ones: a batch must not keep the share alive
+    if order == "random":  # a random sample already: sorted, its position partners are rarely neighbours
+        return np.sort(index)  # (README, MixUp), and an arrangement cost 4-6% of the read here
+    return arrange(index, seed, epoch, records_per_shard)
 
 
 def epoch_share(n: int, order: str, seed: int, epoch: int, rank: int, world_size: int,
@@ -355,3 +413,39 @@ def class_mix(labels: np.ndarray, batches: list[np.ndarray]) -> tuple[float, flo
         distinct.append(len(counts))
         entropy.append(float(-(p * np.log2(p)).sum()))
     return float(np.mean(distinct)), float(np.mean(entropy))
+
+
+def neighbour_cooccurrence(first: np.ndarray, second: np.ndarray, batch_size: int) -> float:
+    """Of the stored-neighbour pairs (i, i + 1), the fraction that share a batch in both of two epoch
+    orders (each cut into batches of `batch_size` from its start): batch-mates that stay together."""
+    together = []
+    for order in (first, second):
+        batch_of = np.empty(len(order), dtype=np.int64)
+        batch_of[order] = np.arange(len(order)) // batch_size
+        together.append(batch_of[1:] == batch_of[:-1])
+    return float(np.mean(together[0] & together[1])) if len(first) > 1 else 0.0
+
+
+def cooccurrence_bound(n: int, batch_size: int, block_records: int = BLOCK_RECORDS,
+                       window: int = WINDOW_BLOCKS) -> float:
+    """An upper bound on the expected `neighbour_cooccurrence` of two consecutive epochs of block order
+    (one rank), from its design:
+
+    - an epoch's random shift puts a block edge between i and i + 1 with probability 1/block_records;
+      bound what then follows by 1;
+    - else they lie in one block, so in one window, whose records come in a random order (`window_keys`):
+      their positions are a random pair of the window's W positions, and the batch edges cut those
+      into pieces of at most batch_size, so they share a batch with probability at most
+      (batch_size - 1) / (W - 1). A whole window holds `window` blocks of which at most two (the
+      first and last of the dataset) are partial, so W >= (window - 1) * block_records;
+    - the last window may hold fewer blocks (blocks % window of them): its block is there with
+      probability (blocks % window) / blocks, the shuffle being uniform; bound that by 1 too.
+
+    So p <= 1/block_records + (batch_size - 1) / ((window - 1) * block_records - 1) + (blocks % window)
+    / blocks in every epoch, for every pair; consecutive epochs draw from independent generators, so
+    both happen with probability at most p**2."""
+    if n <= block_records * window:  # one window: the whole dataset shuffled
+        return min(1.0, (batch_size - 1) / max(n - 1, 1)) ** 2
+    tail = max((b % window) / b for b in (-(-n // block_records), -(-n // block_records) + 1))
+    p = 1 / block_records + (batch_size - 1) / ((window - 1) * block_records - 1) + tail
+    return min(1.0, p) ** 2

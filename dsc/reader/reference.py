@@ -21,7 +21,8 @@ def reference_batches(dataset, batch_size: int, *, order: str = "block", seed: i
     share = orders.epoch_share(len(dataset), order, seed, epoch, rank, world_size, batch_size, drop_last,
                                locality=locality, records_per_shard=dataset.manifest.records_per_shard)
     for b in range(orders.batch_count(len(share), batch_size)):
-        index = orders.batch_indices(share, b, batch_size)
+        index = orders.batch_indices(share, b, batch_size, order, seed, epoch,
+                                      dataset.manifest.records_per_shard)
         samples = [dataset[int(i)] for i in index]
         yield {"image": torch.stack([s.image for s in samples]),
                "label": torch.tensor([s.label for s in samples], dtype=torch.int64),
