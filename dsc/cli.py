@@ -420,7 +420,7 @@ def bench_command(
                                help="Add the host→device path, e.g. cuda (if present)."),
 ) -> None:
     """Measure read throughput of this dataset here, next to this machine's copy limit; name the bottleneck."""
-    from dsc.reader.loader import resolve_device  # the reader (torch): only the command that reads with it
+    from dsc.reader.settings import resolve_device  # the reader (torch): only the command that reads with it
     from dsc.tools.bench import run as run_bench
 
     try:

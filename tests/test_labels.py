@@ -22,7 +22,7 @@ from dsc import format as fmt
 from dsc.cli import app
 from dsc.compiler.labels import classes_without_records
 from dsc.reader.device import pack_fields, packed_bytes, unpack_fields
-from dsc.reader.loader import field_specs
+from dsc.reader.producer import field_specs
 from dsc.testing import assert_roundtrip, make_image_folder
 from dsc.tools.sheet import caption_lines
 
@@ -741,7 +741,7 @@ def test_loader_batches_carry_every_field_in_its_dtype(with_fields: Path) -> Non
 
 def test_the_packed_upload_slot_gives_back_every_field(with_fields: Path) -> None:
     """What the CUDA ring does with the small fields (one byte slot, aligned views), on CPU tensors."""
-    from dsc.reader.loader import batch_fields
+    from dsc.reader.producer import batch_fields
 
     ds = MemmapDataset(with_fields)
     idx = np.array([7, 2, 9])

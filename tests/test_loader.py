@@ -20,8 +20,8 @@ from typer.testing import CliRunner
 import dsc
 from dsc.cli import app
 from dsc.reader import MemmapDataset
-from dsc.reader import loader as loader_module
 from dsc.reader import order as orders
+from dsc.reader import producer as producer_module
 from dsc.reader.gather import fill, fill_parallel, one_stretch_per_shard, split
 from dsc.reader.loader import LoaderError
 from dsc.reader.reference import reference_batches
@@ -467,7 +467,7 @@ def test_dropped_batches_are_recycled(ds: MemmapDataset) -> None:
 
 
 def test_worker_error_reaches_consumer(ds: MemmapDataset, monkeypatch) -> None:
-    real = loader_module.fill_parallel
+    real = producer_module.fill_parallel
     calls = []
 
     def failing(dst, shards, idx, *args):
@@ -476,7 +476,7 @@ def test_worker_error_reaches_consumer(ds: MemmapDataset, monkeypatch) -> None:
             raise OSError("disk on fire")
         return real(dst, shards, idx, *args)
 
-    monkeypatch.setattr(loader_module, "fill_parallel", failing)
+    monkeypatch.setattr(producer_module, "fill_parallel", failing)
     got = []
     with pytest.raises(LoaderError, match=r"batch 2 of epoch 0 \(rank 0/1\) failed: OSError\('disk on fire'\)") as e:
         for b in ds.loader(4, order="sequential"):

@@ -14,7 +14,7 @@ import torch
 
 from dsc.errors import LoaderError
 from dsc.reader import MemmapDataset
-from dsc.reader import loader as loader_module
+from dsc.reader import producer as producer_module
 from dsc.reader.reference import reference_batches
 
 from conftest import tiny_dataset
@@ -123,7 +123,7 @@ def test_a_failed_batch_is_not_counted_as_handed_out(ds: MemmapDataset, monkeypa
     def failing(*args):
         raise OSError("disk on fire")
 
-    monkeypatch.setattr(loader_module, "fill_parallel", failing)
+    monkeypatch.setattr(producer_module, "fill_parallel", failing)
     loader = ds.loader(4)
     with pytest.raises(LoaderError, match="disk on fire"):
         next(iter(loader))
@@ -137,13 +137,13 @@ def test_the_wait_meter_tells_a_slow_producer_from_a_slow_consumer(ds: MemmapDat
     fast = loader.stats(reset=True)
     assert fast.batches == len(loader) and fast.gather_s > 0
     assert fast.wait_fraction < 0.5 and fast.wall_s > 0.02 * (len(loader) - 1)
-    real = loader_module.fill_parallel
+    real = producer_module.fill_parallel
 
     def slow(*args):
         time.sleep(0.02)
         return real(*args)
 
-    monkeypatch.setattr(loader_module, "fill_parallel", slow)
+    monkeypatch.setattr(producer_module, "fill_parallel", slow)
     loader.set_epoch(3)
     for _ in loader:
         pass  # data is the slow part

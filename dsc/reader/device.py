@@ -12,7 +12,7 @@ batches through ``loader.iter(stream=s)``; a batch used on yet another stream ne
 for any tensor: ``other.wait_stream(s)`` and ``t.record_stream(other)``.
 
 Device handling follows torch's pin-memory thread: the loader binds a bare "cuda" to the
-current device of the thread that starts its first pass (`loader.bind_device`), so a DDP script
+current device of the thread that starts its first pass (`settings.bind_device`), so a DDP script
 that makes its loader before ``torch.cuda.set_device(local_rank)`` still gets its batches on its
 own GPU; the producer thread sets that device before any CUDA call (a new thread starts on
 device 0), so every stream, event and tensor lives there.

@@ -6,7 +6,7 @@ A sink is what the loader's producer thread fills and its consumer hands out; th
 - `prepare_thread()`: on the producer thread, before any other call;
 - `fill(fields, gather) -> item`: on the producer thread; `fields` are the batch's small
   per-record arrays ({"label": [n], "index": [n], "size": [n, 2]} in int64, then the dataset's
-  own fields, as `loader.field_specs` describes them), `gather(host)` copies its records into
+  own fields, as `producer.field_specs` describes them), `gather(host)` copies its records into
   a host array [n, H, W, 3];
 - `hand_over(item, stream=None) -> Batch`: on the consumer's thread, the batch as the user gets
   it (on CUDA, ready on `stream`, by default the current one: see `device`'s stream contract);

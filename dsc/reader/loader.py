@@ -1,10 +1,11 @@
 """`Loader`: batches of a `MemmapDataset` as TensorDicts, gathered on a background thread.
 
 A pass = this rank's share of (what is left of) an epoch (`progress.remaining_share`), cut into
-batches (`order.batch_indices`: in block and random order, records in a seeded random arrangement).
-One producer thread, kept across epochs, copies each batch out of the maps (`gather.fill_parallel`,
-split over a copy pool that lives as long as the loader) into a sink (`host.HostSink`, or
-`device.CudaSink` with its pinned ring and side stream) and hands it over through a bounded queue.
+batches (`order.batch_indices`: in block order, records in a seeded random arrangement).
+One producer thread (`producer.py`), kept across epochs, copies each batch out of the maps
+(`gather.fill_parallel`, split over a copy pool that lives as long as the loader) into a sink
+(`host.HostSink`, or `device.CudaSink` with its pinned ring and side stream) and hands it over
+through a bounded queue. The settings are checked once, where the loader is made (`settings.py`).
 When an epoch's last batch is handed out, the producer goes on with the next epoch's first
 batches, so a loop over many epochs has no gap at their edges; an iteration that asks for
 anything else (`set_epoch`, `load_state_dict`, an abandoned pass) gets a new producer. Errors on
@@ -16,18 +17,11 @@ that thread reach the consumer as `LoaderError`, naming the batch. The plain sin
 from __future__ import annotations
 
 import contextlib
-import os
-import queue
-import threading
-import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import torch
 
 from dsc import fits
@@ -36,84 +30,19 @@ from dsc.errors import LoaderError
 from dsc.reader import order as orders
 from dsc.reader import progress
 from dsc.reader.frameworks import PassTracker
-from dsc.reader.gather import fill_parallel
 from dsc.reader.host import Batch, HostSink
+from dsc.reader.producer import LoaderStats, Meter, Producer, Threads, batch_maker, field_specs
+from dsc.reader.settings import (
+    LoaderConfig,
+    agreed_seed,
+    bind_device,
+    draw_seed,
+    resolve_world,
+    sorted_block_warning,
+    stored_sorted,
+)
 
-POLL_S = 0.1  # how often blocked queue waits look at the stop event / the producer's health
-JOIN_S = 30.0  # how long closing waits for a producer that is mid-copy
-MAX_DEFAULT_THREADS = 4  # copies saturate memory bandwidth with a few threads
 STATE_VERSION = 2  # of Loader.state_dict(); version 1 (dsc 0.1: per rank) still loads
-
-
-def default_threads() -> int:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(MAX_DEFAULT_THREADS, cores))
-
-
-def resolve_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """(rank, world_size) from the arguments, else from torch.distributed when initialised, else (0, 1)."""
-    if rank is None and world_size is None:
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
-        return 0, 1
-    if rank is None or world_size is None:
-        raise ValueError("give both rank and world_size, or neither")
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
-    return rank, world_size
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device | None:
-    """The CUDA device batches go to, or None for host batches ("cpu" means the same as None).
-
-    Checked where the loader is made, so a device that is not there fails here, not at the first
-    batch. A bare "cuda" stays bare: `bind_device` binds it when the first pass starts.
-    """
-    if device is None:
-        return None
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"unknown device {device!r}; use 'cuda', 'cuda:N' or None") from None
-    if device.type == "cpu":
-        return None
-    if device.type != "cuda":
-        raise ValueError(f"the loader copies to CUDA devices only; got {str(device)!r}")
-    if not torch.cuda.is_available():
-        raise ValueError(f"device={str(device)!r}: no CUDA device is available here (torch.cuda.is_available() "
-                         "is False); leave device unset for CPU batches")
-    if device.index is not None and device.index >= torch.cuda.device_count():
-        raise ValueError(f"device={str(device)!r}, but this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return device
-
-
-def bind_device(device: torch.device | None) -> torch.device | None:
-    """`device` with its index: a bare "cuda" is the current CUDA device of this thread. The loader binds
-    its device when its first pass starts, as it takes the world then: a DDP script that makes its loader
-    before `torch.cuda.set_device(local_rank)` gets its batches on its own GPU, not all on GPU 0."""
-    if device is not None and device.index is None:
-        return torch.device(device.type, torch.cuda.current_device())
-    return device
-
-
-def draw_seed() -> int:
-    """A seed for a loader made without one, from torch's default generator, as `DataLoader(shuffle=True)`
-    draws one: every new loader orders its epochs anew, and `torch.manual_seed` makes runs repeat."""
-    return int(torch.randint(0, 2**62, (), dtype=torch.int64))
-
-
-def agreed_seed(seed: int, world_size: int) -> int:
-    """Rank 0's `seed` on every rank (a broadcast over the process group): ranks that ordered an epoch with
-    different seeds would serve overlapping shares. Without a process group of `world_size` ranks, refuse."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() == world_size):
-        raise ValueError(f"{world_size} ranks and no seed: a seed drawn in each process would differ between "
-                         "ranks (their shares would overlap), and there is no torch.distributed process group to "
-                         "agree on one; give every rank the same seed=")
-    box = [seed]
-    dist.broadcast_object_list(box, src=0)
-    return check_int("seed", box[0], 0)
 
 
 def _sink_class(device: torch.device | None) -> type:
@@ -123,221 +52,6 @@ def _sink_class(device: torch.device | None) -> type:
 
         return CudaSink
     return HostSink
-
-
-@dataclass(frozen=True)
-class LoaderStats:
-    """Whether training waited for data, since the loader was made or `stats(reset=True)`.
-
-    `wait_s` is the time the consumer spent blocked for the next batch; `wall_s` runs from the
-    first batch asked for to the last one handed out, so `wait_fraction` is the share of the
-    training loop's time lost to data. The producer's time per batch is split into copying
-    records out of the maps (`gather_s`) and the rest of making the batch (`upload_s`: on
-    CUDA, waiting for a free ring slot and issuing the host→device copy).
-    """
-
-    batches: int
-    wait_s: float
-    wall_s: float
-    gather_s: float
-    upload_s: float
-
-    @property
-    def wait_fraction(self) -> float:
-        return self.wait_s / self.wall_s if self.wall_s > 0 else 0.0
-
-    def costs(self) -> str:
-        """What making one batch cost the producer, on average."""
-        per = 1e3 / max(self.batches, 1)
-        return f"gather {self.gather_s * per:.2f} ms, upload {self.upload_s * per:.2f} ms"
-
-    def __str__(self) -> str:
-        return (f"{self.batches} batches, waited {self.wait_s:.2f} s of {self.wall_s:.2f} s "
-                f"({self.wait_fraction:.1%}); per batch: {self.costs()}")
-
-
-@dataclass
-class _Meter:
-    batches: int = 0
-    wait_s: float = 0.0
-    gather_s: float = 0.0
-    upload_s: float = 0.0
-    first: float | None = None
-    last: float = 0.0
-
-    def stats(self) -> LoaderStats:
-        wall = self.last - self.first if self.first is not None else 0.0
-        return LoaderStats(self.batches, self.wait_s, wall, self.gather_s, self.upload_s)
-
-
-class _Producer:
-    """Makes `make(pass, b)` for each job on a background thread, at most `prefetch` ahead of the consumer.
-
-    A semaphore, released when the consumer takes a batch, bounds the batches made but not yet
-    taken, so the producer never holds a finished batch while waiting: fewer host buffers in
-    flight (and a smaller, cache-warmer set of them).
-    """
-
-    def __init__(self, make: Callable[[progress.Pass, int, np.ndarray], tuple[Any, float]],
-                 jobs: Iterator[tuple[progress.Pass, int, np.ndarray]], prefetch: int,
-                 prepare_thread: Callable[[], None]) -> None:
-        self._make, self._jobs, self._prepare = make, jobs, prepare_thread
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # bounded by _ahead
-        self._ahead = threading.Semaphore(prefetch)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="dsc-loader", daemon=True)
-        self._thread.start()
-
-    def _acquire(self) -> bool:
-        while not self._stop.is_set():
-            if self._ahead.acquire(timeout=POLL_S):
-                return not self._stop.is_set()
-        return False
-
-    def _run(self) -> None:
-        job = None
-        try:
-            self._prepare()
-            for job in self._jobs:
-                if not self._acquire():
-                    return
-                start = time.perf_counter()
-                value, gather_s = self._make(*job)
-                self._queue.put((job[:2], value, None, gather_s, time.perf_counter() - start - gather_s))
-        except BaseException as e:  # handed to the consumer, which re-raises it with the batch named
-            self._queue.put((job and job[:2], None, e, 0.0, 0.0))
-
-    def _get(self) -> Any:
-        while True:
-            try:
-                return self._queue.get(timeout=POLL_S)
-            except queue.Empty:
-                if not self._thread.is_alive() and self._queue.empty():
-                    raise LoaderError("the loader thread stopped without handing over a batch") from None
-
-    def take(self, expected: tuple[progress.Pass, int], describe: str, meter: _Meter) -> Any:
-        """The next batch, which must be `expected` (a pass and batch number); the wait goes to `meter`."""
-        now = time.perf_counter()
-        meter.first = now if meter.first is None else meter.first
-        job, value, error, gather_s, upload_s = self._get()
-        self._ahead.release()
-        if error is not None:
-            raise LoaderError(f"{describe} failed: {error!r}") from error
-        if job != expected:
-            raise LoaderError(f"{describe}: the loader thread made {job} instead (a bug in dsc)")
-        meter.last = time.perf_counter()
-        meter.wait_s += meter.last - now
-        meter.batches, meter.gather_s, meter.upload_s = meter.batches + 1, meter.gather_s + gather_s, \
-            meter.upload_s + upload_s
-        return value
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive() and not self._stop.is_set()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._ahead.release()  # wakes a producer waiting for room, which then sees the stop
-        if threading.current_thread() is not self._thread:  # a loader collected on this thread closes it too
-            self._thread.join(timeout=JOIN_S)
-
-
-class _Threads:
-    """The loader's producer (with the pass it makes next, once it has finished one) and copy pool,
-    stopped when the loader is closed or collected."""
-
-    def __init__(self, num_threads: int) -> None:
-        self.pool = ThreadPoolExecutor(num_threads - 1, "dsc-copy") if num_threads > 1 else None
-        self.producer: _Producer | None = None
-        self.next_pass: progress.Pass | None = None
-
-    def stop_producer(self) -> None:
-        if self.producer is not None:
-            self.producer.close()
-        self.producer, self.next_pass = None, None
-
-    def close(self) -> None:
-        self.stop_producer()
-        if self.pool is not None:
-            self.pool.shutdown(wait=True)
-            self.pool = None
-
-
-def batch_fields(opened, idx: np.ndarray) -> dict[str, np.ndarray]:
-    """The small per-record values of a batch besides its images (the sinks' `fields`): label,
-    index and size as int64, then the dataset's own fields (format 1.1) in their dtypes."""
-    return {"label": np.take(opened.labels, idx), "index": idx,
-            "size": np.take(opened.sizes, idx, axis=0).astype(np.int64),  # each source's (height, width)
-            **{name: np.take(values, idx, axis=0) for name, values in opened.fields.items()}}
-
-
-def field_specs(opened) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
-    """Dtype and per-record shape of each of `batch_fields`, for sinks that size buffers up front."""
-    int64 = np.dtype(np.int64)
-    return {"label": (int64, ()), "index": (int64, ()), "size": (int64, (2,)),
-            **{f.name: (f.dtype, f.shape) for f in opened.manifest.fields}}
-
-
-def _batch_maker(sink, opened, pool: ThreadPoolExecutor | None, num_threads: int, batch_size: int,
-                 order: str, seed: int) -> Callable[[progress.Pass, int, np.ndarray], tuple[Any, float]]:
-    """make(pass, b, share): batch b of the pass into the sink, and the seconds its gather took."""
-    per_shard = opened.manifest.records_per_shard
-
-    def make(p: progress.Pass, b: int, share: np.ndarray) -> tuple[Any, float]:
-        idx = orders.batch_indices(share, b, batch_size, order, seed, p.epoch, per_shard)
-        took = [0.0]
-
-        def gather(host: np.ndarray) -> None:
-            start = time.perf_counter()
-            fill_parallel(host, opened.shards, idx, per_shard, pool, num_threads)
-            took[0] = time.perf_counter() - start
-
-        return sink.fill(batch_fields(opened, idx), gather), took[0]
-    return make
-
-
-def check_as_tuple(as_tuple: Any) -> tuple[str, ...] | None:
-    """`as_tuple` as a tuple of field names (None: TensorDict batches); a bare string is refused, not spelt out."""
-    if as_tuple is None:
-        return None
-    names = tuple(as_tuple) if isinstance(as_tuple, (tuple, list)) else ()
-    if not names or not all(isinstance(name, str) for name in names):
-        raise ValueError(f"as_tuple must be a tuple of field names, e.g. ('image', 'label'), got {as_tuple!r}")
-    return names
-
-
-def stored_sorted(manifest) -> bool:
-    """Whether the records are stored in discovery order (compiled with shuffle off): for a folder, class after
-    class, so contiguous records share a class and block order would give batches of one or two classes."""
-    return manifest.compile.get("shuffle") is False
-
-
-def sorted_block_warning(dataset, batch_size: int) -> str:
-    """What block order does to a dataset stored sorted, with the figure: distinct classes per batch,
-    against random order (estimated on epoch 0's first batches)."""
-    figure = ""
-    if len(dataset.classes) > 1:
-        n, labels = len(dataset), dataset.opened.labels
-        block, rand = (orders.mean_distinct(labels, orders.epoch_order(n, order, 0, 0), batch_size)
-                       for order in ("block", "random"))
-        figure = (f" ({block:.1f} distinct classes per batch of {batch_size} on average, against {rand:.1f} in "
-                  f"random order, of {len(dataset.classes)})")
-    return (f"{dataset.path} was compiled with shuffle off: its records are stored in discovery order (class "
-            f"after class for a folder), so order='block' serves batches of few classes{figure}; use order='random' "
-            "(the default for such a dataset) or recompile without --no-shuffle")
-
-
-def order_for_shuffle(order: str | None, shuffle: bool | None, default: str = "block") -> str:
-    """torch's spelling: `shuffle=True` is order "random", `shuffle=False` "sequential"; else `default`."""
-    if shuffle is None:
-        return default if order is None else order
-    if not isinstance(shuffle, bool):
-        raise TypeError(f"shuffle must be True or False, got {shuffle!r}")
-    wanted = "random" if shuffle else "sequential"
-    if order is not None and (order == "sequential") == shuffle:
-        raise ValueError(f"shuffle={shuffle} contradicts order={order!r}; give one of them (orders: "
-                         f"sequential; block, shuffled within windows of contiguous blocks, the default; random)")
-    return order or wanted
 
 
 class EpochHook:
@@ -355,43 +69,6 @@ class EpochHook:
         loader = self._loader()
         if loader is not None:
             loader.set_epoch(epoch)
-
-
-@dataclass(frozen=True)
-class LoaderConfig:
-    """What a loader serves, fixed when it is made. The plan, the sink (its buffers are sized for
-    `batch_size`) and the producer thread (which runs ahead) all derive from it, so it cannot
-    change under them: a loader's settings are read-only (`loader.seed = 7` raises); make a new
-    loader, or resume one with another batch size through `load_state_dict`."""
-
-    batch_size: int
-    order: str
-    seed: int | None  # as given; None: the loader draws one (`Loader.seed` is the one in use)
-    drop_last: bool
-    device: torch.device | None  # as given; a bare "cuda" is bound when the first pass starts (`Loader.device`)
-    prefetch: int
-    num_threads: int
-    world: tuple[int | None, int | None]  # (rank, world_size) as given; None: from torch.distributed
-    locality: str | None
-    as_tuple: tuple[str, ...] | None = None  # field names: batches are tuples of these tensors
-
-    @classmethod
-    def checked(cls, batch_size: int, *, order: str | None, seed: int | None, drop_last: bool,
-                device: str | torch.device | None, prefetch: int, num_threads: int | None, rank: int | None,
-                world_size: int | None, locality: str | None, shuffle: bool | None,
-                as_tuple: tuple[str, ...] | None = None, sorted_records: bool = False) -> LoaderConfig:
-        """The configuration of these arguments, each checked: a bad one fails where the loader is made.
-        Records stored sorted (`stored_sorted`) make "random" the default order, unless locality asks for blocks."""
-        order = order_for_shuffle(order, shuffle, "random" if sorted_records and locality is None else "block")
-        if order not in orders.ORDERS:
-            raise ValueError(f"order must be one of {orders.ORDERS}, got {order!r}")
-        orders.check_locality(order, locality)
-        resolve_world(rank, world_size)  # bad explicit values fail here, not at the first epoch
-        seed = None if seed is None else check_int("seed", seed, 0)
-        return cls(check_int("batch_size", batch_size, 1), order, seed, bool(drop_last),
-                   resolve_device(device), check_int("prefetch", prefetch, 1),
-                   default_threads() if num_threads is None else check_int("num_threads", num_threads, 1),
-                   (rank, world_size), locality, check_as_tuple(as_tuple))
 
 
 def _setting(name: str) -> property:
@@ -463,12 +140,12 @@ class Loader:
         self._device = self._config.device  # bound, with the sink, when the first pass starts (`_bound_sink`)
         self._sink: Any = None
         self._paused = False
-        self._threads = _Threads(self.num_threads)
+        self._threads = Threads(self.num_threads)
         weakref.finalize(self, self._threads.close)
         self._iteration = 0  # which iteration is the live one: an older iterator refuses to go on
         self._abandoned = False  # a pass began at the position and stopped before its epoch's end (`_run`)
         self._live: int | None = None  # the iteration whose pass is still open (its generator not closed)
-        self._meter = _Meter()
+        self._meter = Meter()
         self.sampler, self.batch_sampler = EpochHook(self), None  # what Lightning reads (EpochHook)
 
     @property
@@ -670,7 +347,7 @@ class Loader:
         finally:
             self._paused = False
 
-    def _start_pass(self) -> tuple[progress.Pass, _Producer | None]:
+    def _start_pass(self) -> tuple[progress.Pass, Producer | None]:
         """The pass the loader's position asks for, and the producer making it: the running one when it
         is already making exactly that (the epoch after the one it finished), else a new one."""
         if self.drop_last and len(self) == 0:  # the epoch still moves on: a training loop must not spin
@@ -696,9 +373,9 @@ class Loader:
         threads.stop_producer()
         p, share = planner.plan(epoch, done, split, start)
         if p.count > start:  # a pass with nothing to serve needs no producer
-            make = _batch_maker(sink, self.dataset.opened, threads.pool, self.num_threads, self.batch_size,
+            make = batch_maker(sink, self.dataset.opened, threads.pool, self.num_threads, self.batch_size,
                                self.order, self.seed)
-            threads.producer = _Producer(make, planner.jobs(p, share), self.prefetch, sink.prepare_thread)
+            threads.producer = Producer(make, planner.jobs(p, share), self.prefetch, sink.prepare_thread)
         return p, threads.producer
 
     def _run(self, stream: torch.cuda.Stream | None) -> Iterator[Batch | tuple[torch.Tensor, ...]]:
@@ -758,7 +435,7 @@ class Loader:
         """How long the consumer waited for batches, and what making them cost (`LoaderStats`)."""
         stats = self._meter.stats()
         if reset:
-            self._meter = _Meter()
+            self._meter = Meter()
         return stats
 
     def close(self) -> None:
