@@ -236,3 +236,19 @@ def test_verify_refuses_a_skip_list_that_names_a_stored_source(tmp_path: Path) -
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "'cat/b.jpg' is listed as skipped" in lines[0] and "also stored as record" in lines[0]
     assert np.isin(["cat/b.jpg"], [storage.open_dataset(out).source(i) for i in range(3)]).all()
+
+
+def test_a_skipped_source_is_found_among_the_stored_ones_by_whole_name() -> None:
+    """`storage.stored_and_skipped` against a plain set, on names that are prefixes, suffixes and parts of
+    each other (only a whole stored name counts) and of many lengths."""
+    rng = np.random.default_rng(5)
+    stored = [f"{'ab'[k % 2]}/{'x' * int(rng.integers(0, 6))}{k}.jpg" for k in range(3000)]
+    blob = "".join(stored).encode()
+    offsets = np.cumsum([0, *(len(s) for s in stored)]).astype(np.uint64)
+    sources = np.frombuffer(blob, np.uint8)
+    tricky = [s[1:] for s in stored[:50]] + ["x" + s for s in stored[:50]] + [s[:-1] for s in stored[:50]]
+    assert storage.stored_and_skipped(sources, offsets, [{"source": s, "reason": "r"} for s in tricky]) is None
+    for k in (0, 1234, 2999):
+        said = storage.stored_and_skipped(sources, offsets, [{"source": s, "reason": "r"} for s in
+                                                              [*tricky, stored[k]]])
+        assert said == f"{stored[k]!r} is listed as skipped (r) but is also stored as record {k}"

@@ -15,9 +15,10 @@ from dsc.storage.store import (
     parse_manifest,
     read_skipped,
     read_warnings,
+    stored_and_skipped,
     validate,
     verify_checksums,
 )
 
 __all__ = ["DatasetStore", "OpenedDataset", "open_dataset", "validate", "parse_manifest", "read_skipped",
-           "read_warnings", "check_skip_list", "is_dataset", "is_url", "verify_checksums"]
+           "read_warnings", "check_skip_list", "stored_and_skipped", "is_dataset", "is_url", "verify_checksums"]
