@@ -121,6 +121,17 @@ class S3Server:
         return f"s3://{bucket}/{prefix}"
 
 
+def serving(bucket: str):
+    """A module-scoped pytest fixture: a server with `bucket`, stopped after the module's tests."""
+    @pytest.fixture(scope="module")
+    def server():
+        running = S3Server()
+        running.create_bucket(bucket)
+        yield running
+        running.stop()
+    return server
+
+
 def closed_port() -> int:
     """A loopback port nothing listens on (bound, then released: connecting is refused)."""
     with socket.socket() as s:

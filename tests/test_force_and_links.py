@@ -42,6 +42,16 @@ def one_error_line(result) -> str:
     return errors[0]
 
 
+def interrupted_build(src: Path, out: Path) -> Path:
+    """A compile of `src` into `out` stopped by Ctrl-C at its first progress report: its partial build."""
+    def ctrl_c(n: int) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        compile_folder(src, out, size=8, workers=1, progress=ctrl_c)
+    return staging_path(out)
+
+
 @pytest.fixture
 def src(tmp_path: Path) -> Path:
     return make_folder(tmp_path / "src", per_class=3, sides=(16, 40))
@@ -200,13 +210,7 @@ def test_a_folder_at_a_retired_name_is_deleted_only_if_dsc_made_it(src: Path, tm
 
 def test_force_never_discards_a_partial_build_holding_a_users_file(src: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-
-    def ctrl_c(n: int) -> None:
-        raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        compile_folder(src, out, size=8, workers=1, progress=ctrl_c)
-    stage = staging_path(out)
+    stage = interrupted_build(src, out)
     (stage / "mine.txt").write_text("not dsc's")
     before = files_of(stage)
     line = one_error_line(dsc_compile(src, out, "--force"))
@@ -285,13 +289,7 @@ def test_a_lock_file_dsc_did_not_make_is_refused_with_one_line(src: Path, tmp_pa
 
 def test_a_partial_build_others_can_write_is_not_resumed(src: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-
-    def ctrl_c(n: int) -> None:
-        raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        compile_folder(src, out, size=8, workers=1, progress=ctrl_c)
-    stage = staging_path(out)
+    stage = interrupted_build(src, out)
     os.chmod(stage, 0o777)
     line = one_error_line(dsc_compile(src, out, "--resume"))
     assert f"cannot resume {stage}: it is not a folder that only you can write" in line

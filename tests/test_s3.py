@@ -25,18 +25,13 @@ from dsc.reader import order as orders
 from dsc.storage import open_dataset, s3, verify_checksums
 
 from conftest import tiny_dataset
-from s3server import S3Server, closed_port  # skips this module when the server packages are missing
+from s3server import S3Server, closed_port, serving  # skips this module when the server packages are missing
 
 BUCKET = "dsc-tests"
 JOIN_S = 120  # a DataLoader worker that hangs fails the test instead
 
 
-@pytest.fixture(scope="module")
-def server():
-    running = S3Server()
-    running.create_bucket(BUCKET)
-    yield running
-    running.stop()
+server = serving(BUCKET)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from dsc.reader import order as orders
 from dsc.storage import s3
 
 from conftest import tiny_dataset
-from s3server import S3Server  # skips this module when the server packages are missing
+from s3server import S3Server, serving  # skips this module when the server packages are missing
 
 from faultproxy import FaultProxy  # isort: skip (after s3server, which may skip the module)
 
@@ -28,12 +28,7 @@ BUCKET = "dsc-fault-tests"
 QUICK_S = 10  # ATTEMPTS tries with their pauses (0.25 + 0.5 + 1 s) fit well within this
 
 
-@pytest.fixture(scope="module")
-def server():
-    running = S3Server()
-    running.create_bucket(BUCKET)
-    yield running
-    running.stop()
+server = serving(BUCKET)
 
 
 @pytest.fixture(scope="module")
