@@ -1,4 +1,4 @@
-"""The dsc dataset format, version 1.2: the only module that knows the on-disk layout.
+"""The dsc dataset format, version 1.3: the only module that knows the on-disk layout.
 
 The contract is ``formats.md`` at the repository root; this module uses the same
 names for the same things. In short::
@@ -13,6 +13,7 @@ names for the same things. In short::
       skipped.jsonl         (1.1) every skipped source; the manifest keeps only the first ones
       fields/NAME.bin       (1.1) one typed per-record value per field: [count, *shape], little-endian
       warnings.bin          (1.2, only when a record has one) uint16 LE [count] decoder warnings per record
+      checksums.bin         (1.3, optional) uint32 LE [count]: CRC-32 of each record's bytes
 
 The manifest (formats.md, "manifest.json") names every other file with its size and SHA-256,
 and (1.2) carries its own SHA-256, taken with that value as 64 '0's (`sealed`, `seal_problem`);
@@ -31,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -41,7 +43,7 @@ import numpy as np
 from dsc.errors import DatasetError, UnsupportedVersionError
 
 FORMAT_NAME = "dsc"
-FORMAT_VERSION = "1.2"  # MAJOR.MINOR: a reader refuses another MAJOR; MINOR only adds keys.
+FORMAT_VERSION = "1.3"  # MAJOR.MINOR: a reader refuses another MAJOR; MINOR only adds keys.
 MANIFEST_FILE = "manifest.json"
 SHARD_DIR = "shards"
 LABELS_FILE = "labels.bin"
@@ -52,6 +54,7 @@ SKIP_LIST_FILE = "skipped.jsonl"  # 1.1: every skipped source, one JSON object a
 SEAL_KEY = "manifest_sha256"  # 1.2: the manifest's own SHA-256, computed with this value as 64 '0's
 _SEAL_PLACEHOLDER = "0" * 64
 WARNINGS_FILE = "warnings.bin"  # 1.2: decoder warnings per record (a kept but damaged source)
+CHECKSUMS_FILE = "checksums.bin"  # 1.3: CRC-32 per record, so a fetched byte range can be checked on its own
 SKIPPED_IN_MANIFEST = 100  # 1.1: the manifest's "skipped" holds only the first ones (it must stay small)
 INDEX_FILES = {"labels": LABELS_FILE, "sizes": SIZES_FILE,
                "source_offsets": SOURCE_OFFSETS_FILE, "sources": SOURCES_FILE}
@@ -67,6 +70,7 @@ OFFSET_DTYPE = np.dtype("<u8")
 # dataset a record whose integer label in a label table is -1 (an ignore value, as given)
 UNLABELED = -1
 WARNING_DTYPE = np.dtype("<u2")
+CHECKSUM_DTYPE = np.dtype("<u4")  # zlib.crc32 of the record's H*W*3 bytes
 # Per-record fields (1.1): each kind has one on-disk dtype. class: an index into the field's
 # classes; multilabel: multi-hot [K] over its classes; float / int: numbers.
 FIELD_DTYPES = {"class": np.dtype("<i8"), "multilabel": np.dtype("u1"), "float": np.dtype("<f4"),
@@ -163,6 +167,7 @@ class Manifest:
     version: str = FORMAT_VERSION
     skipped_list: SkipListEntry | None = None
     warnings: FileEntry | None = None  # 1.2: present only when some record had decoder warnings
+    checksums: FileEntry | None = None  # 1.3: CRC-32 per record (optional: older datasets have none)
 
     @property
     def skipped_count(self) -> int:
@@ -183,7 +188,7 @@ class Manifest:
     @property
     def files(self) -> list[FileEntry]:
         """Every file the manifest names, with its size and SHA-256."""
-        return [*self.shards, *self.index.values(), *self.fields, *filter(None, [self.skipped_list, self.warnings])]
+        return [*self.shards, *self.index.values(), *self.fields, *filter(None, [self.skipped_list, self.warnings, self.checksums])]
 
     @property
     def fingerprint(self) -> str:
@@ -210,6 +215,8 @@ class Manifest:
             doc["skipped_list"] = asdict(self.skipped_list)
         if self.warnings is not None:
             doc["warnings"] = asdict(self.warnings)
+        if self.checksums is not None:
+            doc["checksums"] = asdict(self.checksums)
         if minor_version(self.version) >= 2:
             doc[SEAL_KEY] = _SEAL_PLACEHOLDER
             return sealed(json.dumps(doc, indent=1, ensure_ascii=True) + "\n")
@@ -317,6 +324,17 @@ def field_payload(spec: FieldEntry, values: np.ndarray) -> tuple[str, bytes]:
     return field_file(spec.name), np.ascontiguousarray(values, spec.dtype).tobytes()
 
 
+def record_checksums(data, record_bytes: int) -> list[int]:
+    """CRC-32 (`zlib.crc32`) of each whole record in `data` (bytes of records back to back)."""
+    view = memoryview(data).cast("B")
+    return [zlib.crc32(view[at:at + record_bytes]) for at in range(0, len(view) - record_bytes + 1, record_bytes)]
+
+
+def checksums_payload(crcs: np.ndarray) -> tuple[str, bytes]:
+    """The checksums file's (file name, bytes) (1.3): each record's CRC-32, in record order."""
+    return CHECKSUMS_FILE, np.ascontiguousarray(crcs, CHECKSUM_DTYPE).tobytes()
+
+
 def warnings_payload(counts: np.ndarray) -> tuple[str, bytes]:
     """The warnings file's (file name, bytes) (1.2): each record's count of decoder warnings."""
     return WARNINGS_FILE, np.ascontiguousarray(np.minimum(counts, np.iinfo(WARNING_DTYPE).max),
@@ -369,9 +387,9 @@ ValuesOf = Callable[[str, np.dtype, int], Iterable[np.ndarray]]  # the first n v
 _MANIFEST_KEYS_1_0 = {"format", "version", "record", "count", "records_per_shard", "classes",
                       "shards", "index", "skipped", "compile"}
 _MANIFEST_KEYS = {0: _MANIFEST_KEYS_1_0, 1: _MANIFEST_KEYS_1_0 | {"fields"},  # required, by MINOR version
-                  2: _MANIFEST_KEYS_1_0 | {"fields", SEAL_KEY}}
+                  2: _MANIFEST_KEYS_1_0 | {"fields", SEAL_KEY}, 3: _MANIFEST_KEYS_1_0 | {"fields", SEAL_KEY}}
 _OPTIONAL_KEYS = {0: frozenset(), 1: frozenset({"skipped_list"}),  # optional, by MINOR version
-                  2: frozenset({"skipped_list", "warnings"})}
+                  2: frozenset({"skipped_list", "warnings"}), 3: frozenset({"skipped_list", "warnings", "checksums"})}
 _RECORD_KEYS = {"shape", "dtype", "layout", "color", "bytes"}
 _FILE_KEYS = {"file", "bytes", "sha256"}
 _FIELD_KEYS = _FILE_KEYS | {"name", "kind", "dtype", "shape", "classes"}
@@ -499,7 +517,7 @@ def declared_sizes(text: bytes) -> dict[str, int]:
     def items(value: Any) -> list:
         return list(value.values()) if isinstance(value, dict) else value if isinstance(value, list) else []
     entries = [*items(doc.get("shards")), *items(doc.get("index")), *items(doc.get("fields")),
-               doc.get("skipped_list"), doc.get("warnings")]
+               doc.get("skipped_list"), doc.get("warnings"), doc.get("checksums")]
     return {e["file"]: e["bytes"] for e in entries if isinstance(e, dict) and file_name_problem(e.get("file")) is None
             and isinstance(e.get("bytes"), int) and not isinstance(e.get("bytes"), bool)}
 
@@ -611,7 +629,16 @@ def parse_manifest(text: bytes, root: Any, size_of: SizeOf) -> Manifest:
                     skipped=tuple({"source": s["source"], "reason": s["reason"]} for s in skipped),
                     compile=_expect(root, doc, "compile", dict), fields=fields,
                     version=doc["version"], skipped_list=_skip_list_entry(stored, doc, newer),
-                    warnings=_warnings_entry(stored, doc, count, newer))
+                    warnings=_warnings_entry(stored, doc, count, newer),
+                    checksums=_checksums_entry(stored, doc, count, newer))
+
+
+def _checksums_entry(stored: _Stored, doc: dict, count: int, newer: bool) -> FileEntry | None:
+    """The 1.3 `checksums` entry (uint32 CRC-32 per record), checked like any file entry; None when absent."""
+    if "checksums" not in doc or minor_version(doc["version"]) < 3:
+        return None
+    entry = _file_entry(stored, doc["checksums"], "checksums", count * CHECKSUM_DTYPE.itemsize, newer)
+    return FileEntry(entry["file"], entry["bytes"], entry["sha256"])
 
 
 def _warnings_entry(stored: _Stored, doc: dict, count: int, newer: bool) -> FileEntry | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import zlib
 import os
 import re
 import subprocess
@@ -44,8 +45,10 @@ def write_tiny(root: Path, version: str = fmt.FORMAT_VERSION) -> fmt.Manifest:
                                                                         [14, 24]]), TINY_SOURCES)
     fields = output.write_fields(root, TINY_FIELDS) if version != "1.0" else ()
     skipped = ({"source": "b/bad.jpg", "reason": "empty file (0 bytes)"},)
+    shards, crcs = output.hash_shards(root, 5, 2, record_bytes)
+    checksums = output.write_checksums(root, crcs) if fmt.minor_version(version) >= 3 else None
     manifest = fmt.Manifest(height=2, width=3, count=5, records_per_shard=2, classes=("a", "b"),
-                            shards=output.shard_entries(root, 5, 2, record_bytes), index=index, skipped=skipped,
+                            shards=shards, index=index, skipped=skipped, checksums=checksums,
                             compile={"size": [2, 3], "fit": "center-crop"}, fields=fields, version=version,
                             skipped_list=output.write_skip_list(root, list(skipped)) if version != "1.0" else None)
     output.write_manifest(root, manifest)
@@ -55,10 +58,11 @@ def write_tiny(root: Path, version: str = fmt.FORMAT_VERSION) -> fmt.Manifest:
 # The bytes of every file of the tiny dataset, pinned: a change here is a format change,
 # which needs a new version in formats.md, not a new pin.
 GOLDEN = {
+    "checksums.bin": "2048a0e0ea0719c7bf268f1e439735107f98adcba516cba50ba0a6362331019b",
     "fields/box.bin": "10fdafd06acfb09568faa775cb9d6cd3eecb7bfaa125203ea1abaafe0cb46a0a",
     "fields/tags.bin": "3d8948cc9de9c6b7d11fc57d32d1dd6e14a8728c218628fefe407ac23cf19869",
     "labels.bin": "e767c3048cadc9f414dfb85f7706ab1f32ecc03c54f37168b4f708590881ae72",
-    "manifest.json": "cc701e24f860ea2f1be8af9834791c91441c07040926da91c1990577bd3c151a",
+    "manifest.json": "2377333884749a733c811d67badf92ebcafefe08a7a2b68968c23e36e10b5af7",
     "shards/00000.bin": "5d7e2d9b1dcbc85e7c890036a2cf2f9fe7b66554f2df08cec6aa9c0a25c99c21",
     "shards/00001.bin": "b6bda3532894fe14e260b28b68309d9947fee600de07ed4353412be70dc13b21",
     "shards/00002.bin": "c24577e1b2548f2402de01e22fc3465503b21a5cf00b6b1b76525776b206d81a",
@@ -68,6 +72,7 @@ GOLDEN = {
     "sources.bin": "9194c5e233d3775ab5854e88eac9c23da5133244e6470ce8c13ff5b49de11ec0",
 }
 GOLDEN_1_0_MANIFEST = "4a1301d9fa462a874250d998dd46f94cfde2d0c05381dabdefbced8ce0ea34ff"  # as dsc wrote 1.0
+GOLDEN_1_2_MANIFEST = "cc701e24f860ea2f1be8af9834791c91441c07040926da91c1990577bd3c151a"  # as dsc wrote 1.2
 GOLDEN_1_1_MANIFEST = "17e2969a271c3792800dc88190ea746d3414938f237b440a925304f2c18c647f"  # as dsc wrote 1.1
 
 
@@ -99,6 +104,18 @@ def test_golden_bytes(tiny: Path) -> None:
     assert manifest["record"] == {"shape": [2, 3, 3], "dtype": "uint8", "layout": "HWC", "color": "RGB", "bytes": 18}
     text, seal = (tiny / "manifest.json").read_bytes(), manifest["manifest_sha256"]  # 1.2: its own checksum
     assert hashlib.sha256(text.replace(seal.encode(), b"0" * 64)).hexdigest() == seal and text.count(seal.encode()) == 1
+    pixels = bytes(range(90))  # 1.3: each record's CRC-32, uint32 little-endian
+    assert (tiny / "checksums.bin").read_bytes() == b"".join(
+        zlib.crc32(pixels[18 * i:18 * (i + 1)]).to_bytes(4, "little") for i in range(5))
+    assert manifest["checksums"] == {"file": "checksums.bin", "bytes": 20, "sha256": GOLDEN["checksums.bin"]}
+
+
+def test_a_1_2_dataset_opens_as_written_without_record_checksums(tmp_path: Path) -> None:
+    write_tiny(tmp_path / "old", version="1.2")
+    assert digests(tmp_path / "old")["manifest.json"] == GOLDEN_1_2_MANIFEST
+    opened = storage.open_dataset(tmp_path / "old")
+    assert opened.manifest.checksums is None and "checksums.bin" not in digests(tmp_path / "old")
+    storage.verify_checksums(tmp_path / "old", opened.manifest)
 
 
 def test_a_1_1_dataset_opens_as_written_and_has_no_checksum_of_its_own(tmp_path: Path) -> None:

@@ -76,7 +76,7 @@ def finish(stage: Path, job: WriteJob, ok: np.ndarray, sizes: np.ndarray, labels
            threads: int, fields: list[tuple[fmt.FieldEntry, np.ndarray]] = (),
            warned: np.ndarray | None = None) -> fmt.Manifest:
     """Close up skipped slots, make the shards durable, write index, fields and decoder warnings (per slot,
-    like `labels`), skip list and manifest (last), and check the build as `open_dataset` will."""
+    like `labels`), each record's CRC-32, skip list and manifest (last), and check the build as `open_dataset` will."""
     journal.write_kept(stage, ok)  # state "compacting": a resume finds moved records through it
     kept = compact(stage, ok, job)
     if kept == 0:
@@ -87,7 +87,7 @@ def finish(stage: Path, job: WriteJob, ok: np.ndarray, sizes: np.ndarray, labels
     fsync_files([stage / fmt.shard_file(i) for i in range(fmt.shard_count(kept, per_shard))])
     fsync_dir(stage / fmt.SHARD_DIR)  # the shards' names (trim may have removed some); the rest: write_durably
     with ThreadPoolExecutor(threads) as pool:  # `threads` files open at a time
-        shards = output.shard_entries(stage, kept, per_shard, record_bytes, map_fn=pool.map)
+        shards, crcs = output.hash_shards(stage, kept, per_shard, record_bytes, map_fn=pool.map)
     index = output.write_index(stage, labels[ok], sizes[ok], [s for s, k in zip(sources, ok) if k])
     written_fields = output.write_fields(stage, [(spec, values[ok]) for spec, values in fields])
     warnings = output.write_warnings(stage, warned[ok]) if warned is not None and warned[ok].any() else None
@@ -96,7 +96,7 @@ def finish(stage: Path, job: WriteJob, ok: np.ndarray, sizes: np.ndarray, labels
                             records_per_shard=per_shard, classes=tuple(classes), shards=shards, index=index,
                             compile=options, skipped=tuple(skip_list[:fmt.SKIPPED_IN_MANIFEST]),
                             skipped_list=output.write_skip_list(stage, skip_list), fields=written_fields,
-                            warnings=warnings)
+                            warnings=warnings, checksums=output.write_checksums(stage, crcs))
     output.write_manifest(stage, manifest)
     try:  # never publish what the reader would refuse
         storage.validate(stage)

@@ -7,6 +7,7 @@ manifest are built by `dsc.format` and written here, each atomically, the manife
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -48,13 +49,36 @@ def trim_shards(root: Path, count: int, records_per_shard: int, record_bytes: in
             path.unlink()
 
 
-def shard_entries(root: Path, count: int, records_per_shard: int, record_bytes: int,
-                  map_fn: Callable[..., Iterable[str]] = map) -> tuple[fmt.ShardEntry, ...]:
-    """Manifest entries of the finished shards; `map_fn` may be a thread pool's map."""
+HASH_RECORDS_BYTES = 8 << 20  # a shard is hashed this much (rounded to whole records) at a time
+
+
+def shard_digests(path: Path, record_bytes: int) -> tuple[str, list[int]]:
+    """(SHA-256 of a shard file, CRC-32 of each of its records), from one read of it."""
+    digest, crcs = hashlib.sha256(), []
+    step = max(1, HASH_RECORDS_BYTES // record_bytes) * record_bytes
+    with open(path, "rb") as f:
+        while chunk := f.read(step):
+            digest.update(chunk)
+            crcs.extend(fmt.record_checksums(chunk, record_bytes))
+    return digest.hexdigest(), crcs
+
+
+def hash_shards(root: Path, count: int, records_per_shard: int, record_bytes: int,
+                map_fn: Callable[..., Iterable[tuple[str, list[int]]]] = map
+                ) -> tuple[tuple[fmt.ShardEntry, ...], np.ndarray]:
+    """Manifest entries of the finished shards and every record's CRC-32 (format 1.3's checksums), one
+    read of each shard; `map_fn` may be a thread pool's map."""
     records = fmt.shard_records(count, records_per_shard)
     names = [fmt.shard_file(i) for i in range(len(records))]
-    digests = list(map_fn(local.sha256_file, [root / n for n in names]))
-    return tuple(fmt.ShardEntry(n, r * record_bytes, d, r) for n, r, d in zip(names, records, digests))
+    digests = list(map_fn(lambda name: shard_digests(root / name, record_bytes), names))
+    crcs = np.fromiter((c for _, shard in digests for c in shard), fmt.CHECKSUM_DTYPE, count)
+    return tuple(fmt.ShardEntry(n, r * record_bytes, d, r) for n, r, (d, _) in zip(names, records, digests)), crcs
+
+
+def shard_entries(root: Path, count: int, records_per_shard: int, record_bytes: int,
+                  map_fn: Callable[..., Iterable[tuple[str, list[int]]]] = map) -> tuple[fmt.ShardEntry, ...]:
+    """Manifest entries of the finished shards; `map_fn` may be a thread pool's map."""
+    return hash_shards(root, count, records_per_shard, record_bytes, map_fn)[0]
 
 
 def _write(root: Path, name: str, payload: bytes) -> fmt.FileEntry:
@@ -83,6 +107,11 @@ def write_fields(root: Path, fields: list[tuple[fmt.FieldEntry, np.ndarray]]) ->
 def write_warnings(root: Path, counts: np.ndarray) -> fmt.FileEntry:
     """Write the decoder warnings of each record (format 1.2; only when some record has one)."""
     return _write(root, *fmt.warnings_payload(counts))
+
+
+def write_checksums(root: Path, crcs: np.ndarray) -> fmt.FileEntry:
+    """Write every record's CRC-32 (format 1.3), so a reader can check a byte range it fetched on its own."""
+    return _write(root, *fmt.checksums_payload(crcs))
 
 
 def write_skip_list(root: Path, skipped: list[dict[str, str]]) -> fmt.SkipListEntry:
