@@ -30,6 +30,7 @@ from torch.utils.data import Dataset, get_worker_info
 
 from dsc import format as fmt
 from dsc import storage
+from dsc.arguments import check_int
 from dsc.errors import DatasetError
 from dsc.reader.gather import check_indices, fill, out_of_range
 
@@ -133,9 +134,9 @@ def record_index(i: Any, count: int) -> int:
     return k % count
 
 
-def _open(root: Path | str, cache_dir: str | None = None) -> storage.OpenedDataset:
+def _open(root: Path | str, cache_dir: str | None = None, cache_bytes: int | None = None) -> storage.OpenedDataset:
     """Validate and map the dataset; shards copy-on-write (see the module docstring), as plain arrays."""
-    opened = storage.open_dataset(root, shard_mode="c", cache_dir=cache_dir)
+    opened = storage.open_dataset(root, shard_mode="c", cache_dir=cache_dir, cache_bytes=cache_bytes)
     return replace(opened, shards=tuple(s.view(np.ndarray) for s in opened.shards))
 
 
@@ -161,19 +162,21 @@ class MemmapDataset(Dataset):
     so no process ever copies the records; it refuses (`DatasetError`) a folder that was
     recompiled into another dataset since the original was opened.
 
-    `path` may be an ``s3://bucket/prefix`` URL: the dataset's files are downloaded once per node
-    into `cache_dir` (default ``$DSC_CACHE_DIR``, else ``~/.cache/dsc``) and read from there
-    (README, "Datasets in object storage"); `cache_dir` has no meaning for a folder.
+    `path` may be an ``s3://bucket/prefix`` URL: its index is downloaded once per node into
+    `cache_dir` (default ``$DSC_CACHE_DIR``, else ``~/.cache/dsc``), and its records are fetched as
+    they are read into a cache there of at most `cache_bytes` (README, "Datasets in object storage");
+    neither has a meaning for a folder. `ds[i]` of such a dataset is then a copy, not a view.
     """
 
     def __init__(self, path: str | os.PathLike, *, target: str = "label",
                  transform: Callable[[Any], Any] | None = None,
                  target_transform: Callable[[Any], Any] | None = None, return_index: bool = False,
-                 cache_dir: str | os.PathLike | None = None) -> None:
+                 cache_dir: str | os.PathLike | None = None, cache_bytes: int | None = None) -> None:
         # a folder by absolute path: a spawned worker may start in another directory
         self.path: Path | str = os.fspath(path) if storage.is_url(path) else Path(os.path.abspath(path))
         self.cache_dir = None if cache_dir is None else os.path.abspath(cache_dir)
-        self._data: storage.OpenedDataset | None = _open(self.path, self.cache_dir)  # validates now, fails here
+        self.cache_bytes = None if cache_bytes is None else check_int("cache_bytes", cache_bytes, 1)
+        self._data: storage.OpenedDataset | None = _open(self.path, self.cache_dir, self.cache_bytes)  # fails here
         self._fingerprint = self._data.manifest.fingerprint
         self._tensors: tuple[torch.Tensor, ...] | None = None
         if target != "label" and target not in self._data.fields:
@@ -183,14 +186,15 @@ class MemmapDataset(Dataset):
         self.return_index = bool(return_index)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"path": str(self.path), "cache_dir": self.cache_dir, "fingerprint": self._fingerprint,
+        return {"path": str(self.path), "cache_dir": self.cache_dir, "cache_bytes": self.cache_bytes,
+                "fingerprint": self._fingerprint,
                 "target": self.target,
                 "transform": self.transform, "target_transform": self.target_transform,
                 "return_index": self.return_index}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.path = state["path"] if storage.is_url(state["path"]) else Path(state["path"])
-        self.cache_dir = state.get("cache_dir")
+        self.cache_dir, self.cache_bytes = state.get("cache_dir"), state.get("cache_bytes")
         self._fingerprint = state["fingerprint"]
         self.target = state.get("target", "label")
         self.transform, self.target_transform = state.get("transform"), state.get("target_transform")
@@ -201,7 +205,7 @@ class MemmapDataset(Dataset):
     def opened(self) -> storage.OpenedDataset:
         """The validated, mapped dataset (mapped again lazily after unpickling)."""
         if self._data is None:
-            data = _open(self.path, self.cache_dir)
+            data = _open(self.path, self.cache_dir, self.cache_bytes)
             self._check_same(data.manifest)
             self._data = data
         return self._data
@@ -288,8 +292,13 @@ class MemmapDataset(Dataset):
         """Record `i` (one integer): a uint8 [3, H, W] view of the map (no copy) and its target,
         transformed if asked."""
         i = record_index(i, len(self))
-        shard, pos = fmt.locate(i, self.manifest.records_per_shard)
-        image = self._shard_tensors()[shard][pos].permute(2, 0, 1)
+        if self.opened.records is not None:  # in object storage: a copy out of the cache
+            image = torch.empty((1, *self.record_shape), dtype=torch.uint8)
+            self.opened.records.fill(image.numpy(), np.array([i]))
+            image = image[0].permute(2, 0, 1)
+        else:
+            shard, pos = fmt.locate(i, self.manifest.records_per_shard)
+            image = self._shard_tensors()[shard][pos].permute(2, 0, 1)
         target = _target_value(np.array(self._targets()[i]))
         if self.transform is not None:
             image = self.transform(image)
@@ -305,7 +314,10 @@ class MemmapDataset(Dataset):
             return [self[i] for i in idx.tolist()]
         d = self.opened
         buf = batch_buffer(len(idx), self.record_shape, shared=get_worker_info() is not None)
-        fill(buf.numpy(), d.shards, idx, self.manifest.records_per_shard)
+        if d.records is not None:
+            d.records.fill(buf.numpy(), idx)
+        else:
+            fill(buf.numpy(), d.shards, idx, self.manifest.records_per_shard)
         targets = torch.from_numpy(np.take(self._targets(), idx, axis=0))
         return GatheredBatch(buf.permute(0, 3, 1, 2), targets, idx, self.return_index)
 
@@ -325,8 +337,12 @@ class MemmapDataset(Dataset):
         Record ``i`` is ``td["shards", str(s)][j]`` with ``s, j = dsc.format.locate(i, records_per_shard)``.
         Indexing by record at the top (``td[i]``) raises (its batch size is empty), and so does
         ``td["image"]`` (no such key): neither can silently pick the wrong record.
-        Maps are copy-on-write, like `ds[i]`: writes stay in this process.
+        Maps are copy-on-write, like `ds[i]`: writes stay in this process. A dataset in object storage
+        has no shard files to map (its records are cached a range at a time): refused.
         """
+        if self.opened.records is not None:
+            raise DatasetError(f"{self.path}: as_tensordict maps shard files, and a dataset in object storage has "
+                               "none locally; read it through ds.loader(...) or ds[i], or copy it to a folder")
         self._check_still_there()  # mapped by path again: before and after, it must be the dataset opened
         try:
             td = self._map_tensordict()

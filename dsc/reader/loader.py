@@ -131,6 +131,8 @@ class Loader:
         if unknown:
             raise ValueError(f"as_tuple names {unknown}, which batches of {dataset.path} lack; they hold "
                              f"{['image', *specs]}")
+        if dataset.opened.records is not None:  # in object storage: its cache must hold what runs ahead
+            dataset.opened.records.check_room(self._config.batch_size, self._config.prefetch)
         self._dataset = dataset
         self._seed = draw_seed() if self._config.seed is None else self._config.seed
         self._seed_agreed = self._config.seed is not None  # a drawn one becomes rank 0's (`_agree_seed`)
@@ -374,7 +376,7 @@ class Loader:
         p, share = planner.plan(epoch, done, split, start)
         if p.count > start:  # a pass with nothing to serve needs no producer
             make = batch_maker(sink, self.dataset.opened, threads.pool, self.num_threads, self.batch_size,
-                               self.order, self.seed)
+                               self.order, self.seed, self.prefetch)
             threads.producer = Producer(make, planner.jobs(p, share), self.prefetch, sink.prepare_thread)
         return p, threads.producer
 

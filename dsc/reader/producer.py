@@ -179,17 +179,25 @@ def field_specs(opened) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
 
 
 def batch_maker(sink, opened, pool: ThreadPoolExecutor | None, num_threads: int, batch_size: int,
-                 order: str, seed: int) -> Callable[[progress.Pass, int, np.ndarray], tuple[Any, float]]:
-    """make(pass, b, share): batch b of the pass into the sink, and the seconds its gather took."""
-    per_shard = opened.manifest.records_per_shard
+                 order: str, seed: int, prefetch: int) -> Callable[[progress.Pass, int, np.ndarray], tuple[Any, float]]:
+    """make(pass, b, share): batch b of the pass into the sink, and the seconds its gather took (a dataset in
+    object storage: its cache follows the pass, `prefetch` batches ahead)."""
+    per_shard, records = opened.manifest.records_per_shard, opened.records
+    followed = [None]  # the share the remote records' cache follows (`cache.RecordCache.follow`)
 
     def make(p: progress.Pass, b: int, share: np.ndarray) -> tuple[Any, float]:
         idx = orders.batch_indices(share, b, batch_size, order, seed, p.epoch, per_shard)
         took = [0.0]
+        if records is not None and followed[0] is not share:  # a new pass: tell the cache what comes, in order
+            records.follow(share, batch_size, b, prefetch)
+            followed[0] = share
 
         def gather(host: np.ndarray) -> None:
             start = time.perf_counter()
-            fill_parallel(host, opened.shards, idx, per_shard, pool, num_threads)
+            if records is not None:
+                records.fill(host, idx, b)
+            else:
+                fill_parallel(host, opened.shards, idx, per_shard, pool, num_threads)
             took[0] = time.perf_counter() - start
 
         return sink.fill(batch_fields(opened, idx), gather), took[0]

@@ -6,9 +6,9 @@ node into `<cache>/<SHA-256 of the manifest>/`, under a file lock, to a temporar
 exclusively, checked against the manifest's size and SHA-256, then renamed into place; `open`
 hands out descriptors of those copies, so the reader maps local files as it does for a folder.
 
-What this first slice does not do yet (see README, "Datasets in object storage"): it caches whole
-files and the whole dataset (no byte ranges, no `cache_bytes`, no eviction: it refuses at open
-when the dataset would not fit), and downloads one piece at a time.
+The records themselves are not cached whole: `record_cache` hands the reader a
+`dsc.storage.cache.RecordCache`, which fetches byte ranges of the shards as the epoch's order asks
+for them, within `cache_bytes` (the manifest and index files, fetched whole here, count in it).
 
 The client is obstore's `S3Store`, imported only here and made lazily, once per process. obstore's
 runtime does not survive `fork` (a call in a child forked after the parent used it hangs), so a
@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import numpy as np
+
 from dsc import format as fmt
 from dsc.errors import DatasetError, StorageError
 from dsc.storage.local import TEMP_SUFFIX, create_exclusive, open_lock
@@ -43,6 +45,7 @@ REQUEST_TIMEOUT_S = 120.0  # one ranged GET of PIECE_BYTES, start to end; $DSC_S
 TIMEOUT_ENV = "DSC_S3_TIMEOUT"
 PIECE_BYTES = 32 << 20  # a download is a run of ranged GETs of this size, each retried on its own
 FETCHES = 2  # downloads of a file whose bytes do not match the manifest, before it is an error
+DEFAULT_SHARE = 0.5  # cache_bytes by default: this share of the cache's free space at open, plus what it holds
 LOCK_SUFFIX = ".lock"
 
 _clients: dict[tuple, Any] = {}  # (process id, bucket, endpoint settings) -> obstore S3Store
@@ -191,7 +194,7 @@ class S3Dataset:
     (only its own temporary files), and refuses to replace anything at a dataset file's name that is
     not a regular file."""
 
-    def __init__(self, url: str, cache_dir: str | os.PathLike | None = None) -> None:
+    def __init__(self, url: str, cache_dir: str | os.PathLike | None = None, cache_bytes: int | None = None) -> None:
         self.bucket, self.prefix = parse_url(url)
         self.root = f"s3://{self.bucket}/{self.prefix}".rstrip("/")
         self.cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
@@ -199,7 +202,7 @@ class S3Dataset:
         self._key: str | None = None  # their SHA-256: the cache sub-folder of this dataset
         self._manifest: fmt.Manifest | None = None
         self._sizes: dict[str, int] = {}  # HEAD answers, so validating twice asks once
-        self._space_checked = False
+        self.cache_bytes = cache_bytes  # None: DEFAULT_SHARE of the free space, fixed at the first open
 
     # --------------------------------------------------------------------- the store's verbs
 
@@ -222,8 +225,11 @@ class S3Dataset:
         return self._get(name, 0, min(limit, self.size(name, name)), "GET")
 
     def size(self, name: str, where: str) -> int:
-        """The cached copy's size where it has the size the manifest declares, else the object's (HEAD)."""
+        """The cached copy's size where it has the size the manifest declares, else the object's (HEAD);
+        a shard's declared size as it is (its ranges are fetched later, each checked for length and content)."""
         declared = fmt.declared_sizes(self._text or b"").get(name)
+        if declared is not None and name.startswith(f"{fmt.SHARD_DIR}/"):
+            return declared
         fd = self._cached(name, declared) if declared is not None else None
         if fd is not None:
             os.close(fd)
@@ -237,20 +243,17 @@ class S3Dataset:
         return self._sizes[name]
 
     def open(self, name: str, where: str) -> int:
-        """A read-only descriptor of the cached copy of `name`, downloaded first if missing or of the
-        wrong size (and with it every other file missing from the cache: the whole dataset is cached);
-        a download whose size or SHA-256 is wrong is fetched again, then is an error."""
+        """A read-only descriptor of the cached copy of `name` (an index file: the reader's records come
+        through `record_cache`), downloaded first if missing or of the wrong size; a download whose size
+        or SHA-256 is wrong is fetched again, then is an error."""
         entry = self._entry(name, where)
         fd = self._cached(name, entry.bytes)
         if fd is not None:
             return fd
         if _forked():
             raise self._forked_error(name)
-        self._check_space()
+        self._check_budget()
         self._fetch(entry)
-        for other in self._manifest.files:  # this slice caches the whole dataset: all of it now, once
-            if other.file != name:
-                self._fetch(other)
         fd = self._cached(name, entry.bytes)
         if fd is None:
             raise DatasetError(f"{self.local_path(name)}: the cached copy of {self._at(name)} vanished or changed "
@@ -284,13 +287,16 @@ class S3Dataset:
         _opened_keys[(self.root, str(self.cache))] = self._key
         return text
 
-    def _entry(self, name: str, where: str) -> fmt.FileEntry:
+    def _parsed(self) -> fmt.Manifest:
         if self._manifest is None:
             if self._text is None:
                 self._read_manifest(fmt.MAX_MANIFEST_BYTES + 1)
             self._manifest = fmt.parse_manifest(self._text, self.root, self.size)
             self._keep_manifest()
-        for entry in self._manifest.files:
+        return self._manifest
+
+    def _entry(self, name: str, where: str) -> fmt.FileEntry:
+        for entry in self._parsed().files:
             if entry.file == name:
                 return entry
         raise DatasetError(f"{self._at(name)}: not a file of this dataset ({where})")
@@ -330,26 +336,52 @@ class S3Dataset:
             return None
         return fd
 
-    def _check_space(self) -> None:
-        """Once per open: the files still to download must fit in the cache's free space (this slice
-        caches the whole dataset; refusing now beats a full disk halfway through)."""
-        if self._space_checked:
-            return
-        assert self._manifest is not None
-        missing = 0
-        for entry in self._manifest.files:
-            fd = self._cached(entry.file, entry.bytes)
-            if fd is None:
-                missing += entry.bytes
-            else:
-                os.close(fd)
-        free = free_bytes(self.local_folder())
-        if missing > free:
-            total = sum(e.bytes for e in self._manifest.files)
-            raise DatasetError(f"{self.root}: the cache {self.cache} has {free} bytes free, but {missing} more "
-                               f"bytes of this dataset ({total} in all) must be downloaded into it; free space, "
-                               "or point cache_dir / $DSC_CACHE_DIR at a larger file system")
-        self._space_checked = True
+    def _whole_files(self) -> list[fmt.FileEntry]:
+        """The files cached whole: every one but the shards (whose records `record_cache` fetches)."""
+        shards = {e.file for e in self._manifest.shards}
+        return [e for e in self._manifest.files if e.file not in shards]
+
+    def base_bytes(self) -> int:
+        """What the cache holds besides records: the manifest's copy and the files cached whole."""
+        return len(self._text or b"") + sum(e.bytes for e in self._whole_files())
+
+    def budget(self) -> int:
+        """`cache_bytes`, or by default DEFAULT_SHARE of the cache's free space at the first open plus what
+        this dataset's folder holds already."""
+        if self.cache_bytes is None:
+            folder = self.local_folder()
+            held = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
+            self.cache_bytes = int(free_bytes(folder) * DEFAULT_SHARE) + held
+        return self.cache_bytes
+
+    def _check_budget(self) -> None:
+        """Before anything is fetched: `cache_bytes` must hold the manifest, the index and one unit of
+        records (a record, or with no per-record checksums a shard); say the minimum where it does not."""
+        unit = self._manifest.record_bytes if self._manifest.checksums is not None else \
+            max(e.bytes for e in self._manifest.shards)
+        need = self.base_bytes() + unit
+        if self.budget() < need:
+            raise DatasetError(f"{self.root}: cache_bytes={self.budget()} cannot hold this dataset's index and one "
+                               f"{'record' if self._manifest.checksums is not None else 'shard'}: at least {need} "
+                               "bytes are needed; give a larger cache_bytes (or free space in the cache folder "
+                               f"{self.cache}, whose default share is {DEFAULT_SHARE:.0%} of its free space)")
+
+    def record_cache(self, manifest: fmt.Manifest):
+        """The records' bounded cache (`dsc.storage.cache.RecordCache`) for a validated `manifest`."""
+        from dsc.storage.cache import RecordCache
+
+        self._parsed()
+        self._check_budget()
+        crcs = None
+        if manifest.checksums is not None:
+            fd = self.open(manifest.checksums.file, "checksums")
+            with os.fdopen(fd, "rb") as f:
+                crcs = np.frombuffer(f.read(manifest.checksums.bytes + 1), fmt.CHECKSUM_DTYPE)
+            if len(crcs) != manifest.count:
+                raise DatasetError(f"{self.local_path(manifest.checksums.file)}: {len(crcs)} checksums for "
+                                   f"{manifest.count} records; the cached copy is damaged")
+        return RecordCache(manifest, self.local_folder(), self.budget(), self.base_bytes(),
+                           lambda name, start, stop: self._get(name, start, stop, "GET"), self._at, crcs)
 
     def _fetch(self, entry: fmt.FileEntry) -> None:
         """Download `entry` into the cache once per node: under its lock, unless another process did."""
@@ -462,9 +494,9 @@ def _obstore():
     return obstore
 
 
-def open_store(url: str, cache_dir: str | os.PathLike | None = None) -> S3Dataset:
+def open_store(url: str, cache_dir: str | os.PathLike | None = None, cache_bytes: int | None = None) -> S3Dataset:
     """The store of an s3:// URL (what `dsc.storage.store.store_for` calls for the scheme)."""
-    return S3Dataset(url, cache_dir)
+    return S3Dataset(url, cache_dir, cache_bytes)
 
 
 __all__ = ["S3Dataset", "open_store", "default_cache_dir", "parse_url", "EXTRA"]

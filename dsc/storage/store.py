@@ -72,18 +72,20 @@ def is_url(location: Location) -> bool:
     return url_scheme(location) is not None
 
 
-def store_for(location: Location, cache_dir: str | os.PathLike | None = None) -> DatasetStore:
+def store_for(location: Location, cache_dir: str | os.PathLike | None = None,
+              cache_bytes: int | None = None) -> DatasetStore:
     """The store of a dataset location: a folder path, or a URL of a scheme in `STORES` (whose
-    files are cached under `cache_dir`; it has no meaning for a folder)."""
+    files are cached under `cache_dir`, at most `cache_bytes` of them; neither has a meaning for a folder)."""
     scheme = url_scheme(location)
     if scheme is None:
-        if cache_dir is not None:
-            raise ValueError(f"cache_dir is for datasets in object storage (s3://...); {location} is a folder")
+        if cache_dir is not None or cache_bytes is not None:
+            raise ValueError(f"cache_dir and cache_bytes are for datasets in object storage (s3://...); {location} "
+                             "is a folder")
         return LocalFolder(Path(location))
     if scheme not in STORES:
         raise DatasetError(f"{location}: dsc reads datasets from folders and from "
                            f"{', '.join(s + '://' for s in STORES)} URLs, not {scheme}://")
-    return importlib.import_module(STORES[scheme]).open_store(os.fspath(location), cache_dir)
+    return importlib.import_module(STORES[scheme]).open_store(os.fspath(location), cache_dir, cache_bytes)
 
 
 @contextmanager
@@ -111,6 +113,7 @@ class OpenedDataset:
     sources: np.ndarray
     fields: dict[str, np.ndarray] = field(default_factory=dict)  # name -> [count, *shape], in manifest order
     local: Path | None = None  # None: `root` itself
+    records: Any = None  # an object store's `cache.RecordCache` (then `shards` is empty); None: shards mapped
 
     @property
     def local_root(self) -> Path:
@@ -155,19 +158,21 @@ def _validated(store: DatasetStore) -> fmt.Manifest:
     return manifest
 
 
-def open_dataset(root: Location, shard_mode: str = "r", cache_dir: str | os.PathLike | None = None) -> OpenedDataset:
+def open_dataset(root: Location, shard_mode: str = "r", cache_dir: str | os.PathLike | None = None,
+                 cache_bytes: int | None = None) -> OpenedDataset:
     """Validate a dataset, then map its files (no data is read yet).
 
     Index files are mapped read-only; shards with `shard_mode`: "r" (read-only) or "c"
     (copy-on-write: writable views whose writes never reach the file). Reading through one
     folder descriptor never mixes two datasets; if a recompile swaps a new folder in meanwhile,
     the old one's files vanish under it, and the folder now at `root` is opened instead.
-    A URL's files are fetched into `cache_dir` first (see `store_for`).
+    A URL's index files are fetched into `cache_dir` first (see `store_for`), and its records are
+    read through a bounded cache of at most `cache_bytes` (`OpenedDataset.records`), not mapped.
     """
     if shard_mode not in ("r", "c"):
         raise ValueError(f"shard_mode must be 'r' or 'c', got {shard_mode!r}")
     for attempt in range(1, REOPEN_ATTEMPTS + 1):
-        store = store_for(root, cache_dir)
+        store = store_for(root, cache_dir, cache_bytes)
         try:
             return _map_dataset(store, shard_mode)
         except DatasetError:
@@ -203,11 +208,13 @@ def _map_dataset(store: DatasetStore, shard_mode: str) -> OpenedDataset:
     offsets = mapped(index["source_offsets"].file, fmt.OFFSET_DTYPE, (n + 1,))
     sources = mapped(index["sources"].file, np.dtype(np.uint8), (index["sources"].bytes,))
     fields = {f.name: mapped(f.file, f.dtype, (n, *f.shape)) for f in manifest.fields}
-    shards = tuple(mapped(s.file, fmt.RECORD_DTYPE, (s.records, *manifest.record_shape), shard_mode)
-                   for s in manifest.shards)
+    remote = getattr(store, "record_cache", None)  # an object store: records through its bounded cache
+    records = remote(manifest) if remote is not None else None
+    shards = () if records is not None else tuple(
+        mapped(s.file, fmt.RECORD_DTYPE, (s.records, *manifest.record_shape), shard_mode) for s in manifest.shards)
     local = store.local_folder()
     return OpenedDataset(store.root, manifest, shards, labels, sizes, offsets, sources, fields,
-                         None if local == store.root else local)
+                         None if local == store.root else local, records)
 
 
 def read_skipped(root: Location, manifest: fmt.Manifest) -> list[dict[str, str]]:
