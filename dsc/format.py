@@ -188,7 +188,8 @@ class Manifest:
     @property
     def files(self) -> list[FileEntry]:
         """Every file the manifest names, with its size and SHA-256."""
-        return [*self.shards, *self.index.values(), *self.fields, *filter(None, [self.skipped_list, self.warnings, self.checksums])]
+        return [*self.shards, *self.index.values(), *self.fields,
+                *filter(None, [self.skipped_list, self.warnings, self.checksums])]
 
     @property
     def fingerprint(self) -> str:

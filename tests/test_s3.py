@@ -5,6 +5,7 @@ DataLoader workers started by fork and by spawn."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from dsc import format as fmt
 from dsc.cli import app
 from dsc.errors import DatasetError
 from dsc.reader import order as orders
-from dsc.storage import open_dataset, s3, verify_checksums
+from dsc.storage import open_dataset, s3
 
 from conftest import tiny_dataset
 from s3server import S3Server, closed_port, serving  # skips this module when the server packages are missing
@@ -84,59 +85,71 @@ def test_an_s3_dataset_serves_the_same_batches_as_the_local_one(env: Path, url: 
     assert torch.equal(remote[23].image, local[23].image)
 
 
-def test_the_cache_is_keyed_by_the_manifest_and_holds_a_whole_dataset_folder(env: Path, url: str,
-                                                                             local: MemmapDataset) -> None:
-    remote = MemmapDataset(url)  # cache_dir from $DSC_CACHE_DIR
-    text = (Path(local.path) / fmt.MANIFEST_FILE).read_bytes()
-    import hashlib
+def read_all(ds: MemmapDataset) -> torch.Tensor:
+    return ds.__getitems__(list(range(len(ds)))).images
 
-    folder = env / hashlib.sha256(text).hexdigest()
+
+def test_the_cache_is_keyed_by_the_manifest_and_holds_each_record_read(env: Path, url: str,
+                                                                       local: MemmapDataset) -> None:
+    remote = MemmapDataset(url)  # cache_dir from $DSC_CACHE_DIR
+    folder = env / hashlib.sha256((Path(local.path) / fmt.MANIFEST_FILE).read_bytes()).hexdigest()
     assert remote.opened.local_root == folder
-    copy = MemmapDataset(folder)  # the cached copies make a dataset folder of their own
-    assert torch.equal(copy.__getitems__(list(range(24))).images, local.__getitems__(list(range(24))).images)
+    assert not (folder / "records").exists()  # opening fetches the index, no record
+    assert torch.equal(remote.__getitems__([7, 3]).images, local.__getitems__([7, 3]).images)
+    assert sorted(p.relative_to(folder).as_posix() for p in (folder / "records").rglob("*.bin")) == \
+        ["records/00000/3.bin", "records/00001/2.bin"]  # record 7 is record 2 of shard 1
+    assert (folder / "records/00001/2.bin").read_bytes() == local.opened.shards[1][2].tobytes()
 
 
 def test_a_second_open_on_the_node_downloads_nothing(server: S3Server, env: Path, url: str,
                                                      local: MemmapDataset) -> None:
-    MemmapDataset(url, cache_dir=env)
+    read_all(MemmapDataset(url, cache_dir=env))
     before = cached_files(env)
-    manifest = fmt.MANIFEST_FILE
     for entry in local.manifest.files:  # only the manifest stays in the bucket: nothing else can be fetched
         server.delete(BUCKET, f"{url.split('/', 3)[3]}/{entry.file}")
     again = MemmapDataset(url, cache_dir=env)
+    assert torch.equal(read_all(again), read_all(local))
     assert cached_files(env) == before  # not one file written, renamed or replaced
-    assert torch.equal(again.__getitems__(list(range(24))).images, local.__getitems__(list(range(24))).images)
-    assert any(name.endswith(manifest) for name in before)
+    assert any(name.endswith(fmt.MANIFEST_FILE) for name in before)
 
 
-def test_a_damaged_cached_copy_is_fetched_again(env: Path, url: str, local: MemmapDataset) -> None:
+def test_a_damaged_cached_record_is_fetched_again(env: Path, url: str, local: MemmapDataset) -> None:
     remote = MemmapDataset(url, cache_dir=env)
-    shard = remote.opened.local_root / fmt.shard_file(2)
-    del remote
-    with open(shard, "r+b") as f:
-        f.truncate(7)
+    read_all(remote)
+    record = remote.opened.local_root / "records/00002/1.bin"  # record 11
+    data = bytearray(record.read_bytes())
+    data[5] ^= 0xFF  # same size: only its CRC-32 can tell
+    record.write_bytes(bytes(data))
     again = MemmapDataset(url, cache_dir=env)
-    assert shard.stat().st_size == local.manifest.shards[2].bytes
     assert torch.equal(again.__getitems__([10, 11]).images, local.__getitems__([10, 11]).images)
+    assert record.read_bytes() == local.opened.shards[2][1].tobytes()  # put right in place
 
 
 def test_a_corrupted_object_is_named_and_never_served(server: S3Server, env: Path, url: str,
                                                       local: MemmapDataset) -> None:
     name = fmt.shard_file(1)
     data = bytearray((Path(local.path) / name).read_bytes())
-    data[17] ^= 0xFF  # same size: only the checksum can tell
+    data[17 + 192] ^= 0xFF  # record 6 (1 of shard 1; 192 bytes each), same size: only the checksum can tell
     server.put(BUCKET, f"{url.split('/', 3)[3]}/{name}", bytes(data))
-    with pytest.raises(DatasetError, match=rf"{url}/{name}: downloaded 2 times, wrong each time \(SHA-256 "):
-        MemmapDataset(url, cache_dir=env)
-    assert not list(env.rglob(name.split("/")[-1]))  # nothing wrong was put in place
+    remote = MemmapDataset(url, cache_dir=env)
+    assert torch.equal(remote.__getitems__([5, 7]).images, local.__getitems__([5, 7]).images)  # its neighbours
+    with pytest.raises(DatasetError, match=rf"{url}/{name}: record 6 \(bytes 192-383 of the object\) has CRC-32 "
+                                           r"[0-9a-f]{8}, but checksums.bin says [0-9a-f]{8}; fetched 2 times"):
+        remote.__getitems__([6])
+    assert not list(env.rglob("records/00001/1.bin"))  # nothing wrong was put in place
     assert [p.name for p in env.rglob("*.tmp")] == []  # and no temporary file left behind
 
 
 def test_a_missing_object_is_named(server: S3Server, env: Path, url: str) -> None:
     name = fmt.shard_file(3)
     server.delete(BUCKET, f"{url.split('/', 3)[3]}/{name}")
-    with pytest.raises(DatasetError, match=rf"{url}/{name}: missing \(shards\[3\] in the manifest\)"):
-        MemmapDataset(url, cache_dir=env)
+    remote = MemmapDataset(url, cache_dir=env)  # shards are not asked for at open: their ranges are checked
+    with pytest.raises(DatasetError, match=rf"{url}/{name}: missing"):
+        remote.__getitems__([15])
+    name = fmt.LABELS_FILE
+    server.delete(BUCKET, f"{url.split('/', 3)[3]}/{name}")
+    with pytest.raises(DatasetError, match=rf"{url}/{name}: missing \(index.labels in the manifest\)"):
+        MemmapDataset(url, cache_dir=env.parent / "other-cache")
 
 
 def test_no_dataset_at_the_prefix_is_a_clear_error(env: Path, server: S3Server) -> None:
@@ -158,17 +171,26 @@ def test_plain_http_is_refused_for_an_endpoint_off_this_machine(env: Path, monke
         MemmapDataset(f"s3://{BUCKET}/x", cache_dir=env)
 
 
-def test_a_cache_that_cannot_hold_the_dataset_is_refused_at_open(env: Path, url: str, local: MemmapDataset,
-                                                                 monkeypatch) -> None:
+def test_a_cache_too_small_for_the_index_is_refused_at_open_naming_the_minimum(env: Path, url: str,
+                                                                              local: MemmapDataset) -> None:
+    files = [e for e in local.manifest.files if not e.file.startswith("shards/")]
+    need = len((Path(local.path) / fmt.MANIFEST_FILE).read_bytes()) + sum(e.bytes for e in files) + 192
+    with pytest.raises(DatasetError, match=rf"cache_bytes={need - 1} cannot hold this dataset's index and one "
+                                           rf"record: at least {need} bytes are needed"):
+        MemmapDataset(url, cache_dir=env, cache_bytes=need - 1)
+    assert not list(env.rglob("*.bin"))  # refused before anything was fetched
+    MemmapDataset(url, cache_dir=env, cache_bytes=need)
+
+
+def test_the_default_cache_bytes_is_half_the_free_space(env: Path, url: str, local: MemmapDataset,
+                                                         monkeypatch) -> None:
     monkeypatch.setattr(s3, "free_bytes", lambda path: 1000)  # a nearly full disk, without filling one
-    total = sum(e.bytes for e in local.manifest.files)
-    with pytest.raises(DatasetError, match=rf"has 1000 bytes free, but {total} more bytes of this dataset"):
+    held = len((Path(local.path) / fmt.MANIFEST_FILE).read_bytes())  # the manifest's copy, kept at open
+    with pytest.raises(DatasetError, match=rf"cache_bytes={500 + held} cannot hold this dataset's index and one "):
         MemmapDataset(url, cache_dir=env)
 
 
 def test_the_cache_never_touches_files_it_did_not_create(env: Path, url: str, local: MemmapDataset) -> None:
-    import hashlib
-
     key = hashlib.sha256((Path(local.path) / fmt.MANIFEST_FILE).read_bytes()).hexdigest()
     foreign = {env / "notes.txt": b"mine", env / key / "README": b"also mine",
                env / key / fmt.SHARD_DIR / "00000.bin.bak": b"a backup", env / "other" / "x.bin": b"x"}
@@ -183,22 +205,30 @@ def test_the_cache_never_touches_files_it_did_not_create(env: Path, url: str, lo
 
 def test_a_link_planted_at_a_cached_name_is_refused_not_followed(env: Path, url: str, local: MemmapDataset,
                                                                  tmp_path: Path) -> None:
-    import hashlib
-
     key = hashlib.sha256((Path(local.path) / fmt.MANIFEST_FILE).read_bytes()).hexdigest()
     target = tmp_path / "precious.bin"
     target.write_bytes(b"precious")
-    link = env / key / fmt.shard_file(0)
+    link = env / key / fmt.LABELS_FILE
     link.parent.mkdir(parents=True)
-    link.symlink_to(target)
+    link.symlink_to(target)  # an index file's name
     with pytest.raises(DatasetError, match="not a regular file; the cache of .* leaves it alone"):
         MemmapDataset(url, cache_dir=env)
     assert target.read_bytes() == b"precious" and link.is_symlink()
+    link.unlink()
+    record = env / key / "records/00000/0.bin"
+    record.parent.mkdir(parents=True)
+    record.symlink_to(target)
+    remote = MemmapDataset(url, cache_dir=env)
+    with pytest.raises(DatasetError, match="0.bin: not a regular file; the cache of .* leaves it alone"):
+        remote.__getitems__([0])
+    assert target.read_bytes() == b"precious" and record.is_symlink()
 
 
 def test_cache_dir_has_no_meaning_for_a_folder(local: MemmapDataset, tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="cache_dir is for datasets in object storage"):
+    with pytest.raises(ValueError, match="cache_dir and cache_bytes are for datasets in object storage"):
         MemmapDataset(local.path, cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="cache_dir and cache_bytes are for datasets in object storage"):
+        MemmapDataset(local.path, cache_bytes=1 << 20)
 
 
 def test_an_unknown_scheme_is_refused(tmp_path: Path) -> None:
@@ -210,9 +240,11 @@ def test_an_unknown_scheme_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_dataloader_workers_read_an_s3_dataset(env: Path, url: str, local: MemmapDataset, context: str) -> None:
-    """Spawned workers open the dataset again (its manifest from the bucket, the rest from the cache);
-    forked ones, which cannot use the parent's S3 client, read what the parent cached."""
+    """Spawned workers open the dataset again (its manifest from the bucket, the rest from the cache) and
+    fetch what they read; forked ones, which cannot use the parent's S3 client, read what the node cached."""
     remote = MemmapDataset(url, cache_dir=env)
+    if context == "fork":
+        read_all(remote)
     order = torch.randperm(24, generator=torch.Generator().manual_seed(3)).tolist() * 2
     loader = DataLoader(remote, batch_size=4, sampler=order, num_workers=2, multiprocessing_context=context,
                         timeout=JOIN_S)
@@ -220,8 +252,17 @@ def test_dataloader_workers_read_an_s3_dataset(env: Path, url: str, local: Memma
     assert torch.equal(images, local.__getitems__(order).images)
 
 
+def test_a_forked_worker_missing_a_record_says_to_spawn(env: Path, url: str) -> None:
+    remote = MemmapDataset(url, cache_dir=env)
+    remote.__getitems__([0])  # the parent has used the client: a forked child cannot
+    loader = DataLoader(remote, batch_size=4, sampler=[1, 2], num_workers=1, multiprocessing_context="fork",
+                        timeout=30)
+    with pytest.raises(Exception, match="was forked from one that already used the S3 client.*'spawn'"):
+        next(iter(loader))
+
+
 def test_a_forked_child_reopens_from_the_cache_without_the_bucket(env: Path, url: str) -> None:
-    MemmapDataset(url, cache_dir=env)
+    read_all(MemmapDataset(url, cache_dir=env))
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child opens it again (as a worker's copy would), from the cache only
@@ -251,17 +292,17 @@ def test_info_and_verify_on_an_s3_url(env: Path, url: str, local: MemmapDataset)
     assert verify.stdout.startswith("ok: manifest, 5 shard(s)")
 
 
-def test_verify_names_a_damaged_cached_copy(env: Path, url: str) -> None:
-    remote = open_dataset(url)
-    shard = remote.local_root / fmt.shard_file(4)
-    data = bytearray(shard.read_bytes())
-    data[0] ^= 0xFF
-    shard.write_bytes(bytes(data))  # same size: only verify's checksums see it
+def test_verify_reads_the_bucket_and_names_a_damaged_record(server: S3Server, env: Path, url: str,
+                                                            local: MemmapDataset) -> None:
+    name = fmt.shard_file(4)
+    data = bytearray((Path(local.path) / name).read_bytes())
+    data[192 * 2 + 1] ^= 0xFF  # record 22 (2 of shard 4), same size: only checksums see it
+    server.put(BUCKET, f"{url.split('/', 3)[3]}/{name}", bytes(data))
     result = CliRunner().invoke(app, ["verify", url])
     assert result.exit_code == 1
-    assert f"error: {shard} (the cached copy of {url}/{fmt.shard_file(4)}): SHA-256 is" in result.stderr
-    with pytest.raises(DatasetError, match="the file is damaged"):
-        verify_checksums(url, remote.manifest)
+    assert f"error: {url}/{name}: SHA-256 is" in result.stderr  # the object itself, nothing cached
+    assert f"{url}/{name}: record(s) 22 do not match their CRC-32 in checksums.bin" in result.stderr
+    assert not list(env.rglob("records")) and not list(env.rglob("shards"))
 
 
 def test_show_on_an_s3_url(env: Path, url: str, tmp_path: Path) -> None:
@@ -278,10 +319,11 @@ def test_a_dead_endpoint_on_the_command_line_is_one_line(env: Path, monkeypatch)
     assert len(lines) == 1 and lines[0].startswith(f"error: s3://{BUCKET}/x/manifest.json: HEAD failed"), lines
 
 
-def test_records_are_byte_identical_in_the_cache(env: Path, url: str, local: MemmapDataset) -> None:
+def test_records_are_byte_identical_through_the_cache(env: Path, url: str, local: MemmapDataset) -> None:
     remote = open_dataset(url)
-    for a, b in zip(remote.shards, open_dataset(local.path).shards):
-        assert np.array_equal(a, b)
+    assert remote.shards == () and remote.records is not None
+    everything = list(range(24))
+    assert np.array_equal(remote.read_records(everything), open_dataset(local.path).read_records(everything))
 
 
 def test_without_obstore_an_s3_url_names_the_extra(env: Path, monkeypatch) -> None:

@@ -104,11 +104,12 @@ class RecordCache:
                  threads: int = FETCH_THREADS) -> None:
         self.manifest, self.folder, self.budget, self._get, self._at = manifest, folder, budget, get, at
         self.crcs = crcs
+        self.root_name = at("").rstrip("/")  # the dataset's URL, for messages
         self.record_bytes, self.per_shard = manifest.record_bytes, manifest.records_per_shard
         self.per_unit = 1 if crcs is not None else self.per_shard
         self.n_units = manifest.count if crcs is not None else len(manifest.shards)
         self._threads = threads
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a fetch that ends at once runs its callback inside `_request`
         self._held = np.zeros(self.n_units, dtype=bool)  # counted in `used`: a file, or a fetch under way
         self._checked = np.zeros(self.n_units, dtype=bool)  # shard units whose SHA-256 this process checked
         self._pending: dict[int, Future] = {}
@@ -150,7 +151,7 @@ class RecordCache:
         need = self.minimum(batch_size, depth)
         if self.budget < need:
             unit = "record" if self.crcs is not None else "shard (this dataset has no per-record checksums)"
-            raise DatasetError(f"{self._at('')}: cache_bytes={self.budget} is too small for batches of {batch_size} "
+            raise DatasetError(f"{self.root_name}: cache_bytes={self.budget} is too small for batches of {batch_size} "
                                f"fetched {depth} batches ahead: at least {need} bytes are needed (the index, "
                                f"{self.base_bytes} bytes, and {depth + 1} batches of one {unit} of up to "
                                f"{self.largest_unit()} bytes each); give cache_bytes >= {need}")
@@ -244,7 +245,7 @@ class RecordCache:
         if not self._make_room(need, horizon, pinned if pinned is not None else units):
             if horizon is not None:
                 return False
-            raise DatasetError(f"{self._at('')}: the cache cannot hold the {len(units)} unit(s) one batch needs "
+            raise DatasetError(f"{self.root_name}: the cache cannot hold the {len(units)} unit(s) one batch needs "
                                f"within cache_bytes={self.budget} ({self.used} held); give a larger cache_bytes")
         self._held[missing] = True
         self._fresh[missing] = True
@@ -345,11 +346,19 @@ class RecordCache:
         return self.folder / RECORD_DIR / f"{shard:05d}" / f".{chunk}.lock"
 
     def _present(self, unit: int) -> bool:
+        """Whether the unit's file is there whole; something else than a regular file at its name is refused."""
+        path = self.unit_path(unit)
         try:
-            st = os.lstat(self.unit_path(unit))
+            st = os.lstat(path)
         except FileNotFoundError:
             return False
-        return stat.S_ISREG(st.st_mode) and st.st_size == self.unit_bytes(unit)
+        if not stat.S_ISREG(st.st_mode):
+            raise self._foreign(path)
+        return st.st_size == self.unit_bytes(unit)
+
+    def _foreign(self, path: Path) -> DatasetError:
+        return DatasetError(f"{path}: not a regular file; the cache of {self.root_name} holds something dsc did not "
+                            "put there, and leaves it alone: move it away")
 
     def _fetch_records(self, shard: int, first: int, last: int) -> None:
         """One ranged GET of records [first, last) (all of shard `shard`), each checked against its CRC-32
@@ -468,9 +477,14 @@ class RecordCache:
         path = self.unit_path(unit)
         offset = (record - unit * self.per_unit) * self.record_bytes
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             return "gone"
+        except OSError as e:  # a link (ELOOP) or worse at a unit's name
+            raise self._foreign(path) from e
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise self._foreign(path)
         try:
             if self.crcs is None and not self._checked[unit]:
                 problem = self._check_shard(fd, unit)

@@ -254,11 +254,25 @@ class S3Dataset:
             raise self._forked_error(name)
         self._check_budget()
         self._fetch(entry)
+        for other in self._whole_files():  # the index, whole, once per node: a forked child finds it all
+            if other.file != name:
+                self._fetch(other)
         fd = self._cached(name, entry.bytes)
         if fd is None:
             raise DatasetError(f"{self.local_path(name)}: the cached copy of {self._at(name)} vanished or changed "
                                "right after it was downloaded; is another program writing into the cache?")
         return fd
+
+    def pieces(self, name: str, size: int, step: int):
+        """The object's bytes by ranged GETs of `step`, as the bucket holds them (nothing cached): what
+        verification reads."""
+        for start in range(0, size, step):
+            stop = min(size, start + step)
+            data = self._get(name, start, stop, "GET")
+            if len(data) != stop - start:
+                raise DatasetError(f"{self._at(name)}: asked for bytes {start}-{stop - 1}, got {len(data)} bytes; "
+                                   "the object is shorter than the manifest says")
+            yield data
 
     def local_folder(self) -> Path:
         """The folder that holds this dataset's cached copies (a dsc dataset folder once complete)."""

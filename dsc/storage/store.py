@@ -11,6 +11,7 @@ importing an object store's module (and its client) only for a URL of its scheme
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import os
 import time
@@ -24,9 +25,10 @@ import numpy as np
 
 from dsc import format as fmt
 from dsc.errors import ChecksumError, DatasetError, StorageError
-from dsc.storage.local import LocalFolder, map_file, scan_values, sha256_fd
+from dsc.storage.local import LocalFolder, map_file, scan_values
 
 REOPEN_ATTEMPTS = 5  # opens of a folder that recompiles keep swapping, before giving up
+VERIFY_PIECE_BYTES = 8 << 20  # verification reads a file this much (whole records) at a time
 REOPEN_PAUSE_S = 0.01  # the pause before the next attempt grows by this much each time
 
 
@@ -124,6 +126,18 @@ class OpenedDataset:
         """Record `i`'s source path, relative to the compiled SRC folder."""
         start, stop = int(self.source_offsets[i]), int(self.source_offsets[i + 1])
         return os.fsdecode(self.sources[start:stop].tobytes())
+
+    def read_records(self, indices) -> np.ndarray:
+        """A copy of records `indices` [n, H, W, 3], from the maps or, in object storage, through the cache."""
+        idx = np.asarray(indices, dtype=np.int64)
+        out = np.empty((len(idx), *self.manifest.record_shape), dtype=fmt.RECORD_DTYPE)
+        if self.records is not None:
+            self.records.fill(out, idx)
+        else:
+            for row, i in enumerate(idx.tolist()):
+                shard, pos = fmt.locate(i, self.manifest.records_per_shard)
+                out[row] = self.shards[shard][pos]
+        return out
 
     def shard_paths(self) -> list[Path]:
         return [self.local_root / s.file for s in self.manifest.shards]
@@ -288,22 +302,76 @@ def is_dataset(path: str | os.PathLike) -> bool:
 
 def verify_checksums(root: Location, manifest: fmt.Manifest, progress: Callable[[int], None] | None = None,
                      cache_dir: str | os.PathLike | None = None) -> None:
-    """Recompute every file's SHA-256 and check the manifest's own (format 1.2 on); raise
-    ChecksumError naming every damaged file. A URL's files are its cached copies (fetched first
-    where missing), so a damaged one is named as the cached copy of its object."""
+    """Recompute every file's SHA-256 and check the manifest's own (format 1.2 on) and, where it has them
+    (1.3), every record's CRC-32; raise ChecksumError naming every damaged file and record. A URL's files
+    are read from the bucket, a piece at a time, and nothing is cached."""
     with _opened(root, cache_dir) as store:
         sealed = fmt.seal_problem(store.read(fmt.MANIFEST_FILE, fmt.MAX_MANIFEST_BYTES + 1), manifest, store.root)
-        bad = [f"{_named(store, e.file)}: SHA-256 is {digest}, the manifest says {e.sha256}; the file is damaged"
-               for e in manifest.files
-               if (digest := sha256_fd(store.open(e.file, e.file), progress)) != e.sha256]
-    bad = ([sealed] if sealed else []) + bad
+        crcs = _stored_checksums(store, manifest)
+        bad = [sealed] if sealed else []
+        first = 0
+        for entry in manifest.files:
+            digest, problem = _check_file(store, entry, manifest.record_bytes, crcs, first, progress)
+            if digest != entry.sha256:
+                bad.append(f"{_named(store, entry.file)}: SHA-256 is {digest}, the manifest says {entry.sha256}; the "
+                           "file is damaged")
+            if problem:
+                bad.append(problem)
+            first += getattr(entry, "records", 0)
     if bad:
         error = ChecksumError("\n".join(bad))
         error.problems = bad
         raise error
 
 
+def _stored_checksums(store: DatasetStore, manifest: fmt.Manifest) -> np.ndarray | None:
+    """The records' CRC-32s (1.3), when the file has the size and SHA-256 the manifest says; else None (its own
+    damage is named by its SHA-256)."""
+    entry = manifest.checksums
+    if entry is None:
+        return None
+    data = store.read(entry.file, entry.bytes + 1)
+    if len(data) != entry.bytes or fmt.file_entry(entry.file, data).sha256 != entry.sha256:
+        return None
+    return np.frombuffer(data, fmt.CHECKSUM_DTYPE)
+
+
+def _check_file(store: DatasetStore, entry: fmt.FileEntry, record_bytes: int, crcs: np.ndarray | None, first: int,
+                progress: Callable[[int], None] | None) -> tuple[str, str | None]:
+    """(SHA-256 of a file, a line naming its first records whose CRC-32 is wrong, or None); a shard's records
+    are checked against `crcs` from record `first` on."""
+    digest, wrong, at = hashlib.sha256(), [], first
+    check = crcs is not None and isinstance(entry, fmt.ShardEntry)
+    for piece in _pieces(store, entry, record_bytes):
+        digest.update(piece)
+        if check:
+            found = np.array(fmt.record_checksums(piece, record_bytes), dtype=np.int64)
+            wrong.extend((at + np.flatnonzero(found != crcs[at:at + len(found)])).tolist())
+            at += len(found)
+        if progress:
+            progress(len(piece))
+    problem = None
+    if wrong:
+        problem = (f"{_named(store, entry.file)}: record(s) {', '.join(map(str, wrong[:5]))}"
+                   f"{f' and {len(wrong) - 5} more' if len(wrong) > 5 else ''} do not match their CRC-32 in "
+                   f"{fmt.CHECKSUMS_FILE}; the records are damaged")
+    return digest.hexdigest(), problem
+
+
+def _pieces(store: DatasetStore, entry: fmt.FileEntry, record_bytes: int) -> Iterator[bytes]:
+    """A file's bytes, a bounded piece (whole records) at a time: from the store's own reader where it has one
+    (an object store's ranged GETs), else from the descriptor it opens."""
+    step = max(1, VERIFY_PIECE_BYTES // record_bytes) * record_bytes
+    remote = getattr(store, "pieces", None)
+    if remote is not None:
+        yield from remote(entry.file, entry.bytes, step)
+        return
+    with os.fdopen(store.open(entry.file, entry.file), "rb") as f:
+        while piece := f.read(step):
+            yield piece
+
+
 def _named(store: DatasetStore, name: str) -> str:
-    """How messages name a file of `store`: its path, and for a cached copy the object it copies."""
-    local, at = store.local_folder() / name, f"{str(store.root).rstrip('/')}/{name}"
-    return str(local) if str(local) == at else f"{local} (the cached copy of {at})"
+    """How verification names a file of `store`: its path, or the object an object store reads it from."""
+    at = f"{str(store.root).rstrip('/')}/{name}"
+    return at if getattr(store, "pieces", None) is not None else str(store.local_folder() / name)

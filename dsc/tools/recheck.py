@@ -58,8 +58,7 @@ def check_against_sources(path: str | os.PathLike, n: int, seed: int = 0) -> Dec
         except ImageError as e:
             missing.append(f"{source} ({e})")
             continue
-        shard, pos = fmt.locate(i, m.records_per_shard)
-        diff = np.abs(fresh.astype(np.int16) - d.shards[shard][pos])
+        diff = np.abs(fresh.astype(np.int16) - d.read_records([i])[0])
         if worst.worst_record is None or diff.max() > worst.worst_max_abs:
             worst = DecodeCheck(0, [], i, source, int(diff.max()), float(diff.mean()))
     return DecodeCheck(len(picks) - len(missing), missing, worst.worst_record, worst.worst_source,

@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from dsc import format as fmt
 from dsc import storage
 from dsc.errors import DscError
 
@@ -74,8 +73,7 @@ def contact_sheet(path: str | os.PathLike, records: Sequence[int], columns: int 
     font = ImageFont.load_default()
     for k, i in enumerate(records):
         x, y = (k % columns) * m.width, (k // columns) * tile_h
-        shard, pos = fmt.locate(i, m.records_per_shard)
-        sheet.paste(Image.fromarray(np.asarray(d.shards[shard][pos])), (x, y))
+        sheet.paste(Image.fromarray(d.read_records([i])[0]), (x, y))
         for line, caption in enumerate(caption_lines(d, i)):
             draw.text((x + 2, y + m.height + 1 + line * CAPTION_HEIGHT), caption, fill=(0, 0, 0), font=font)
     return sheet
