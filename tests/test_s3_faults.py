@@ -89,6 +89,11 @@ def same_batches(remote: MemmapDataset, local: MemmapDataset) -> None:
             assert g.keys() == w.keys() and all(torch.equal(g[k], w[k]) for k in w)
 
 
+def read_all(ds: MemmapDataset) -> torch.Tensor:
+    """Every record, in record order: one coalesced ranged GET per shard (24 records of 192 bytes)."""
+    return ds.__getitems__(list(range(len(ds)))).images
+
+
 def leftovers(cache: Path) -> list[str]:
     return sorted(p.name for p in cache.rglob("*.tmp"))
 
@@ -101,6 +106,7 @@ def test_a_transient_fault_is_retried_and_the_batches_are_identical(env: Path, u
     shard = fmt.shard_file(2)
     getattr(proxy, fault)(2, match=key(url, shard))  # the next two GETs of shard 2 fail, the third succeeds
     remote = MemmapDataset(url, cache_dir=env)
+    read_all(remote)
     assert proxy.count("GET", key(url, shard), action=fault) == 2  # the server side saw both failures...
     assert proxy.count("GET", key(url, shard), action="forwarded") == 1  # ...and then one good answer
     assert proxy.count("GET", key(url, fmt.shard_file(1))) == 1  # the other files: one GET each
@@ -124,7 +130,7 @@ def test_a_persistent_503_is_one_clear_error_naming_the_object_and_the_tries(env
     proxy.slow_down(1000, match=key(url, shard))
     began = time.monotonic()
     with pytest.raises(StorageError) as raised:
-        MemmapDataset(url, cache_dir=env)
+        read_all(MemmapDataset(url, cache_dir=env))
     took = time.monotonic() - began
     message = str(raised.value)
     assert message.splitlines() == [message]  # one line
@@ -132,7 +138,7 @@ def test_a_persistent_503_is_one_clear_error_naming_the_object_and_the_tries(env
     assert message.endswith("; last: HTTP 503 Service Unavailable (SlowDown)"), message
     assert proxy.count("GET", key(url, shard)) == s3.ATTEMPTS  # tried exactly that often, no more
     assert 0.25 + 0.5 + 1 <= took < QUICK_S  # with the pauses between tries, and bounded
-    assert not list(env.rglob(shard.split("/")[-1])) and leftovers(env) == []
+    assert not list(env.rglob(f"records/{shard[7:12]}/*.bin")) and leftovers(env) == []
 
 
 def test_a_slow_endpoint_beyond_the_timeout_is_a_clear_error_not_a_hang(env: Path, url: str, proxy: FaultProxy,
@@ -142,7 +148,7 @@ def test_a_slow_endpoint_beyond_the_timeout_is_a_clear_error_not_a_hang(env: Pat
     proxy.delay(3, 1000, match=key(url, shard))  # each answer 3 s late: every try times out
     began = time.monotonic()
     with pytest.raises(StorageError) as raised:
-        MemmapDataset(url, cache_dir=env)
+        read_all(MemmapDataset(url, cache_dir=env))
     took = time.monotonic() - began
     message = str(raised.value)
     assert message.startswith(f"{url}/{shard}: GET failed {s3.ATTEMPTS} times in "), message
@@ -150,7 +156,7 @@ def test_a_slow_endpoint_beyond_the_timeout_is_a_clear_error_not_a_hang(env: Pat
                             f"${s3.TIMEOUT_ENV} sets it)"), message
     assert proxy.count("GET", key(url, shard)) == s3.ATTEMPTS
     assert took < s3.ATTEMPTS * 0.5 + 1.75 + 3  # never waited for the slow answers
-    assert not list(env.rglob(shard.split("/")[-1])) and leftovers(env) == []
+    assert not list(env.rglob(f"records/{shard[7:12]}/*.bin")) and leftovers(env) == []
 
 
 def test_a_bad_timeout_setting_is_named(env: Path, url: str, monkeypatch) -> None:
@@ -167,14 +173,14 @@ def test_a_server_killed_mid_download_leaves_nothing_partial_and_a_later_open_co
     proxy.kill_mid_response(match=key(url, shard))  # half of shard 3's bytes, then the server is gone
     began = time.monotonic()
     with pytest.raises(StorageError) as raised:
-        MemmapDataset(url, cache_dir=env)
+        read_all(MemmapDataset(url, cache_dir=env))
     message = str(raised.value)
     assert message.startswith(f"{url}/{shard}: GET failed {s3.ATTEMPTS} times in "), message
     assert message.endswith("; last: connection refused (nothing listens at the endpoint)"), message
     assert time.monotonic() - began < QUICK_S
     assert proxy.count("GET", key(url, shard)) == 1  # the server saw one try; the others found no server
     assert proxy.server is None
-    assert not list(env.rglob(shard.split("/")[-1])) and leftovers(env) == []  # nothing partial in place
+    assert not list(env.rglob(f"records/{shard[7:12]}/*.bin")) and leftovers(env) == []  # nothing partial in place
     folder = next(env.iterdir())
     placed = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and not p.name.startswith(".")}
 
@@ -184,12 +190,16 @@ def test_a_server_killed_mid_download_leaves_nothing_partial_and_a_later_open_co
     same_batches(remote, local)
     again = {s.path for s in proxy.seen[before:] if s.method == "GET"}
     assert key(url, shard) in again
-    assert not {key(url, name) for name in placed if name != fmt.MANIFEST_FILE} & again  # kept, not fetched again
+    whole = {fmt.shard_file(k) for k, s in enumerate(local.manifest.shards)
+             if all(f"records/{k:05d}/{j}.bin" in placed for j in range(s.records))}
+    kept = {name for name in placed if not name.startswith("records/")} | whole
+    assert kept - {fmt.MANIFEST_FILE} and not {key(url, name) for name in kept if name != fmt.MANIFEST_FILE} & again
     assert leftovers(env) == []
 
 
 def test_a_server_killed_after_open_does_not_disturb_the_epoch(env: Path, url: str, local,
                                                                proxy: FaultProxy) -> None:
     remote = MemmapDataset(url, cache_dir=env)
-    proxy.kill()  # mid-epoch: everything is in the node's cache already
+    read_all(remote)
+    proxy.kill()  # mid-epoch: everything this process reads is in the node's cache already
     same_batches(remote, local)
