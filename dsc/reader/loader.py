@@ -17,6 +17,7 @@ that thread reach the consumer as `LoaderError`, naming the batch. The plain sin
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -147,7 +148,7 @@ class Loader:
         self._iteration = 0  # which iteration is the live one: an older iterator refuses to go on
         self._abandoned = False  # a pass began at the position and stopped before its epoch's end (`_run`)
         self._live: int | None = None  # the iteration whose pass is still open (its generator not closed)
-        self._meter = Meter()
+        self._meter = self._new_meter()
         self.sampler, self.batch_sampler = EpochHook(self), None  # what Lightning reads (EpochHook)
 
     @property
@@ -435,10 +436,15 @@ class Loader:
 
     def stats(self, reset: bool = False) -> LoaderStats:
         """How long the consumer waited for batches, and what making them cost (`LoaderStats`)."""
-        stats = self._meter.stats()
+        records = self.dataset.opened.records
+        stats = self._meter.stats(records.stats if records is not None else None)
         if reset:
-            self._meter = Meter()
+            self._meter = self._new_meter()
         return stats
+
+    def _new_meter(self) -> Meter:
+        records = self.dataset.opened.records
+        return Meter(network=dataclasses.replace(records.stats) if records is not None else None)
 
     def close(self) -> None:
         """Stop the producer thread and the copy pool now (they also stop when the loader is collected)."""

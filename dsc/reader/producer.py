@@ -34,6 +34,11 @@ class LoaderStats:
     training loop's time lost to data. The producer's time per batch is split into copying
     records out of the maps (`gather_s`) and the rest of making the batch (`upload_s`: on
     CUDA, waiting for a free ring slot and issuing the host→device copy).
+
+    A dataset in object storage adds what its cache did (zeros for a folder): `fetched_bytes` and
+    `requests` (ranged GETs), `cache_hits` and `cache_misses` (units a batch found local, or had to
+    fetch, ahead or not), and `network_wait_s`, the time the producer waited for fetches (part of
+    `gather_s`).
     """
 
     batches: int
@@ -41,6 +46,11 @@ class LoaderStats:
     wall_s: float
     gather_s: float
     upload_s: float
+    fetched_bytes: int = 0
+    requests: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
+    network_wait_s: float = 0.0
 
     @property
     def wait_fraction(self) -> float:
@@ -52,8 +62,11 @@ class LoaderStats:
         return f"gather {self.gather_s * per:.2f} ms, upload {self.upload_s * per:.2f} ms"
 
     def __str__(self) -> str:
+        network = (f"; fetched {self.fetched_bytes} bytes in {self.requests} requests, {self.cache_hits} hits, "
+                   f"{self.cache_misses} misses, {self.network_wait_s:.2f} s waiting on the network"
+                   if self.requests or self.cache_hits else "")
         return (f"{self.batches} batches, waited {self.wait_s:.2f} s of {self.wall_s:.2f} s "
-                f"({self.wait_fraction:.1%}); per batch: {self.costs()}")
+                f"({self.wait_fraction:.1%}); per batch: {self.costs()}{network}")
 
 
 @dataclass
@@ -64,10 +77,18 @@ class Meter:
     upload_s: float = 0.0
     first: float | None = None
     last: float = 0.0
+    network: Any = None  # a remote dataset's `cache.NetworkStats`, as it stood when this meter started
 
-    def stats(self) -> LoaderStats:
+    def stats(self, network: Any = None) -> LoaderStats:
+        """The figures since the meter started; `network`: the remote dataset's cache figures now."""
         wall = self.last - self.first if self.first is not None else 0.0
-        return LoaderStats(self.batches, self.wait_s, wall, self.gather_s, self.upload_s)
+        net = {}
+        if network is not None:
+            start = self.network
+            net = {"fetched_bytes": network.fetched_bytes - start.fetched_bytes,
+                   "requests": network.requests - start.requests, "cache_hits": network.hits - start.hits,
+                   "cache_misses": network.misses - start.misses, "network_wait_s": network.wait_s - start.wait_s}
+        return LoaderStats(self.batches, self.wait_s, wall, self.gather_s, self.upload_s, **net)
 
 
 class Producer:

@@ -150,10 +150,11 @@ class RecordCache:
         """Refuse, naming the minimum, a budget too small for batches of `batch_size` fetched `depth` ahead."""
         need = self.minimum(batch_size, depth)
         if self.budget < need:
-            unit = "record" if self.crcs is not None else "shard (this dataset has no per-record checksums)"
+            units = min(self.n_units, (depth + 1) * min(batch_size, self.n_units))
+            unit = "records" if self.crcs is not None else "shards (this dataset has no per-record checksums)"
             raise DatasetError(f"{self.root_name}: cache_bytes={self.budget} is too small for batches of {batch_size} "
                                f"fetched {depth} batches ahead: at least {need} bytes are needed (the index, "
-                               f"{self.base_bytes} bytes, and {depth + 1} batches of one {unit} of up to "
+                               f"{self.base_bytes} bytes, and the {units} {unit} of {depth + 1} batches, up to "
                                f"{self.largest_unit()} bytes each); give cache_bytes >= {need}")
 
     def _scan(self) -> int:

@@ -1,0 +1,283 @@
+"""The bounded, order-aware cache of a dataset in object storage, against a real S3 server on 127.0.0.1
+(moto's): the same batches as the local dataset in every order and across an elastic resume with a cache
+of a fraction of the dataset, the limit never passed (the folder measured at every batch), the bytes of a
+second epoch within 5% of the Belady optimum (computed here from the order), files it did not create
+never touched, whole-shard units for a dataset without per-record checksums, a too small cache refused."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dsc import MemmapDataset
+from dsc import format as fmt
+from dsc.compiler import output
+from dsc.errors import DatasetError
+from dsc.reader import order as orders
+
+from s3server import S3Server, serving  # skips this module when the server packages are missing
+
+BUCKET = "dsc-cache-tests"
+COUNT, PER_SHARD, SIDE = 2000, 100, 16  # 20 shards of 100 records of 768 bytes
+RECORD_BYTES = SIDE * SIDE * 3
+BATCH = 16
+
+server = serving(BUCKET)
+
+
+def synthetic(root: Path, count: int, per_shard: int, seed: int, version: str = fmt.FORMAT_VERSION) -> Path:
+    """A dataset of random records written through the format's own writer (1.3: with checksums.bin)."""
+    rng = np.random.default_rng(seed)
+    root.mkdir(parents=True)
+    output.allocate_shards(root, count, per_shard, RECORD_BYTES)
+    pixels = rng.integers(0, 256, (count, SIDE, SIDE, 3), dtype=np.uint8)
+    for shard, records in enumerate(fmt.shard_records(count, per_shard)):
+        out = fmt.open_shard(root / fmt.shard_file(shard), records, (SIDE, SIDE, 3), "r+")
+        out[:] = pixels[shard * per_shard:shard * per_shard + records]
+        out.flush()
+    index = output.write_index(root, rng.integers(0, 3, count), np.full((count, 2), 32),
+                               [f"c/{i:05d}.jpg" for i in range(count)])
+    shards, crcs = output.hash_shards(root, count, per_shard, RECORD_BYTES)
+    checksums = output.write_checksums(root, crcs) if fmt.minor_version(version) >= 3 else None
+    manifest = fmt.Manifest(height=SIDE, width=SIDE, count=count, records_per_shard=per_shard,
+                            classes=("a", "b", "c"), shards=shards, index=index, compile={"size": [SIDE, SIDE]},
+                            version=version, skipped_list=output.write_skip_list(root, []), checksums=checksums)
+    output.write_manifest(root, manifest)
+    return root
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory) -> MemmapDataset:
+    return MemmapDataset(synthetic(tmp_path_factory.mktemp("cache-local") / "ds", COUNT, PER_SHARD, seed=1))
+
+
+@pytest.fixture
+def env(server: S3Server, monkeypatch, tmp_path: Path) -> Path:
+    for name, value in server.env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    return tmp_path / "cache"
+
+
+_uploads = iter(range(1 << 30))
+
+
+@pytest.fixture
+def url(server: S3Server, local: MemmapDataset) -> str:
+    return server.upload(local.path, BUCKET, f"cache/set-{next(_uploads)}")
+
+
+def index_bytes(local: MemmapDataset) -> int:
+    """What the cache holds besides records: the manifest's copy and every file but the shards."""
+    files = [e for e in local.manifest.files if not e.file.startswith(f"{fmt.SHARD_DIR}/")]
+    return len((Path(local.path) / fmt.MANIFEST_FILE).read_bytes()) + sum(e.bytes for e in files)
+
+
+def folder_bytes(folder: Path, foreign: set[Path] = frozenset()) -> int:
+    """The bytes of every file in the folder (what `du --apparent-size` adds up), besides `foreign` ones; the
+    cache works meanwhile, so a file listed may be gone (evicted, or a temporary renamed) when it is measured."""
+    total = 0
+    for path in folder.rglob("*"):
+        try:
+            st = path.lstat()
+        except FileNotFoundError:
+            continue
+        total += st.st_size if path not in foreign and not path.is_dir() else 0
+    return total
+
+
+def tensors(batch) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in batch.items() if isinstance(v, torch.Tensor)}
+
+
+def same(got: list[dict], want: list[dict]) -> None:
+    assert len(got) == len(want) > 0
+    for g, w in zip(got, want):
+        assert g.keys() == w.keys() and all(torch.equal(g[k], w[k]) for k in w)
+
+
+def belady_misses(sequence: np.ndarray, capacity: int, counted_from: int) -> int:
+    """Misses of the optimal cache of `capacity` records (Belady: evict the record needed furthest ahead)
+    over `sequence`, counted from position `counted_from` on: the optimum, computed from the order alone."""
+    following = np.full(len(sequence), len(sequence), dtype=np.int64)  # next position of the same record
+    seen: dict[int, int] = {}
+    for pos in range(len(sequence) - 1, -1, -1):
+        following[pos] = seen.get(int(sequence[pos]), len(sequence) + pos)  # never again: furthest, distinct
+        seen[int(sequence[pos])] = pos
+    held: dict[int, int] = {}  # record -> its next use
+    import heapq
+
+    heap: list[tuple[int, int]] = []  # (-next use, record), stale entries skipped
+    misses = 0
+    for pos, record in enumerate(sequence.tolist()):
+        if record not in held:
+            misses += pos >= counted_from
+            if len(held) == capacity:
+                while True:
+                    nxt, victim = heapq.heappop(heap)
+                    if held.get(victim) == -nxt:
+                        del held[victim]
+                        break
+        held[record] = int(following[pos])
+        heapq.heappush(heap, (-int(following[pos]), record))
+    return misses
+
+
+# ----------------------------------------------------------------------------- batches and the limit
+
+@pytest.mark.parametrize("order, locality", [("block", None), ("random", None), ("sequential", None),
+                                             ("block", "shard")])
+def test_a_small_cache_serves_the_local_batches_and_never_passes_its_limit(env: Path, url: str, local: MemmapDataset,
+                                                                           order: str, locality: str | None) -> None:
+    budget = index_bytes(local) + COUNT * RECORD_BYTES // 4  # a quarter of the records
+    remote = MemmapDataset(url, cache_dir=env, cache_bytes=budget)
+    folder = remote.opened.local_root
+    kwargs = {"order": order, "seed": 5, "locality": locality, "rank": 1, "world_size": 2} if locality else \
+        {"order": order, "seed": 5}
+    loader, reference = remote.loader(BATCH, **kwargs), local.loader(BATCH, **kwargs)
+    largest = 0
+    for _ in range(2):  # two epochs
+        got = []
+        for batch in loader:
+            got.append(tensors(batch))
+            largest = max(largest, folder_bytes(folder))
+            assert largest <= budget
+        same(got, [tensors(b) for b in reference])
+    assert largest > budget - 50 * RECORD_BYTES  # it did fill up: the limit was what held it back
+
+
+def test_the_second_epoch_fetches_within_5_percent_of_the_belady_optimum(env: Path, url: str,
+                                                                         local: MemmapDataset) -> None:
+    capacity = COUNT // 2
+    remote = MemmapDataset(url, cache_dir=env, cache_bytes=index_bytes(local) + capacity * RECORD_BYTES)
+    for order in ("random", "block"):
+        loader, reference = remote.loader(BATCH, order=order, seed=11), local.loader(BATCH, order=order, seed=11)
+        sequence = []
+        for _ in range(2):  # two epochs
+            want = [tensors(b) for b in reference]
+            sequence.extend(int(i) for b in want for i in b["index"])
+            before = remote.opened.records.stats.fetched_bytes
+            same([tensors(b) for b in loader], want)
+            fetched = remote.opened.records.stats.fetched_bytes - before
+        optimum = belady_misses(np.array(sequence), capacity, counted_from=COUNT) * RECORD_BYTES
+        assert optimum >= (COUNT - capacity) * RECORD_BYTES  # a record is read once an epoch
+        assert fetched <= optimum + 0.05 * COUNT * RECORD_BYTES, (order, fetched, optimum)
+        assert loader.stats().fetched_bytes >= fetched  # the loader reports what its cache fetched
+
+
+def test_an_elastic_resume_serves_what_the_local_dataset_serves(env: Path, url: str, local: MemmapDataset) -> None:
+    budget = index_bytes(local) + COUNT * RECORD_BYTES // 5
+
+    def run(ds_of) -> list[dict]:
+        first = [ds_of().loader(BATCH, order="block", seed=3, rank=r, world_size=2) for r in range(2)]
+        taken = [[tensors(b) for b, _ in zip(loader, range(20))] for loader in first]
+        state = first[0].state_dict()
+        resumed = ds_of().loader(BATCH * 2, order="block", seed=3, rank=0, world_size=1)
+        resumed.load_state_dict(state)
+        return [*taken[0], *taken[1], *(tensors(b) for b in resumed)]
+
+    same(run(lambda: MemmapDataset(url, cache_dir=env, cache_bytes=budget)), run(lambda: local))
+
+
+# ----------------------------------------------------------------------------- what it may delete
+
+def test_files_it_did_not_create_are_never_touched(env: Path, url: str, local: MemmapDataset) -> None:
+    budget = index_bytes(local) + COUNT * RECORD_BYTES // 10
+    remote = MemmapDataset(url, cache_dir=env, cache_bytes=budget)
+    folder = remote.opened.local_root
+    foreign = {env / "notes.txt": b"mine", folder / "README": b"also mine",
+               folder / "records" / "00000" / "7.bin.bak": b"a backup",
+               folder / "records" / "00000" / "100.bin": b"past the shard's end: no record's name",
+               folder / "records" / "00001" / "x.bin": b"x", folder / "shards" / "00000.bin": b"no shard of 1.3"}
+    for path, data in foreign.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    stamps = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in foreign}
+    loader = remote.loader(BATCH, order="random", seed=2)
+    for _ in loader:
+        assert folder_bytes(folder, set(foreign)) <= budget
+    assert loader.stats().cache_misses >= COUNT  # it fetched and evicted all along
+    assert {p: p.read_bytes() for p in foreign} == foreign
+    assert {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in foreign} == stamps
+
+
+# ----------------------------------------------------------------------------- a dataset without checksums
+
+def as_version_1_2(folder: Path, into: Path) -> Path:
+    """The same dataset as format 1.2 wrote it: no checksums.bin, no key for it."""
+    import shutil
+
+    shutil.copytree(folder, into)
+    (into / fmt.CHECKSUMS_FILE).unlink()
+    manifest = MemmapDataset(folder).manifest
+    old = dataclasses.replace(manifest, version="1.2", checksums=None)
+    (into / fmt.MANIFEST_FILE).write_text(old.to_json())
+    return into
+
+
+def test_a_1_2_dataset_is_cached_a_whole_checked_shard_at_a_time(server: S3Server, env: Path, local: MemmapDataset,
+                                                                  tmp_path: Path) -> None:
+    old = as_version_1_2(Path(local.path), tmp_path / "old")
+    assert json.loads((old / fmt.MANIFEST_FILE).read_text())["version"] == "1.2"
+    url = server.upload(old, BUCKET, f"cache/old-{next(_uploads)}")
+    shard_bytes = PER_SHARD * RECORD_BYTES
+    budget = index_bytes(MemmapDataset(old)) + 8 * shard_bytes  # random batches of 4, one ahead: 8 shards
+    remote = MemmapDataset(url, cache_dir=env, cache_bytes=budget)
+    assert remote.manifest.checksums is None
+    folder = remote.opened.local_root
+    for order in ("block", "random"):
+        got = []
+        for batch in remote.loader(4, order=order, seed=9, prefetch=1):
+            got.append(tensors(batch))
+            assert folder_bytes(folder) <= budget
+        same(got, [tensors(b) for b in local.loader(4, order=order, seed=9)])
+    held = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*.bin") if "shards" in p.parts)
+    assert 0 < len(held) <= 8 and not (folder / "records").exists()
+    with pytest.raises(DatasetError, match=rf"too small for batches of 16 fetched 2 batches ahead: at least "
+                                           rf"{index_bytes(MemmapDataset(old)) + 20 * shard_bytes} bytes"):
+        remote.loader(16)  # random batches of 16 can touch every one of the 20 shards
+
+
+def test_a_damaged_shard_of_a_1_2_dataset_is_named(server: S3Server, env: Path, local: MemmapDataset,
+                                                   tmp_path: Path) -> None:
+    old = as_version_1_2(Path(local.path), tmp_path / "old")
+    url = server.upload(old, BUCKET, f"cache/old-{next(_uploads)}")
+    name = fmt.shard_file(3)
+    data = bytearray((old / name).read_bytes())
+    data[1000] ^= 0xFF
+    server.put(BUCKET, f"{url.split('/', 3)[3]}/{name}", bytes(data))
+    remote = MemmapDataset(url, cache_dir=env)
+    assert torch.equal(remote[299].image, local[299].image)  # shard 2 is fine
+    with pytest.raises(DatasetError, match=rf"{url}/{name}: fetched 2 times, wrong each time \(SHA-256 "):
+        remote[300]
+
+
+# ----------------------------------------------------------------------------- a cache too small
+
+def test_a_cache_too_small_for_the_batches_ahead_is_refused_naming_the_minimum(env: Path, url: str,
+                                                                              local: MemmapDataset) -> None:
+    need = index_bytes(local) + (2 + 1) * BATCH * RECORD_BYTES  # the index, the batch made and 2 ahead
+    remote = MemmapDataset(url, cache_dir=env, cache_bytes=need - 1)
+    with pytest.raises(DatasetError, match=rf"cache_bytes={need - 1} is too small for batches of {BATCH} fetched 2 "
+                                           rf"batches ahead: at least {need} bytes are needed"):
+        remote.loader(BATCH, prefetch=2)
+    loader = MemmapDataset(url, cache_dir=env, cache_bytes=need).loader(BATCH, order="random", seed=1, prefetch=2)
+    same([tensors(b) for b in loader], [tensors(b) for b in local.loader(BATCH, order="random", seed=1)])
+
+
+def test_records_read_in_random_order_fetch_ranges_not_shards(env: Path, url: str, local: MemmapDataset) -> None:
+    remote = MemmapDataset(url, cache_dir=env, cache_bytes=index_bytes(local) + COUNT * RECORD_BYTES // 10)
+    picks = np.random.default_rng(4).choice(COUNT // 2, 40, replace=False)
+    assert torch.equal(remote.__getitems__(picks.tolist()).images, local.__getitems__(picks.tolist()).images)
+    stats = dataclasses.replace(remote.opened.records.stats)
+    assert stats.fetched_bytes == 40 * RECORD_BYTES  # the records asked for, not their shards
+    runs = np.count_nonzero(np.diff(np.sort(picks)) != 1) + 1  # runs of neighbours (all in one shard or not)
+    assert orders.distinct_shards(picks, PER_SHARD) <= stats.requests <= runs
+    neighbours = list(range(1510, 1542))  # 32 neighbours of shard 15
+    assert torch.equal(remote.__getitems__(neighbours).images, local.__getitems__(neighbours).images)
+    assert remote.opened.records.stats.requests == stats.requests + 1  # one run: one GET
