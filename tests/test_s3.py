@@ -340,3 +340,33 @@ def test_a_local_dataset_never_imports_the_s3_client(local: MemmapDataset) -> No
             "print(r.exit_code, sorted(m for m in sys.modules if m.startswith(('obstore', 'dsc.storage.s3'))))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.split("\n")[-2] == "0 []", done.stderr
+
+
+# ----------------------------------------------------------------------------- AWS profiles
+
+def profile_files(tmp_path: Path, server: S3Server, monkeypatch, endpoint: str | None = None) -> None:
+    """A profile `dsc-test` in a config file (region, endpoint) and a credentials file (keys), as the AWS CLI
+    writes them, and an environment without any AWS_* setting but AWS_PROFILE and the files' paths."""
+    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                 "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "config").write_text(f"[default]\nregion = eu-west-3\n\n[profile dsc-test]\nregion = {server.region}\n"
+                                     f"endpoint_url = {endpoint or server.endpoint}\n")
+    (tmp_path / "credentials").write_text(f"[dsc-test]\naws_access_key_id = {server.key}\n"
+                                          f"aws_secret_access_key = {server.secret}\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+    monkeypatch.setenv("AWS_PROFILE", "dsc-test")
+
+
+def test_an_aws_profile_gives_the_endpoint_keys_and_region(server: S3Server, env: Path, url: str,
+                                                           local: MemmapDataset, tmp_path: Path, monkeypatch) -> None:
+    profile_files(tmp_path, server, monkeypatch)
+    remote = MemmapDataset(url, cache_dir=env)
+    assert torch.equal(read_all(remote), read_all(local))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{closed_port()}")  # the environment wins
+    with pytest.raises(DatasetError, match="connection refused"):
+        MemmapDataset(url, cache_dir=env)
+    monkeypatch.setenv("AWS_PROFILE", "nobody")
+    with pytest.raises(DatasetError, match=r"AWS_PROFILE=nobody: no such profile in .*config"):
+        MemmapDataset(url, cache_dir=env)

@@ -35,6 +35,7 @@ import numpy as np
 
 from dsc import format as fmt
 from dsc.errors import DatasetError, StorageError
+from dsc.storage import aws_config
 from dsc.storage.local import TEMP_SUFFIX, create_exclusive, open_lock
 
 EXTRA = "pip install 'dsc-images[s3]'"
@@ -87,21 +88,20 @@ def _is_loopback(host: str | None) -> bool:
 
 
 def _client_options() -> tuple[dict[str, Any], dict[str, Any]]:
-    """(S3 config, client options) from the standard AWS environment: the endpoint (plain http only to
-    a loopback address), timeouts; credentials and region obstore reads from the environment itself."""
-    config: dict[str, Any] = {}
+    """(S3 config, client options) from the standard AWS environment and the profile's config and credentials
+    files (`aws_config`): keys, region, the endpoint (plain http only to a loopback address); timeouts."""
+    config: dict[str, Any] = aws_config.settings()
     options: dict[str, Any] = {"connect_timeout": CONNECT_TIMEOUT, "timeout": f"{_request_timeout() * 1000:.0f}ms"}
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    endpoint = config.get("endpoint")
     if endpoint:
         parts = urlsplit(endpoint)
         if parts.scheme == "http":
             if not _is_loopback(parts.hostname):
-                raise StorageError(f"AWS_ENDPOINT_URL={endpoint}: plain http is allowed only to a loopback "
+                raise StorageError(f"endpoint {endpoint}: plain http is allowed only to a loopback "
                                    "address (127.0.0.1, ::1, localhost); use https")
             options["allow_http"] = True
         elif parts.scheme != "https":
-            raise StorageError(f"AWS_ENDPOINT_URL={endpoint}: expected an http(s):// URL")
-        config["endpoint"] = endpoint
+            raise StorageError(f"endpoint {endpoint}: expected an http(s):// URL")
     return config, options
 
 
