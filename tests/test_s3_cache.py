@@ -281,3 +281,31 @@ def test_records_read_in_random_order_fetch_ranges_not_shards(env: Path, url: st
     neighbours = list(range(1510, 1542))  # 32 neighbours of shard 15
     assert torch.equal(remote.__getitems__(neighbours).images, local.__getitems__(neighbours).images)
     assert remote.opened.records.stats.requests == stats.requests + 1  # one run: one GET
+
+
+# ----------------------------------------------------------------------------- one node, several processes
+
+def _read_everything(url: str, cache: str, budget: int, start, answers) -> None:
+    """A rank of the node: opens the dataset on the shared cache, waits for the others, reads every record."""
+    remote = MemmapDataset(url, cache_dir=cache, cache_bytes=budget)
+    start.wait(timeout=60)
+    images = remote.__getitems__(list(range(len(remote)))).images
+    answers.put((int(images.sum()), remote.opened.records.stats.fetched_bytes))
+
+
+def test_ranks_of_a_node_download_each_byte_once(env: Path, url: str, local: MemmapDataset) -> None:
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")  # each with its own client, as ranks have
+    start, answers = context.Barrier(3), context.Queue()
+    budget = index_bytes(local) + COUNT * RECORD_BYTES
+    ranks = [context.Process(target=_read_everything, args=(url, str(env), budget, start, answers)) for _ in range(2)]
+    for rank in ranks:
+        rank.start()
+    start.wait(timeout=120)  # both opened: they read at the same time
+    got = [answers.get(timeout=120) for _ in ranks]
+    for rank in ranks:
+        rank.join(timeout=60)
+        assert rank.exitcode == 0
+    assert [total for total, _ in got] == [int(local.__getitems__(list(range(COUNT))).images.sum())] * 2
+    assert sum(fetched for _, fetched in got) == COUNT * RECORD_BYTES  # every record once, by one of them
