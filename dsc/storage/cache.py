@@ -263,9 +263,11 @@ class RecordCache:
             for u in range(*span):
                 if self._pending.get(u) is future:
                     del self._pending[u]
-            if future.exception() is not None:  # nothing placed: not held any more
-                self._held[span[0]:span[1]] = False
-                self.used -= sum(self.unit_bytes(u) for u in range(*span))
+            if future.exception() is not None:  # what was not placed before the error is not held any more
+                for u in range(*span):
+                    if self._held[u] and not self._whole(u):
+                        self._held[u] = False
+                        self.used -= self.unit_bytes(u)
 
     def _make_room(self, need: int, horizon: int | None, pinned: np.ndarray) -> bool:
         """Evict units, furthest next use first, until `need` more bytes fit; False (nothing evicted) if
@@ -356,6 +358,13 @@ class RecordCache:
         if not stat.S_ISREG(st.st_mode):
             raise self._foreign(path)
         return st.st_size == self.unit_bytes(unit)
+
+    def _whole(self, unit: int) -> bool:
+        """`_present`, where something else than a regular file at the unit's name counts as absent."""
+        try:
+            return self._present(unit)
+        except DatasetError:
+            return False
 
     def _foreign(self, path: Path) -> DatasetError:
         return DatasetError(f"{path}: not a regular file; the cache of {self.root_name} holds something dsc did not "
