@@ -477,8 +477,9 @@ def names_this_format(text: bytes) -> bool:
 
 def is_dataset_file_name(name: str) -> bool:
     """Whether dsc gives a dataset's file this '/'-path: the manifest, an index file, the skip list,
-    the decoder warnings, a shard or a field (what a build of dsc may hold, before its manifest lists it)."""
-    if name in (MANIFEST_FILE, SKIP_LIST_FILE, WARNINGS_FILE, *INDEX_FILES.values()):
+    the decoder warnings, the record checksums, a shard or a field (what a build of dsc may hold, before its
+    manifest lists it)."""
+    if name in (MANIFEST_FILE, SKIP_LIST_FILE, WARNINGS_FILE, CHECKSUMS_FILE, *INDEX_FILES.values()):
         return True
     folder, _, base = name.partition("/")
     stem = base.removesuffix(".bin")
@@ -500,7 +501,7 @@ def listed_files(text: bytes) -> set[str]:
     def items(value: Any) -> list:
         return list(value.values()) if isinstance(value, dict) else value if isinstance(value, list) else []
     entries = [*items(doc.get("shards")), *items(doc.get("index")), *items(doc.get("fields")), doc.get("skipped_list"),
-               doc.get("warnings")]
+               doc.get("warnings"), doc.get("checksums")]
     return {e["file"] for e in entries if isinstance(e, dict) and file_name_problem(e.get("file")) is None}
 
 

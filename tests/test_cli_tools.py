@@ -92,6 +92,10 @@ def test_verify_decode_catches_an_altered_record(copy: Path, compiled) -> None:
     assert result.exit_code == 1 and "00000.bin: SHA-256" in result.stderr
     manifest = json.loads((copy / "manifest.json").read_text())  # ...so make them agree with the damage
     manifest["shards"][0]["sha256"] = local.sha256_file(copy / fmt.shard_file(0))
+    crcs = [c for s in manifest["shards"]  # and the records' CRC-32s (format 1.3)
+            for c in fmt.record_checksums((copy / s["file"]).read_bytes(), manifest["record"]["bytes"])]
+    (copy / fmt.CHECKSUMS_FILE).write_bytes(fmt.checksums_payload(np.array(crcs))[1])
+    manifest["checksums"]["sha256"] = local.sha256_file(copy / fmt.CHECKSUMS_FILE)
     rewrite_manifest(copy, manifest)
     result = invoke("verify", copy, "--decode", "15")
     assert result.exit_code == 1 and "differs from its source" in result.stderr

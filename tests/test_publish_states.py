@@ -20,6 +20,7 @@ import pytest
 import dsc.compiler
 from dsc import CompileError, compile_folder, storage
 from dsc import format as fmt
+from dsc.compiler import output
 from dsc.compiler.engines.local import LocalEngine
 from dsc.compiler.publish import staging_path
 from dsc.storage import local
@@ -161,8 +162,8 @@ def test_a_disk_filling_up_while_decoding_keeps_the_cause_and_releases_the_lock(
 # 4: a stop after compaction reuses every decoded record.
 def test_a_kill_after_compaction_reuses_every_decoded_record(src: Path, tmp_path: Path, monkeypatch) -> None:
     out = tmp_path / "out"
-    killed_compile(lambda: setattr(local, "sha256_file", lambda *a, **k: die()), src, out, size=8, workers=1,
-                   records_per_shard=7)
+    killed_compile(lambda: setattr(output, "shard_digests", lambda *a, **k: die()), src, out, size=8, workers=1,
+                   records_per_shard=7)  # where the compacted shards are hashed
     decoded = []
     real_fill = LocalEngine.fill
     monkeypatch.setattr(LocalEngine, "fill", lambda self, job, chunks, on_results: real_fill(
