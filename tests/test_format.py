@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import zlib
 import os
 import re
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import numpy as np

@@ -23,7 +23,6 @@ from dsc import format as fmt
 from dsc.compiler import output
 from dsc.compiler.engines.local import LocalEngine
 from dsc.compiler.publish import staging_path
-from dsc.storage import local
 
 from conftest import make_folder, pattern, save
 
