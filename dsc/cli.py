@@ -411,7 +411,7 @@ def show_command(
 
 @app.command("bench")
 def bench_command(
-    dataset: Path = _dataset_argument(),
+    dataset: str = _dataset_argument(urls=True),
     batch_size: int = typer.Option(256, "--batch-size", "-b", min=1, metavar="N", help="Records per batch."),
     seconds: float = typer.Option(5.0, "--seconds", min=0.1, metavar="S", help="Time budget per measurement."),
     threads: int = typer.Option(None, "--threads", min=1, metavar="N", help="Copy threads [default: up to 4 cores]."),
@@ -430,9 +430,18 @@ def bench_command(
     if on_host:
         typer.echo(f"note: --device {device} is the host path the other rows already measure", err=True)
         device = None
+    if device is not None and is_url(dataset):
+        raise typer.BadParameter("a dataset in object storage is measured on the host only", param_hint="--device")
+
+    def log(line: str) -> None:
+        typer.echo(f"measuring: {line}", err=True)
     try:
-        report = run_bench(dataset, batch_size, threads, seconds, cold, device,
-                           log=lambda line: typer.echo(f"measuring: {line}", err=True))
+        if is_url(dataset):  # the network's limit, a cold and warm epochs through a cache of its own
+            from dsc.tools.bench_s3 import run as run_remote
+
+            report = run_remote(dataset, batch_size, threads, seconds, cold, log=log)
+        else:
+            report = run_bench(dataset, batch_size, threads, seconds, cold, device, log=log)
     except DscError as e:
         _fail_dataset(dataset, e)
     typer.echo(f"{'row':<44} {'samples/s':>10} {'GB/s':>7} {'x limit':>8}")

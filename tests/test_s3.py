@@ -370,3 +370,13 @@ def test_an_aws_profile_gives_the_endpoint_keys_and_region(server: S3Server, env
     monkeypatch.setenv("AWS_PROFILE", "nobody")
     with pytest.raises(DatasetError, match=r"AWS_PROFILE=nobody: no such profile in .*config"):
         MemmapDataset(url, cache_dir=env)
+
+
+def test_bench_on_an_s3_url_measures_the_network_limit_beside_the_loader(env: Path, url: str) -> None:
+    result = CliRunner().invoke(app, ["bench", url, "--seconds", "0.2", "--batch-size", "4"])
+    assert result.exit_code == 0, result.output
+    rows = {line[:44].strip(): line[44:].split() for line in result.stdout.splitlines()[1:5]}
+    assert list(rows) == ["limit: ranged GETs, 8 at a time", "dsc loader, block", "dsc loader, random",
+                          "cold: dsc loader, block"], result.stdout
+    assert all(float(row[0].replace(",", "")) > 0 for row in rows.values())
+    assert list(env.iterdir()) == []  # its own cache folders are gone, and nothing else was there

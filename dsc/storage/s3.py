@@ -263,6 +263,10 @@ class S3Dataset:
                                "right after it was downloaded; is another program writing into the cache?")
         return fd
 
+    def get_range(self, name: str, start: int, stop: int) -> bytes:
+        """Bytes [start, stop) of a dataset file, from the bucket (retried as every request is)."""
+        return self._get(name, start, stop, "GET")
+
     def pieces(self, name: str, size: int, step: int):
         """The object's bytes by ranged GETs of `step`, as the bucket holds them (nothing cached): what
         verification reads."""
@@ -395,7 +399,7 @@ class S3Dataset:
                 raise DatasetError(f"{self.local_path(manifest.checksums.file)}: {len(crcs)} checksums for "
                                    f"{manifest.count} records; the cached copy is damaged")
         return RecordCache(manifest, self.local_folder(), self.budget(), self.base_bytes(),
-                           lambda name, start, stop: self._get(name, start, stop, "GET"), self._at, crcs)
+                           self.get_range, self._at, crcs)
 
     def _fetch(self, entry: fmt.FileEntry) -> None:
         """Download `entry` into the cache once per node: under its lock, unless another process did."""
