@@ -309,3 +309,19 @@ def test_ranks_of_a_node_download_each_byte_once(env: Path, url: str, local: Mem
         assert rank.exitcode == 0
     assert [total for total, _ in got] == [int(local.__getitems__(list(range(COUNT))).images.sum())] * 2
     assert sum(fetched for _, fetched in got) == COUNT * RECORD_BYTES  # every record once, by one of them
+
+
+def test_loader_stats_count_what_the_network_did(env: Path, url: str, local: MemmapDataset) -> None:
+    remote = MemmapDataset(url, cache_dir=env, cache_bytes=index_bytes(local) + COUNT * RECORD_BYTES)
+    loader = remote.loader(BATCH, order="block", seed=1)
+    assert sum(len(b["index"]) for b in loader) == COUNT
+    cold = loader.stats(reset=True)  # the producer has made the next epoch's first batches too (prefetch=2)
+    assert (cold.fetched_bytes, cold.cache_misses) == (COUNT * RECORD_BYTES, COUNT)
+    assert cold.cache_hits <= 2 * BATCH
+    assert COUNT // PER_SHARD <= cold.requests < COUNT // 4  # block order reads runs: far fewer GETs than records
+    assert 0 <= cold.network_wait_s <= cold.gather_s and "bytes in" in str(cold)
+    assert sum(len(b["index"]) for b in loader) == COUNT
+    warm = loader.stats()
+    assert (warm.fetched_bytes, warm.requests, warm.cache_misses) == (0, 0, 0)
+    assert warm.cache_hits >= COUNT - 2 * BATCH
+    assert local.loader(BATCH).stats().requests == 0  # a folder: no network figures
