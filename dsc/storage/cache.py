@@ -49,7 +49,9 @@ RECORD_DIR = "records"  # record units: records/SSSSS/P.bin (the cache's own lay
 GET_BYTES = 16 << 20  # a coalesced ranged GET covers at most this much (and never crosses a lock chunk)
 FETCH_THREADS = 8  # ranged GETs in flight at a time, per process
 DEPTH = 2  # batches fetched ahead of the one being made
+# ...when the cache has free room for them (they never evict anything)
 FETCHES = 2  # fetches of a unit whose bytes are wrong, before it is an error
+AHEAD_RECORDS = 4096  # neighbours read within this many records (two of block order's windows) join a GET...
 NEVER = np.iinfo(np.int64).max  # the next use of a unit the followed sequence does not read again
 _UNIT_NAME = re.compile(r"(?:records/(\d{5,})/(\d+)\.bin|shards/(\d{5,})\.bin)")
 
@@ -204,7 +206,7 @@ class RecordCache:
         at = batch - self._start if plan is not None else 0
         units = np.unique(self.unit_of(idx))
         with self._lock:
-            self._request(units, pinned=units)
+            self._request(units, pinned=units, reach=at + self._ahead(plan) if plan is not None else None)
             if plan is not None:
                 self._prefetch(plan, at)
             waits = [self._pending[u] for u in units.tolist() if u in self._pending]
@@ -232,12 +234,18 @@ class RecordCache:
         """Fetch the missing units of the `depth` batches after `batch`, in order, while room can be made
         without evicting a unit needed before them."""
         for b in range(batch + 1, min(plan.count, batch + 1 + self._depth)):
-            if not self._request(plan.batch(b), horizon=b):
+            if not self._request(plan.batch(b), horizon=b, reach=b + self._ahead(plan)):
                 return
 
-    def _request(self, units: np.ndarray, horizon: int | None = None, pinned: np.ndarray | None = None) -> bool:
-        """Start fetching `units` not held yet; False when room for them cannot be made (nothing started).
-        Evictable: units not being fetched, not in `pinned`, and (with a `horizon`) not needed by then."""
+    def _ahead(self, plan: Plan) -> int:
+        """How many batches ahead a neighbour may be read and still join a GET (`AHEAD_RECORDS`)."""
+        return max(1, AHEAD_RECORDS // plan.batch_size)
+
+    def _request(self, units: np.ndarray, horizon: int | None = None, pinned: np.ndarray | None = None,
+                 reach: int | None = None) -> bool:
+        """Start fetching `units` not held yet (with their neighbours read by batch `reach`, where there is free
+        room: `_with_neighbours`); False when room for them cannot be made (nothing started). Evictable: units
+        not being fetched, not in `pinned`, and (with a `horizon`) not needed by then."""
         missing = units[~self._held[units]]
         if len(missing) == 0:
             return True
@@ -248,6 +256,11 @@ class RecordCache:
                 return False
             raise DatasetError(f"{self.root_name}: the cache cannot hold the {len(units)} unit(s) one batch needs "
                                f"within cache_bytes={self.budget} ({self.used} held); give a larger cache_bytes")
+        if reach is not None and self.crcs is not None:
+            more = self._with_neighbours(missing, reach)
+            if self.used + need + len(more) * self.record_bytes <= self.budget:
+                missing = np.union1d(missing, more)
+                need += len(more) * self.record_bytes
         self._held[missing] = True
         self._fresh[missing] = True
         self.used += need
@@ -257,6 +270,19 @@ class RecordCache:
                 self._pending[u] = future
             future.add_done_callback(lambda f, span=(first, last): self._fetched(f, span))
         return True
+
+    def _with_neighbours(self, missing: np.ndarray, reach: int) -> np.ndarray:
+        """The records not held that the followed sequence reads by batch `reach` and that extend a run of
+        `missing` (block order reads a window in a random order: its neighbours come a few batches later)."""
+        soon = np.flatnonzero(~self._held & (self._next <= reach))
+        if len(soon) == 0:
+            return soon
+        union = np.union1d(missing, soon)
+        starts = np.r_[0, np.flatnonzero(np.diff(union) != 1) + 1]
+        run = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, len(union)]))
+        wanted = np.zeros(len(starts), dtype=bool)
+        wanted[run[np.isin(union, missing)]] = True
+        return np.setdiff1d(union[wanted[run]], missing)
 
     def _fetched(self, future: Future, span: tuple[int, int]) -> None:
         with self._lock:
