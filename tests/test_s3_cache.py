@@ -79,16 +79,18 @@ def index_bytes(local: MemmapDataset) -> int:
 
 
 def folder_bytes(folder: Path, foreign: set[Path] = frozenset()) -> int:
-    """The bytes of every file in the folder (what `du --apparent-size` adds up), besides `foreign` ones; the
-    cache works meanwhile, so a file listed may be gone (evicted, or a temporary renamed) when it is measured."""
-    total = 0
+    """The bytes of every file in the folder (what `du --apparent-size` adds up), besides `foreign` ones. The
+    cache works meanwhile: a file listed may be gone when it is measured (evicted), and a temporary renamed
+    into place while the folder is listed may be listed under both names, so each file (inode) counts once."""
+    sizes = {}
     for path in folder.rglob("*"):
         try:
             st = path.lstat()
         except FileNotFoundError:
             continue
-        total += st.st_size if path not in foreign and not path.is_dir() else 0
-    return total
+        if path not in foreign and not path.is_dir():
+            sizes[st.st_ino] = st.st_size
+    return sum(sizes.values())
 
 
 def tensors(batch) -> dict[str, torch.Tensor]:

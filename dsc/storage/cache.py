@@ -1,20 +1,19 @@
 """A bounded node-local cache of a remote dataset's records that follows the order they will be read in.
 
-The unit of the cache is what can be checked on its own: a record where the dataset has per-record
-checksums (format 1.3, `checksums.bin`), else a whole shard (checked by its SHA-256). A unit is one
-file of the dataset's cache folder (`records/SSSSS/P.bin` for record P of shard S, or the shard file
-itself, `shards/SSSSS.bin`), downloaded once per node: under a lock file, into a temporary name,
-checked, renamed into place; ranks and workers of one node share them.
+Its units, and how each is fetched once per node, checked and read back, are `dsc.storage.units`: a
+record (format 1.3, checked by its CRC-32) or a whole shard (older formats, by its SHA-256). This module
+decides what to fetch and what to let go.
 
 The loader tells the cache the sequence of batches this process reads next (`follow`: its share of
 the epoch and the batch size); `fill` then makes one batch's units local and copies its records out.
 Ahead of the batch being made it fetches the next `depth` batches' missing units, in order, with
-runs of neighbouring records in one shard coalesced into one ranged GET (up to `GET_BYTES`) on a
-bounded pool of threads. Room is made by evicting the unit needed furthest in the future (Belady's
-rule; a unit this pass never reads again goes first), never one needed before the unit being
-fetched: prefetching stops there instead. The bytes the folder holds (the manifest and index files,
-the units, what is being fetched) never exceed `budget`. It deletes only units: files at the names
-above, regular files it counted as units; anything else in the folder is never touched.
+runs of neighbouring records in one shard coalesced into one ranged GET on a bounded pool of threads
+(neighbours read a little later join it where there is free room: block order reads a window in a
+random order). Room is made by evicting the unit needed furthest in the future (Belady's rule; a unit
+this pass never reads again goes first), never one needed before the unit being fetched: prefetching
+stops there instead. The bytes the folder holds (the manifest and index files, the units, what is
+being fetched) never exceed `budget`. It deletes only units (`UnitFiles.remove`); anything else in
+the folder is never touched.
 
 Every record is checked before it is served: a record unit against its CRC-32 each time it is read,
 a shard unit against its SHA-256 once per process. A unit that fails is fetched again; a fetch still
@@ -27,13 +26,9 @@ the budget (README, "Datasets in object storage").
 
 from __future__ import annotations
 
-import fcntl
 import os
-import re
-import stat
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -43,17 +38,12 @@ import numpy as np
 
 from dsc import format as fmt
 from dsc.errors import DatasetError
-from dsc.storage.local import open_lock
+from dsc.storage.units import UnitFiles
 
-RECORD_DIR = "records"  # record units: records/SSSSS/P.bin (the cache's own layout, not the format's)
-GET_BYTES = 16 << 20  # a coalesced ranged GET covers at most this much (and never crosses a lock chunk)
 FETCH_THREADS = 8  # ranged GETs in flight at a time, per process
 DEPTH = 2  # batches fetched ahead of the one being made
-# ...when the cache has free room for them (they never evict anything)
-FETCHES = 2  # fetches of a unit whose bytes are wrong, before it is an error
-AHEAD_RECORDS = 4096  # neighbours read within this many records (two of block order's windows) join a GET...
+AHEAD_RECORDS = 4096  # neighbours read within this many records (two of block order's windows) join a GET
 NEVER = np.iinfo(np.int64).max  # the next use of a unit the followed sequence does not read again
-_UNIT_NAME = re.compile(r"(?:records/(\d{5,})/(\d+)\.bin|shards/(\d{5,})\.bin)")
 
 
 @dataclass
@@ -104,97 +94,53 @@ class RecordCache:
     def __init__(self, manifest: fmt.Manifest, folder: Path, budget: int, base_bytes: int,
                  get: Callable[[str, int, int], bytes], at: Callable[[str], str], crcs: np.ndarray | None,
                  threads: int = FETCH_THREADS) -> None:
-        self.manifest, self.folder, self.budget, self._get, self._at = manifest, folder, budget, get, at
-        self.crcs = crcs
-        self.root_name = at("").rstrip("/")  # the dataset's URL, for messages
-        self.record_bytes, self.per_shard = manifest.record_bytes, manifest.records_per_shard
-        self.per_unit = 1 if crcs is not None else self.per_shard
-        self.n_units = manifest.count if crcs is not None else len(manifest.shards)
-        self._threads = threads
+        self.stats = NetworkStats()
         self._lock = threading.RLock()  # a fetch that ends at once runs its callback inside `_request`
-        self._held = np.zeros(self.n_units, dtype=bool)  # counted in `used`: a file, or a fetch under way
-        self._checked = np.zeros(self.n_units, dtype=bool)  # shard units whose SHA-256 this process checked
+        self.files = UnitFiles(manifest, folder, get, at, crcs, self._count_fetch)
+        self.budget, self.base_bytes, self._threads = budget, base_bytes, threads
+        n = self.files.count
+        self._held = np.zeros(n, dtype=bool)  # counted in `used`: a file, or a fetch under way
+        self._fresh = np.zeros(n, dtype=bool)  # fetched, and not read by a batch since: a miss
+        self._next = np.full(n, NEVER, dtype=np.int64)  # the batch of the plan that reads each next
         self._pending: dict[int, Future] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = 0
         self._plan: Plan | None = None
         self._start = 0  # the batch number of the plan's first batch
         self._depth = DEPTH
-        self._fresh = np.zeros(self.n_units, dtype=bool)  # fetched, and not read by a batch since: a miss
-        self._next = np.full(self.n_units, NEVER, dtype=np.int64)
-        self.base_bytes = base_bytes
-        self.used = base_bytes + self._scan()
-        self.stats = NetworkStats()
+        found = self.files.scan()  # an earlier run's or another process's: held, and deletable
+        self._held[list(found)] = True
+        self.used = base_bytes + sum(found.values())
 
-    # --------------------------------------------------------------------- sizes and names
-
-    def unit_of(self, records: np.ndarray) -> np.ndarray:
-        return np.asarray(records, dtype=np.int64) // self.per_unit
-
-    def unit_bytes(self, unit: int) -> int:
-        return self.record_bytes if self.crcs is not None else self.manifest.shards[unit].bytes
-
-    def largest_unit(self) -> int:
-        return self.record_bytes if self.crcs is not None else max(s.bytes for s in self.manifest.shards)
-
-    def unit_path(self, unit: int) -> Path:
-        if self.crcs is None:
-            return self.folder / fmt.shard_file(unit)
-        shard, pos = fmt.locate(unit, self.per_shard)
-        return self.folder / RECORD_DIR / f"{shard:05d}" / f"{pos}.bin"
+    def _count_fetch(self, nbytes: int) -> None:
+        with self._lock:
+            self.stats.requests += 1
+            self.stats.fetched_bytes += nbytes
 
     def minimum(self, batch_size: int, depth: int) -> int:
-        """The least budget that holds the index and `depth + 1` batches of `batch_size` records."""
-        units = min(self.n_units, (depth + 1) * min(batch_size, self.n_units))
-        return self.base_bytes + units * self.largest_unit()
+        """The least budget that holds the index and the units of `depth + 1` batches of `batch_size` records."""
+        return self.base_bytes + self._units_of_batches(batch_size, depth) * self.files.largest()
+
+    def _units_of_batches(self, batch_size: int, depth: int) -> int:
+        return min(self.files.count, (depth + 1) * min(batch_size, self.files.count))
 
     def check_room(self, batch_size: int, depth: int = DEPTH) -> None:
         """Refuse, naming the minimum, a budget too small for batches of `batch_size` fetched `depth` ahead."""
         need = self.minimum(batch_size, depth)
         if self.budget < need:
-            units = min(self.n_units, (depth + 1) * min(batch_size, self.n_units))
-            unit = "records" if self.crcs is not None else "shards (this dataset has no per-record checksums)"
-            raise DatasetError(f"{self.root_name}: cache_bytes={self.budget} is too small for batches of {batch_size} "
-                               f"fetched {depth} batches ahead: at least {need} bytes are needed (the index, "
-                               f"{self.base_bytes} bytes, and the {units} {unit} of {depth + 1} batches, up to "
-                               f"{self.largest_unit()} bytes each); give cache_bytes >= {need}")
-
-    def _scan(self) -> int:
-        """Count the units already in the folder (an earlier run's, another process's): held, deletable."""
-        total = 0
-        for path in [*(self.folder / RECORD_DIR).glob("*/*.bin"), *(self.folder / fmt.SHARD_DIR).glob("*.bin")]:
-            unit = self._unit_at(path)
-            if unit is None:
-                continue
-            try:
-                st = os.lstat(path)
-            except FileNotFoundError:
-                continue
-            if stat.S_ISREG(st.st_mode) and st.st_size == self.unit_bytes(unit):
-                self._held[unit] = True
-                total += st.st_size
-        return total
-
-    def _unit_at(self, path: Path) -> int | None:
-        """The unit whose name `path` has in this dataset's layout, or None (not ours)."""
-        match = _UNIT_NAME.fullmatch(path.relative_to(self.folder).as_posix())
-        if match is None or (match.group(3) is None) != (self.crcs is not None):
-            return None
-        if self.crcs is None:
-            shard = int(match.group(3))
-            return shard if shard < self.n_units and self.unit_path(shard) == path else None
-        shard, pos = int(match.group(1)), int(match.group(2))
-        if shard >= len(self.manifest.shards) or pos >= self.manifest.shards[shard].records:
-            return None
-        unit = shard * self.per_shard + pos
-        return unit if self.unit_path(unit) == path else None
+            kind = "records" if self.files.crcs is not None else "shards (this dataset has no per-record checksums)"
+            raise DatasetError(f"{self.files.root_name}: cache_bytes={self.budget} is too small for batches of "
+                               f"{batch_size} fetched {depth} batches ahead: at least {need} bytes are needed (the "
+                               f"index, {self.base_bytes} bytes, and the {self._units_of_batches(batch_size, depth)} "
+                               f"{kind} of {depth + 1} batches, up to {self.files.largest()} bytes each); give "
+                               f"cache_bytes >= {need}")
 
     # --------------------------------------------------------------------- the reader's seam
 
     def follow(self, share: np.ndarray, batch_size: int, start: int = 0, depth: int = DEPTH) -> None:
         """From now on this process reads batches `share[b * batch_size:(b + 1) * batch_size]` for b >= `start`,
         in that order (`fill(..., batch=b)`); fetch `depth` batches ahead of the one being read."""
-        plan = Plan(self.unit_of(share[start * batch_size:]), batch_size, self.n_units)
+        plan = Plan(self.files.of(share[start * batch_size:]), batch_size, self.files.count)
         with self._lock:
             self._plan, self._start, self._depth = plan, start, depth
             self._next = plan.first_use.copy()  # batch numbers from `start`, like every plan-relative one
@@ -204,7 +150,7 @@ class RecordCache:
         followed sequence this is (its next ones are fetched ahead, and what it read is let go after)."""
         plan = self._plan if batch is not None else None
         at = batch - self._start if plan is not None else 0
-        units = np.unique(self.unit_of(idx))
+        units = np.unique(self.files.of(idx))
         with self._lock:
             self._request(units, pinned=units, reach=at + self._ahead(plan) if plan is not None else None)
             if plan is not None:
@@ -249,23 +195,22 @@ class RecordCache:
         missing = units[~self._held[units]]
         if len(missing) == 0:
             return True
-        need = int(sum(self.unit_bytes(int(u)) for u in missing)) if self.crcs is None else \
-            len(missing) * self.record_bytes
+        need = int(self.files.sizes(missing).sum())
         if not self._make_room(need, horizon, pinned if pinned is not None else units):
             if horizon is not None:
                 return False
-            raise DatasetError(f"{self.root_name}: the cache cannot hold the {len(units)} unit(s) one batch needs "
-                               f"within cache_bytes={self.budget} ({self.used} held); give a larger cache_bytes")
-        if reach is not None and self.crcs is not None:
+            raise DatasetError(f"{self.files.root_name}: the cache cannot hold the {len(units)} unit(s) one batch "
+                               f"needs within cache_bytes={self.budget} ({self.used} held); give a larger cache_bytes")
+        if reach is not None and self.files.crcs is not None:
             more = self._with_neighbours(missing, reach)
-            if self.used + need + len(more) * self.record_bytes <= self.budget:
-                missing = np.union1d(missing, more)
-                need += len(more) * self.record_bytes
+            extra = int(self.files.sizes(more).sum())
+            if self.used + need + extra <= self.budget:
+                missing, need = np.union1d(missing, more), need + extra
         self._held[missing] = True
         self._fresh[missing] = True
         self.used += need
-        for shard, first, last in self._runs(missing):
-            future = self._executor().submit(self._fetch_run, shard, first, last)
+        for shard, first, last in self.files.runs(missing):
+            future = self._executor().submit(self.files.fetch_run, shard, first, last)
             for u in range(first, last):
                 self._pending[u] = future
             future.add_done_callback(lambda f, span=(first, last): self._fetched(f, span))
@@ -291,9 +236,9 @@ class RecordCache:
                     del self._pending[u]
             if future.exception() is not None:  # what was not placed before the error is not held any more
                 for u in range(*span):
-                    if self._held[u] and not self._whole(u):
+                    if self._held[u] and not self.files.whole(u):
                         self._held[u] = False
-                        self.used -= self.unit_bytes(u)
+                        self.used -= self.files.size(u)
 
     def _make_room(self, need: int, horizon: int | None, pinned: np.ndarray) -> bool:
         """Evict units, furthest next use first, until `need` more bytes fit; False (nothing evicted) if
@@ -310,9 +255,7 @@ class RecordCache:
             keep |= self._next[candidates] <= horizon
         candidates = candidates[~keep]
         order = candidates[np.argsort(-self._next[candidates], kind="stable")]
-        sizes = np.array([self.unit_bytes(int(u)) for u in order], dtype=np.int64) if self.crcs is None else \
-            np.full(len(order), self.record_bytes, dtype=np.int64)
-        enough = np.searchsorted(np.cumsum(sizes), over)
+        enough = np.searchsorted(np.cumsum(self.files.sizes(order)), over)
         if enough >= len(order):
             return False
         for unit in order[:enough + 1].tolist():
@@ -320,154 +263,15 @@ class RecordCache:
         return True
 
     def _evict(self, unit: int) -> None:
-        """Delete a unit's file (one of ours, at a unit's name: `_scan` or a fetch counted it)."""
-        path = self.unit_path(unit)
-        try:
-            if stat.S_ISREG(os.lstat(path).st_mode):
-                os.unlink(path)
-        except FileNotFoundError:
-            pass  # another process of the node let it go already
+        """Let a unit go: its file deleted (one of ours, at a unit's name: counted by `scan` or a fetch)."""
+        self.files.remove(unit)
         self._held[unit] = False
-        self._checked[unit] = False
-        self.used -= self.unit_bytes(unit)
-
-    def _runs(self, units: np.ndarray) -> list[tuple[int, int, int]]:
-        """(shard, first unit, end unit) of each ranged GET: consecutive units of one shard, cut where a
-        GET would pass `GET_BYTES` (record units; a shard unit is one run of its own)."""
-        if self.crcs is None:
-            return [(int(u), int(u), int(u) + 1) for u in units]
-        chunk = max(1, GET_BYTES // self.record_bytes)
-        shard, pos = fmt.locate(units, self.per_shard)
-        cut = np.flatnonzero((np.diff(units) != 1) | (shard[1:] != shard[:-1])
-                             | (pos[1:] // chunk != pos[:-1] // chunk)) + 1
-        edges = [0, *cut.tolist(), len(units)]
-        return [(int(shard[a]), int(units[a]), int(units[b - 1]) + 1) for a, b in zip(edges[:-1], edges[1:])]
+        self.used -= self.files.size(unit)
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None or self._pool_pid != os.getpid():  # a forked child makes its own
             self._pool, self._pool_pid = ThreadPoolExecutor(self._threads, "dsc-fetch"), os.getpid()
         return self._pool
-
-    # --------------------------------------------------------------------- fetching and checking
-
-    def _fetch_run(self, shard: int, first: int, last: int) -> None:
-        """Fetch units [first, last) of one shard, under the lock of their chunk, skipping those another
-        process placed meanwhile; each checked, placed by rename."""
-        lock_path = self._lock_path(shard, first)
-        lock_path.parent.mkdir(parents=True, exist_ok=True)
-        lock = open_lock(lock_path)
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            wanted = [u for u in range(first, last) if not self._present(u)]
-            if not wanted:
-                return
-            if self.crcs is None:
-                self._fetch_shard(shard)
-            else:
-                self._fetch_records(shard, wanted[0], wanted[-1] + 1)
-        finally:
-            os.close(lock)
-
-    def _lock_path(self, shard: int, unit: int) -> Path:
-        if self.crcs is None:
-            return self.folder / fmt.SHARD_DIR / f".{shard:05d}.bin.lock"
-        chunk = (unit - shard * self.per_shard) // max(1, GET_BYTES // self.record_bytes)
-        return self.folder / RECORD_DIR / f"{shard:05d}" / f".{chunk}.lock"
-
-    def _present(self, unit: int) -> bool:
-        """Whether the unit's file is there whole; something else than a regular file at its name is refused."""
-        path = self.unit_path(unit)
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            return False
-        if not stat.S_ISREG(st.st_mode):
-            raise self._foreign(path)
-        return st.st_size == self.unit_bytes(unit)
-
-    def _whole(self, unit: int) -> bool:
-        """`_present`, where something else than a regular file at the unit's name counts as absent."""
-        try:
-            return self._present(unit)
-        except DatasetError:
-            return False
-
-    def _foreign(self, path: Path) -> DatasetError:
-        return DatasetError(f"{path}: not a regular file; the cache of {self.root_name} holds something dsc did not "
-                            "put there, and leaves it alone: move it away")
-
-    def _fetch_records(self, shard: int, first: int, last: int) -> None:
-        """One ranged GET of records [first, last) (all of shard `shard`), each checked against its CRC-32
-        (fetched again once when wrong), then each placed as its own file."""
-        name, rb = self.manifest.shards[shard].file, self.record_bytes
-        start = (first - shard * self.per_shard) * rb
-        data = self._ranged(name, start, start + (last - first) * rb)
-        for unit in range(first, last):
-            piece = data[(unit - first) * rb:(unit - first + 1) * rb]
-            if zlib.crc32(piece) != int(self.crcs[unit]):
-                piece = self._refetch(unit)
-            self._place(self.unit_path(unit), piece)
-
-    def _refetch(self, unit: int) -> memoryview:
-        """Record `unit` fetched again on its own; still not matching its CRC-32: an error naming it."""
-        shard, pos = fmt.locate(unit, self.per_shard)
-        name, rb = self.manifest.shards[shard].file, self.record_bytes
-        piece = self._ranged(name, pos * rb, (pos + 1) * rb)
-        found = zlib.crc32(piece)
-        if found != int(self.crcs[unit]):
-            raise DatasetError(f"{self._at(name)}: record {unit} (bytes {pos * rb}-{(pos + 1) * rb - 1} of the object) "
-                               f"has CRC-32 {found:08x}, but {fmt.CHECKSUMS_FILE} says {int(self.crcs[unit]):08x}; "
-                               f"fetched {FETCHES} times, wrong each time: the object in the bucket is damaged")
-        return piece
-
-    def _fetch_shard(self, shard: int) -> None:
-        """A whole shard, in ranged GETs of `GET_BYTES`, checked against its SHA-256 (fetched again once)."""
-        import hashlib
-
-        entry, problems = self.manifest.shards[shard], []
-        for _ in range(FETCHES):
-            data = self._ranged(entry.file, 0, entry.bytes)
-            digest = hashlib.sha256(data).hexdigest()
-            if digest == entry.sha256:
-                self._place(self.unit_path(shard), data)
-                return
-            problems.append(f"SHA-256 {digest}, the manifest says {entry.sha256}")
-        raise DatasetError(f"{self._at(entry.file)}: fetched {FETCHES} times, wrong each time ({'; '.join(problems)}); "
-                           "the object in the bucket is damaged")
-
-    def _ranged(self, name: str, start: int, stop: int) -> memoryview:
-        """Bytes [start, stop) of a dataset file, in GETs of at most `GET_BYTES`, all of them or an error."""
-        parts = []
-        for at in range(start, stop, GET_BYTES):
-            end = min(stop, at + GET_BYTES)
-            data = self._get(name, at, end)
-            if len(data) != end - at:
-                raise DatasetError(f"{self._at(name)}: asked for bytes {at}-{end - 1}, got {len(data)} bytes; the "
-                                   "object is shorter than the manifest says")
-            with self._lock:
-                self.stats.requests += 1
-                self.stats.fetched_bytes += len(data)
-            parts.append(data)
-        return memoryview(parts[0] if len(parts) == 1 else b"".join(parts))
-
-    def _place(self, path: Path, data) -> None:
-        """Write `data` to a new temporary name beside `path`, then rename it into place."""
-        import secrets
-
-        from dsc.storage.local import TEMP_SUFFIX, create_exclusive
-
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temp = path.with_name(f".{path.name}.{secrets.token_hex(8)}{TEMP_SUFFIX}")
-        fd = create_exclusive(temp)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(temp, path)
-        finally:
-            try:
-                os.unlink(temp)  # ours (created exclusively above); gone already once renamed
-            except FileNotFoundError:
-                pass
 
     # --------------------------------------------------------------------- reading
 
@@ -479,69 +283,23 @@ class RecordCache:
     def _read(self, row: np.ndarray, record: int) -> None:
         """Record `record` into `row`; a unit gone (another process let it go) or wrong is fetched again
         once, and a copy still wrong is an error naming it."""
-        unit = record // self.per_unit
-        problem = self._read_once(row, record, unit)
+        problem = self.files.read(row, record)
         if problem is None:
             return
+        unit = int(self.files.of(record))
         if problem == "gone":
             with self._lock:
                 if unit not in self._pending and self._held[unit]:
                     self._held[unit] = False
-                    self.used -= self.unit_bytes(unit)
+                    self.used -= self.files.size(unit)
                 self._request(np.array([unit]), pinned=np.array([unit]))
                 future = self._pending.get(unit)
             if future is not None:
                 future.result()
         else:
-            self._fetch_forced(unit)
-        problem = self._read_once(row, record, unit)
+            self.files.fetch_again(record // self.files.per_shard, unit, unit + 1)
+        problem = self.files.read(row, record)
         if problem is not None:
-            name = self.manifest.shards[record // self.per_shard].file
-            raise DatasetError(f"{self._at(name)}: record {record}: its cached copy {self.unit_path(unit)} is still "
-                               f"wrong after it was fetched again ({problem})")
-
-    def _fetch_forced(self, unit: int) -> None:
-        """A unit whose cached copy is wrong, fetched again and put in its place (a rename over it)."""
-        if self.crcs is None:
-            self._fetch_shard(unit)
-        else:
-            shard, _ = fmt.locate(unit, self.per_shard)
-            self._fetch_records(shard, unit, unit + 1)
-
-    def _read_once(self, row: np.ndarray, record: int, unit: int) -> str | None:
-        """Record `record` from its unit's file into `row`; what was wrong ("gone", or a checksum), or None."""
-        path = self.unit_path(unit)
-        offset = (record - unit * self.per_unit) * self.record_bytes
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return "gone"
-        except OSError as e:  # a link (ELOOP) or worse at a unit's name
-            raise self._foreign(path) from e
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise self._foreign(path)
-        try:
-            if self.crcs is None and not self._checked[unit]:
-                problem = self._check_shard(fd, unit)
-                if problem is not None:
-                    return problem
-            got = os.preadv(fd, [memoryview(row).cast("B")], offset)
-        finally:
-            os.close(fd)
-        if got != self.record_bytes:
-            return f"{got} bytes where the record has {self.record_bytes}"
-        if self.crcs is not None:
-            found = zlib.crc32(memoryview(row).cast("B"))
-            if found != int(self.crcs[record]):
-                return f"CRC-32 {found:08x}, {fmt.CHECKSUMS_FILE} says {int(self.crcs[record]):08x}"
-        return None
-
-    def _check_shard(self, fd: int, unit: int) -> str | None:
-        from dsc.storage.local import sha256_fd
-
-        digest = sha256_fd(os.dup(fd))
-        if digest != self.manifest.shards[unit].sha256:
-            return f"SHA-256 {digest}, the manifest says {self.manifest.shards[unit].sha256}"
-        self._checked[unit] = True
-        return None
+            name = self.files.manifest.shards[record // self.files.per_shard].file
+            raise DatasetError(f"{self.files.root_name}/{name}: record {record}: its cached copy "
+                               f"{self.files.path(unit)} is still wrong after it was fetched again ({problem})")
