@@ -2,7 +2,9 @@
 
 `store` is the reader's seam (`DatasetStore`, `open_dataset`); `local` is a folder on this
 machine and the operating-system plumbing the compiler writes with; `s3` a dataset in an
-S3-compatible bucket, read through a node-local cache (imported only for an s3:// URL).
+S3-compatible bucket (imported only for an s3:// URL), its index cached whole and its records read
+through `cache`, a bounded node-local cache that follows the epoch's order, whose files are `units`;
+`aws_config` reads the AWS profile files.
 """
 
 from dsc.storage.store import (

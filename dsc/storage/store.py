@@ -5,7 +5,9 @@ validated, mappable descriptor of a file — and `open_dataset` does the rest th
 every store: `format.parse_manifest` and `format.check_index` validate, then the files are
 memory-mapped. `LocalFolder` (`dsc.storage.local`) is the store of a path; `S3Dataset`
 (`dsc.storage.s3`, for `s3://bucket/prefix`) is a sibling that fetches into a node-local cache
-and hands out descriptors of the cached files. `STORES` picks one by the location's URL scheme,
+and hands out descriptors of the cached index files; it has two verbs more, `record_cache` (its
+records come through a bounded cache, `OpenedDataset.records`, instead of maps) and `pieces` (a
+file's bytes as the bucket holds them, for verification). `STORES` picks one by the location's URL scheme,
 importing an object store's module (and its client) only for a URL of its scheme.
 """
 
