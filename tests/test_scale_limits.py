@@ -96,7 +96,7 @@ def test_a_resume_after_compaction_finishes_under_a_small_ulimit(many: Path, man
     out = tmp_path / "out"
 
     def killed_after_compaction() -> None:  # the records have moved down; a resume must move them back
-        local.sha256_file = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+        output.shard_digests = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # where shards are hashed
         compile_folder(many, out, size=4, records_per_shard=1, workers=1, on_skip=quiet)
 
     child = multiprocessing.get_context("fork").Process(target=killed_after_compaction)
