@@ -327,3 +327,17 @@ def test_loader_stats_count_what_the_network_did(env: Path, url: str, local: Mem
     assert (warm.fetched_bytes, warm.requests, warm.cache_misses) == (0, 0, 0)
     assert warm.cache_hits >= COUNT - 2 * BATCH
     assert local.loader(BATCH).stats().requests == 0  # a folder: no network figures
+
+
+def test_with_locality_a_rank_fetches_only_its_own_shards(env: Path, url: str, local: MemmapDataset) -> None:
+    remote = MemmapDataset(url, cache_dir=env, cache_bytes=index_bytes(local) + COUNT * RECORD_BYTES)
+    loader = remote.loader(BATCH, order="block", seed=4, locality="shard", rank=1, world_size=4)
+    read = np.concatenate([b["index"].numpy() for b in loader])
+    mine = set(np.unique(read // PER_SHARD).tolist())
+    assert len(mine) == COUNT // PER_SHARD // 4  # a quarter of the shards: its group this epoch
+    ahead = local.loader(BATCH, order="block", seed=4, locality="shard", rank=1, world_size=4)
+    ahead.set_epoch(1)  # the producer goes on into the next epoch's first batches (prefetch=2), its next group
+    soon = {int(i) // PER_SHARD for b, _ in zip(ahead, range(2)) for i in b["index"]}
+    cached = {int(p.parent.name) for p in (remote.opened.local_root / "records").rglob("*.bin")}
+    assert mine <= cached <= mine | soon  # nothing of the other ranks' groups
+    assert remote.opened.records.stats.fetched_bytes <= (len(np.unique(read)) + 2 * BATCH) * RECORD_BYTES
