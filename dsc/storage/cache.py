@@ -41,6 +41,8 @@ from dsc.errors import DatasetError
 from dsc.storage.units import UnitFiles
 
 FETCH_THREADS = 8  # ranged GETs in flight at a time, per process
+READ_THREADS = 4  # records of a batch read out of the cache (and checked) by this many threads at a time
+READ_SPLIT = 32  # a batch of fewer records is read on the caller's thread alone
 DEPTH = 2  # batches fetched ahead of the one being made
 AHEAD_RECORDS = 4096  # neighbours read within this many records (two of block order's windows) join a GET
 NEVER = np.iinfo(np.int64).max  # the next use of a unit the followed sequence does not read again
@@ -104,6 +106,7 @@ class RecordCache:
         self._next = np.full(n, NEVER, dtype=np.int64)  # the batch of the plan that reads each next
         self._pending: dict[int, Future] = {}
         self._pool: ThreadPoolExecutor | None = None
+        self._readers: ThreadPoolExecutor | None = None
         self._pool_pid = 0
         self._plan: Plan | None = None
         self._start = 0  # the batch number of the plan's first batch
@@ -170,9 +173,10 @@ class RecordCache:
                 self._next[units] = plan.after(units, at)
 
     def close(self) -> None:
-        if self._pool is not None and self._pool_pid == os.getpid():
-            self._pool.shutdown(wait=True)
-        self._pool = None
+        if self._pool_pid == os.getpid():
+            for pool in filter(None, (self._pool, self._readers)):
+                pool.shutdown(wait=True)
+        self._pool = self._readers = None
 
     # --------------------------------------------------------------------- what to fetch, what to evict
 
@@ -269,16 +273,41 @@ class RecordCache:
         self.used -= self.files.size(unit)
 
     def _executor(self) -> ThreadPoolExecutor:
-        if self._pool is None or self._pool_pid != os.getpid():  # a forked child makes its own
-            self._pool, self._pool_pid = ThreadPoolExecutor(self._threads, "dsc-fetch"), os.getpid()
+        self._own_pools()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._threads, "dsc-fetch")
         return self._pool
+
+    def _reader_pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            self._own_pools()
+            if self._readers is None:
+                self._readers = ThreadPoolExecutor(READ_THREADS - 1, "dsc-read")
+            return self._readers
+
+    def _own_pools(self) -> None:
+        """A forked child makes pools of its own (its parent's threads are not in it)."""
+        if self._pool_pid != os.getpid():
+            self._pool = self._readers = None
+            self._pool_pid = os.getpid()
 
     # --------------------------------------------------------------------- reading
 
     def _copy(self, dst: np.ndarray, idx: np.ndarray) -> None:
-        """Each record of `idx` into its row of `dst`, checked (module docstring)."""
-        for row, record in enumerate(idx.tolist()):
-            self._read(dst[row], record)
+        """Each record of `idx` into its row of `dst`, checked (module docstring), on READ_THREADS threads
+        (the reads and checksums release the GIL)."""
+        def part(a: int, b: int) -> None:
+            for row, record in enumerate(idx[a:b].tolist(), a):
+                self._read(dst[row], record)
+
+        parts = READ_THREADS if len(idx) >= READ_SPLIT else 1
+        edges = [len(idx) * k // parts for k in range(parts + 1)]
+        futures = [self._reader_pool().submit(part, a, b) for a, b in zip(edges[1:-1], edges[2:])] if parts > 1 else []
+        try:
+            part(edges[0], edges[1])
+        finally:
+            for future in futures:
+                future.result()
 
     def _read(self, row: np.ndarray, record: int) -> None:
         """Record `record` into `row`; a unit gone (another process let it go) or wrong is fetched again

@@ -31,6 +31,7 @@ from dsc.storage.local import TEMP_SUFFIX, create_exclusive, open_lock, sha256_f
 RECORD_DIR = "records"
 GET_BYTES = 16 << 20  # a coalesced ranged GET covers at most this much (a lock chunk of a shard)
 FETCHES = 2  # fetches of a unit whose bytes are wrong, before it is an error
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # never a link, never wait on a FIFO
 _UNIT_NAME = re.compile(r"(?:records/(\d{5,})/(\d+)\.bin|shards/(\d{5,})\.bin)")
 
 
@@ -48,6 +49,7 @@ class UnitFiles:
         self.per_unit = 1 if crcs is not None else self.per_shard
         self.count = manifest.count if crcs is not None else len(manifest.shards)
         self._checked = np.zeros(self.count, dtype=bool)  # shard units whose SHA-256 this process checked
+        self._root = os.fspath(folder)  # paths as strings: a Path per record read costs more than the read
 
     # --------------------------------------------------------------------- sizes and names
 
@@ -71,10 +73,13 @@ class UnitFiles:
         return self.record_bytes if self.crcs is not None else max(s.bytes for s in self.manifest.shards)
 
     def path(self, unit: int) -> Path:
+        return Path(self._where(unit))
+
+    def _where(self, unit: int) -> str:
         if self.crcs is None:
-            return self.folder / fmt.shard_file(unit)
-        shard, pos = fmt.locate(unit, self.per_shard)
-        return self.folder / RECORD_DIR / f"{shard:05d}" / f"{pos}.bin"
+            return f"{self._root}/{fmt.shard_file(unit)}"
+        shard, pos = divmod(unit, self.per_shard)
+        return f"{self._root}/{RECORD_DIR}/{shard:05d}/{pos}.bin"
 
     def scan(self) -> dict[int, int]:
         """The units already in the folder (an earlier run's, another process's) and their sizes."""
@@ -251,29 +256,30 @@ class UnitFiles:
         """Record `record` from its unit's file into `row`, checked: None, or what was wrong ("gone", a
         checksum); something else than a regular file at the unit's name is refused."""
         unit = record // self.per_unit
-        path = self.path(unit)
+        path = self._where(unit)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            fd = os.open(path, _READ_FLAGS)
         except FileNotFoundError:
             return "gone"
         except OSError as e:  # a link (ELOOP) or worse at a unit's name
-            raise self._foreign(path) from e
+            raise self._foreign(Path(path)) from e
+        view = memoryview(row).cast("B")
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise self._foreign(path)
+                raise self._foreign(Path(path))
             if self.crcs is None and not self._checked[unit]:
                 problem = self._check_shard(fd, unit)
                 if problem is not None:
                     return problem
-            got = os.preadv(fd, [memoryview(row).cast("B")], (record - unit * self.per_unit) * self.record_bytes)
+            got = os.preadv(fd, [view], (record - unit * self.per_unit) * self.record_bytes)
         finally:
             os.close(fd)
         if got != self.record_bytes:
             return f"{got} bytes where the record has {self.record_bytes}"
         if self.crcs is not None:
-            found = zlib.crc32(memoryview(row).cast("B"))
-            if found != int(self.crcs[record]):
-                return f"CRC-32 {found:08x}, {fmt.CHECKSUMS_FILE} says {int(self.crcs[record]):08x}"
+            found, want = zlib.crc32(view), int(self.crcs[record])
+            if found != want:
+                return f"CRC-32 {found:08x}, {fmt.CHECKSUMS_FILE} says {want:08x}"
         return None
 
     def _check_shard(self, fd: int, unit: int) -> str | None:
