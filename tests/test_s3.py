@@ -123,6 +123,10 @@ def test_a_damaged_cached_record_is_fetched_again(env: Path, url: str, local: Me
     again = MemmapDataset(url, cache_dir=env)
     assert torch.equal(again.__getitems__([10, 11]).images, local.__getitems__([10, 11]).images)
     assert record.read_bytes() == local.opened.shards[2][1].tobytes()  # put right in place
+    with open(record, "r+b") as f:  # damaged in place after this process checked it: checked again
+        f.write(bytes(data[:8]))
+    assert torch.equal(again.__getitems__([11]).images, local.__getitems__([11]).images)
+    assert record.read_bytes() == local.opened.shards[2][1].tobytes()
 
 
 def test_a_corrupted_object_is_named_and_never_served(server: S3Server, env: Path, url: str,

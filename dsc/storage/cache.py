@@ -15,8 +15,9 @@ stops there instead. The bytes the folder holds (the manifest and index files, t
 being fetched) never exceed `budget`. It deletes only units (`UnitFiles.remove`); anything else in
 the folder is never touched.
 
-Every record is checked before it is served: a record unit against its CRC-32 each time it is read,
-a shard unit against its SHA-256 once per process. A unit that fails is fetched again; a fetch still
+Every record is checked before it is served: a record unit against its CRC-32, a shard unit against
+its SHA-256, the first time this process reads the unit's file and whenever the file changed since
+(`UnitFiles.read`). A unit that fails is fetched again; a fetch still
 wrong is an error naming the object and the record, never a wrong batch.
 
 The count of bytes held is this process's: processes that share a folder share its units, but each

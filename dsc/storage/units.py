@@ -48,7 +48,9 @@ class UnitFiles:
         self.record_bytes, self.per_shard = manifest.record_bytes, manifest.records_per_shard
         self.per_unit = 1 if crcs is not None else self.per_shard
         self.count = manifest.count if crcs is not None else len(manifest.shards)
-        self._checked = np.zeros(self.count, dtype=bool)  # shard units whose SHA-256 this process checked
+        # the file (inode, mtime) each unit was last checked in: unchanged since, it is not checked again
+        self._checked_ino = np.zeros(self.count, dtype=np.int64)
+        self._checked_mtime = np.zeros(self.count, dtype=np.int64)
         self._root = os.fspath(folder)  # paths as strings: a Path per record read costs more than the read
 
     # --------------------------------------------------------------------- sizes and names
@@ -150,7 +152,7 @@ class UnitFiles:
                 os.unlink(path)
         except FileNotFoundError:
             pass  # another process of the node let it go already
-        self._checked[unit] = False
+        self._checked_ino[unit] = 0
 
     def _foreign(self, path: Path) -> DatasetError:
         return DatasetError(f"{path}: not a regular file; the cache of {self.root_name} holds something dsc did not "
@@ -254,7 +256,9 @@ class UnitFiles:
 
     def read(self, row: np.ndarray, record: int) -> str | None:
         """Record `record` from its unit's file into `row`, checked: None, or what was wrong ("gone", a
-        checksum); something else than a regular file at the unit's name is refused."""
+        checksum); something else than a regular file at the unit's name is refused. A unit is checked the
+        first time this process reads its file, and again whenever the file changed since (another inode: a
+        copy renamed over it; another mtime: written in place); a copy dsc places is checked before."""
         unit = record // self.per_unit
         path = self._where(unit)
         try:
@@ -265,9 +269,11 @@ class UnitFiles:
             raise self._foreign(Path(path)) from e
         view = memoryview(row).cast("B")
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
                 raise self._foreign(Path(path))
-            if self.crcs is None and not self._checked[unit]:
+            checked = self._checked_ino[unit] == st.st_ino and self._checked_mtime[unit] == st.st_mtime_ns
+            if self.crcs is None and not checked:
                 problem = self._check_shard(fd, unit)
                 if problem is not None:
                     return problem
@@ -276,16 +282,16 @@ class UnitFiles:
             os.close(fd)
         if got != self.record_bytes:
             return f"{got} bytes where the record has {self.record_bytes}"
-        if self.crcs is not None:
+        if self.crcs is not None and not checked:
             found, want = zlib.crc32(view), int(self.crcs[record])
             if found != want:
                 return f"CRC-32 {found:08x}, {fmt.CHECKSUMS_FILE} says {want:08x}"
+        self._checked_ino[unit], self._checked_mtime[unit] = st.st_ino, st.st_mtime_ns
         return None
 
     def _check_shard(self, fd: int, unit: int) -> str | None:
-        """A shard unit's SHA-256, once per process."""
+        """A shard unit's SHA-256 (`read` remembers the file it checked)."""
         digest = sha256_fd(os.dup(fd))
         if digest != self.manifest.shards[unit].sha256:
             return f"SHA-256 {digest}, the manifest says {self.manifest.shards[unit].sha256}"
-        self._checked[unit] = True
         return None
