@@ -1,12 +1,12 @@
 """A dataset in an S3-compatible bucket (`s3://bucket/prefix`), read through a node-local cache.
 
 `S3Dataset` is `LocalFolder`'s sibling behind `dsc.storage.store.DatasetStore`: the manifest
-comes from the bucket (it is the dataset's identity), and every other file is downloaded once per
+comes from the bucket (it is the dataset's identity), and every index file is downloaded once per
 node into `<cache>/<SHA-256 of the manifest>/`, under a file lock, to a temporary name created
 exclusively, checked against the manifest's size and SHA-256, then renamed into place; `open`
-hands out descriptors of those copies, so the reader maps local files as it does for a folder.
+hands out descriptors of those copies, so the reader maps them as it does a folder's.
 
-The records themselves are not cached whole: `record_cache` hands the reader a
+The records (the shards) are not cached whole: `record_cache` hands the reader a
 `dsc.storage.cache.RecordCache`, which fetches byte ranges of the shards as the epoch's order asks
 for them, within `cache_bytes` (the manifest and index files, fetched whole here, count in it).
 
@@ -187,12 +187,13 @@ def _permanent(e: BaseException) -> bool:
 
 
 class S3Dataset:
-    """A compiled dataset under `s3://bucket/prefix`, its files cached whole under `cache_dir`.
+    """A compiled dataset under `s3://bucket/prefix`: its index cached whole under `cache_dir`, its records
+    through a bounded cache there (`record_cache`), at most `cache_bytes` in all.
 
     The cache folder may be shared by every process of the node (ranks, workers): each file is
-    downloaded once, under a lock. It only ever adds files; it never deletes one it did not create
-    (only its own temporary files), and refuses to replace anything at a dataset file's name that is
-    not a regular file."""
+    downloaded once, under a lock. The index files are only ever added; records are deleted only by
+    the record cache, at its own names (`dsc.storage.units`); nothing at a dataset file's name that is
+    not a regular file is replaced or followed."""
 
     def __init__(self, url: str, cache_dir: str | os.PathLike | None = None, cache_bytes: int | None = None) -> None:
         self.bucket, self.prefix = parse_url(url)
