@@ -262,13 +262,13 @@ def batch_indices(share: np.ndarray, batch: int, batch_size: int, order: str, se
     a sorted batch (dsc before 0.4) put side by side. Random order's batches are random samples of the
     dataset, sorted (their partners are stored neighbours about as rarely as arranged ones', and sorted
     batches read fastest); sequential order keeps the records in order (evaluation writes its outputs
-    in record order; it uses no seed)."""
+    in record order; it uses no seed), and so does a user's order callable (`sampling.CUSTOM`)."""
     index = share[batch * batch_size:(batch + 1) * batch_size]
-    if order == "sequential":
-        return index.copy()  # a copy, like the arranged ones: a batch must not keep the share alive
     if order == "random":  # a random sample already: sorted, its position partners are rarely neighbours
         return np.sort(index)  # (README, MixUp), and an arrangement cost 4-6% of the read here
-    return arrange(index, seed, epoch, records_per_shard)
+    if order == "block":
+        return arrange(index, seed, epoch, records_per_shard)
+    return index.copy()  # sequential, or a user's order: as given (a copy: a batch must not keep the share alive)
 
 
 def epoch_share(n: int, order: str, seed: int, epoch: int, rank: int, world_size: int,
