@@ -163,10 +163,10 @@ def checked_positions(value: Any, m: int) -> np.ndarray:
     arr = np.asarray(value)
     if arr.ndim != 1:
         raise ValueError(f"the order callable must return a 1-D array of indices, got shape {arr.shape}")
-    if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"the order callable must return integer indices, got dtype {arr.dtype}")
     if len(arr) == 0:
         raise ValueError("the order callable returned no indices; an epoch needs at least one")
+    if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"the order callable must return integer indices, got dtype {arr.dtype}")
     low, high = int(arr.min()), int(arr.max())
     if low < 0 or high >= m:
         raise ValueError(f"the order callable returned indices in [{low}, {high}], outside [0, {m}) (its first "
