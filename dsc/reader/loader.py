@@ -110,6 +110,9 @@ class Loader:
     One consumer thread per loader: iterate it from one thread at a time.
     `locality="shard"` (with order="block") gives each rank its own rotating subset of the shard
     files every epoch instead of a slice of one global order (`order.shard_share`).
+    Sampling (`sampling.py`): `indices=`, `weights=` with `replacement=`, `repeats=`, `samples_per_epoch=`
+    and `order=` a callable ``(n, seed, epoch) -> indices`` make the epoch's global order a sequence of
+    records that may repeat; the state then counts positions of it, so resume stays elastic.
     Its settings are a frozen `LoaderConfig` (`loader.config`), readable as attributes.
     """
 

@@ -129,7 +129,7 @@ class Sampling:
         return self.weights if self.pool is None else self.weights[self.pool]
 
 
-@functools.lru_cache(maxsize=4)  # the loader's planner, len() and the state's checks ask for one epoch's
+@functools.lru_cache(maxsize=2)  # the planner, len() and the state's checks ask for an epoch's, the next one ahead
 def _sequence(sampling: Sampling, order: str, seed: int, epoch: int) -> np.ndarray:
     first = sampling.one_pass(order, seed, epoch, 0)
     if len(first) == 0:
