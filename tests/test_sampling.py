@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import dsc
 from dsc.reader import MemmapDataset, progress
@@ -151,6 +153,45 @@ def test_two_ranks_resumed_on_three_serve_exactly_the_rest(ds: MemmapDataset, na
     assert len(rest) - sum(left.values()) <= 2  # nothing served twice beyond the padding
     assert rest == again  # determinism across runs
     assert first[0].state_dict()["sampling"] == state["sampling"] is not None
+
+
+def epoch_in_rounds(ds, plan: list[tuple[int, int, bool, int | None]], options: dict):
+    """An epoch through rounds of (world, batch size, drop_last, batches taken or None = to the end), each
+    round's loaders loading the state the last one left: every record served, and the split of the first
+    round that served a batch (the epoch's sequence is laid out for it)."""
+    state, got, first = None, [], None
+    for world, batch_size, drop_last, taken in plan:
+        loaders = ranks(ds, world, batch_size, drop_last=drop_last, **options)
+        for ld in loaders:
+            if state is not None:
+                ld.load_state_dict(state)
+        served = step_together(loaders, len(loaders[0]) if taken is None else taken)
+        first = first or (progress.Split(world, batch_size, drop_last) if served else None)
+        got += served
+        state = loaders[0].state_dict()
+        if state["epoch"] == 1:
+            break
+    assert state["epoch"] == 1 and state["rounds"] == []
+    return got, first, (world, batch_size, drop_last)
+
+
+@pytest.mark.filterwarnings("ignore:this loader state was saved on")
+@settings(max_examples=30, deadline=None)
+@given(plan=st.lists(st.tuples(st.integers(1, 4), st.integers(1, 6), st.booleans(), st.integers(0, 3)),
+                     min_size=1, max_size=3),
+       last=st.tuples(st.integers(1, 4), st.integers(1, 6), st.booleans()), name=st.sampled_from(sorted(OPTIONS)))
+def test_any_chain_of_worlds_and_batch_sizes_serves_the_epochs_sequence(ds: MemmapDataset, plan, last, name) -> None:
+    """The sampled twin of test_resume's: of the epoch's sequence, nothing lost (a drop_last round that ends the
+    epoch leaves fewer than world x batch size), nothing repeated beyond each round's padding."""
+    options = {"seed": 2, **OPTIONS[name]}
+    got, first, (world, batch_size, drop_last) = epoch_in_rounds(ds, [*plan, (*last, None)], options)
+    if first is None:  # no round served a batch: every split left the epoch empty
+        return
+    spec = ds.loader(1, **options)._epoch_spec(0)
+    whole = Counter(spec.records(first, np.arange(spec.positions(first))).tolist())
+    lost, extra = whole - Counter(got), Counter(got) - whole
+    assert sum(lost.values()) < world * batch_size if drop_last else not lost
+    assert sum(extra.values()) <= sum(w - 1 for w, _, drop, _ in [*plan, (*last, None)] if not drop)
 
 
 @pytest.mark.parametrize("name", [n for n in OPTIONS if n != "indices, sequential"])
