@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import dsc
 from dsc.reader import MemmapDataset, progress
+from dsc.reader import order as orders
 from dsc.reader import sampling as samplers
 from dsc.reader.reference import reference_batches
 from dsc.testing import make_image_folder
@@ -165,7 +166,7 @@ def epoch_in_rounds(ds, plan: list[tuple[int, int, bool, int | None]], options: 
         for ld in loaders:
             if state is not None:
                 ld.load_state_dict(state)
-        served = step_together(loaders, len(loaders[0]) if taken is None else taken)
+        served = step_together(loaders, 1_000 if taken is None else taken)  # None: to the end, even an empty one
         first = first or (progress.Split(world, batch_size, drop_last) if served else None)
         got += served
         state = loaders[0].state_dict()
@@ -176,7 +177,7 @@ def epoch_in_rounds(ds, plan: list[tuple[int, int, bool, int | None]], options: 
 
 
 @pytest.mark.filterwarnings("ignore:this loader state was saved on")
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(plan=st.lists(st.tuples(st.integers(1, 4), st.integers(1, 6), st.booleans(), st.integers(0, 3)),
                      min_size=1, max_size=3),
        last=st.tuples(st.integers(1, 4), st.integers(1, 6), st.booleans()), name=st.sampled_from(sorted(OPTIONS)))
@@ -314,3 +315,14 @@ def test_a_plausible_state_still_loads_and_a_later_round_is_bounded_too(ds: Memm
     state["rounds"].append({**state["rounds"][0], "world_size": 3, "batches": 9})
     with pytest.raises(ValueError, match=r"round 1 of 2 .*: batches=9 is past the epoch's end"):
         ds.loader(4, order="block", seed=1).load_state_dict(state)
+
+
+@pytest.mark.parametrize("n, per_shard, world, drop_last", [(21, 4, 3, False), (21, 4, 5, True), (100, 7, 16, False),
+                                                            (100, 30, 16, True), (9, 9, 9, False), (5, 2, 7, False)])
+def test_every_ranks_shard_share_at_once_is_each_ranks_own(n: int, per_shard: int, world: int, drop_last: bool) -> None:
+    """A resumed locality="shard" epoch replays every rank's share; computed together (units sorted by group
+    once) they are what each rank serves (a scan of every unit per rank made that O(world_size²))."""
+    for epoch in range(3):
+        each = [orders.shard_share(n, per_shard, 4, epoch, r, world, 3, drop_last) for r in range(world)]
+        assert np.array_equal(orders.shard_shares(n, per_shard, 4, epoch, world, 3, drop_last),
+                              np.array(each, dtype=np.int64).reshape(world, -1))

@@ -121,7 +121,8 @@ class Epoch:
             items = np.arange(self.positions(split), dtype=np.int64)
             return orders.rank_shares(items, split.world_size, split.batch_size, split.drop_last), items
         if split.locality is not None:
-            shares = np.stack([self.first_round_share(split, r) for r in range(split.world_size)])
+            shares = orders.shard_shares(self.count, self.records_per_shard, self.seed, self.epoch, split.world_size,
+                                         split.batch_size, split.drop_last)
             return shares, np.arange(self.count, dtype=np.int64)
         order = orders.epoch_order(self.count, self.order, self.seed, self.epoch)
         return orders.rank_shares(order, split.world_size, split.batch_size, split.drop_last), order
