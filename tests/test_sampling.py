@@ -315,6 +315,13 @@ def test_a_plausible_state_still_loads_and_a_later_round_is_bounded_too(ds: Memm
     state["rounds"].append({**state["rounds"][0], "world_size": 3, "batches": 9})
     with pytest.raises(ValueError, match=r"round 1 of 2 .*: batches=9 is past the epoch's end"):
         ds.loader(4, order="block", seed=1).load_state_dict(state)
+    one, other = ({**state["rounds"][0], "world_size": 1, "batch_size": b, "batches": 2} for b in (4, 3))
+    state["rounds"] = [one, other, one, other, one]  # rank 0 alone served 5 + 4 + 5 + 4 + 5 = 23 of 24: possible
+    ds.loader(4, order="block", seed=1).load_state_dict(state)
+    state["rounds"].append(other)  # 23 + 4 > 24: no run gets there
+    with pytest.raises(ValueError, match=r"the 6 rounds of this loader state served at least 27 samples for the "
+                                         r"first time, more than the epoch's 24"):
+        ds.loader(4, order="block", seed=1).load_state_dict(state)
 
 
 @pytest.mark.parametrize("n, per_shard, world, drop_last", [(21, 4, 3, False), (21, 4, 5, True), (100, 7, 16, False),

@@ -185,6 +185,7 @@ def check_rounds(epoch: Epoch, rounds: list[Round]) -> None:
     epoch split that way holds. Checked before anything is replayed, whose cost grows with the world size
     (locality="shard" orders every rank's group; the padding of a world larger than the records)."""
     n = epoch.length() if rounds else 0
+    fresh = 0  # samples the rounds served for the first time, at least (below)
     for k, r in enumerate(rounds):
         s = r.split
         where = f"round {k} of {len(rounds)} of this loader state"
@@ -198,6 +199,13 @@ def check_rounds(epoch: Epoch, rounds: list[Round]) -> None:
         if r.batches > most:
             raise ValueError(f"{where}: batches={r.batches} is past the epoch's end; {n} samples over "
                              f"{s.world_size} rank(s) at batch_size={s.batch_size} give at most {most} per rank")
+        # rank 0's slice of a round holds distinct samples not served before (padding goes to the end), so its
+        # `batches` served at least (batches - 1) * batch_size + 1 of them (a shard group may repeat: 1)
+        fresh += 1 if s.locality is not None else (r.batches - 1) * s.batch_size + 1
+    padding = rounds[0].split.world_size - 1 if rounds and epoch.sampling is not None else 0  # `deit_layout`'s
+    if fresh > n + padding:
+        raise ValueError(f"the {len(rounds)} rounds of this loader state served at least {fresh} samples for the "
+                         f"first time, more than the epoch's {n}: past the epoch's end")
 
 
 def resume_point(rounds: list[Round], split: Split) -> tuple[list[Round], int]:
