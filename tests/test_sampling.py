@@ -6,7 +6,11 @@ refused before anything is replayed (issue 27, point 1)."""
 from __future__ import annotations
 
 import itertools
+import json
 import math
+import os
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -200,6 +204,31 @@ def test_epochs_repeat_with_the_seed_and_change_with_the_epoch(ds: MemmapDataset
     options = OPTIONS[name]
     assert served_by_rank(ds, 2, 4, epoch=1, **options) == served_by_rank(ds, 2, 4, epoch=1, **options)
     assert served_by_rank(ds, 2, 4, epoch=1, **options) != served_by_rank(ds, 2, 4, epoch=2, **options)
+
+
+ACROSS_RUNS = """
+import json, sys
+import numpy as np
+sys.path.insert(0, "tests")
+import test_sampling as t
+from dsc.reader import MemmapDataset
+ds = MemmapDataset(sys.argv[1])
+out = {name: t.served_by_rank(ds, 2, 4, epoch=1, **options) for name, options in t.OPTIONS.items()}
+out["state"] = t.ranks(ds, 1, 4, seed=5, **t.OPTIONS["indices"])[0].state_dict()["sampling"]
+print(json.dumps(out))
+"""
+
+
+def test_every_option_serves_the_same_batches_in_another_process(ds: MemmapDataset) -> None:
+    """Nothing hangs on the process (hash seeds, object ids): a run resumed in a new process gets the same order
+    and recognises its own state."""
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONHASHSEED": "123"}
+    done = subprocess.run([sys.executable, "-c", ACROSS_RUNS, str(ds.path)], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=120, check=True)
+    theirs = json.loads(done.stdout)
+    assert theirs.pop("state") == ranks(ds, 1, 4, seed=5, **OPTIONS["indices"])[0].state_dict()["sampling"]
+    assert theirs == {name: served_by_rank(ds, 2, 4, epoch=1, **options) for name, options in OPTIONS.items()}
 
 
 def test_a_state_of_other_sampling_is_refused(ds: MemmapDataset) -> None:
