@@ -266,6 +266,7 @@ def past_the_end(n: int, seed: int, epoch: int) -> np.ndarray:
     ({"indices": [0.0, 1.0]}, r"indices= must hold integer record indices, got dtype float64"),
     ({"indices": []}, r"indices= must be a non-empty 1-D array"),
     ({"repeats": 0}, r"repeats must be an integer >= 1"),
+    ({"repeats": True}, r"repeats must be an integer >= 1 and <= 65536, got True"),
     ({"samples_per_epoch": True}, r"samples_per_epoch must be an integer >= 1"),
     ({"samples_per_epoch": 1 << 40}, r"samples_per_epoch must be an integer >= 1 and <= 17179869184"),
     ({"indices": CHOSEN, "locality": "shard"}, r"locality='shard' .* does not combine with indices"),

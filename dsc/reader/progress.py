@@ -19,6 +19,12 @@ slice"; it says which samples of the epoch have been served, as a list of *round
   repeated, as with DistributedSampler; under locality="shard", which applies to an epoch's
   first round only, what `order.shard_share` pads: up to the difference between shard groups).
 
+With sampling options (`sampling.py`: a subset, weights, repeats, an epoch length, an order callable) the
+epoch's global order is a sequence of records that may repeat, so the rounds count *positions* of it
+(`Epoch.records` maps them back); a sequence laid out for its first round's world (repeats) is
+rebuilt from that round's split. `check_rounds` refuses, before any replay, what no run could have
+written.
+
 `remaining_share` replays the finished rounds (a few numpy passes over the epoch) to find the
 live round's share of this rank; the state itself stays a handful of integers. A `Planner`
 turns that into the loader's passes: the batches one iteration takes, and the epochs after it.

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from dsc.arguments import check_int
+from dsc.arguments import check_int, is_int
 from dsc.reader import order as orders
 
 CUSTOM = "custom"  # the loader's order name when `order=` is a callable
@@ -220,7 +220,7 @@ def checked(records: int, order: Any, *, indices: Any = None, weights: Any = Non
     fn = order if callable(order) else None
     given = [name for name, value in (("indices", indices), ("weights", weights), ("replacement", replacement),
                                       ("samples_per_epoch", samples_per_epoch)) if value is not None]
-    given += ["repeats"] if repeats != 1 else []
+    given += [] if is_int(repeats) and repeats == 1 else ["repeats"]
     given += ["order=<callable>"] if fn is not None else []
     if not given:
         return order, None
