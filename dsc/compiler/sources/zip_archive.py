@@ -71,10 +71,9 @@ def list_archive(path: Path, label_key: str | None = None, image_column: str | N
     except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError) as e:
         listing.skipped.append(("", f"not a readable zip archive ({e})"))
         return listing
-    infos = [i for i in infos if not _ignored(i.filename)]
-    listing.skipped += [(i.filename, unsafe_name(i.filename)) for i in infos
+    listing.skipped += [(i.filename, unsafe_name(i.filename)) for i in infos  # before ".." reads as hidden
                         if unsafe_name(i.filename) and is_image_name(i.filename.rsplit("/", 1)[-1])]
-    infos = [i for i in infos if not unsafe_name(i.filename)]
+    infos = [i for i in infos if not unsafe_name(i.filename) and not _ignored(i.filename)]
     prefix = _wrapper([i.filename for i in infos])
     tree = [(i, i.filename[len(prefix):]) for i in infos if i.filename.startswith(prefix)]
     folders = sorted({rel.split("/")[0] for _, rel in tree if "/" in rel})
