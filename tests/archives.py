@@ -34,8 +34,9 @@ def write_tar_shards(root: Path, dest: Path, per_shard: int, extra=None) -> str:
 def write_parquet(root: Path, path: Path, rows_per_group: int) -> Path:
     """One Parquet file written by `datasets`: an Image column (the files' bytes, named by their file
     names) and a ClassLabel column, `rows_per_group` rows a row group."""
-    from datasets import ClassLabel, Dataset, Features, Image
+    from datasets import ClassLabel, Dataset, Features, Image, disable_progress_bars
 
+    disable_progress_bars()
     classes, files = folder_images(root)
     features = Features({"image": Image(), "label": ClassLabel(names=classes)})
     data = {"image": [{"bytes": f.read_bytes(), "path": f.name} for _, f in files],
