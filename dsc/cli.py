@@ -106,8 +106,8 @@ def _path(value: str) -> Path:
 def compile_command(
     src: Path = typer.Argument(..., metavar="SRC", parser=_path,
                                help="Image folder: one sub-folder per class (or images directly); or archives: "
-                               "WebDataset .tar shards (a file, a folder, a glob or a {000..099} pattern), "
-                               ".parquet files (a file or a folder), a .zip of an image folder."),
+                               "WebDataset tar shards (a file, a folder, a glob or a {000..099} pattern), "
+                               "Parquet files (a file or a folder), a zip of an image folder."),
     out: Path = typer.Argument(..., metavar="OUT", parser=_path,
                                help="Dataset folder to create (built aside, then renamed into place)."),
     size: str = typer.Option("224", "--size", callback=_size_option, metavar="N|HxW",
