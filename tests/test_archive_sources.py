@@ -291,3 +291,40 @@ def test_a_killed_archive_compile_resumes_to_identical_bytes(big_shards, tmp_pat
     summary = compile_folder(src, out, size=64, workers=2, records_per_shard=16, resume=True)
     assert files(out) == whole
     assert 30 <= summary.reused < 120, summary.reused
+
+
+def test_a_plain_parquet_table_names_its_image_and_label_columns(made: dict, tmp_path: Path) -> None:
+    """A table written by pyarrow alone: a binary image column and a column of class names, picked by
+    --image-column and --label-key; rows without a path are named row=N."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    files = [(c, f) for c in CLASSES for f in sorted((made["folder"] / c).iterdir())]
+    table = pa.table({"jpeg": pa.array([f.read_bytes() for _, f in files], pa.binary()),
+                      "thumb": pa.array([b"x"] * len(files), pa.binary()),
+                      "species": [c for c, _ in files]})
+    pq.write_table(table, tmp_path / "plain.parquet", row_group_size=7)
+    with pytest.raises(CompileError, match="more than one image column found .* give --image-column"):
+        compile_folder(tmp_path / "plain.parquet", tmp_path / "out", **quiet())
+    compile_folder(tmp_path / "plain.parquet", tmp_path / "out", **quiet(image_column="jpeg", label_key="species"))
+    images, labels, classes, sources = records(tmp_path / "out")
+    assert classes == CLASSES and np.array_equal(labels, made["reference"][1])
+    assert np.array_equal(images, made["reference"][0])
+    assert sorted(sources) == sorted(f"plain.parquet#row={n}" for n in range(20))
+
+
+def test_a_given_vocabulary_maps_class_names_and_refuses_or_skips_unknown_ones(made: dict, tmp_path: Path) -> None:
+    """--classes wins over a ClassLabel's and a zip's names, class by name, as for a folder."""
+    backwards = CLASSES[::-1]
+    for kind in ("parquet", "zip"):
+        compile_folder(made[kind], tmp_path / kind, **quiet(classes=backwards))
+        _, labels, classes, sources = records(tmp_path / kind)
+        _, ref_labels, _, ref_sources = made["reference"]
+        assert classes == backwards
+        named = {Path(s.rsplit("#", 1)[1]).name: classes[k] for s, k in zip(sources, labels)}
+        assert named == {Path(s).name: CLASSES[k] for s, k in zip(ref_sources, ref_labels)}
+        with pytest.raises(CompileError, match=r"class\(es\) 'texture' are not among the 4 given classes"):
+            compile_folder(made[kind], tmp_path / f"{kind}_few", **quiet(classes=CLASSES[:4]))
+        summary = compile_folder(made[kind], tmp_path / f"{kind}_few", **quiet(classes=CLASSES[:4],
+                                                                               skip_unknown_classes=True))
+        assert summary.kept == 16 and all("'texture' is not among" in r for _, r in summary.skipped)
