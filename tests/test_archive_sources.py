@@ -328,3 +328,12 @@ def test_a_given_vocabulary_maps_class_names_and_refuses_or_skips_unknown_ones(m
         summary = compile_folder(made[kind], tmp_path / f"{kind}_few", **quiet(classes=CLASSES[:4],
                                                                                skip_unknown_classes=True))
         assert summary.kept == 16 and all("'texture' is not among" in r for _, r in summary.skipped)
+
+
+@pytest.mark.parametrize("kind", ["tar", "parquet", "zip"])
+def test_verify_decode_reads_the_records_again_from_their_archive_members(made: dict, kind: str,
+                                                                           tmp_path: Path) -> None:
+    compile_folder(made[kind], tmp_path / "out", **quiet())
+    result = runner.invoke(app, ["verify", str(tmp_path / "out"), "--decode", "20"])
+    assert result.exit_code == 0, result.stderr
+    assert "decoded 20 record(s) again" in result.stdout and ": max 0, mean 0.000" in result.stdout

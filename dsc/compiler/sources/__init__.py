@@ -29,7 +29,7 @@ from dsc.compiler.sources.common import ARCHIVE_ERRNOS, ArchiveChunk, Listing, M
 from dsc.errors import CompileError, ImageError
 from dsc.format import UNLABELED
 
-__all__ = ["ArchiveDiscovery", "archive_sources", "chunks", "discover", "read_chunk"]
+__all__ = ["ArchiveDiscovery", "archive_sources", "chunks", "discover", "read_chunk", "read_source"]
 
 FORMATS = {"tar": tar_shards, "zip": zip_archive, "parquet": parquet_files}
 SUFFIXES = {".tar": "tar", ".zip": "zip", ".parquet": "parquet"}
@@ -234,3 +234,28 @@ def read_chunk(chunk: ArchiveChunk, max_bytes: int) -> Iterator[tuple[int, bytes
             raise
         error = ImageError(f"cannot read archive: {e.strerror or e}")
         yield from ((slot, error) for slot in slots[done:])
+
+
+def read_source(root: str | os.PathLike, source: str, max_bytes: int) -> bytes | None:
+    """The bytes of one compiled source named `ARCHIVE#MEMBER` (for `dsc verify --decode`); None when
+    `source` names no member of an archive under `root` (then it is a file's path). ImageError when
+    the member is gone or unreadable."""
+    at = source.find("#")
+    while at >= 0:
+        archive = Path(root) / source[:at]
+        kind = SUFFIXES.get(archive.suffix.lower())
+        if kind and archive.is_file():
+            try:
+                found = FORMATS[kind].find_member(archive, source[at + 1:])
+            except (OSError, ValueError, CompileError) as e:  # pyarrow's errors are ValueErrors or OSErrors
+                raise ImageError(f"cannot read {source[:at]}: {e}") from e
+            if found is None:
+                raise ImageError(f"{source[:at]} has no member {source[at + 1:]!r} any more")
+            member, options = found
+            chunk = ArchiveChunk(kind, str(archive), [(0, member)], options)
+            data = next(read_chunk(chunk, max_bytes))[1]
+            if isinstance(data, ImageError):
+                raise data
+            return data
+        at = source.find("#", at + 1)
+    return None

@@ -125,6 +125,24 @@ def list_archive(path: Path, label_key: str | None = None, image_column: str | N
     return listing
 
 
+def find_member(path: Path, name: str) -> tuple[Member, tuple] | None:
+    """The row `name` names (`row=N`, or the first whose image path it is), for re-reading one source."""
+    pq = pyarrow_parquet()
+    image, _, _ = columns(path, None, None)
+    meta, first = pq.ParquetFile(path).metadata, 0
+    row = int(name[4:]) if name.startswith("row=") and name[4:].isdigit() else None
+    for group in range(meta.num_row_groups):
+        rows = meta.row_group(group).num_rows
+        if row is not None and row < first + rows:
+            return Member(0, group, row - first), (image,)
+        if row is None:
+            paths = _paths(pq.ParquetFile(path).read_row_group(group, columns=[f"{image}.path"]).column(image))
+            if name in paths:
+                return Member(0, group, paths.index(name)), (image,)
+        first += rows
+    return None
+
+
 def _paths(column) -> list[str | None]:
     """The `path` field of an image struct column read with only that field."""
     structs = column.combine_chunks()

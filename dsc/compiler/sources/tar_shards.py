@@ -149,6 +149,14 @@ def _sample(f, size: int, key: str, group: dict[str, tarfile.TarInfo], key_spec:
     return Sample(info.name, member, label)
 
 
+def find_member(path: Path, name: str) -> tuple[Member, tuple] | None:
+    """The regular member called `name` (headers walked up to it), for re-reading one source."""
+    with open(path, "rb") as f:
+        members, _ = _walk(f, os.fstat(f.fileno()).st_size)
+    info = next((m for m in members if m.name == name and m.isreg()), None)
+    return None if info is None else (Member(0, 0, info.offset_data, info.size), ())
+
+
 def read_members(path: str, members: list[Member], max_bytes: int, options: tuple = ()) -> Iterator[bytes | ImageError]:
     """Each member's bytes, in the order given (the stored order: a sequential read)."""
     with open(path, "rb") as f:

@@ -90,6 +90,18 @@ def list_archive(path: Path, label_key: str | None = None, image_column: str | N
     return listing
 
 
+def find_member(path: Path, name: str) -> tuple[Member, tuple] | None:
+    """The member called `name` (from the central directory), for re-reading one source."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            info = archive.getinfo(name)
+    except (KeyError, zipfile.BadZipFile, ValueError, EOFError):
+        return None
+    if _refusal(info):
+        return None
+    return Member(0, 0, info.header_offset, info.compress_size, (info.compress_type, info.file_size, info.CRC)), ()
+
+
 def _inflate(f, member: Member, max_bytes: int) -> bytes:
     method, size, crc = member.extra
     if size > max_bytes or member.size > max_bytes:
