@@ -118,29 +118,14 @@ def discover(src: str | os.PathLike, classes: list[str] | None = None, skip_unkn
                            "ImageFolder tree, labelled by its class folders")
     if kind == "tar" and image_column:
         raise CompileError("--image-column is for Parquet sources; a tar sample's image is its first image member")
-    module = FORMATS[kind]
-
-    def listed(path: Path) -> Listing:
-        try:
-            listing = module.list_archive(path, label_key, image_column)
-        except OSError as e:
-            listing = Listing(skipped=[("", f"cannot read archive: {e.strerror or e}")])
-        if on_found and listing.samples:
-            on_found(len(listing.samples))
-        return listing
-
-    with ThreadPoolExecutor(max(1, min(WALK_THREADS, len(paths)))) as pool:
-        listings = list(pool.map(listed, paths))
+    listings = _listings(FORMATS[kind], paths, label_key, image_column, on_found)
     names = [p.relative_to(root).as_posix() for p in paths]
     skipped = [(f"{name}#{member}" if member else name, reason)
                for name, listing in zip(names, listings) for member, reason in listing.skipped]
     samples = [(f"{name}#{s.name}", s.member._replace(archive=a), s.label, stamp)
                for a, (name, listing) in enumerate(zip(names, listings))
                for stamp in [_stamp(paths[a])] for s in listing.samples]
-    if kind == "zip":  # the class folders of every archive
-        declared = sorted(set().union(*(listing.names or () for listing in listings))) or None
-    else:  # the ClassLabel names (the files of one dataset share its features)
-        declared = next((listing.names for listing in listings if listing.names), None)
+    declared = _declared(kind, listings)
     labels, vocabulary, reasons = resolve_labels([s[2] for s in samples], declared, classes, skip_unknown)
     if label_key and not vocabulary:
         raise CompileError(f"no sample of {src} has a label where --label-key {label_key} says")
@@ -157,6 +142,33 @@ def discover(src: str | os.PathLike, classes: list[str] | None = None, skip_unkn
                             [] if gaps else classes_without_records(kept_labels, vocabulary),
                             [samples[i][3] for i in keep], kind=kind, archives=[str(p) for p in paths],
                             members=[samples[i][1] for i in keep], options=[listing.options for listing in listings])
+
+
+def _listings(module, paths: list[Path], label_key: str | None, image_column: str | None,
+              on_found: Callable[[int], None] | None) -> list[Listing]:
+    """Each archive's listing, WALK_THREADS at a time (their reads overlap), `on_found` told in this
+    thread as each comes in order; an unreadable archive is a skip."""
+    def listed(path: Path) -> Listing:
+        try:
+            return module.list_archive(path, label_key, image_column)
+        except OSError as e:
+            return Listing(skipped=[("", f"cannot read archive: {e.strerror or e}")])
+
+    listings = []
+    with ThreadPoolExecutor(max(1, min(WALK_THREADS, len(paths)))) as pool:
+        for listing in pool.map(listed, paths):
+            listings.append(listing)
+            if on_found and listing.samples:
+                on_found(len(listing.samples))
+    return listings
+
+
+def _declared(kind: str, listings: list[Listing]) -> list[str] | None:
+    """The class names the archives give: the class folders of every zip, or the ClassLabel's names
+    (the files of one dataset share its features)."""
+    if kind == "zip":
+        return sorted(set().union(*(listing.names or () for listing in listings))) or None
+    return next((listing.names for listing in listings if listing.names), None)
 
 
 def resolve_labels(raw: list[int | str | None], declared: list[str] | None, vocabulary: list[str] | None,
