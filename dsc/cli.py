@@ -27,6 +27,7 @@ from dsc.compiler.engines import ENGINES
 from dsc.compiler.labels import parse_column_kinds
 from dsc.compiler.pipeline import compile_folder
 from dsc.compiler.publish import pending_publish, staging_path
+from dsc.compiler.sources import archive_sources
 from dsc.compiler.target import FITS, Target, parse_size
 from dsc.errors import CompileError, DscError
 from dsc.format import ALPHA, MANIFEST_FILE, minor_version
@@ -211,8 +212,9 @@ def compile_command(
     if summary.reused:
         typer.echo(f"note: resumed: {summary.reused} of {summary.built} sources were done already", err=True)
     if not summary.labeled and labels is None:
-        typer.echo(f"note: {src} has no class sub-folders, so the dataset is unlabeled (label -1)" if src.is_dir()
-                   else f"note: the samples of {src} have no labels, so the dataset is unlabeled (label -1)", err=True)
+        typer.echo(f"note: {src} has no class sub-folders, so the dataset is unlabeled (label -1)"
+                   if archive_sources(src) is None else
+                   f"note: the samples of {src} have no labels, so the dataset is unlabeled (label -1)", err=True)
     if summary.ignored:
         typer.echo(f"note: {summary.ignored} image(s) in {src} are not listed in {labels} and were not compiled",
                    err=True)

@@ -251,6 +251,8 @@ def test_bad_archive_sources_are_one_clear_line(made: dict, tmp_path: Path) -> N
     result = runner.invoke(app, ["compile", missing, str(tmp_path / "out")])
     assert result.exit_code == 1 and "Traceback" not in result.stderr
     assert "7 of the 10 files the pattern" in result.stderr and "do not exist" in result.stderr
+    result = runner.invoke(app, ["compile", str(tmp_path / "gone.tar"), str(tmp_path / "out")])
+    assert result.exit_code == 1 and f"error: source {tmp_path / 'gone.tar'} does not exist" in result.stderr
     result = runner.invoke(app, ["compile", str(made["zip"]), str(tmp_path / "out"), "--label-key", "cls"])
     assert result.exit_code == 1 and "a zip holds an ImageFolder tree" in result.stderr
     result = runner.invoke(app, ["compile", str(made["parquet"]), str(tmp_path / "out"), "--image-column", "nope"])
@@ -337,3 +339,26 @@ def test_verify_decode_reads_the_records_again_from_their_archive_members(made: 
     result = runner.invoke(app, ["verify", str(tmp_path / "out"), "--decode", "20"])
     assert result.exit_code == 0, result.stderr
     assert "decoded 20 record(s) again" in result.stdout and ": max 0, mean 0.000" in result.stdout
+
+
+@pytest.mark.parametrize(("name", "says"), [("x.tar", "not a readable uncompressed tar"),
+                                            ("x.zip", "not a readable zip archive"),
+                                            ("x.parquet", "not a readable Parquet file")])
+def test_a_file_that_is_not_the_archive_it_is_named_is_one_clear_line(tmp_path: Path, name: str, says: str) -> None:
+    (tmp_path / name).write_bytes(b"PK\x03\x04 this is no archive at all" * 40)
+    result = runner.invoke(app, ["compile", str(tmp_path / name), str(tmp_path / "out")])
+    assert result.exit_code == 1 and "Traceback" not in result.stderr, result.stderr
+    assert f"error: no images found in {tmp_path / name} (1 " in result.stderr and says in result.stderr
+
+
+def test_samples_without_any_label_compile_unlabeled_and_say_so(tmp_path: Path) -> None:
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    with tarfile.open(shards / "a.tar", "w") as tar:
+        tar_member(tar, "one.jpg", (EXAMPLES / "cat" / "chelsea_0.jpg").read_bytes())
+        tar_member(tar, "one.json", b'{"caption": "a cat"}')
+    result = runner.invoke(app, ["compile", str(shards), str(tmp_path / "out"), "--size", "8", "-j", "1"])
+    assert result.exit_code == 0, result.stderr
+    assert f"note: the samples of {shards} have no labels, so the dataset is unlabeled (label -1)" in result.stderr
+    _, labels, classes, sources = records(tmp_path / "out")
+    assert labels.tolist() == [-1] and classes == [] and sources == ["a.tar#one.jpg"]

@@ -88,7 +88,10 @@ def archive_sources(src: str | os.PathLike) -> tuple[str, Path, list[Path]] | No
                                f"e.g. {missing[0]}")
         paths = [Path(n).absolute() for n in names]
         return _kind_of(paths, f"the pattern {text}"), Path(os.path.commonpath([p.parent for p in paths])), paths
-    if path.is_file() and path.suffix.lower() in SUFFIXES:
+    if path.suffix.lower() in SUFFIXES and not path.is_dir():
+        if not path.is_file():
+            raise CompileError(f"source {path} does not exist" if not path.exists() else
+                               f"source {path} is not a regular file")
         return SUFFIXES[path.suffix.lower()], path.absolute().parent, [path.absolute()]
     if not path.is_dir():
         return None
