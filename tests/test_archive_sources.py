@@ -362,3 +362,24 @@ def test_samples_without_any_label_compile_unlabeled_and_say_so(tmp_path: Path) 
     assert f"note: the samples of {shards} have no labels, so the dataset is unlabeled (label -1)" in result.stderr
     _, labels, classes, sources = records(tmp_path / "out")
     assert labels.tolist() == [-1] and classes == [] and sources == ["a.tar#one.jpg"]
+
+
+def test_a_resume_with_another_image_column_is_refused(made: dict, tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    photos = [f.read_bytes() for c in CLASSES for f in sorted((made["folder"] / c).iterdir())]
+    pq.write_table(pa.table({"a": pa.array(photos, pa.binary()), "b": pa.array(photos[::-1], pa.binary())}),
+                   tmp_path / "two.parquet", row_group_size=5)
+
+    def ctrl_c(n: int) -> None:  # once the first row group is done
+        if n:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        compile_folder(tmp_path / "two.parquet", tmp_path / "out", **quiet(image_column="a", progress=ctrl_c))
+    assert staging_path(tmp_path / "out").exists()
+    with pytest.raises(CompileError, match=r"other settings: image_column 'a' \(now 'b'\)"):
+        compile_folder(tmp_path / "two.parquet", tmp_path / "out", **quiet(image_column="b", resume=True))
+    summary = compile_folder(tmp_path / "two.parquet", tmp_path / "out", **quiet(image_column="a", resume=True))
+    assert summary.kept == 20 and summary.reused == 5

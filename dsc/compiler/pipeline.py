@@ -1,8 +1,8 @@
 """The pipeline: discover → order → decode/resize into shards → finish (compact, index) → publish.
 
-`compile_folder` reads as the pipeline: check the options, find the sources (`discover`, or
-`labels` for a label table), fix the plan (which source fills which slot, what a resume must
-find unchanged), then under OUT's lock stage the build (`publish.LocalTarget`), fill its slots
+`compile_folder` reads as the pipeline: check the options, find the sources (`discover`, `labels`
+for a label table, `sources` for archives), fix the plan (which source fills which slot, what a
+resume must find unchanged), then under OUT's lock stage the build (`publish.LocalTarget`), fill its slots
 (`write`, run by an engine from `engines`, recorded by `journal`), `finish` it and commit it.
 """
 
@@ -301,6 +301,8 @@ def _plan(recipe: WriteJob, found: Discovery, seed: int, shuffle: bool, label_ta
               "shuffle": shuffle, "max_pixels": job.max_pixels, "records_per_shard": job.records_per_shard,
               "count": job.count, "sources": journal.listing_digest(listing), "fields": _fields_digest(found.fields),
               **journal.without_defaults({"alpha": job.alpha})}
+    if isinstance(found, archives.ArchiveDiscovery) and any(found.options):  # Parquet: the image column read
+        record["image_column"] = ", ".join(sorted({options[0] for options in found.options if options}))
     digest = hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
     options = _options(job, seed, shuffle, Path(job.src_root), job.count, label_table)
     if isinstance(found, archives.ArchiveDiscovery):
