@@ -383,3 +383,25 @@ def test_a_resume_with_another_image_column_is_refused(made: dict, tmp_path: Pat
         compile_folder(tmp_path / "two.parquet", tmp_path / "out", **quiet(image_column="b", resume=True))
     summary = compile_folder(tmp_path / "two.parquet", tmp_path / "out", **quiet(image_column="a", resume=True))
     assert summary.kept == 20 and summary.reused == 5
+
+
+def test_parquet_rows_holding_only_a_path_are_skipped_never_followed(made: dict, tmp_path: Path) -> None:
+    """`datasets` keeps an Image given as a file path as that path, without bytes: dsc does not open it."""
+    from datasets import ClassLabel, Dataset, Features, Image
+
+    files = sorted((made["folder"] / "cat").iterdir())
+    Dataset.from_dict({"image": [str(f) for f in files], "label": [0] * len(files)},
+                      features=Features({"image": Image(), "label": ClassLabel(names=["cat"])})
+                      ).to_parquet(str(tmp_path / "paths.parquet"))
+    skipped = []
+    with pytest.raises(CompileError, match="none of the 4 images"):
+        compile_folder(tmp_path / "paths.parquet", tmp_path / "out", **quiet(on_skip=lambda s, r: skipped.append(r)))
+    assert len(skipped) == 4 and all("only as a path to a file elsewhere is not followed" in r for r in skipped)
+
+
+def test_a_sample_whose_image_suffix_has_a_prefix_is_found(tmp_path: Path) -> None:
+    with tarfile.open(tmp_path / "a.tar", "w") as tar:
+        tar_member(tar, "k1.input.jpg", (EXAMPLES / "cat" / "chelsea_0.jpg").read_bytes())
+        tar_member(tar, "k1.cls", b"0")
+    summary = compile_folder(tmp_path / "a.tar", tmp_path / "out", **quiet())
+    assert summary.kept == 1 and records(tmp_path / "out")[3] == ["a.tar#k1.input.jpg"]

@@ -21,6 +21,7 @@ from dsc.errors import CompileError, ImageError
 
 HF_METADATA = b"huggingface"  # the schema metadata key `datasets` writes its features under
 LABEL_COLUMN = "label"
+NO_BYTES = "the row's image holds no bytes (an image stored only as a path to a file elsewhere is not followed)"
 READ_BATCH_ROWS = 64  # image rows decoded from Parquet at a time: a row group is never held whole
 
 
@@ -167,7 +168,7 @@ def read_members(path: str, members: list[Member], max_bytes: int, options: tupl
                 values = values.field("bytes")
             while member is not None and member.position < first + len(batch):
                 data = values[member.position - first].as_py()
-                yield (ImageError("the row's image holds no bytes") if not data else
+                yield (ImageError(NO_BYTES) if not data else
                        too_large(len(data), max_bytes) if len(data) > max_bytes else data)
                 member = next(wanted, None)
             first += len(batch)

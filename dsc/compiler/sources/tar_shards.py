@@ -2,7 +2,8 @@
 
 Discovery walks the tar headers (`tarfile` seeks past each member's data) and reads only the
 small label members; a sample is the consecutive members sharing a key (the name up to the first
-dot of its basename, as webdataset groups them), its image the first of IMAGE_SUFFIXES present.
+dot of its basename, as webdataset groups them), its image the first of IMAGE_SUFFIXES present (else
+the first member whose suffix ends in one, as `input.jpg`).
 A worker then reads each image with one `pread` at the offset the header gave, in stored order.
 A member whose data runs past the end of the file, a header that is damaged or missing before the
 end-of-archive marker (a truncated shard) and a member that is not a regular file (a symbolic
@@ -119,7 +120,8 @@ def list_archive(path: Path, label_key: str | None = None, image_column: str | N
 def _sample(f, size: int, key: str, group: dict[str, tarfile.TarInfo], key_spec: tuple[str, str | None] | None,
             skipped: list[tuple[str, str]]) -> Sample | None:
     """One sample from its members, or None (recorded in `skipped`)."""
-    suffix = next((s for s in IMAGE_SUFFIXES if s in group), None)
+    suffix = next((s for s in IMAGE_SUFFIXES if s in group), None) or next(  # else "key.input.jpg"
+        (s for s in group if s.rpartition(".")[2] in IMAGE_SUFFIXES), None)
     if suffix is None:
         skipped.append((key, f"no image member (looked for .{', .'.join(IMAGE_SUFFIXES[:4])}, ...)"))
         return None
