@@ -1,10 +1,11 @@
 """What every archive format shares: how a sample is located, named and labelled.
 
-A format module (`tar_shards`, `zip_archive`, `parquet_files`) has two verbs: `list_archive`
+A format module (`tar_shards`, `zip_archive`, `parquet_files`) has three verbs: `list_archive`
 lists one archive's samples cheaply at discovery (tar headers, the zip directory, Parquet
-metadata and its label column: never the images), and `read_members` streams the encoded bytes
+metadata and its label column: never the images), `read_members` streams the encoded bytes
 of some of its members to a worker, one unit of work (a run of tar or zip members, a Parquet
-row group) at a time. Nothing is ever extracted: member names are only names.
+row group) at a time, and `find_member` locates one member by its name again (`dsc verify
+--decode`). Nothing is ever extracted: member names are only names.
 """
 
 from __future__ import annotations
@@ -63,9 +64,6 @@ class ArchiveChunk:
     path: str  # the archive, absolute
     tasks: list[tuple[int, Member]]  # (slot, member)
     options: tuple = ()  # the format's read options (Parquet: the image column)
-
-    def __len__(self) -> int:
-        return len(self.tasks)
 
 
 def unsafe_name(name: str) -> str | None:
