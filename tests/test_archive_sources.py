@@ -101,6 +101,8 @@ def test_tar_shards_named_every_way_give_the_same_dataset(made: dict, tmp_path: 
     assert reference[2] == ["0", "1", "2", "3", "4"]  # integer .cls labels without --classes: stored as given
     assert reference[3][0].startswith("train-00000") and ".tar#" in reference[3][0]
     assert expand_braces("a{08..10}-{x,y}") == ["a08-x", "a08-y", "a09-x", "a09-y", "a10-x", "a10-y"]
+    with pytest.raises(CompileError, match=r"range \{0..999999999999\} names more than 1,000,000 archives"):
+        compile_folder(shards / "train-{0..999999999999}.tar", tmp_path / "typo", **quiet())
 
 
 @pytest.mark.parametrize(("key", "classes"), [("txt", CLASSES), ("json:label", ["0", "1", "2", "3", "4"])])

@@ -36,6 +36,7 @@ SUFFIXES = {".tar": "tar", ".zip": "zip", ".parquet": "parquet"}
 FOLDER_KINDS = ("tar", "parquet")  # a folder of these is a set of archives; a folder of zips is not
 SPLITTABLE = {"tar": True, "zip": True, "parquet": False}  # a Parquet row group is read whole: one chunk
 ORDER = "by label, then archive name and the order of samples in the archive"
+MAX_PATTERN_NAMES = 1_000_000  # archives one brace range may name: a typo must not build a billion names
 _BRACES = re.compile(r"\{([^{}]*)\}")
 _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
 
@@ -59,6 +60,8 @@ def expand_braces(pattern: str) -> list[str]:
     numbers = _RANGE.match(body)
     if numbers:
         a, b = numbers.groups()
+        if abs(int(b) - int(a)) >= MAX_PATTERN_NAMES:
+            raise CompileError(f"the pattern's range {{{body}}} names more than {MAX_PATTERN_NAMES:,} archives")
         width = len(a) if a.lstrip("-").startswith("0") or len(a) == len(b) else 0
         step = 1 if int(b) >= int(a) else -1
         items = [f"{k:0{width}d}" for k in range(int(a), int(b) + step, step)]
