@@ -407,3 +407,18 @@ def test_a_sample_whose_image_suffix_has_a_prefix_is_found(tmp_path: Path) -> No
         tar_member(tar, "k1.cls", b"0")
     summary = compile_folder(tmp_path / "a.tar", tmp_path / "out", **quiet())
     assert summary.kept == 1 and records(tmp_path / "out")[3] == ["a.tar#k1.input.jpg"]
+
+
+def test_strict_names_the_first_bad_member_by_its_archive(made: dict, tmp_path: Path) -> None:
+    (tmp_path / "in").mkdir()
+    with tarfile.open(tmp_path / "in" / "a.tar", "w") as tar:
+        tar_member(tar, "k1.jpg", (EXAMPLES / "cat" / "chelsea_0.jpg").read_bytes())
+        tar_member(tar, "k2.jpg", b"not an image")
+    with pytest.raises(CompileError, match=rf"^{tmp_path}/in/a.tar#k2.jpg: not a recognised image .* nothing written"):
+        compile_folder(tmp_path / "in" / "a.tar", tmp_path / "out", **quiet(strict=True))
+    with tarfile.open(tmp_path / "in" / "b.tar", "w") as tar:
+        tar_member(tar, "k3.jpg", kind=tarfile.SYMTYPE, link="/etc/passwd")
+        tar_member(tar, "k4.jpg", (EXAMPLES / "cat" / "chelsea_0.jpg").read_bytes())
+    with pytest.raises(CompileError, match=rf"^{tmp_path}/in/b.tar#k3.jpg: not a regular file .* nothing written"):
+        compile_folder(tmp_path / "in" / "b.tar", tmp_path / "out", **quiet(strict=True))
+    assert not (tmp_path / "out").exists()

@@ -218,7 +218,7 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
     with make_engine(engine, workers, address) as runner:  # its workers start now: their imports overlap discovery
         found = _discover(src, out, classes, skip_unknown_classes, labels, columns, (label_key, image_column),
                           on_found)
-        _report(found, src, strict, on_skip, on_total)
+        _report(found, strict, on_skip, on_total)
         recipe = WriteJob(str(found.root), "", 0, per_shard, target, max_pixels, "fast" if fast_decode else "faithful",
                           alpha)
         plan = _plan(recipe, found, seed, shuffle, labels)
@@ -259,12 +259,12 @@ def _discover(src: Path, out: Path, classes, skip_unknown_classes: bool, labels,
     return found
 
 
-def _report(found: Discovery, src: Path, strict: bool, on_skip: Callable[[str, str], None],
+def _report(found: Discovery, strict: bool, on_skip: Callable[[str, str], None],
             on_total: Callable[[int], None] | None) -> None:
     """What discovery skipped (a --strict compile stops at the first), and the count left to decode."""
     if strict and found.skipped:
         source, reason = found.skipped[0]
-        raise StrictFailure(f"{src / source}: {reason} (--strict: nothing written)")
+        raise StrictFailure(f"{found.root / source}: {reason} (--strict: nothing written)")
     for source, reason in found.skipped:
         on_skip(source, reason)
     if on_total:
