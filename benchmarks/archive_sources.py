@@ -5,12 +5,13 @@
 CORPUS is any ImageFolder tree (e.g. `python benchmarks/corpus.py /tmp/corpus`). Its images (evenly
 thinned to --limit) are copied into a folder and written, by the tools users have, as WebDataset tar
 shards (webdataset's ShardWriter, 1,000 samples a shard), one Parquet file (Hugging Face `datasets`,
-an Image and a ClassLabel column, 100 rows a row group as the Hub writes image datasets) and a zip
-(Python's zipfile, deflated). After reading every file once (page cache warm), each is compiled with
-`dsc.compile_folder` end to end, in turn: the folder, tar, Parquet, zip, R times over (each source's
-best run is kept; the folder's runs are all printed, to show the noise), and the images/s of each
-archive is printed as a ratio to the folder's (target: at least 0.95), with images per CPU-second of
-the compile's processes (steadier when other work shares the machine).
+an Image and a ClassLabel column, 100 rows a row group as the Hub writes image datasets) and two zips
+(Python's zipfile, deflated and stored: inflating is the one cost a folder does not have). After
+reading every file once (page cache warm), each is compiled with `dsc.compile_folder` end to end, in
+turn: the folder, tar, Parquet, the zips, R times over (each source's best run is kept; the folder's
+runs are all printed, to show the noise), and the images/s of each archive is printed as a ratio to
+the folder's (target: at least 0.95), with images per CPU-second of the compile's processes
+(steadier when other work shares the machine).
 Needs the test extra (webdataset, datasets, pyarrow).
 """
 
@@ -22,6 +23,7 @@ import resource
 import shutil
 import sys
 import tempfile
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -81,7 +83,8 @@ def main() -> None:
         classes = sorted(p.name for p in folder.iterdir() if p.is_dir())
         sources = {"tar shards (webdataset)": write_tar_shards(folder, work / "shards", SAMPLES_PER_SHARD),
                    "Parquet (datasets)": write_parquet(folder, work / "train.parquet", ROWS_PER_GROUP),
-                   "zip (zipfile, deflated)": write_zip(folder, work / "images.zip")}
+                   "zip (zipfile, deflated)": write_zip(folder, work / "images.zip"),
+                   "zip (zipfile, stored)": write_zip(folder, work / "stored.zip", method=zipfile.ZIP_STORED)}
         nbytes = sum(len(p.read_bytes()) for p in work.rglob("*") if p.is_file())  # warm the page cache
         print(f"{n} images of {args.corpus} in {len(classes)} classes; {nbytes / 1e6:.0f} MB of folder and archives "
               f"(page cache warm); size {args.size}; {args.workers} workers; load average {os.getloadavg()[0]:.2f}")
