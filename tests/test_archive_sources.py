@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 from dsc import CompileError, compile_folder, storage
 from dsc.cli import app
 from dsc.compiler.publish import staging_path
-from dsc.compiler.sources import expand_braces
+from dsc.compiler.sources import expand_braces, resolve_labels
 from dsc.reader import MemmapDataset
 from dsc.testing import make_image_folder
 
@@ -422,3 +422,18 @@ def test_strict_names_the_first_bad_member_by_its_archive(made: dict, tmp_path: 
     with pytest.raises(CompileError, match=rf"^{tmp_path}/in/b.tar#k3.jpg: not a regular file .* nothing written"):
         compile_folder(tmp_path / "in" / "b.tar", tmp_path / "out", **quiet(strict=True))
     assert not (tmp_path / "out").exists()
+
+
+def test_labels_as_stored_resolve_by_the_folders_rules() -> None:
+    """Integers are kept as given (-1: no label) or index a ClassLabel's names; names index the classes."""
+    labels, classes, reasons = resolve_labels([0, 1, 5, -1, None, -3], ["a", "b"], None, False)
+    assert (labels, classes) == ([0, 1, -1, -1, -1, -1], ["a", "b"])
+    assert reasons == {2: "label 5 is not among the 2 names of its ClassLabel", 4: "no label",
+                       5: "label -3 is outside -1..1048575"}
+    assert resolve_labels([0, 3, None], None, None, False) == ([0, 3, -1], ["0", "1", "2", "3"], {2: "no label"})
+    assert resolve_labels(["y", "x"], None, None, False) == ([1, 0], ["x", "y"], {})
+    unknown = {0: "class 'x' is not among the 1 classes"}
+    assert resolve_labels(["x", "y"], None, ["y"], True) == ([-1, 0], ["y"], unknown)
+    assert resolve_labels([None, None], None, None, False) == ([-1, -1], [], {})
+    with pytest.raises(CompileError, match="mix integers and class names"):
+        resolve_labels([1, "x"], None, None, False)

@@ -194,7 +194,10 @@ def resolve_labels(raw: list[int | str | None], declared: list[str] | None, voca
             if v is not None and not UNLABELED <= v <= MAX_INTEGER_LABEL:
                 reasons[i] = f"label {v} is outside {UNLABELED}..{MAX_INTEGER_LABEL}"
         if declared is not None:  # a ClassLabel: the integers index its names
-            raw = [declared[v] if v is not None and i not in reasons and 0 <= v < len(declared) else
+            for i, v in enumerate(raw):
+                if v is not None and v >= len(declared):
+                    reasons.setdefault(i, f"label {v} is not among the {len(declared)} names of its ClassLabel")
+            raw = [declared[v] if v is not None and i not in reasons and v >= 0 else
                    (v if v == UNLABELED else None) for i, v in enumerate(raw)]
             integers = False
     if integers:
