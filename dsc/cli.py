@@ -27,6 +27,7 @@ from dsc.compiler.engines import ENGINES
 from dsc.compiler.labels import parse_column_kinds
 from dsc.compiler.pipeline import compile_folder
 from dsc.compiler.publish import pending_publish, staging_path
+from dsc.compiler.sources import archive_sources
 from dsc.compiler.target import FITS, Target, parse_size
 from dsc.errors import CompileError, DscError
 from dsc.format import ALPHA, MANIFEST_FILE, minor_version
@@ -105,7 +106,9 @@ def _path(value: str) -> Path:
 @app.command("compile")
 def compile_command(
     src: Path = typer.Argument(..., metavar="SRC", parser=_path,
-                               help="Image folder: one sub-folder per class (or images directly)."),
+                               help="Image folder: one sub-folder per class (or images directly); or archives: "
+                               "WebDataset tar shards (a file, a folder, a glob or a {000..099} pattern), "
+                               "Parquet files (a file or a folder), a zip of an image folder."),
     out: Path = typer.Argument(..., metavar="OUT", parser=_path,
                                help="Dataset folder to create (built aside, then renamed into place)."),
     size: str = typer.Option("224", "--size", callback=_size_option, metavar="N|HxW",
@@ -153,6 +156,13 @@ def compile_command(
     column: list[str] = typer.Option(None, "--column", metavar="NAME:KIND",
                                      help="The kind of a --labels column: class, multilabel, float or int "
                                      "[default: inferred]; label:none for a table without labels. Repeatable."),
+    label_key: str = typer.Option(None, "--label-key", metavar="KEY",
+                                  help="Archives: the label's tar member (cls: an integer, txt: a class name, "
+                                  "json:FIELD) or Parquet column [default: .cls; the ClassLabel column, else "
+                                  "'label']."),
+    image_column: str = typer.Option(None, "--image-column", metavar="NAME",
+                                     help="Parquet: the column of the images (an Image struct or bytes) "
+                                     "[default: the Image feature, else the only such column]."),
 ) -> None:
     """Compile an image folder into a dsc dataset of fixed-shape uint8 records."""
     if fit not in FITS:
@@ -188,6 +198,7 @@ def compile_command(
                                      max_pixels=max_pixels, resume=resume, engine=engine, address=address,
                                      fast_decode=fast_decode, alpha=alpha, classes=vocabulary,
                                      skip_unknown_classes=skip_unknown_classes, labels=labels, columns=kinds or None,
+                                     label_key=label_key, image_column=image_column,
                                      on_found=bar.advance, on_total=bar.total, progress=bar.advance,
                                      on_skip=lambda source, reason: bar.write(f"skipped {_clean(source)}: "
                                                                               f"{_clean(reason)}"))
@@ -201,7 +212,9 @@ def compile_command(
     if summary.reused:
         typer.echo(f"note: resumed: {summary.reused} of {summary.built} sources were done already", err=True)
     if not summary.labeled and labels is None:
-        typer.echo(f"note: {src} has no class sub-folders, so the dataset is unlabeled (label -1)", err=True)
+        typer.echo(f"note: {src} has no class sub-folders, so the dataset is unlabeled (label -1)"
+                   if archive_sources(src) is None else
+                   f"note: the samples of {src} have no labels, so the dataset is unlabeled (label -1)", err=True)
     if summary.ignored:
         typer.echo(f"note: {summary.ignored} image(s) in {src} are not listed in {labels} and were not compiled",
                    err=True)

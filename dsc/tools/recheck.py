@@ -11,8 +11,9 @@ import numpy as np
 from dsc import format as fmt
 from dsc import storage
 from dsc.arguments import is_int
+from dsc.compiler import sources
 from dsc.compiler.target import FITS, Target
-from dsc.compiler.write import compile_image
+from dsc.compiler.write import compile_data, compile_image, max_file_bytes
 from dsc.errors import DatasetError, ImageError
 
 
@@ -44,7 +45,8 @@ def _recipe(d: storage.OpenedDataset) -> tuple[str, Target, int, str, str]:
 
 
 def check_against_sources(path: str | os.PathLike, n: int, seed: int = 0) -> DecodeCheck:
-    """Re-decode `n` random records from their source files and compare with the stored pixels."""
+    """Re-decode `n` random records from their source files (or archive members) and compare with the
+    stored pixels."""
     d = storage.open_dataset(path)
     m = d.manifest
     root, target, max_pixels, mode, alpha = _recipe(d)
@@ -54,7 +56,11 @@ def check_against_sources(path: str | os.PathLike, n: int, seed: int = 0) -> Dec
     for i in sorted(int(i) for i in picks):
         source = d.source(i)
         try:
-            compile_image(os.path.join(root, source), target, fresh, max_pixels, mode, alpha)
+            member = sources.read_source(root, source, max_file_bytes(max_pixels))
+            if member is None:
+                compile_image(os.path.join(root, source), target, fresh, max_pixels, mode, alpha)
+            else:
+                compile_data(member, target, fresh, max_pixels, mode, alpha)
         except ImageError as e:
             missing.append(f"{source} ({e})")
             continue
