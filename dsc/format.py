@@ -549,6 +549,15 @@ def is_dataset_file_name(name: str) -> bool:
     return folder == FIELD_DIR and field_name_problem(stem) is None and field_file(stem) == name
 
 
+def is_dataset_folder_name(path: str) -> bool:
+    """Whether dsc gives a dataset's folder this '/'-path: `shards`, `fields`, (1.3) `versions`, `appends`,
+    an append's `appends/<tag>` and the `shards` and `fields` inside it."""
+    parts = path.split("/")
+    if parts[0] == APPENDS_DIR and len(parts) > 1:
+        return _is_append_tag(parts[1]) and len(parts) <= 3 and (len(parts) == 2 or parts[2] in (SHARD_DIR, FIELD_DIR))
+    return path in (SHARD_DIR, FIELD_DIR, VERSIONS_DIR, APPENDS_DIR)
+
+
 def listed_files(text: bytes) -> set[str]:
     """The file names that manifest bytes of this format list, unchecked: what a writer may delete
     with a dataset it replaced even when part of it is gone (not validation; see `parse_manifest`)."""

@@ -288,3 +288,17 @@ def test_cli_append_info_verify_name_versions(grown) -> None:
     assert "ok: manifest of version 2," in runner.invoke(app, ["verify", str(tmp / "ds")]).stdout
     bad = runner.invoke(app, ["append", str(tmp / "ds"), str(tmp / "nowhere")])
     assert bad.exit_code == 1 and "Traceback" not in bad.output
+
+
+def test_force_replaces_a_grown_dataset_but_not_a_users_file_in_it(grown) -> None:
+    tmp, master, _, b = grown
+    append(tmp / "ds", b, workers=1)
+    (tmp / "ds" / fmt.APPENDS_DIR / "0123456789abcdef" / "shards").mkdir(parents=True)  # a killed append's
+    (tmp / "ds" / fmt.APPENDS_DIR / "0123456789abcdef" / "shards" / "00009.bin").write_bytes(b"x")
+    (tmp / "ds" / "versions" / "notes.txt").write_text("mine")
+    with pytest.raises(CompileError, match="versions/notes.txt"):
+        compile_folder(master, tmp / "ds", size=SIZE, force=True, workers=1)
+    (tmp / "ds" / "versions" / "notes.txt").unlink()
+    compile_folder(master, tmp / "ds", size=SIZE, force=True, workers=1)
+    ds = MemmapDataset(tmp / "ds")
+    assert (ds.version, len(ds)) == (1, 21) and not (tmp / "ds" / fmt.VERSIONS_DIR).exists()

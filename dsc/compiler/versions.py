@@ -51,14 +51,7 @@ def writing(root: Path, wait_s: float = WRITER_WAIT_S) -> Iterator[None]:
 
 def listed_by_versions(root: Path) -> set[str]:
     """Every file some version's manifest (or `manifest.json`) lists, with those manifests themselves."""
-    names = {fmt.MANIFEST_FILE, *(fmt.version_file(v) for v in _versions(root))}
-    listed = set(names)
-    for name in names:
-        try:
-            listed |= fmt.listed_files(local.read_no_follow(root / name, fmt.MAX_MANIFEST_BYTES))
-        except OSError:
-            continue
-    return listed
+    return storage.files_of_versions(root)
 
 
 def _versions(root: Path) -> list[int]:

@@ -11,6 +11,7 @@ from dsc.storage.store import (
     check_manifest_text,
     check_skip_list,
     dataset_versions,
+    files_of_versions,
     is_dataset,
     is_url,
     open_dataset,
@@ -24,4 +25,4 @@ from dsc.storage.store import (
 
 __all__ = ["DatasetStore", "OpenedDataset", "open_dataset", "validate", "parse_manifest", "read_skipped",
            "read_warnings", "check_skip_list", "check_manifest_text",
-           "dataset_versions", "stored_and_skipped", "is_dataset", "is_url", "verify_checksums"]
+           "dataset_versions", "files_of_versions", "stored_and_skipped", "is_dataset", "is_url", "verify_checksums"]

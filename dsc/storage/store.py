@@ -236,6 +236,20 @@ def check_manifest_text(root: str | os.PathLike, text: bytes) -> fmt.Manifest:
         return manifest
 
 
+def files_of_versions(root: str | os.PathLike) -> set[str]:
+    """(format 1.3) What a dataset folder's versions own: every version's manifest (and `manifest.json`)
+    and every file one of them lists, unchecked (a manifest that cannot be read lists nothing)."""
+    with _opened(root) as store:
+        names = {fmt.MANIFEST_FILE, *(fmt.version_file(v) for v in versions(store))}
+        owned = set(names)
+        for name in names:
+            try:
+                owned |= fmt.listed_files(store.read(name, fmt.MAX_MANIFEST_BYTES + 1))
+            except DatasetError:
+                continue
+        return owned
+
+
 def dataset_versions(root: Location) -> list[int]:
     """(format 1.3) The versions a dataset holds, oldest first ([1] for one never appended to)."""
     with _opened(root) as store:
