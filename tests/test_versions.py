@@ -302,3 +302,42 @@ def test_force_replaces_a_grown_dataset_but_not_a_users_file_in_it(grown) -> Non
     compile_folder(master, tmp / "ds", size=SIZE, force=True, workers=1)
     ds = MemmapDataset(tmp / "ds")
     assert (ds.version, len(ds)) == (1, 21) and not (tmp / "ds" / fmt.VERSIONS_DIR).exists()
+
+
+def _table(path: Path, rows: list[tuple[str, str, str, str]]) -> Path:
+    path.write_text("path,label,tags,score\n" + "".join(",".join(r) + "\n" for r in rows))
+    return path
+
+
+def test_append_by_label_table_keeps_field_indices_and_widens_new_tags(tmp_path: Path) -> None:
+    make_folder(tmp_path / "src", classes=2, per_class=4)
+    rows = [(f"class_{c}/img_{i}.{'png' if i == 3 else 'jpg'}", f"class_{c}", "red;big" if i % 2 else "red", f"{i}.5")
+            for c in range(2) for i in range(4)]
+    compile_folder(tmp_path / "src", tmp_path / "ds", size=SIZE, workers=1,
+                   labels=_table(tmp_path / "old.csv", rows[:5]), columns={"tags": "multilabel"})
+    new_rows = [(p, c, "red;spotted" if k else "big", s) for k, (p, c, _, s) in enumerate(rows[5:])]
+    table = _table(tmp_path / "new.csv", new_rows)
+    with pytest.raises(CompileError, match=r"classes of field 'tags' that the dataset lacks: 'spotted'"):
+        append(tmp_path / "ds", tmp_path / "src", labels=table, workers=1)
+    before = MemmapDataset(tmp_path / "ds")
+    old_tags = np.array(before.fields["tags"])
+    append(tmp_path / "ds", tmp_path / "src", labels=table, workers=1, new_classes=True)
+    ds = MemmapDataset(tmp_path / "ds")
+    assert ds.field_classes("tags") == before.field_classes("tags") + ["spotted"]
+    tags = np.array(ds.fields["tags"])
+    assert tags.shape == (8, 3) and np.array_equal(tags[:5, :2], old_tags) and not tags[:5, 2].any()
+    names = ds.field_classes("tags")
+    for i in range(5, 8):
+        row = {r[0]: r for r in new_rows}[ds.opened.source(i).removeprefix("../src/")]
+        assert {names[k] for k in np.flatnonzero(tags[i])} == set(row[2].split(";"))
+        assert float(ds.fields["score"][i]) == float(row[3]) and ds.classes[int(ds.labels[i])] == row[1]
+
+
+def test_append_carries_its_skips_into_the_skip_list(grown) -> None:
+    tmp, _, _, b = grown
+    (b / "class_0" / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not a jpeg")
+    summary = append(tmp / "ds", b, workers=1)
+    ds = MemmapDataset(tmp / "ds")
+    skipped = storage.read_skipped(tmp / "ds", ds.manifest)
+    assert summary.skipped == 1 and [s["source"] for s in skipped] == ["../b/class_0/broken.jpg"]
+    storage.check_skip_list(ds.opened)

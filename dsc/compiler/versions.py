@@ -50,8 +50,9 @@ def writing(root: Path, wait_s: float = WRITER_WAIT_S) -> Iterator[None]:
 
 
 def listed_by_versions(root: Path) -> set[str]:
-    """Every file some version's manifest (or `manifest.json`) lists, with those manifests themselves."""
-    return storage.files_of_versions(root)
+    """Every file some version's manifest (or `manifest.json`) lists, with those manifests themselves;
+    DatasetError when one cannot be read (what deletes the rest must know them all)."""
+    return storage.files_of_versions(root, strict=True)
 
 
 def _versions(root: Path) -> list[int]:

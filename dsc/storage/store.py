@@ -236,17 +236,24 @@ def check_manifest_text(root: str | os.PathLike, text: bytes) -> fmt.Manifest:
         return manifest
 
 
-def files_of_versions(root: str | os.PathLike) -> set[str]:
+def files_of_versions(root: str | os.PathLike, strict: bool = False) -> set[str]:
     """(format 1.3) What a dataset folder's versions own: every version's manifest (and `manifest.json`)
-    and every file one of them lists, unchecked (a manifest that cannot be read lists nothing)."""
+    and every file one of them lists, unchecked. A manifest that cannot be read lists nothing, or with
+    `strict` (for what deletes the files no version lists) raises DatasetError."""
     with _opened(root) as store:
         names = {fmt.MANIFEST_FILE, *(fmt.version_file(v) for v in versions(store))}
         owned = set(names)
-        for name in names:
+        for name in sorted(names):
             try:
-                owned |= fmt.listed_files(store.read(name, fmt.MAX_MANIFEST_BYTES + 1))
-            except DatasetError:
+                text = store.read(name, fmt.MAX_MANIFEST_BYTES + 1)
+                if strict and not fmt.names_this_format(text):
+                    raise DatasetError(f"{store.root}/{name}: not a readable dsc manifest")
+            except DatasetError as e:
+                if strict:
+                    raise DatasetError(f"{e}; which files the dataset's versions use cannot be told, so none is "
+                                       "deleted (move the damaged manifest away, or recompile)") from e
                 continue
+            owned |= fmt.listed_files(text)
         return owned
 
 
