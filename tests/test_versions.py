@@ -5,7 +5,6 @@ Real compiles of real JPEGs and PNGs (conftest.make_folder), real processes for 
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import shutil
 import signal
