@@ -52,6 +52,9 @@ class DatasetStore(Protocol):
 
     def close(self) -> None: ...
 
+    # Optional (format 1.3 versions): `list(folder) -> list[str]`, the names in a sub-folder. A store
+    # without it reads `manifest.json` only, the copy of the latest version (see `versions`).
+
 
 Location = str | os.PathLike  # a folder path, or a URL whose scheme STORES names
 STORES = {"s3": "dsc.storage.s3"}  # URL scheme -> module with `open_store(url, cache_dir)`, imported when used
@@ -199,7 +202,7 @@ def open_dataset(root: Location, shard_mode: str = "r", cache_dir: str | os.Path
     if shard_mode not in ("r", "c"):
         raise ValueError(f"shard_mode must be 'r' or 'c', got {shard_mode!r}")
     for attempt in range(1, REOPEN_ATTEMPTS + 1):
-        store = store_for(root, cache_dir)
+        store, latest = store_for(root, cache_dir), None
         try:
             latest = manifest_name(store) if version is None else None
             return _map_dataset(store, shard_mode, version)
