@@ -310,6 +310,7 @@ def test_force_replaces_a_grown_dataset_but_not_a_users_file_in_it(grown) -> Non
     compile_folder(master, tmp / "ds", size=SIZE, force=True, workers=1)
     ds = MemmapDataset(tmp / "ds")
     assert (ds.version, len(ds)) == (1, 21) and not (tmp / "ds" / fmt.VERSIONS_DIR).exists()
+    assert not list(tmp.glob(".ds.dsc-old-*"))  # the grown dataset, every version's files, deleted whole
 
 
 def _table(path: Path, rows: list[tuple[str, str, str, str]]) -> Path:
@@ -349,3 +350,38 @@ def test_append_carries_its_skips_into_the_skip_list(grown) -> None:
     skipped = storage.read_skipped(tmp / "ds", ds.manifest)
     assert summary.skipped == 1 and [s["source"] for s in skipped] == ["../b/class_0/broken.jpg"]
     storage.check_skip_list(ds.opened)
+
+
+KILLED_AT = """
+import os, signal, sys
+from dsc.compiler import append, versions
+def die(*args):
+    os.kill(os.getpid(), signal.SIGKILL)
+if sys.argv[3] == "before-commit":
+    versions.commit = die  # every new file is written, the version's manifest is not
+else:
+    versions.refresh_copy = die  # version N + 1 is committed, manifest.json still says N
+append.append(sys.argv[1], sys.argv[2], workers=1)
+"""
+
+
+@pytest.mark.parametrize("moment", ["before-commit", "before-refresh"])
+def test_a_kill_at_the_commit_leaves_one_whole_version_and_the_next_writer_tidies(grown, moment: str) -> None:
+    tmp, _, _, b = grown
+    before = (tmp / "ds" / fmt.MANIFEST_FILE).read_bytes()
+    done = subprocess.run([sys.executable, "-c", KILLED_AT, str(tmp / "ds"), str(b), moment], timeout=120)
+    assert done.returncode == -signal.SIGKILL
+    ds = MemmapDataset(tmp / "ds")
+    assert (ds.version, len(ds)) == ((1, 12) if moment == "before-commit" else (2, 21))
+    storage.verify_checksums(tmp / "ds", ds.manifest)
+    assert (tmp / "ds" / fmt.MANIFEST_FILE).read_bytes() == before  # not refreshed yet in either case
+    written = [p for p in (tmp / "ds" / fmt.APPENDS_DIR).rglob("*.bin")]
+    assert written  # the killed append's files are there, listed by a version or not
+    result = CliRunner().invoke(app, ["prune", str(tmp / "ds"), "--keep", "5"])  # the next writer
+    assert result.exit_code == 0, result.output
+    listed = versions.listed_by_versions(tmp / "ds")
+    assert all(p.relative_to(tmp / "ds").as_posix() in listed for p in (tmp / "ds" / fmt.APPENDS_DIR).rglob("*.bin"))
+    assert json.loads((tmp / "ds" / fmt.MANIFEST_FILE).read_text()).get("dataset_version", 1) == ds.version
+    assert len(list(tmp.glob(".ds.dsc-append-*"))) == 1  # the killed append's scratch folder, until the next append
+    append(tmp / "ds", b, workers=1)
+    assert not list(tmp.glob(".ds.dsc-append-*"))
