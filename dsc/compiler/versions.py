@@ -27,7 +27,7 @@ from pathlib import Path
 from dsc import format as fmt
 from dsc import storage
 from dsc.compiler import publish
-from dsc.errors import CompileError, DatasetError
+from dsc.errors import CompileError
 from dsc.storage import local
 
 WRITER_WAIT_S = 600.0  # how long an append or a prune waits for the dataset's lock (another append's commit)
@@ -63,41 +63,19 @@ def _versions(root: Path) -> list[int]:
         folder.close()
 
 
-def clear_abandoned(root: Path) -> list[str]:
+def clear_abandoned(root: Path) -> None:
     """Delete what writers killed before their commit left in the dataset: files under `appends/` that no
-    version lists, and temporaries in `versions/`. Only names dsc gives; returns what was deleted."""
+    version lists (only names dsc gives them), and temporaries in `versions/`."""
     listed = listed_by_versions(root)
 
-    def claims(path: str, is_dir: bool) -> bool:
-        if is_dir:
-            return path == fmt.APPENDS_DIR or path.startswith(f"{fmt.APPENDS_DIR}/") and not any(
-                name.startswith(path + "/") for name in listed)
-        folder, _, name = path.rpartition("/")
-        return path.startswith(f"{fmt.APPENDS_DIR}/") and fmt.is_dataset_file_name(path) and path not in listed \
-            or folder == fmt.VERSIONS_DIR and local.is_temporary(name)
-    return _remove(root, claims)
-
-
-def _remove(root: Path, claims: local.Claims) -> list[str]:
-    """Delete what `claims` claims under `root`'s `appends/` and `versions/`, deepest first, never following
-    a link; a folder is removed only once empty."""
-    removed = []
-    for top in (fmt.APPENDS_DIR, fmt.VERSIONS_DIR):
-        if not (root / top).is_dir() or (root / top).is_symlink():
-            continue
-        for dirpath, _, filenames in os.walk(root / top, topdown=False):
-            rel = Path(dirpath).relative_to(root).as_posix()
-            for name in filenames:
-                if claims(f"{rel}/{name}", False):
-                    os.unlink(Path(dirpath) / name)
-                    removed.append(f"{rel}/{name}")
-            if rel != top and claims(rel, True):
-                try:
-                    os.rmdir(dirpath)
-                except OSError:
-                    pass  # not empty: something else is inside
-        local.fsync_dir(root / top)
-    return removed
+    def claims(path: str, is_dir: bool) -> bool:  # `path` is relative to appends/
+        name = f"{fmt.APPENDS_DIR}/{path}"
+        return fmt.is_dataset_folder_name(name) if is_dir else fmt.is_dataset_file_name(name) and name not in listed
+    appends = root / fmt.APPENDS_DIR
+    if appends.is_dir() and not appends.is_symlink():
+        local.remove_claimed(appends, claims, "")
+    if (root / fmt.VERSIONS_DIR).is_dir():
+        publish.remove_temporaries(root / fmt.VERSIONS_DIR)
 
 
 def commit(root: Path, manifest: fmt.Manifest) -> None:
@@ -185,16 +163,3 @@ def prune(root: str | os.PathLike, keep: int) -> Pruned:
         local.fsync_dir(root)
         return Pruned(kept, dropped, removed, freed)
 
-
-def history(root: str | os.PathLike) -> list[dict]:
-    """Each version a dataset holds: its number, record count and how many records it added."""
-    rows, previous = [], 0
-    for v in storage.dataset_versions(root):
-        try:
-            m = storage.parse_manifest(root, version=v)
-        except DatasetError as e:
-            rows.append({"version": v, "problem": str(e)})
-            continue
-        rows.append({"version": v, "records": m.count, "added": m.count - previous, "parts": len(m.record_parts)})
-        previous = m.count
-    return rows
