@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_publish_states import tmpfs
 from typer.testing import CliRunner
 
 from dsc import format as fmt
@@ -385,3 +386,14 @@ def test_a_kill_at_the_commit_leaves_one_whole_version_and_the_next_writer_tidie
     assert len(list(tmp.glob(".ds.dsc-append-*"))) == 1  # the killed append's scratch folder, until the next append
     append(tmp / "ds", b, workers=1)
     assert not list(tmp.glob(".ds.dsc-append-*"))
+
+
+def test_an_append_beside_which_nothing_can_be_written_is_one_line(tmp_path: Path) -> None:
+    make_folder(tmp_path / "src", classes=2, per_class=2)
+    with tmpfs(tmp_path / "mnt", "16m") as mnt:
+        compile_folder(tmp_path / "src", mnt / "ds", size=SIZE, workers=1)
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+        result = CliRunner().invoke(app, ["append", str(mnt / "ds"), str(tmp_path / "src")])
+        assert result.exit_code == 1 and "Traceback" not in result.output
+        assert f"cannot write beside {mnt / 'ds'}" in result.output and "Read-only file system" in result.output
+        assert MemmapDataset(mnt / "ds").version == 1

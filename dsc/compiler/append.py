@@ -76,7 +76,11 @@ class _Scratch:
     def __init__(self, root: Path) -> None:
         _clear_dead_scratch(root)
         self.path = root.parent / f"{scratch_prefix(root)}{secrets.token_hex(8)}"
-        self.path.mkdir(mode=0o700)
+        try:
+            self.path.mkdir(mode=0o700)
+        except OSError as e:
+            raise CompileError(f"cannot write beside {root} (an append compiles its new images in {self.path} "
+                               f"first): {e.strerror or e}") from e
         os.chmod(self.path, 0o700)  # whatever the umask: only we write here
         self._fd = os.open(self.path / SCRATCH_LOCK, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         fcntl.flock(self._fd, fcntl.LOCK_EX)
@@ -125,7 +129,11 @@ def append(dataset: str | os.PathLike, src: str | os.PathLike, *, labels: str | 
                        on_total=on_total, progress=progress, on_skip=on_skip)
         new = storage.open_dataset(scratch.path / "new")
         with versions.writing(root):
-            version, how, joined = _commit_on_latest(root, new, new_classes, src)
+            try:
+                version, how, joined = _commit_on_latest(root, new, new_classes, src)
+            except OSError as e:  # a full disk, a permission: nothing is committed
+                raise CompileError(f"writing the next version of {root} failed ({e}); it is still at its previous "
+                                   "version, and what was written is cleared by the next append or prune") from e
     finally:
         scratch.close()
     before = set(base.classes)
