@@ -397,3 +397,16 @@ def test_an_append_beside_which_nothing_can_be_written_is_one_line(tmp_path: Pat
         assert result.exit_code == 1 and "Traceback" not in result.output
         assert f"cannot write beside {mnt / 'ds'}" in result.output and "Read-only file system" in result.output
         assert MemmapDataset(mnt / "ds").version == 1
+
+
+def test_verify_decode_remakes_each_part_of_a_merge_as_its_own_compile_did(tmp_path: Path) -> None:
+    from dsc.tools.recheck import check_against_sources
+
+    make_folder(tmp_path / "a", classes=2, per_class=3, sides=(40, 120))
+    make_folder(tmp_path / "b", classes=2, per_class=3, seed=4, sides=(40, 120))
+    compile_folder(tmp_path / "a", tmp_path / "A", size=SIZE, workers=1)
+    compile_folder(tmp_path / "b", tmp_path / "B", size=SIZE, fit="stretch", workers=1)
+    merge([tmp_path / "A", tmp_path / "B"], tmp_path / "M")
+    assert [p.compile["fit"] for p in MemmapDataset(tmp_path / "M").manifest.record_parts] == ["center-crop", "stretch"]
+    check = check_against_sources(tmp_path / "M", 12)
+    assert check.checked == 12 and check.missing == [] and check.worst_max_abs == 0, check
