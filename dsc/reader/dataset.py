@@ -367,7 +367,8 @@ class MemmapDataset(Dataset):
     def loader(self, batch_size: int, *, order: str | None = None, seed: int | None = None, drop_last: bool = False,
                device: str | torch.device | None = None, prefetch: int = 2, num_threads: int | None = None,
                rank: int | None = None, world_size: int | None = None, locality: str | None = None,
-               shuffle: bool | None = None, as_tuple: tuple[str, ...] | None = None):
+               shuffle: bool | None = None, as_tuple: tuple[str, ...] | None = None, indices=None, weights=None,
+               replacement: bool | None = None, repeats: int = 1, samples_per_epoch: int | None = None):
         """Batches as TensorDicts {image, label, index, size, and any fields}, fast (`dsc.reader.loader.Loader`).
 
         order: "block" (default: shuffled windows of contiguous blocks, reads local to a window), "random"
@@ -384,9 +385,12 @@ class MemmapDataset(Dataset):
         locality: "shard" (with order="block") gives each rank whole shard files.
         as_tuple: field names, e.g. ("image", "label"): batches are tuples of those tensors, for
             ``x, y = batch``; a TensorDict batch refuses to be unpacked (it would give samples).
+        indices, weights + replacement, repeats, samples_per_epoch, order=callable(n, seed, epoch): sampling,
+            deterministic and resumable like the built-in orders (`dsc.reader.sampling`; README "Sampling").
         """
         from dsc.reader.loader import Loader
 
         return Loader(self, batch_size, order=order, seed=seed, drop_last=drop_last, device=device, prefetch=prefetch,
                       num_threads=num_threads, rank=rank, world_size=world_size, locality=locality, shuffle=shuffle,
-                      as_tuple=as_tuple)
+                      as_tuple=as_tuple, indices=indices, weights=weights, replacement=replacement, repeats=repeats,
+                      samples_per_epoch=samples_per_epoch)
