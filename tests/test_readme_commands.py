@@ -21,6 +21,7 @@ TINY = {
     "benchmarks/corpus.py": ["--images", "24", "--classes", "3"],
     "benchmarks/compile_bench.py": ["--size", "32", "--limit", "12"],
     "benchmarks/archive_sources.py": ["--size", "16", "--limit", "12", "--workers", "1", "--out-dir", "{tmp}"],
+    "benchmarks/append_bench.py": ["--size", "16", "--limit", "20", "--new", "0.2", "0.5", "--workers", "1"],
     "benchmarks/read_bench.py": ["--copies", "1", "--batch", "8", "--repeat", "1", "--out", "{tmp}/read_ds"],
     "benchmarks/decode_fidelity.py": ["--sizes", "32", "--limit", "3"],
     "benchmarks/transforms_bench.py": ["--batch", "2", "--record", "32", "--repeat", "1"],

@@ -264,7 +264,8 @@ class Loader:
     def state_dict(self) -> dict[str, Any]:
         """Which samples of which epoch have been served (`progress`), and what fixes the order."""
         epoch, rounds = self._progress
-        return {"dsc_loader_state": STATE_VERSION, "dataset": self._dataset_id, "count": len(self.dataset),
+        return {"dsc_loader_state": STATE_VERSION, "dataset": self._dataset_id,
+                "dataset_version": self.dataset.version, "count": len(self.dataset),
                 "order": self.order, "seed": self.seed, "epoch": epoch, "rounds": [r.to_dict() for r in rounds],
                 "sampling": self._sampling_id()}
 
@@ -319,6 +320,7 @@ class Loader:
             fields = {k: state.get(k) for k in ("world_size", "batch_size", "drop_last", "locality")}
             rounds = [progress.Round.from_dict({**fields, "batches": batch})] if batch else []
         elif state.get("dsc_loader_state") == STATE_VERSION:
+            self._check_same_version(state)
             self._check_same_order(state, ("order", "seed", "count", "dataset", "sampling"))
             if not isinstance(state.get("rounds"), list):
                 raise ValueError(f"a loader state's rounds must be a list, got {state.get('rounds')!r}")
@@ -331,6 +333,18 @@ class Loader:
             except ValueError as e:
                 raise ValueError(f"a round of this loader state cannot be replayed: {e}") from e
         return check_int("epoch", state.get("epoch"), 0), rounds
+
+    def _check_same_version(self, state: dict[str, Any]) -> None:
+        """A state names the dataset version it read (format 1.3, `dsc append`): resuming on another one is
+        refused, saying how to go on, since the epoch's order is a permutation of that version's records."""
+        saved, ours = state.get("dataset_version", 1), self.dataset.version
+        if saved != ours:
+            path = str(self.dataset.path)
+            raise ValueError(
+                f"this loader state was saved reading version {saved!r} of {path}, and this loader reads version "
+                f"{ours}: its epoch's order is of version {saved}'s records. To continue exactly, read that version: "
+                f"MemmapDataset({path!r}, version={saved!r}); to train on version {ours}, start its epochs afresh "
+                "(do not load this state)")
 
     def _check_same_order(self, state: dict[str, Any], keys: tuple[str, ...]) -> None:
         ours = {"order": self.order, "seed": self.seed, "count": len(self.dataset), "dataset": self._dataset_id,
