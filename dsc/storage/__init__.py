@@ -10,7 +10,10 @@ through `cache`, a bounded node-local cache that follows the epoch's order, whos
 from dsc.storage.store import (
     DatasetStore,
     OpenedDataset,
+    check_manifest_text,
     check_skip_list,
+    dataset_versions,
+    files_of_versions,
     is_dataset,
     is_url,
     open_dataset,
@@ -23,4 +26,5 @@ from dsc.storage.store import (
 )
 
 __all__ = ["DatasetStore", "OpenedDataset", "open_dataset", "validate", "parse_manifest", "read_skipped",
-           "read_warnings", "check_skip_list", "stored_and_skipped", "is_dataset", "is_url", "verify_checksums"]
+           "read_warnings", "check_skip_list", "check_manifest_text",
+           "dataset_versions", "files_of_versions", "stored_and_skipped", "is_dataset", "is_url", "verify_checksums"]

@@ -56,6 +56,9 @@ class DatasetStore(Protocol):
 
     def close(self) -> None: ...
 
+    # Optional (format 1.3 versions): `list(folder) -> list[str]`, the names in a sub-folder. A store
+    # without it reads `manifest.json` only, the copy of the latest version (see `versions`).
+
 
 Location = str | os.PathLike  # a folder path, or a URL whose scheme STORES names
 STORES = {"s3": "dsc.storage.s3"}  # URL scheme -> module with `open_store(url, cache_dir)`, imported when used
@@ -145,16 +148,45 @@ class OpenedDataset:
         return [self.local_root / s.file for s in self.manifest.shards]
 
 
-def read_manifest(store: DatasetStore) -> fmt.Manifest:
-    """The store's manifest, validated with the size of every file it names."""
+def versions(store: DatasetStore) -> list[int]:
+    """(format 1.3) The dataset's committed versions, oldest first: the manifests in `versions/`;
+    [] when it has none (version 1 is then `manifest.json`). A store that cannot list (an object
+    store, for now) answers [] and reads `manifest.json`, the copy of the latest version."""
+    listing = getattr(store, "list", None)
+    return sorted(v for v in map(fmt.version_of, listing(fmt.VERSIONS_DIR) if listing else []) if v is not None)
+
+
+def manifest_name(store: DatasetStore, version: int | None = None) -> str:
+    """Which file holds version `version`'s manifest (None: the latest version's). A store that cannot
+    list has only `manifest.json`, whichever version it holds (a reader compares fingerprints)."""
+    if getattr(store, "list", None) is None:
+        return fmt.MANIFEST_FILE
+    found = versions(store)
+    if version is None:
+        return fmt.version_file(found[-1]) if found else fmt.MANIFEST_FILE
+    if version in found:
+        return fmt.version_file(version)
+    if version == 1 and not found:
+        return fmt.MANIFEST_FILE
+    kept = f"versions {found[0]} to {found[-1]}" if found else "version 1 only"
+    raise DatasetError(f"{store.root}: has no version {version} (it holds {kept}; `dsc prune` removes old versions)")
+
+
+def read_manifest(store: DatasetStore, version: int | None = None) -> fmt.Manifest:
+    """The store's manifest of `version` (None: the latest), validated with the size of every file it names."""
+    name = manifest_name(store, version)
     try:
-        text = store.read(fmt.MANIFEST_FILE, fmt.MAX_MANIFEST_BYTES + 1)
+        text = store.read(name, fmt.MAX_MANIFEST_BYTES + 1)
     except StorageError:
         raise
     except DatasetError as e:
-        raise DatasetError(f"{store.root}: no {fmt.MANIFEST_FILE}; not a dsc dataset, or its compile never "
+        raise DatasetError(f"{store.root}: no {name}; not a dsc dataset, or its compile never "
                            "finished") from e
-    return fmt.parse_manifest(text, store.root, store.size)
+    manifest = fmt.parse_manifest(text, store.root, store.size)
+    if name != fmt.MANIFEST_FILE and manifest.dataset_version != fmt.version_of(name.split("/")[-1]):
+        raise DatasetError(f"{store.root}/{name}: says it is version {manifest.dataset_version}; the dataset is "
+                           "damaged")
+    return manifest
 
 
 def _values_of(store: DatasetStore) -> Callable[[str, np.dtype, int], Iterator[np.ndarray]]:
@@ -168,15 +200,15 @@ def _values_of(store: DatasetStore) -> Callable[[str, np.dtype, int], Iterator[n
     return values
 
 
-def _validated(store: DatasetStore) -> fmt.Manifest:
-    manifest = read_manifest(store)
+def _validated(store: DatasetStore, version: int | None = None) -> fmt.Manifest:
+    manifest = read_manifest(store, version)
     fmt.check_index(manifest, store.root, _values_of(store))
     return manifest
 
 
 def open_dataset(root: Location, shard_mode: str = "r", cache_dir: str | os.PathLike | None = None,
-                 cache_bytes: int | None = None) -> OpenedDataset:
-    """Validate a dataset, then map its files (no data is read yet).
+                 version: int | None = None, cache_bytes: int | None = None) -> OpenedDataset:
+    """Validate a dataset, then map its files (no data is read yet): its latest version, or `version`.
 
     Index files are mapped read-only; shards with `shard_mode`: "r" (read-only) or "c"
     (copy-on-write: writable views whose writes never reach the file). Reading through one
@@ -184,15 +216,19 @@ def open_dataset(root: Location, shard_mode: str = "r", cache_dir: str | os.Path
     the old one's files vanish under it, and the folder now at `root` is opened instead.
     A URL's index files are fetched into `cache_dir` first (see `store_for`), and its records are
     read through a bounded cache of at most `cache_bytes` (`OpenedDataset.records`), not mapped.
+    Versions (format 1.3) are never rewritten: an append committed meanwhile leaves the version opened
+    whole; a `dsc prune` that removed the latest version's predecessor meanwhile makes the open start again.
     """
     if shard_mode not in ("r", "c"):
         raise ValueError(f"shard_mode must be 'r' or 'c', got {shard_mode!r}")
     for attempt in range(1, REOPEN_ATTEMPTS + 1):
-        store = store_for(root, cache_dir, cache_bytes)
+        store, latest = store_for(root, cache_dir, cache_bytes), None
         try:
-            return _map_dataset(store, shard_mode)
+            latest = manifest_name(store) if version is None else None
+            return _map_dataset(store, shard_mode, version)
         except DatasetError:
-            if attempt == REOPEN_ATTEMPTS or not store.replaced():  # not swapped: a real error
+            moved = latest is not None and manifest_name(store) != latest
+            if attempt == REOPEN_ATTEMPTS or not (store.replaced() or moved):  # not swapped: a real error
                 raise
         finally:
             store.close()
@@ -200,20 +236,58 @@ def open_dataset(root: Location, shard_mode: str = "r", cache_dir: str | os.Path
     raise AssertionError("unreachable")  # the loop returns or raises
 
 
-def validate(root: str | os.PathLike) -> fmt.Manifest:
+def validate(root: str | os.PathLike, version: int | None = None) -> fmt.Manifest:
     """Everything `open_dataset` checks, without mapping anything: what a writer runs before it publishes."""
     with _opened(root) as store:
-        return _validated(store)
+        return _validated(store, version)
 
 
-def parse_manifest(root: Location, cache_dir: str | os.PathLike | None = None) -> fmt.Manifest:
-    """The dataset's manifest, validated with its files' sizes (not their values: see `validate`)."""
+def parse_manifest(root: Location, cache_dir: str | os.PathLike | None = None,
+                   version: int | None = None) -> fmt.Manifest:
+    """The dataset's manifest (latest version, or `version`), validated with its files' sizes (not their
+    values: see `validate`)."""
     with _opened(root, cache_dir) as store:
-        return read_manifest(store)
+        return read_manifest(store, version)
 
 
-def _map_dataset(store: DatasetStore, shard_mode: str) -> OpenedDataset:
-    manifest = _validated(store)
+def check_manifest_text(root: str | os.PathLike, text: bytes) -> fmt.Manifest:
+    """Everything `validate` checks, of manifest bytes not yet committed, over the files of the folder `root`:
+    what a writer of a new version runs before it commits it."""
+    with _opened(root) as store:
+        manifest = fmt.parse_manifest(text, store.root, store.size)
+        fmt.check_index(manifest, store.root, _values_of(store))
+        return manifest
+
+
+def files_of_versions(root: str | os.PathLike, strict: bool = False) -> set[str]:
+    """(format 1.3) What a dataset folder's versions own: every version's manifest (and `manifest.json`)
+    and every file one of them lists, unchecked. A manifest that cannot be read lists nothing, or with
+    `strict` (for what deletes the files no version lists) raises DatasetError."""
+    with _opened(root) as store:
+        names = {fmt.MANIFEST_FILE, *(fmt.version_file(v) for v in versions(store))}
+        owned = set(names)
+        for name in sorted(names):
+            try:
+                text = store.read(name, fmt.MAX_MANIFEST_BYTES + 1)
+                if strict and not fmt.names_this_format(text):
+                    raise DatasetError(f"{store.root}/{name}: not a readable dsc manifest")
+            except DatasetError as e:
+                if strict:
+                    raise DatasetError(f"{e}; which files the dataset's versions use cannot be told, so none is "
+                                       "deleted (move the damaged manifest away, or recompile)") from e
+                continue
+            owned |= fmt.listed_files(text)
+        return owned
+
+
+def dataset_versions(root: Location) -> list[int]:
+    """(format 1.3) The versions a dataset holds, oldest first ([1] for one never appended to)."""
+    with _opened(root) as store:
+        return versions(store) or [1]
+
+
+def _map_dataset(store: DatasetStore, shard_mode: str, version: int | None = None) -> OpenedDataset:
+    manifest = _validated(store, version)
     n, index = manifest.count, manifest.index
 
     def mapped(name: str, dtype: np.dtype, shape: tuple[int, ...], mode: str = "r") -> np.ndarray:
@@ -308,7 +382,8 @@ def verify_checksums(root: Location, manifest: fmt.Manifest, progress: Callable[
     (1.3), every record's CRC-32; raise ChecksumError naming every damaged file and record. A URL's files
     are read from the bucket, a piece at a time, and nothing is cached."""
     with _opened(root, cache_dir) as store:
-        sealed = fmt.seal_problem(store.read(fmt.MANIFEST_FILE, fmt.MAX_MANIFEST_BYTES + 1), manifest, store.root)
+        name = manifest_name(store, manifest.dataset_version if versions(store) else None)
+        sealed = fmt.seal_problem(store.read(name, fmt.MAX_MANIFEST_BYTES + 1), manifest, store.root)
         crcs = _stored_checksums(store, manifest)
         bad = [sealed] if sealed else []
         first = 0
