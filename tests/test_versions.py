@@ -166,6 +166,14 @@ def test_new_classes_are_refused_unless_asked_for_and_then_go_at_the_end(tmp_pat
         assert ds.opened.source(i).split("/")[-2] == ds.classes[int(ds.labels[i])]
 
 
+def test_appended_and_merged_datasets_carry_every_records_checksum(grown) -> None:
+    tmp, _, _, b = grown
+    append(tmp / "ds", b, workers=1)
+    record_checksums_match(MemmapDataset(tmp / "ds"))
+    merge([tmp / "ds", tmp / "ds"], tmp / "merged")
+    record_checksums_match(MemmapDataset(tmp / "merged"))
+
+
 def test_merge_joins_differing_class_sets_by_name(tmp_path: Path) -> None:
     make_folder(tmp_path / "a", classes=2, per_class=3)
     make_folder(tmp_path / "b", classes=2, per_class=4, seed=7)
@@ -255,6 +263,18 @@ def test_append_upgrades_a_1_2_dataset_in_place_and_its_readers_see_no_change(tm
     new = MemmapDataset(tmp_path / "ds")
     assert (new.manifest.version, new.version, len(new)) == (fmt.FORMAT_VERSION, 2, 10)
     assert json.loads((tmp_path / "ds" / fmt.MANIFEST_FILE).read_text())["dataset_version"] == 2  # the copy
+    record_checksums_match(new)  # the 1.2 part's computed from its records, the appended part's compiled
+
+
+def record_checksums_match(ds: MemmapDataset) -> None:
+    """The dataset has format 1.3's checksums.bin, and it holds every record's CRC-32; verify agrees."""
+    import zlib
+
+    crcs = storage.record_checksums(ds.opened)
+    assert ds.manifest.checksums is not None and len(crcs) == len(ds)
+    assert crcs.tolist() == [zlib.crc32(ds[i].image.permute(1, 2, 0).contiguous().numpy().tobytes())
+                             for i in range(len(ds))]
+    storage.verify_checksums(ds.path, ds.manifest)
 
 
 def test_kill_9_during_append_leaves_the_dataset_at_n_and_intact(tmp_path: Path) -> None:

@@ -153,6 +153,7 @@ def _commit_on_latest(root: Path, new: storage.OpenedDataset, new_classes: bool,
     shards, how = combine.write_shards(root, f"{folder}/{fmt.SHARD_DIR}", full, runs, m.records_per_shard,
                                        m.record_bytes)
     index, fields, warnings, skip_list = combine.write_index(root, folder, joined)
+    checksums = combine.write_checksums(root, folder, joined)
     local.fsync_dir(root / folder / fmt.SHARD_DIR)
     local.fsync_dir(root / folder)
     local.fsync_dir(root / fmt.APPENDS_DIR)
@@ -162,7 +163,7 @@ def _commit_on_latest(root: Path, new: storage.OpenedDataset, new_classes: bool,
                             shards=(*m.shards[:full], *shards), index=index,
                             skipped=tuple(joined.skipped[:fmt.SKIPPED_IN_MANIFEST]), compile=m.compile,
                             fields=fields, skipped_list=skip_list, warnings=warnings,
-                            dataset_version=m.dataset_version + 1, parts=joined.parts)
+                            dataset_version=m.dataset_version + 1, parts=joined.parts, checksums=checksums)
     storage.check_manifest_text(root, manifest.to_json().encode("ascii"))  # never commit what readers refuse
     versions.commit(root, manifest)
     return manifest, how, joined

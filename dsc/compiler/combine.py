@@ -100,6 +100,7 @@ class Joined:
     warnings: np.ndarray | None
     skipped: list[dict[str, str]]
     parts: tuple[fmt.Part, ...]
+    checksums: np.ndarray  # each record's CRC-32 (format 1.3), joined like the index
 
 
 def _rebased(d: storage.OpenedDataset, root: str | None) -> tuple[np.ndarray, bytes]:
@@ -125,7 +126,7 @@ def join_index(datasets: Sequence[storage.OpenedDataset], allow_new: bool, whose
     fields = _field_vocabularies(datasets, allow_new)
     root = datasets[0].manifest.compile.get("source_root")
     root = root if isinstance(root, str) else None
-    labels, sizes, sources, values, warned, skipped, parts, first = [], [], [], {}, [], [], [], 0
+    labels, sizes, sources, values, warned, skipped, parts, first, crcs = [], [], [], {}, [], [], [], 0, []
     for d, name in zip(datasets, whose):
         m = d.manifest
         labels.append(_relabel(d.labels, vocabulary.remap(m.classes, name)))
@@ -135,6 +136,7 @@ def join_index(datasets: Sequence[storage.OpenedDataset], allow_new: bool, whose
             remap = fields[f.name].remap(f.classes, name) if f.name in fields else None
             values.setdefault(f.name, []).append((f, np.asarray(d.fields[f.name]), remap))
         warned.append(storage.read_warnings(d.root, m))
+        crcs.append(storage.record_checksums(d))
         mine = m.compile.get("source_root")
         skipped += [{"source": rebase(s["source"], mine, root) if root and isinstance(mine, str) and mine != root
                      else s["source"], "reason": s["reason"]} for s in storage.read_skipped(d.root, m)]
@@ -144,7 +146,8 @@ def join_index(datasets: Sequence[storage.OpenedDataset], allow_new: bool, whose
     warnings = np.concatenate(warned)
     return Joined(vocabulary.names, np.concatenate(labels), np.concatenate(sizes), offsets, blob,
                   [_joined_field(pieces, fields.get(name)) for name, pieces in values.items()],
-                  warnings if warnings.any() else None, sorted(skipped, key=lambda s: s["source"]), tuple(parts))
+                  warnings if warnings.any() else None, sorted(skipped, key=lambda s: s["source"]), tuple(parts),
+                  np.concatenate(crcs))
 
 
 def _joined_field(pieces, vocabulary: Vocabulary | None) -> tuple[fmt.FieldEntry, np.ndarray]:
@@ -236,3 +239,9 @@ def write_index(root: Path, folder: str, joined: Joined) -> tuple[dict[str, fmt.
         return replace(entry, file=f"{folder}/{entry.file}") if folder else entry
     return ({k: moved(e) for k, e in index.items()}, tuple(moved(f) for f in fields),
             moved(warnings) if warnings else None, moved(skip_list))
+
+
+def write_checksums(root: Path, folder: str, joined: Joined) -> fmt.FileEntry:
+    """Write the joined records' CRC-32s (format 1.3) into `root`/`folder` (its name relative to `root`)."""
+    written = output.write_checksums(root / folder if folder else root, joined.checksums)
+    return replace(written, file=f"{folder}/{written.file}") if folder else written

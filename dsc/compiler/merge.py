@@ -58,11 +58,12 @@ def merge(inputs: list[str | os.PathLike], out: str | os.PathLike, force: bool =
             shards, how = combine.write_shards(stage, fmt.SHARD_DIR, 0, runs, per_shard, first.record_bytes)
             local.fsync_dir(stage / fmt.SHARD_DIR)
             index, fields, warnings, skip_list = combine.write_index(stage, "", joined)
+            checksums = combine.write_checksums(stage, "", joined)
             manifest = fmt.Manifest(height=first.height, width=first.width, count=len(joined.labels),
                                     records_per_shard=per_shard, classes=tuple(joined.classes), shards=tuple(shards),
                                     index=index, skipped=tuple(joined.skipped[:fmt.SKIPPED_IN_MANIFEST]),
                                     compile=first.compile, fields=fields, skipped_list=skip_list, warnings=warnings,
-                                    parts=joined.parts)
+                                    parts=joined.parts, checksums=checksums)
             output.write_manifest(stage, manifest)
             try:
                 storage.validate(stage)

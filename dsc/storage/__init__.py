@@ -20,11 +20,12 @@ from dsc.storage.store import (
     parse_manifest,
     read_skipped,
     read_warnings,
+    record_checksums,
     stored_and_skipped,
     validate,
     verify_checksums,
 )
 
 __all__ = ["DatasetStore", "OpenedDataset", "open_dataset", "validate", "parse_manifest", "read_skipped",
-           "read_warnings", "check_skip_list", "check_manifest_text",
+           "read_warnings", "record_checksums", "check_skip_list", "check_manifest_text",
            "dataset_versions", "files_of_versions", "stored_and_skipped", "is_dataset", "is_url", "verify_checksums"]

@@ -316,6 +316,21 @@ def read_skipped(root: Location, manifest: fmt.Manifest) -> list[dict[str, str]]
         return fmt.parse_skip_list(store.read(entry.file, entry.bytes + 1), entry, store.root)
 
 
+def record_checksums(dataset: OpenedDataset) -> np.ndarray:
+    """Each record's CRC-32: the dataset's checksums.bin (format 1.3), or computed from its mapped records
+    where it has none (what a writer that joins datasets needs for the joined one)."""
+    m, entry = dataset.manifest, dataset.manifest.checksums
+    if entry is None:
+        return np.fromiter((c for shard in dataset.shards for c in fmt.record_checksums(shard, m.record_bytes)),
+                           fmt.CHECKSUM_DTYPE, m.count)
+    with _opened(dataset.root) as store:
+        data = store.read(entry.file, entry.bytes + 1)
+    if len(data) != m.count * fmt.CHECKSUM_DTYPE.itemsize:
+        raise DatasetError(f"{str(dataset.root).rstrip('/')}/{entry.file}: file is {len(data)} bytes, the manifest "
+                           f"says {entry.bytes}; the dataset is damaged")
+    return np.frombuffer(data, fmt.CHECKSUM_DTYPE)
+
+
 def read_warnings(root: Location, manifest: fmt.Manifest) -> np.ndarray:
     """Each record's count of decoder warnings (format 1.2); zeros for a dataset without the file."""
     entry = manifest.warnings
