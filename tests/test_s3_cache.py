@@ -6,6 +6,7 @@ never touched, whole-shard units for a dataset without per-record checksums, a t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from pathlib import Path
@@ -78,18 +79,23 @@ def index_bytes(local: MemmapDataset) -> int:
     return len((Path(local.path) / fmt.MANIFEST_FILE).read_bytes()) + sum(e.bytes for e in files)
 
 
-def folder_bytes(folder: Path, foreign: set[Path] = frozenset()) -> int:
-    """The bytes of every file in the folder (what `du --apparent-size` adds up), besides `foreign` ones. The
-    cache works meanwhile: a file listed may be gone when it is measured (evicted), and a temporary renamed
-    into place while the folder is listed may be listed under both names, so each file (inode) counts once."""
-    sizes = {}
-    for path in folder.rglob("*"):
-        try:
-            st = path.lstat()
-        except FileNotFoundError:
-            continue
-        if path not in foreign and not path.is_dir():
-            sizes[st.st_ino] = st.st_size
+def folder_bytes(folder: Path, foreign: set[Path] = frozenset(), cache=None) -> int:
+    """The bytes of every file in the folder (what `du --apparent-size` adds up), besides `foreign` ones.
+
+    Listing a folder is no snapshot: while the cache works, a file may be listed and then let go while
+    another is placed in a folder listed later (both counted), or listed as a temporary and again under
+    the name it is renamed to. So the folder is measured holding the cache's lock (`cache`), under which
+    it lets nothing go (a fetch may still place a file it has already counted), and each file (inode)
+    counts once."""
+    with cache._lock if cache is not None else contextlib.nullcontext():
+        sizes = {}
+        for path in folder.rglob("*"):
+            try:
+                st = path.lstat()
+            except FileNotFoundError:
+                continue
+            if path not in foreign and not path.is_dir():
+                sizes[st.st_ino] = st.st_size
     return sum(sizes.values())
 
 
@@ -147,7 +153,7 @@ def test_a_small_cache_serves_the_local_batches_and_never_passes_its_limit(env: 
         got = []
         for batch in loader:
             got.append(tensors(batch))
-            largest = max(largest, folder_bytes(folder))
+            largest = max(largest, folder_bytes(folder, cache=remote.opened.records))
             assert largest <= budget
         same(got, [tensors(b) for b in reference])
     assert largest > budget - 50 * RECORD_BYTES  # it did fill up: the limit was what held it back
@@ -202,7 +208,7 @@ def test_files_it_did_not_create_are_never_touched(env: Path, url: str, local: M
     stamps = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in foreign}
     loader = remote.loader(BATCH, order="random", seed=2)
     for _ in loader:
-        assert folder_bytes(folder, set(foreign)) <= budget
+        assert folder_bytes(folder, set(foreign), remote.opened.records) <= budget
     assert loader.stats().cache_misses >= COUNT  # it fetched and evicted all along
     assert {p: p.read_bytes() for p in foreign} == foreign
     assert {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in foreign} == stamps
@@ -236,7 +242,7 @@ def test_a_1_2_dataset_is_cached_a_whole_checked_shard_at_a_time(server: S3Serve
         got = []
         for batch in remote.loader(4, order=order, seed=9, prefetch=1):
             got.append(tensors(batch))
-            assert folder_bytes(folder) <= budget
+            assert folder_bytes(folder, cache=remote.opened.records) <= budget
         same(got, [tensors(b) for b in local.loader(4, order=order, seed=9)])
     held = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*.bin") if "shards" in p.parts)
     assert 0 < len(held) <= 8 and not (folder / "records").exists()
