@@ -158,6 +158,11 @@ def litdata_prepare_npy(npy: str, out: str, workers: int) -> None:
 
 def litdata_read_s3(url: str, cache: str, workers: int, epochs: int) -> None:
     from litdata import StreamingDataLoader, StreamingDataset
+    from litdata.streaming import downloader
+
+    # LitData 0.2.76 fetches chunks with obstore, passing client options without allow_http, so a
+    # plain-http endpoint fails ("HTTP error: builder error"); the loopback endpoint needs it.
+    downloader._OBSTORE_CLIENT_OPTIONS["allow_http"] = True
 
     dataset = StreamingDataset(url, cache_dir=cache, shuffle=True, seed=SEED)
     loader = StreamingDataLoader(dataset, batch_size=BATCH, num_workers=workers)

@@ -195,9 +195,11 @@ def peer_rows(args, server: Server, local: Path, work: Path) -> dict[str, dict |
 def export_records(local: Path, path: Path) -> str:
     """The dataset's records and labels as .npy files, in index order: what the peers' writers store."""
     ds = MemmapDataset(local)
-    images = np.lib.format.open_memmap(path, mode="w+", dtype=np.uint8, shape=(len(ds), *ds[0]["image"].shape))
-    labels = np.zeros(len(ds), dtype=np.int64)
+    images, labels = None, np.zeros(len(ds), dtype=np.int64)
     for b in ds.loader(256, order="sequential"):
+        if images is None:
+            images = np.lib.format.open_memmap(path, mode="w+", dtype=np.uint8,
+                                               shape=(len(ds), *b["image"].shape[1:]))
         idx = b["index"].numpy()
         images[idx], labels[idx] = b["image"].numpy(), b["label"].numpy()
     images.flush()
