@@ -61,7 +61,7 @@ class Server:
         self.secret = os.environ.get("AWS_SECRET_ACCESS_KEY", "testing") if endpoint else "testing"
         self.region = os.environ.get("AWS_REGION", "us-east-1") if endpoint else "us-east-1"
         if endpoint:
-            self.endpoint, self.kind = check_loopback(endpoint), f"endpoint {endpoint}"
+            self.endpoint, self.kind = check_loopback(endpoint), "a given endpoint"
             return
         port = free_port()
         self.endpoint = f"http://{HOST}:{port}"
@@ -178,7 +178,11 @@ class CountingRelay:
                 client, _ = self.listener.accept()
             except OSError:
                 return
-            server = socket.create_connection(self.upstream, timeout=RELAY_IDLE_S)
+            try:
+                server = socket.create_connection(self.upstream, timeout=RELAY_IDLE_S)
+            except OSError:  # the server stopped: the client sees its connection closed
+                client.close()
+                continue
             client.settimeout(RELAY_IDLE_S)
             threading.Thread(target=self._pipe, args=(client, server, False), daemon=True).start()
             threading.Thread(target=self._pipe, args=(server, client, True), daemon=True).start()
