@@ -54,7 +54,6 @@ BUCKET = "bench"
 PIECE = 8 << 20
 ORDERS = ("sequential", "block", "random")
 SEED = 0
-PREFETCH = 2  # the loader's default: batches made ahead of the one served
 EPOCHS_PEERS = 3
 TARGETS = {"cold": 0.8, "warm": 0.9, "fetch": 1.05, "peer": 2.0}
 
@@ -136,12 +135,12 @@ def dsc_rows(url: str, local: Path, work: Path, batch: int, repeat: int, n: int)
     return rows
 
 
-def fetch_rows(server: Server, url: str, local: Path, work: Path, batch: int, record_bytes: int) -> list[tuple]:
-    """(cache, order, (bytes fetched in epochs 1, 2) or why not, Belady, Belady less what is pinned, LRU),
-    fetches counted by a relay. The plain Belady cache holds cache_bytes of records; the pinned one
-    also keeps the index (the dataset's other files) and the records of the batches in flight."""
+def fetch_rows(server: Server, url: str, local: Path, work: Path, batch: int, shard_bytes: int,
+               record_bytes: int) -> list[tuple]:
+    """(cache, order, (bytes fetched in epochs 1, 2) or why not, Belady, LRU), fetches counted by a relay.
+    The simulated caches hold cache_bytes of records; the batches in flight need no room of their own
+    there, as they are the records needed soonest, which Belady's cache keeps anyway."""
     bounded = "cache_bytes" in inspect.signature(MemmapDataset.__init__).parameters
-    shard_bytes, other_bytes = dataset_bytes(local)
     relay, rows = CountingRelay(server.endpoint), []
     os.environ["AWS_ENDPOINT_URL"] = relay.endpoint
     try:
@@ -152,26 +151,17 @@ def fetch_rows(server: Server, url: str, local: Path, work: Path, batch: int, re
             for share in (0.25, 0.5):
                 limit = int(share * shard_bytes)
                 capacity = limit // record_bytes
-                pinned = max(0, (limit - other_bytes) // record_bytes - (PREFETCH + 1) * batch)
                 best, recent = belady(reads, capacity, n) * record_bytes, lru(reads, capacity, n) * record_bytes
                 if best > recent or best < (n - capacity) * record_bytes:
                     raise RuntimeError(f"simulator out of bounds: Belady {best}, LRU {recent}, n {n}, C {capacity}")
                 fetched = (fetched_by_epoch(url, work, batch, order, relay, limit) if bounded
                            else "not supported by this checkout (MemmapDataset has no cache_bytes)")
-                rows.append((f"cache_bytes {share:.0%}", order, fetched, best,
-                             belady(reads, pinned, n) * record_bytes, recent))
-            rows.append(("default", order, fetched_by_epoch(url, work, batch, order, relay, None), None, None, None))
+                rows.append((f"cache_bytes {share:.0%}", order, fetched, best, recent))
+            rows.append(("default", order, fetched_by_epoch(url, work, batch, order, relay, None), None, None))
     finally:
         os.environ["AWS_ENDPOINT_URL"] = server.endpoint
         relay.close()
     return rows
-
-
-def dataset_bytes(local: Path) -> tuple[int, int]:
-    """Bytes of the shard files, and of the dataset's other files but its manifest."""
-    files = [p for p in local.rglob("*") if p.is_file() and p.name != "manifest.json"]
-    shards = sum(p.stat().st_size for p in files if p.parent.name == "shards")
-    return shards, sum(p.stat().st_size for p in files) - shards
 
 
 def fetched_by_epoch(url: str, work: Path, batch: int, order: str, relay: CountingRelay,
@@ -280,7 +270,7 @@ def report(args, server: Server, local: Path, work: Path) -> None:
     for order, r in rows.items():
         print(f"  {order:<11} {r['cold']:>9,.0f} {r['cold'] / raw:>8.2f}x {r['warm']:>10,.0f} {r['local']:>10,.0f} "
               f"{r['warm'] / r['local']:>10.2f}x")
-    fetches = fetch_rows(server, url, local, work, args.fetch_batch, record_bytes)
+    fetches = fetch_rows(server, url, local, work, args.fetch_batch, shard_bytes, record_bytes)
     print_fetches(fetches, shard_bytes, args.fetch_batch)
     peers = peer_rows(args, server, local, work) if args.peers else {}
     if peers:
@@ -298,19 +288,17 @@ def report(args, server: Server, local: Path, work: Path) -> None:
 
 def print_fetches(fetches: list[tuple], shard_bytes: int, batch: int) -> None:
     print(f"\nbytes the server sent (x the shards' {shard_bytes / 1e6:.1f} MB): open + epoch 1, then epoch 2, batch "
-          f"{batch}; caches simulated over the loader's own order of epochs 1-2: Belady (optimal), Belady* "
-          f"(the same less the index and the {PREFETCH + 1} batches in flight), LRU; default: no cache_bytes given")
-    print(f"  {'cache':<16} {'order':<7} {'epoch 1':>8} {'epoch 2':>8} {'Belady':>8} {'Belady*':>8} {'LRU':>8} "
-          f"{'epoch 2/Belady':>15} {'/Belady*':>9}")
-    for cache, order, fetched, best, pinned, recent in fetches:
-        sims = (f"{best / shard_bytes:>7.2f}x {pinned / shard_bytes:>7.2f}x {recent / shard_bytes:>7.2f}x"
-                if best is not None else f"{'':>26}")
+          f"{batch}; Belady (optimal) and LRU caches simulated over the loader's own order of epochs 1-2; default: "
+          "no cache_bytes given")
+    print(f"  {'cache':<16} {'order':<7} {'epoch 1':>8} {'epoch 2':>8} {'Belady':>8} {'LRU':>8} {'epoch 2/Belady':>15}")
+    for cache, order, fetched, best, recent in fetches:
+        sims = f"{best / shard_bytes:>7.2f}x {recent / shard_bytes:>7.2f}x" if best is not None else f"{'':>17}"
         if isinstance(fetched, str):
             print(f"  {cache:<16} {order:<7} {'-':>8} {'-':>8} {sims}  {fetched}")
             continue
-        ratios = f"{fetched[1] / best:>14.2f}x {fetched[1] / pinned:>8.2f}x" if best else ""
+        ratio = f"{fetched[1] / best:>14.2f}x" if best else ""
         print(f"  {cache:<16} {order:<7} {fetched[0] / shard_bytes:>7.2f}x {fetched[1] / shard_bytes:>7.2f}x "
-              f"{sims} {ratios}")
+              f"{sims} {ratio}")
 
 
 def targets(rows: dict, raw: float, fetches: list[tuple], peers: dict) -> None:
@@ -322,10 +310,9 @@ def targets(rows: dict, raw: float, fetches: list[tuple], peers: dict) -> None:
           f"{verdict(min(r['cold'] for r in rows.values()) / raw, TARGETS['cold'])}")
     print(f"  {'warm >= 0.9x local disk':<46} "
           f"{verdict(min(r['warm'] / r['local'] for r in rows.values()), TARGETS['warm'])}")
-    measured = [(f[1] / b, f[1] / p) for _, _, f, b, p, _ in fetches if b and not isinstance(f, str)]
-    for k, name in enumerate(("second-epoch fetches <= 1.05x Belady", "second-epoch fetches <= 1.05x Belady*")):
-        print(f"  {name:<46} " + (verdict(max(m[k] for m in measured), TARGETS["fetch"], most=True) if measured
-                                  else "not measured: no cache_bytes here"))
+    measured = [f[1] / b for _, _, f, b, _ in fetches if b and not isinstance(f, str)]
+    print(f"  {'second-epoch fetches <= 1.05x Belady':<46} "
+          + (verdict(max(measured), TARGETS["fetch"], most=True) if measured else "not measured: no cache_bytes here"))
     ran = [r for r in peers.values() if isinstance(r, dict)]
     if ran:
         worst = min(min(rows["random"]["cold"] / r["cold"], rows["random"]["warm"] / r["warm"]) for r in ran)
