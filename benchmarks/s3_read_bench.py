@@ -65,9 +65,10 @@ def build(work: Path, records: int, size: int, per_shard: int) -> Path:
     """A dataset of `records` records at size x size: dsc.testing's 32 pictures, linked as often as needed."""
     pictures = sorted(p for p in make_image_folder(work / "pictures", 4, 8, (size, size)).rglob("*") if p.is_file())
     for k in range(records):
-        link = work / "images" / pictures[k % 32].parent.name / f"{k:07d}{pictures[k % 32].suffix}"
+        picture = pictures[k % len(pictures)]
+        link = work / "images" / picture.parent.name / f"{k:07d}{picture.suffix}"
         link.parent.mkdir(parents=True, exist_ok=True)
-        link.symlink_to(pictures[k % 32])
+        link.symlink_to(picture)
     dsc.compile_folder(work / "images", work / "ds", size=size, records_per_shard=per_shard, workers=os.cpu_count())
     return work / "ds"
 
