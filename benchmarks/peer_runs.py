@@ -1,4 +1,5 @@
-"""One tool's side of `peer_bench.py`: prepare, read or resume with dsc, LitData or MosaicML Streaming.
+"""One tool's side of `peer_bench.py` and `s3_read_bench.py`: prepare, read or resume with dsc, LitData
+or MosaicML Streaming.
 
     python benchmarks/peer_runs.py TOOL ACTION ...   (TOOL: dsc | litdata | streaming)
 
@@ -7,7 +8,10 @@ their own (they never share one). Only this file's tool branch imports its tool.
 JSON object on stdout (read and resume), or nothing (prepare: peer_bench.py times the process).
 The peers store what dsc stores: the image as uint8 [S, S, 3] ("raw", decoded and fitted here
 the way dsc fits, centre crop, Pillow BILINEAR, EXIF applied) or the file's JPEG bytes ("jpeg"),
-with its label and its index (to check a resume).
+with its label and its index (to check a resume). For s3_read_bench.py the peers write given
+records instead (`prepare_npy`: a .npy of uint8 [N, S, S, 3] and one of labels, the records of a dsc
+dataset) and read them back from an S3 endpoint (`read_s3`: cold first epoch, then warm epochs; the
+endpoint from the environment, loopback only).
 """
 
 from __future__ import annotations
@@ -60,6 +64,28 @@ def epochs_rate(batches_of, epochs: int) -> tuple[float, int]:
         served += count
         per_epoch = count
     return served / (time.perf_counter() - start), per_epoch
+
+
+def cold_and_warm(batches_of, epochs: int) -> dict:
+    """Samples/s of the first epoch (cold: everything fetched) and over epochs 2..`epochs` (warm)."""
+    times, count = [], 0
+    for epoch in range(epochs):
+        start, count = time.perf_counter(), 0
+        for images, _ in batches_of(epoch):
+            count += len(images)
+        times.append(time.perf_counter() - start)
+    warm = count * (epochs - 1) / sum(times[1:]) if epochs > 1 else None
+    return {"cold": count / times[0], "warm": warm, "samples": count}
+
+
+def npy_records(npy: str) -> tuple[np.ndarray, np.ndarray]:
+    """The records (uint8 [N, S, S, 3], memory-mapped) and labels written beside them (NAME.labels.npy)."""
+    return np.load(npy, mmap_mode="r"), np.load(npy.replace(".npy", ".labels.npy"))
+
+
+def npy_sample(i: int, npy: str) -> dict:
+    images, labels = npy_records(npy)
+    return {"index": i, "image": np.ascontiguousarray(images[i]), "label": int(labels[i])}
 
 
 def resume_once(make_loader, stop_after: int) -> None:
@@ -123,6 +149,27 @@ def litdata_resume(out: str, workers: int, stop_after: int) -> None:
     resume_once(lambda: _litdata_loader(out, workers), stop_after)
 
 
+def litdata_prepare_npy(npy: str, out: str, workers: int) -> None:
+    from litdata import optimize
+
+    optimize(fn=partial(npy_sample, npy=npy), inputs=list(range(len(npy_records(npy)[1]))), output_dir=out,
+             num_workers=workers, chunk_bytes="64MB", verbose=False)
+
+
+def litdata_read_s3(url: str, cache: str, workers: int, epochs: int) -> None:
+    from litdata import StreamingDataLoader, StreamingDataset
+    from litdata.streaming import downloader
+
+    # LitData 0.2.76 fetches chunks with obstore, passing client options without allow_http, so a
+    # plain-http endpoint fails ("HTTP error: builder error"); the loopback endpoint needs it.
+    downloader._OBSTORE_CLIENT_OPTIONS["allow_http"] = True
+
+    dataset = StreamingDataset(url, cache_dir=cache, shuffle=True, seed=SEED)
+    loader = StreamingDataLoader(dataset, batch_size=BATCH, num_workers=workers)
+    report(**cold_and_warm(lambda epoch: ((b["image"], b["index"]) for b in loader), epochs),
+           settings=f"StreamingDataset(s3, shuffle=True), StreamingDataLoader(num_workers={workers})")
+
+
 # ----------------------------------------------------------------------------- MosaicML Streaming
 
 def _streaming_part(part: list, out: str, size: int, mode: str) -> None:
@@ -167,6 +214,41 @@ def streaming_read(out: str, workers: int, epochs: int) -> None:
 
 def streaming_resume(out: str, workers: int, stop_after: int) -> None:
     resume_once(lambda: _streaming_loader(out, workers), stop_after)
+
+
+def _streaming_npy_part(npy: str, indices: list, out: str) -> None:
+    from streaming import MDSWriter
+
+    images, _ = npy_records(npy)
+    image = "ndarray:uint8:" + ",".join(map(str, images.shape[1:]))
+    with MDSWriter(out=out, columns={"index": "int", "image": image, "label": "int"}, size_limit="64mb") as writer:
+        for i in indices:
+            writer.write(npy_sample(i, npy))
+
+
+def streaming_prepare_npy(npy: str, out: str, workers: int) -> None:
+    """As streaming_prepare: one MDSWriter process per part, then `merge_index`."""
+    from multiprocessing import get_context
+
+    from streaming.base.util import merge_index
+
+    count = len(npy_records(npy)[1])
+    with get_context("fork").Pool(workers) as pool:
+        pool.starmap(_streaming_npy_part, [(npy, list(range(k, count, workers)), os.path.join(out, f"part{k}"))
+                                           for k in range(workers)])
+    merge_index([os.path.join(out, f"part{k}", "index.json") for k in range(workers)], out, keep_local=True)
+
+
+def streaming_read_s3(url: str, cache: str, workers: int, epochs: int) -> None:
+    from streaming import StreamingDataLoader, StreamingDataset
+    from streaming.base.util import clean_stale_shared_memory
+
+    clean_stale_shared_memory()
+    dataset = StreamingDataset(remote=url, local=cache, shuffle=True, shuffle_seed=SEED, batch_size=BATCH)
+    loader = StreamingDataLoader(dataset, batch_size=BATCH, num_workers=workers, persistent_workers=workers > 0)
+    report(**cold_and_warm(lambda epoch: ((b["image"], b["index"]) for b in loader), epochs),
+           settings=f"StreamingDataset(remote=s3, shuffle=True, batch_size={BATCH}), "
+                    f"StreamingDataLoader(num_workers={workers}, persistent_workers=True)")
 
 
 def main() -> None:

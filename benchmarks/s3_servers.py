@@ -1,0 +1,209 @@
+"""Loopback S3 endpoints for `s3_read_bench.py`, and a byte-counting relay in front of one.
+
+- `ministack`: MiniStack's S3 (PyPI `ministack`, an ASGI app served by hypercorn), in a process of
+  its own from its own virtual environment under the benchmark's cache folder (MiniStack pins a
+  botocore that moto's does not match, so it never goes into dsc's environment). Fast enough to
+  measure a client: ~1-2.4 GB/s of ranged GETs on this 2-core machine.
+- `moto`: moto's server (`python -m moto.server`, dsc's test extra) in a process of its own; its
+  ranged GETs are server-bound (~70 MB/s), so it serves the tiny runs only.
+- an endpoint already running (e.g. radosgw from scripts/radosgw_s3_tests.sh), given by URL.
+
+Every address is 127.0.0.1 (or the loopback URL given); nothing else is ever contacted.
+`CountingRelay` forwards TCP connections to an endpoint and counts the bytes the server sent
+(answers, HTTP headers included): what a cache really fetched, measured outside the client.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from urllib.parse import urlsplit
+
+HOST = "127.0.0.1"
+MINISTACK = "ministack==1.5.33"
+START_S = 120  # a server that does not answer within this long is an error
+RELAY_CHUNK = 1 << 20
+RELAY_IDLE_S = 60
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def check_loopback(endpoint: str) -> str:
+    parts = urlsplit(endpoint)
+    try:
+        loopback = ipaddress.ip_address(parts.hostname or "").is_loopback
+    except ValueError:
+        loopback = False
+    if parts.scheme != "http" or not loopback or not parts.port:
+        raise SystemExit(f"--endpoint {endpoint}: only an http://127.0.0.1:PORT endpoint (loopback) is used")
+    return endpoint.rstrip("/")
+
+
+class Server:
+    """An S3 endpoint on loopback: `endpoint`, credentials, `env` for dsc and the peers; `stop()`."""
+
+    def __init__(self, kind: str, cache: Path, endpoint: str | None = None) -> None:
+        self.kind, self.proc = kind, None
+        self.key = os.environ.get("AWS_ACCESS_KEY_ID", "testing") if endpoint else "testing"
+        self.secret = os.environ.get("AWS_SECRET_ACCESS_KEY", "testing") if endpoint else "testing"
+        self.region = os.environ.get("AWS_REGION", "us-east-1") if endpoint else "us-east-1"
+        if endpoint:
+            self.endpoint, self.kind = check_loopback(endpoint), "a given endpoint"
+            return
+        port = free_port()
+        self.endpoint = f"http://{HOST}:{port}"
+        if kind == "moto":
+            argv, env = [sys.executable, "-m", "moto.server", "-H", HOST, "-p", str(port)], dict(os.environ)
+        else:
+            python = ministack_python(cache)
+            argv = [str(python), "-m", "hypercorn", "ministack.app:app", "--bind", f"{HOST}:{port}",
+                    "--log-level", "ERROR"]
+            env = {**os.environ, "BIND_HOST": HOST, "GATEWAY_PORT": str(port), "S3_PERSIST": "0",
+                   "LOG_LEVEL": "ERROR"}
+        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self._wait()
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": self.key,
+                "AWS_SECRET_ACCESS_KEY": self.secret, "AWS_REGION": self.region,
+                "S3_ENDPOINT_URL": self.endpoint}  # the last for MosaicML Streaming
+
+    def _wait(self) -> None:
+        deadline = time.monotonic() + START_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"{self.kind} exited at start: {self.proc.stderr.read().decode()[-500:]}")
+            try:
+                urllib.request.urlopen(self.endpoint + "/", timeout=2)
+                return
+            except urllib.error.HTTPError:
+                return  # any HTTP answer: it serves
+            except OSError:
+                time.sleep(0.2)
+        self.stop()
+        raise SystemExit(f"{self.kind} did not answer on {self.endpoint} within {START_S} s")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def client(self, bucket: str):
+        from obstore.store import S3Store
+
+        return S3Store(bucket, endpoint=self.endpoint, region=self.region, access_key_id=self.key,
+                       secret_access_key=self.secret, client_options={"allow_http": True})
+
+    def create_bucket(self, bucket: str) -> None:
+        """A server started here takes an unsigned CreateBucket; another endpoint gets a presigned one."""
+        url = f"{self.endpoint}/{bucket}"
+        if self.proc is None:
+            import obstore
+
+            url = obstore.sign(self.client(bucket), "PUT", "", datetime.timedelta(minutes=5))
+        try:
+            urllib.request.urlopen(urllib.request.Request(url, method="PUT"), timeout=30)
+        except urllib.error.HTTPError as e:
+            if e.code != 409:  # 409: it exists already (ours from an earlier run)
+                raise SystemExit(f"{self.kind}: could not create bucket {bucket}: HTTP {e.code}; "
+                                 "create it first") from e
+
+    def upload(self, folder: Path, bucket: str, prefix: str) -> str:
+        """Every file under `folder` to s3://bucket/prefix/..., a manifest or index last; the URL."""
+        import obstore
+
+        store = self.client(bucket)
+        files = sorted(p for p in folder.rglob("*") if p.is_file())
+        files.sort(key=lambda p: p.name in ("manifest.json", "index.json"))
+        for path in files:
+            obstore.put(store, f"{prefix}/{path.relative_to(folder).as_posix()}", path.read_bytes())
+        return f"s3://{bucket}/{prefix}"
+
+
+def ministack_python(cache: Path) -> Path:
+    """The python of MiniStack's own environment under `cache`, made on first use (pip, from PyPI)."""
+    python = cache / "ministack-venv" / "bin" / "python"
+    if not python.exists():
+        for step in ([sys.executable, "-m", "venv", str(python.parent.parent)],
+                     [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", MINISTACK]):
+            done = subprocess.run(step, capture_output=True, text=True)
+            if done.returncode:
+                raise SystemExit(f"installing {MINISTACK} into {python.parent.parent} failed: "
+                                 f"{(done.stderr.strip().splitlines() or ['?'])[-1]} (--server moto needs no install)")
+    return python
+
+
+class CountingRelay:
+    """A TCP relay on 127.0.0.1 to an upstream endpoint; `served` counts the bytes upstream sent."""
+
+    def __init__(self, upstream: str) -> None:
+        parts = urlsplit(upstream)
+        self.upstream = (parts.hostname, parts.port)
+        self.served, self._lock = 0, threading.Lock()
+        self.listener = socket.create_server((HOST, 0))
+        self.endpoint = f"http://{HOST}:{self.listener.getsockname()[1]}"
+        self._stop = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def reset(self) -> int:
+        with self._lock:
+            served, self.served = self.served, 0
+        return served
+
+    def close(self) -> None:
+        self._stop.set()
+        self.listener.close()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            try:
+                server = socket.create_connection(self.upstream, timeout=RELAY_IDLE_S)
+            except OSError:  # the server stopped: the client sees its connection closed
+                client.close()
+                continue
+            client.settimeout(RELAY_IDLE_S)
+            threading.Thread(target=self._pipe, args=(client, server, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, True), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, count: bool) -> None:
+        buf = bytearray(RELAY_CHUNK)
+        try:
+            while True:
+                n = src.recv_into(buf)
+                if not n:
+                    break
+                dst.sendall(memoryview(buf)[:n])
+                if count:
+                    with self._lock:
+                        self.served += n
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            src.close()
