@@ -104,13 +104,13 @@ class LocalFolder:
             return f.read(limit)
 
 
-def map_file(fd: int, dtype: np.dtype, shape: tuple[int, ...], mode: str = "r") -> np.ndarray:
-    """Map an open file as an array (the descriptor is closed: the map keeps the file); numpy
-    cannot map an empty file, so an empty shape gives an empty array."""
+def map_file(fd: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """Map an open file read-only (`PROT_READ`, `MAP_SHARED`) as an array (the descriptor is closed:
+    the map keeps the file); numpy cannot map an empty file, so an empty shape gives an empty array."""
     with os.fdopen(fd, "rb") as f:
         if 0 in shape:
             return np.zeros(shape, dtype)
-        return np.memmap(f, dtype=dtype, mode=mode, shape=shape)
+        return np.memmap(f, dtype=dtype, mode="r", shape=shape)
 
 
 def scan_values(fd: int, dtype: np.dtype, count: int, piece: int) -> Iterator[np.ndarray]:

@@ -155,21 +155,19 @@ def _validated(store: DatasetStore) -> fmt.Manifest:
     return manifest
 
 
-def open_dataset(root: Location, shard_mode: str = "r", cache_dir: str | os.PathLike | None = None) -> OpenedDataset:
+def open_dataset(root: Location, cache_dir: str | os.PathLike | None = None) -> OpenedDataset:
     """Validate a dataset, then map its files (no data is read yet).
 
-    Index files are mapped read-only; shards with `shard_mode`: "r" (read-only) or "c"
-    (copy-on-write: writable views whose writes never reach the file). Reading through one
+    Every file is mapped read-only and shared (`PROT_READ`, `MAP_SHARED`): such maps count against
+    no commit limit, so a shard larger than RAM + swap maps even under strict overcommit. Reading through one
     folder descriptor never mixes two datasets; if a recompile swaps a new folder in meanwhile,
     the old one's files vanish under it, and the folder now at `root` is opened instead.
     A URL's files are fetched into `cache_dir` first (see `store_for`).
     """
-    if shard_mode not in ("r", "c"):
-        raise ValueError(f"shard_mode must be 'r' or 'c', got {shard_mode!r}")
     for attempt in range(1, REOPEN_ATTEMPTS + 1):
         store = store_for(root, cache_dir)
         try:
-            return _map_dataset(store, shard_mode)
+            return _map_dataset(store)
         except DatasetError:
             if attempt == REOPEN_ATTEMPTS or not store.replaced():  # not swapped: a real error
                 raise
@@ -191,19 +189,19 @@ def parse_manifest(root: Location, cache_dir: str | os.PathLike | None = None) -
         return read_manifest(store)
 
 
-def _map_dataset(store: DatasetStore, shard_mode: str) -> OpenedDataset:
+def _map_dataset(store: DatasetStore) -> OpenedDataset:
     manifest = _validated(store)
     n, index = manifest.count, manifest.index
 
-    def mapped(name: str, dtype: np.dtype, shape: tuple[int, ...], mode: str = "r") -> np.ndarray:
-        return map_file(store.open(name, name), dtype, shape, mode)
+    def mapped(name: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        return map_file(store.open(name, name), dtype, shape)
 
     labels = mapped(index["labels"].file, fmt.LABEL_DTYPE, (n,))
     sizes = mapped(index["sizes"].file, fmt.SIZE_DTYPE, (n, 2))
     offsets = mapped(index["source_offsets"].file, fmt.OFFSET_DTYPE, (n + 1,))
     sources = mapped(index["sources"].file, np.dtype(np.uint8), (index["sources"].bytes,))
     fields = {f.name: mapped(f.file, f.dtype, (n, *f.shape)) for f in manifest.fields}
-    shards = tuple(mapped(s.file, fmt.RECORD_DTYPE, (s.records, *manifest.record_shape), shard_mode)
+    shards = tuple(mapped(s.file, fmt.RECORD_DTYPE, (s.records, *manifest.record_shape))
                    for s in manifest.shards)
     local = store.local_folder()
     return OpenedDataset(store.root, manifest, shards, labels, sizes, offsets, sources, fields,
