@@ -198,7 +198,8 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
         raise CompileError(f"unknown alpha {alpha!r}; choose one of {', '.join(fmt.ALPHA)}")
     record_bytes = target.height * target.width * fmt.CHANNELS
     per_shard = check_int("records_per_shard", max(1, SHARD_TARGET_BYTES // record_bytes)
-                          if records_per_shard is None else records_per_shard, 1, error=CompileError)
+                          if records_per_shard is None else records_per_shard, 1, fmt.MAX_RECORDS,
+                          error=CompileError)
     max_pixels = check_int("max_pixels", max_pixels, 1, error=CompileError)
     src, out = Path(src).absolute(), Path(out).absolute()
     _check_paths(src, out)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import errno
 import os
-import stat
 import warnings
 import zlib
 from pathlib import Path
@@ -26,6 +25,7 @@ from dsc.compiler.jobs import Chunk, SlotResult, WriteJob
 from dsc.compiler.resize import resize_into
 from dsc.compiler.target import Target, needed_size
 from dsc.errors import ImageError
+from dsc.files import RefusedFile, TooLarge, read_regular
 
 # Errors that belong to a source file itself, so it is skipped. Any other OSError (too many open
 # files, an I/O error) stops the compile instead, to be resumed: never a good image lost.
@@ -37,7 +37,12 @@ def compile_image(path: str, target: Target, out: np.ndarray, max_pixels: int,
                   decode_mode: str = "faithful", alpha: str = "black") -> tuple[int, int]:
     """Decode one file into `out`; return its upright (height, width) or raise ImageError."""
     try:
-        data = read_source(path, max_pixels)
+        data = read_regular(path, max_file_bytes(max_pixels))
+    except TooLarge as e:
+        raise ImageError(f"file is {e.size} bytes, more than any image within --max-pixels ({max_pixels}) can "
+                         "need; not read") from None
+    except RefusedFile as e:
+        raise ImageError(str(e)) from None
     except OSError as e:
         if e.errno not in SOURCE_ERRNOS:  # EMFILE, EIO, ENOMEM...: the machine's trouble, not the file's
             raise
@@ -54,40 +59,6 @@ def compile_image(path: str, target: Target, out: np.ndarray, max_pixels: int,
     except Exception as e:  # one odd file must not end a compile of millions; report it instead
         raise ImageError(f"cannot decode ({type(e).__name__}: {e})") from e
     return height, width
-
-
-def read_source(path: str, max_pixels: int) -> bytes:
-    """A source's bytes, read only from a regular file and only as many as `fstat` gave.
-
-    A FIFO is opened without waiting for a writer (O_NONBLOCK) and refused, as is a device (a
-    link to /dev/zero would be read forever); a file that grows while read (or claims a size it
-    does not hold, as /proc files do) or shrinks is refused rather than read without end or cut.
-    """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ImageError(f"not a regular file ({_file_kind(st.st_mode)}); not read")
-        if st.st_size > max_file_bytes(max_pixels):
-            raise ImageError(f"file is {st.st_size} bytes, more than any image within --max-pixels "
-                             f"({max_pixels}) can need; not read")
-        data, got = bytearray(st.st_size), 0
-        while got < st.st_size:
-            n = os.readv(fd, [memoryview(data)[got:]])
-            if n == 0:
-                raise ImageError(f"file shrank while read (stat said {st.st_size} bytes, it ended at {got})")
-            got += n
-        if os.read(fd, 1):
-            raise ImageError(f"file grew while read (stat said {st.st_size} bytes); not read")
-        return bytes(data)
-    finally:
-        os.close(fd)
-
-
-def _file_kind(mode: int) -> str:
-    kinds = {stat.S_ISFIFO: "a FIFO", stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device",
-             stat.S_ISSOCK: "a socket", stat.S_ISDIR: "a folder"}
-    return next((name for test, name in kinds.items() if test(mode)), "not a plain file")
 
 
 def max_file_bytes(max_pixels: int) -> int:

@@ -44,8 +44,10 @@ class LocalFolder:
             self.fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
         except FileNotFoundError as e:
             raise DatasetError(f"{root}: does not exist (expected a compiled dsc dataset)") from e
-        except OSError as e:
+        except NotADirectoryError as e:
             raise DatasetError(f"{root}: not a directory (expected a compiled dsc dataset)") from e
+        except OSError as e:  # a name too long, a folder that may not be read, a loop of links
+            raise DatasetError(f"{root}: cannot be opened: {e.strerror or e} (expected a compiled dsc dataset)") from e
 
     def close(self) -> None:
         os.close(self.fd)
