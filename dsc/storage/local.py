@@ -145,6 +145,14 @@ def _seek(fd: int, position: int, whence: str, size: int) -> int:
         return position if whence == "SEEK_DATA" else size
 
 
+def first_hole(fd: int) -> int | None:
+    """Where the open file's first hole (bytes never written: a sparse file) starts; None when it has none.
+    dsc never writes one, so a hole is damage, found in one `lseek` before hours of hashing zeros."""
+    size = os.fstat(fd).st_size
+    hole = _seek(fd, 0, "SEEK_HOLE", size)
+    return hole if hole < size else None
+
+
 def pread_exact(fd: int, n: int, offset: int) -> bytes:
     """Exactly `n` bytes at `offset`; a file that ends before is an error (it changed while read)."""
     data = b""

@@ -24,7 +24,7 @@ import numpy as np
 
 from dsc import format as fmt
 from dsc.errors import ChecksumError, DatasetError, StorageError
-from dsc.storage.local import LocalFolder, map_file, scan_values, sha256_fd
+from dsc.storage.local import LocalFolder, first_hole, map_file, scan_values, sha256_fd
 
 REOPEN_ATTEMPTS = 5  # opens of a folder that recompiles keep swapping, before giving up
 REOPEN_PAUSE_S = 0.01  # the pause before the next attempt grows by this much each time
@@ -284,14 +284,32 @@ def verify_checksums(root: Location, manifest: fmt.Manifest, progress: Callable[
     where missing), so a damaged one is named as the cached copy of its object."""
     with _opened(root, cache_dir) as store:
         sealed = fmt.seal_problem(store.read(fmt.MANIFEST_FILE, fmt.MAX_MANIFEST_BYTES + 1), manifest, store.root)
-        bad = [f"{_named(store, e.file)}: SHA-256 is {digest}, the manifest says {e.sha256}; the file is damaged"
-               for e in manifest.files
-               if (digest := sha256_fd(store.open(e.file, e.file), progress)) != e.sha256]
+        bad = _holes(store, manifest)
+        bad = bad or [f"{_named(store, e.file)}: SHA-256 is {digest}, the manifest says {e.sha256}; the file is "
+                      "damaged" for e in manifest.files
+                      if (digest := sha256_fd(store.open(e.file, e.file), progress)) != e.sha256]
     bad = ([sealed] if sealed else []) + bad
     if bad:
         error = ChecksumError("\n".join(bad))
         error.problems = bad
         raise error
+
+
+def _holes(store: DatasetStore, manifest: fmt.Manifest) -> list[str]:
+    """Every file of the dataset with a hole, said in words: checked before any is hashed, for hashing a
+    sparse file claiming terabytes would read zeros for hours."""
+    problems = []
+    for e in manifest.files:
+        fd = store.open(e.file, e.file)
+        try:
+            hole = first_hole(fd)
+        finally:
+            os.close(fd)
+        if hole is not None:
+            problems.append(f"{_named(store, e.file)}: a hole (bytes never written) at byte {hole:,} of {e.bytes:,}; "
+                            "dsc never writes sparse files, so the file is damaged (or was copied sparse, e.g. by "
+                            "cp --sparse=always or rsync -S: copy it again without)")
+    return problems
 
 
 def _named(store: DatasetStore, name: str) -> str:
