@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from dsc.compiler.decode import DEFAULT_MAX_PIXELS
 from dsc.compiler.engines import ENGINES, MAX_WORKERS
+from dsc.compiler.engines.supervisor import MAX_STALL_S
 from dsc.compiler.labels import parse_column_kinds
 from dsc.compiler.pipeline import compile_folder
 from dsc.compiler.publish import pending_publish, staging_path
@@ -127,6 +128,10 @@ def compile_command(
                                 "(with --force: one that was to replace the dataset at OUT)."),
     engine: str = typer.Option("local", "--engine", metavar="local|ray",
                                help="Where to decode: local (processes here) or ray."),
+    stall_seconds: float = typer.Option(None, "--stall-seconds", min=1, max=MAX_STALL_S, metavar="S",
+                                        help="A worker that finishes no image for S seconds is stopped and its "
+                                        "work retried by another; an image two workers stalled on is skipped "
+                                        "(local engine, 2+ workers) [default: 300]."),
     address: str = typer.Option(None, "--address", metavar="ADDRESS",
                                 help="Ray cluster address for --engine ray [default: start "
                                 "a local one]."),
@@ -165,6 +170,9 @@ def compile_command(
         raise typer.BadParameter(f"{alpha!r} is not one of {', '.join(ALPHA)}", param_hint="--alpha")
     if engine not in ENGINES:
         raise typer.BadParameter(f"{engine!r} is not one of {', '.join(ENGINES)}", param_hint="--engine")
+    if stall_seconds is not None and engine != "local":
+        raise typer.BadParameter("only with --engine local (Ray tasks have no stall limit yet)",
+                                 param_hint="--stall-seconds")
     if address is not None and engine != "ray":
         raise typer.BadParameter("only with --engine ray", param_hint="--address")
     if column and labels is None:
@@ -193,6 +201,7 @@ def compile_command(
             summary = compile_folder(src, out, size=size, fit=fit, seed=seed, shuffle=shuffle, workers=workers,
                                      strict=strict, force=force, records_per_shard=records_per_shard,
                                      max_pixels=max_pixels, resume=resume, engine=engine, address=address,
+                                     stall_seconds=stall_seconds,
                                      fast_decode=fast_decode, alpha=alpha, classes=vocabulary,
                                      skip_unknown_classes=skip_unknown_classes, labels=labels, columns=kinds or None,
                                      on_found=bar.advance, on_total=bar.total, progress=bar.advance,

@@ -28,6 +28,7 @@ from dsc.compiler import labels as labels_module
 from dsc.compiler.decode import DEFAULT_MAX_PIXELS, decoder_name
 from dsc.compiler.discover import Discovery, discover, printable
 from dsc.compiler.engines import check_workers, make_engine
+from dsc.compiler.engines.supervisor import MAX_STALL_S
 from dsc.compiler.finish import NothingDecoded, Unpublishable, check_shard_count, finish
 from dsc.compiler.jobs import Engine, SlotResult, WriteJob, chunk_size, split
 from dsc.compiler.target import INTERPOLATION, PAD_VALUE, Target, parse_size, resize_backend
@@ -164,7 +165,8 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
                    fit: str = "center-crop", seed: int = 0, shuffle: bool = True, workers: int | None = None,
                    strict: bool = False, force: bool = False, records_per_shard: int | None = None,
                    max_pixels: int = DEFAULT_MAX_PIXELS, resume: bool = False, engine: str = "local",
-                   address: str | None = None, fast_decode: bool = False, alpha: str = "black",
+                   address: str | None = None, stall_seconds: float | None = None, fast_decode: bool = False,
+                   alpha: str = "black",
                    classes: str | os.PathLike | Sequence[str] | None = None, skip_unknown_classes: bool = False,
                    labels: str | os.PathLike | None = None, columns: dict[str, str] | None = None,
                    on_found: Callable[[int], None] | None = None, on_total: Callable[[int], None] | None = None,
@@ -178,7 +180,9 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
     skipped source (default: a line on the "dsc" logger). Raises CompileError; OUT is then untouched.
     An interrupted compile leaves its partial build beside OUT; `resume=True` continues it.
     `engine="ray"` runs the decoding as Ray tasks on the cluster at `address` (or a local one);
-    the output is byte-identical to the local engine's. `fast_decode=True` lets JPEGs be scaled
+    the output is byte-identical to the local engine's. `stall_seconds` (local engine, several
+    workers; default 300): a worker that finishes no source for that long is stopped and its work
+    retried by another; a source two workers stalled on is skipped. `fast_decode=True` lets JPEGs be scaled
     down in the DCT domain to just the needed size: faster, visibly less faithful. `alpha`: what
     becomes of transparent pixels: "black" (composited onto black), "white" or "drop" (the stored RGB).
 
@@ -204,7 +208,12 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
     src, out = Path(src).absolute(), Path(out).absolute()
     _check_paths(src, out)
     on_skip = on_skip or _log_skip
-    with make_engine(engine, workers, address) as runner:  # its workers start now: their imports overlap discovery
+    if stall_seconds is not None and (isinstance(stall_seconds, bool) or not isinstance(stall_seconds, (int, float))
+                                      or not 1 <= stall_seconds <= MAX_STALL_S):
+        raise CompileError(f"stall_seconds must be a number of seconds from 1 to {MAX_STALL_S:g}, "
+                           f"got {stall_seconds!r}")
+    # the engine's workers start now: their imports overlap discovery
+    with make_engine(engine, workers, address, stall_seconds) as runner:
         found = _discover(src, out, classes, skip_unknown_classes, labels, columns, on_found)
         _report(found, src, strict, on_skip, on_total)
         recipe = WriteJob(str(src), "", 0, per_shard, target, max_pixels, "fast" if fast_decode else "faithful",

@@ -14,6 +14,7 @@ import errno
 import os
 import warnings
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -95,8 +96,9 @@ class SlotWriter:
             written = os.pwrite(self.files[shard], data, offset)
             data, offset = data[written:], offset + written
 
-    def write(self, tasks: Chunk) -> list[SlotResult]:
-        """Fill these slots (consecutive ones), closing the shard file after."""
+    def write(self, tasks: Chunk, on_result: Callable[[SlotResult], None] | None = None) -> list[SlotResult]:
+        """Fill these slots (consecutive ones), closing the shard file after; `on_result` hears of each
+        slot as it is done (a worker's sign of progress)."""
         results = []
         try:
             for slot, source in tasks:
@@ -112,6 +114,8 @@ class SlotWriter:
                                               warnings=len(notes)))
                 except ImageError as e:
                     results.append(SlotResult(slot, reason=str(e)))
+                if on_result is not None:
+                    on_result(results[-1])
         finally:
             self._close_files()
         return results

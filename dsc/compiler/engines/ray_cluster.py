@@ -28,7 +28,9 @@ IN_FLIGHT_PER_CPU = 2  # one running, one queued behind it: no CPU waits for the
 class RayEngine:
     """Tasks on the Ray cluster at `address`, or on a local one of `workers` CPUs."""
 
-    def __init__(self, workers: int, address: str | None = None) -> None:
+    def __init__(self, workers: int, address: str | None = None, stall_seconds: float | None = None) -> None:
+        if stall_seconds is not None:
+            raise CompileError("a stall limit is for the local engine; Ray tasks have none yet")
         check_address(address)  # before any partial build exists
         self.workers, self.address = workers, address
         self._ray, self._started = None, False
