@@ -221,7 +221,7 @@ def compile_command(
     if summary.ignored:
         typer.echo(f"note: {summary.ignored} image(s) in {src} are not listed in {labels} and were not compiled",
                    err=True)
-    for f in inspect_summary(out)["fields"] if summary.fields else []:
+    for f in inspect_summary(out, every_skip=False)["fields"] if summary.fields else []:
         typer.echo(f"field {f['name']}: {_describe_field(f)}", err=True)
     for name in summary.empty_classes:  # a vocabulary's class may have no folder at all (--classes, --classes-from)
         typer.echo(f"note: class folder {name!r} has no images (its label is kept)"
@@ -332,7 +332,7 @@ def info_command(
 ) -> None:
     """Summarise a dataset: records, shape, classes, skipped files, size, shards, compile options."""
     try:
-        s = inspect_summary(dataset)
+        s = inspect_summary(dataset, every_skip=as_json)  # the text shows SHOW_SKIPPED: no need to read them all
     except DscError as e:
         _fail_dataset(dataset, e)
     if as_json:
@@ -361,11 +361,11 @@ def info_command(
             typer.echo(f"  record {item['record']} {_clean(item['source'])}: {item['warnings']} warning(s)")
         if len(s["warned"]) > SHOW_SKIPPED:
             typer.echo(f"  ... and {len(s['warned']) - SHOW_SKIPPED} more (dsc info --json lists them all)")
-    typer.echo(f"{len(s['skipped'])} skipped" + (":" if s["skipped"] else ""))
+    typer.echo(f"{s['skipped_count']} skipped" + (":" if s["skipped"] else ""))
     for item in s["skipped"][:SHOW_SKIPPED]:
         typer.echo(f"  {_clean(item['source'])}: {_clean(item['reason'])}")
-    if len(s["skipped"]) > SHOW_SKIPPED:
-        typer.echo(f"  ... and {len(s['skipped']) - SHOW_SKIPPED} more (dsc info --json lists them all)")
+    if s["skipped_count"] > SHOW_SKIPPED:
+        typer.echo(f"  ... and {s['skipped_count'] - SHOW_SKIPPED} more (dsc info --json lists them all)")
 
 
 @app.command("verify")

@@ -139,7 +139,8 @@ def test_compile(places: dict[str, str], bounded_memory, data: st.DataObject) ->
              "--classes-from": _path(places, "ds", "fifo", "src", "missing"),
              "--skip-unknown-classes": st.none(),
              "--labels": _path(places, "file", "fifo", "dev", "missing", "ds"),
-             "--column": st.sampled_from(["label:none", "x:float", "label", ":", "a:b"])}
+             "--column": st.sampled_from(["label:none", "x:float", "label", ":", "a:b"]),
+             "--stall-seconds": st.sampled_from(["0", "inf", "nan", "-1", "1e9", "x", "5"])}
     options = data.draw(_options(table))
     work = tempfile.mkdtemp(dir=places["root"])
     try:

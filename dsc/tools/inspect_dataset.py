@@ -16,8 +16,10 @@ from dsc import format as fmt
 from dsc import storage
 
 
-def summary(path: str | os.PathLike) -> dict[str, Any]:
-    """Everything `dsc info` shows, as plain JSON-able values."""
+def summary(path: str | os.PathLike, every_skip: bool = True) -> dict[str, Any]:
+    """Everything `dsc info` shows, as plain JSON-able values. `every_skip=False` lists only the skipped
+    sources the manifest holds (the first SKIPPED_IN_MANIFEST), without reading the skip list file,
+    whose size grows with the skips; "skipped_count" counts them all either way."""
     d = storage.open_dataset(path)
     m = d.manifest
     counts = np.bincount(d.labels[d.labels >= 0], minlength=len(m.classes)) if m.classes else []
@@ -27,7 +29,8 @@ def summary(path: str | os.PathLike) -> dict[str, Any]:
         "record_shape": list(m.record_shape), "dtype": "uint8", "labeled": m.labeled,
         "classes": {name: int(n) for name, n in zip(m.classes, counts)},
         "unlabeled": int(np.count_nonzero(d.labels < 0)),  # label -1: every record of an unlabeled dataset
-        "skipped": storage.read_skipped(d.root, m),
+        "skipped": storage.read_skipped(d.root, m) if every_skip else [dict(s) for s in m.skipped],
+        "skipped_count": m.skipped_count,
         "warned": [{"record": int(i), "source": d.source(int(i)), "warnings": int(n)}
                    for i, n in zip(*_warned(storage.read_warnings(d.root, m)))],
         "shards": len(m.shards), "records_per_shard": m.records_per_shard,
