@@ -21,14 +21,15 @@ from dsc.errors import (
 from dsc.version import __version__
 
 _LAZY = {"compile_folder": "dsc.compiler.pipeline", "CompileSummary": "dsc.compiler.pipeline",
-         "MemmapDataset": "dsc.reader.dataset"}
+         "MemmapDataset": "dsc.reader.dataset", "class_balanced_weights": "dsc.reader.sampling"}
 
 if TYPE_CHECKING:
     from dsc.compiler.pipeline import CompileSummary, compile_folder
     from dsc.reader.dataset import MemmapDataset
+    from dsc.reader.sampling import class_balanced_weights
 
-__all__ = ["compile_folder", "CompileSummary", "MemmapDataset", "DscError", "DatasetError", "CompileError",
-           "ImageError", "LoaderError", "ChecksumError", "UnsupportedVersionError", "__version__"]
+__all__ = ["compile_folder", "CompileSummary", "MemmapDataset", "class_balanced_weights", "DscError", "DatasetError",
+           "CompileError", "ImageError", "LoaderError", "ChecksumError", "UnsupportedVersionError", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

@@ -28,6 +28,7 @@ from dsc.compiler.engines.supervisor import MAX_STALL_S
 from dsc.compiler.labels import parse_column_kinds
 from dsc.compiler.pipeline import compile_folder
 from dsc.compiler.publish import pending_publish, staging_path
+from dsc.compiler.sources import archive_sources
 from dsc.compiler.target import FITS, Target, parse_size
 from dsc.errors import CompileError, DscError
 from dsc.format import ALPHA, MANIFEST_FILE, MAX_RECORDS, minor_version
@@ -110,7 +111,9 @@ def _path(value: str) -> Path:
 @app.command("compile")
 def compile_command(
     src: Path = typer.Argument(..., metavar="SRC", parser=_path,
-                               help="Image folder: one sub-folder per class (or images directly)."),
+                               help="Image folder: one sub-folder per class (or images directly); or archives: "
+                               "WebDataset tar shards (a file, a folder, a glob or a {000..099} pattern), "
+                               "Parquet files (a file or a folder), a zip of an image folder."),
     out: Path = typer.Argument(..., metavar="OUT", parser=_path,
                                help="Dataset folder to create (built aside, then renamed into place)."),
     size: str = typer.Option("224", "--size", callback=_size_option, metavar="N|HxW",
@@ -162,6 +165,13 @@ def compile_command(
     column: list[str] = typer.Option(None, "--column", metavar="NAME:KIND",
                                      help="The kind of a --labels column: class, multilabel, float or int "
                                      "[default: inferred]; label:none for a table without labels. Repeatable."),
+    label_key: str = typer.Option(None, "--label-key", metavar="KEY",
+                                  help="Archives: the label's tar member (cls: an integer, txt: a class name, "
+                                  "json:FIELD) or Parquet column [default: .cls; the ClassLabel column, else "
+                                  "'label']."),
+    image_column: str = typer.Option(None, "--image-column", metavar="NAME",
+                                     help="Parquet: the column of the images (an Image struct or bytes) "
+                                     "[default: the Image feature, else the only such column]."),
 ) -> None:
     """Compile an image folder into a dsc dataset of fixed-shape uint8 records."""
     if fit not in FITS:
@@ -204,6 +214,7 @@ def compile_command(
                                      stall_seconds=stall_seconds,
                                      fast_decode=fast_decode, alpha=alpha, classes=vocabulary,
                                      skip_unknown_classes=skip_unknown_classes, labels=labels, columns=kinds or None,
+                                     label_key=label_key, image_column=image_column,
                                      on_found=bar.advance, on_total=bar.total, progress=bar.advance,
                                      on_skip=lambda source, reason: bar.write(f"skipped {_clean(source)}: "
                                                                               f"{_clean(reason)}"))
@@ -217,7 +228,9 @@ def compile_command(
     if summary.reused:
         typer.echo(f"note: resumed: {summary.reused} of {summary.built} sources were done already", err=True)
     if not summary.labeled and labels is None:
-        typer.echo(f"note: {src} has no class sub-folders, so the dataset is unlabeled (label -1)", err=True)
+        typer.echo(f"note: {src} has no class sub-folders, so the dataset is unlabeled (label -1)"
+                   if archive_sources(src) is None else
+                   f"note: the samples of {src} have no labels, so the dataset is unlabeled (label -1)", err=True)
     if summary.ignored:
         typer.echo(f"note: {summary.ignored} image(s) in {src} are not listed in {labels} and were not compiled",
                    err=True)
@@ -325,6 +338,92 @@ def _left_partial(dataset: Path) -> bool:
         return False
 
 
+def _versioned_command(run: Callable[[], object], dataset: Path) -> object:
+    """Run an append or a prune, reporting a refusal as one line (exit 1) and an interruption truly."""
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return run()
+    except DscError as e:
+        _fail(str(e))
+    except KeyboardInterrupt:
+        _fail(f"interrupted; {dataset} was left at its previous version (what was written before its commit is "
+              "cleared by the next append or prune)", code=130)
+
+
+@app.command("append")
+def append_command(
+    dataset: Path = typer.Argument(..., metavar="DATASET", parser=_path, help="A compiled dsc dataset folder."),
+    src: Path = typer.Argument(..., metavar="SRC", parser=_path, help="Image folder with the images to add."),
+    labels: Path = typer.Option(None, "--labels", metavar="TABLE",
+                                help="Labels and fields of the new images from a label table, as for compile."),
+    column: list[str] = typer.Option(None, "--column", metavar="NAME:KIND",
+                                     help="The kind of a --labels column [default: the dataset's]. Repeatable."),
+    new_classes: bool = typer.Option(False, "--new-classes",
+                                     help="Allow classes the dataset lacks (added at the end; existing indices "
+                                     "never change) [default: refuse them]."),
+    workers: int = typer.Option(None, "--workers", "-j", min=1, max=MAX_WORKERS, metavar="N",
+                                help="Worker processes [default: all cores]."),
+    strict: bool = typer.Option(False, "--strict", help="Fail on the first bad image instead of skipping it."),
+) -> None:
+    """Add the images of SRC to a dataset as its next version, decoding only SRC, with the dataset's options."""
+    from dsc.compiler.append import append
+
+    if column and labels is None:
+        raise typer.BadParameter("only with --labels (it gives a label table column its kind)", param_hint="--column")
+    try:
+        kinds = parse_column_kinds(column or [])
+    except DscError as e:
+        raise typer.BadParameter(str(e), param_hint="--column") from None
+    bar = _CompileProgress()
+    with _log_lines(lambda line: bar.write(f"warning: {_clean(line)}")):
+        s = _versioned_command(lambda: append(
+            dataset, src, labels=labels, columns=kinds or None, new_classes=new_classes, workers=workers,
+            strict=strict, on_total=bar.total, progress=bar.advance,
+            on_skip=lambda source, reason: bar.write(f"skipped {_clean(source)}: {_clean(reason)}")), dataset)
+    bar.close()
+    if s.new_classes:
+        typer.echo(f"note: new classes, added at the end: {_clean(', '.join(s.new_classes))}", err=True)
+    typer.echo(f"appended to {s.dataset}: version {s.version}, {_count(s.added, 'new record')} "
+               f"({s.count:,} in all), {s.skipped} skipped, {s.seconds:.1f} s")
+
+
+@app.command("merge")
+def merge_command(
+    datasets: list[Path] = typer.Argument(..., metavar="A B [C ...] OUT", parser=_path,
+                                          help="Datasets to join (their latest versions), then the dataset to create."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing dataset at OUT."),
+) -> None:
+    """Join datasets of one record shape into a new one without decoding: classes matched by name."""
+    from dsc.compiler.merge import merge
+
+    if len(datasets) < 3:
+        raise typer.BadParameter("give at least two datasets and the output", param_hint="A B [C ...] OUT")
+    *inputs, out = datasets
+    try:
+        s = merge(inputs, out, force=force)
+    except DscError as e:
+        _fail(str(e))
+    reused = sum(h != "copy" for h in s.shard_files)
+    typer.echo(f"wrote {s.out}: {_count(s.count, 'record')} from {len(inputs)} datasets, "
+               f"{_count(len(s.classes), 'class', 'classes')}, {len(s.shard_files)} shard(s) ({reused} reused by "
+               f"{'/'.join(sorted({h for h in s.shard_files if h != 'copy'})) or 'link'}, "
+               f"{len(s.shard_files) - reused} copied), {s.seconds:.1f} s")
+
+
+@app.command("prune")
+def prune_command(
+    dataset: Path = typer.Argument(..., metavar="DATASET", parser=_path, help="A compiled dsc dataset folder."),
+    keep: int = typer.Option(..., "--keep", min=1, metavar="N", help="How many of the newest versions to keep."),
+) -> None:
+    """Delete the old versions of a dataset and the files no kept version uses (only files dsc made)."""
+    from dsc.compiler.versions import prune
+
+    s = _versioned_command(lambda: prune(dataset, keep), dataset)
+    typer.echo(f"kept version(s) {s.kept[0]}" + (f" to {s.kept[-1]}" if len(s.kept) > 1 else "")
+               + f" of {dataset}; removed {_count(len(s.removed_versions), 'version')} and "
+               f"{_count(len(s.removed_files), 'file')} ({_human_bytes(s.bytes_freed)})")
+
+
 @app.command("info")
 def info_command(
     dataset: str = _dataset_argument(urls=True),
@@ -341,6 +440,10 @@ def info_command(
     h, w, c = s["record_shape"]
     typer.echo(f"{s['path']}: dsc format {s['format_version']}, {s['records']} records of {h}x{w}x{c} uint8, "
                f"{s['shards']} shard(s) of up to {s['records_per_shard']}, {_human_bytes(s['bytes_on_disk'])} on disk")
+    if s["versions"] != [1]:
+        typer.echo(f"version {s['version']} (kept: {', '.join(map(str, s['versions']))}); records from "
+                   + _clean("; ".join(f"{p['first']}-{p['first'] + p['count'] - 1}: {p['source_root']}"
+                                      for p in s["parts"])))
     if s["labeled"]:
         shown = list(s["classes"].items())[:SHOW_CLASSES]
         more = len(s["classes"]) - len(shown)
@@ -374,10 +477,12 @@ def verify_command(
     decode: int = typer.Option(0, "--decode", min=0, metavar="N",
                                help="Also re-decode N random records from their source files and compare."),
     seed: int = typer.Option(0, "--seed", min=0, metavar="N", help="Seed of the records --decode picks."),
+    version: int = typer.Option(None, "--version", min=1, metavar="N",
+                                help="Which version of a dataset grown by dsc append [default: the latest]."),
 ) -> None:
     """Check a dataset: the manifest, every file size and checksum, and optionally records against sources."""
     try:
-        opened = open_dataset(dataset)
+        opened = open_dataset(dataset, version=version)
         manifest = opened.manifest
         total = sum(e.bytes for e in manifest.files)
         with tqdm(total=total, unit="B", unit_scale=True, desc="checksums", disable=None, file=sys.stderr) as bar:
@@ -387,7 +492,8 @@ def verify_command(
         _fail_dataset(dataset, e)
     fields = f", {len(manifest.fields)} field file(s)" if manifest.fields else ""
     unsealed = "" if minor_version(manifest.version) >= 2 else f" (format {manifest.version}: no checksum of its own)"
-    typer.echo(f"ok: manifest{unsealed}, {len(manifest.shards)} shard(s){fields} and index files match "
+    which = f" of version {manifest.dataset_version}" if manifest.dataset_version > 1 or version else ""
+    typer.echo(f"ok: manifest{which}{unsealed}, {len(manifest.shards)} shard(s){fields} and index files match "
                f"({_human_bytes(total)}); the skip list names no stored source")
     if decode:
         from dsc.tools.recheck import check_against_sources  # the decoders and torch: only for --decode

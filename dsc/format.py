@@ -1,4 +1,4 @@
-"""The dsc dataset format, version 1.2: the only module that knows the on-disk layout.
+"""The dsc dataset format, version 1.3: the only module that knows the on-disk layout.
 
 The contract is ``formats.md`` at the repository root; this module uses the same
 names for the same things. In short::
@@ -13,6 +13,14 @@ names for the same things. In short::
       skipped.jsonl         (1.1) every skipped source; the manifest keeps only the first ones
       fields/NAME.bin       (1.1) one typed per-record value per field: [count, *shape], little-endian
       warnings.bin          (1.2, only when a record has one) uint16 LE [count] decoder warnings per record
+      versions/00000002.json (1.3) the manifest of version 2 (an append), committed create-only
+      appends/<16 hex>/...  (1.3) the files an append wrote (its shards, a new index), named by its versions
+
+Versions (1.3): version 1 is the compile; `dsc append` commits version N+1 by creating
+`versions/NNNNNNNN.json` (never replacing one), which lists every file of that version. Files
+are never rewritten, so a reader that opened version N keeps reading exactly N; the latest
+version is the highest-numbered manifest in `versions/`, else `manifest.json` (which dsc also
+refreshes to a copy of the latest, for readers that do not know versions).
 
 The manifest (formats.md, "manifest.json") names every other file with its size and SHA-256,
 and (1.2) carries its own SHA-256, taken with that value as 64 '0's (`sealed`, `seal_problem`);
@@ -41,7 +49,7 @@ import numpy as np
 from dsc.errors import DatasetError, UnsupportedVersionError
 
 FORMAT_NAME = "dsc"
-FORMAT_VERSION = "1.2"  # MAJOR.MINOR: a reader refuses another MAJOR; MINOR only adds keys.
+FORMAT_VERSION = "1.3"  # MAJOR.MINOR: a reader refuses another MAJOR; MINOR only adds keys.
 MANIFEST_FILE = "manifest.json"
 SHARD_DIR = "shards"
 LABELS_FILE = "labels.bin"
@@ -57,6 +65,11 @@ INDEX_FILES = {"labels": LABELS_FILE, "sizes": SIZES_FILE,
                "source_offsets": SOURCE_OFFSETS_FILE, "sources": SOURCES_FILE}
 
 FIELD_DIR = "fields"
+VERSIONS_DIR = "versions"  # 1.3: versions/NNNNNNNN.json, version N's manifest (N >= 1)
+VERSION_DIGITS = 8
+MAX_DATASET_VERSION = 10 ** VERSION_DIGITS - 1
+APPENDS_DIR = "appends"  # 1.3: appends/<APPEND_TAG_HEX hex digits>/<a dataset file name>: an append's files
+APPEND_TAG_HEX = 16
 
 CHANNELS = 3  # records are RGB
 RECORD_DTYPE = np.dtype(np.uint8)
@@ -148,6 +161,16 @@ class SkipListEntry(FileEntry):
 
 
 @dataclass(frozen=True)
+class Part:
+    """(1.3) Records [first, first + count) and the `compile` options that made them: an appended
+    or merged dataset's records come from several compiles (formats.md, "Versions")."""
+
+    first: int
+    count: int
+    compile: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class Manifest:
     """Everything `manifest.json` says (see formats.md, "manifest.json")."""
 
@@ -164,6 +187,13 @@ class Manifest:
     version: str = FORMAT_VERSION
     skipped_list: SkipListEntry | None = None
     warnings: FileEntry | None = None  # 1.2: present only when some record had decoder warnings
+    dataset_version: int = 1  # 1.3: which version of the dataset this manifest describes
+    parts: tuple[Part, ...] = ()  # 1.3: how each run of records was made; () = one part, `compile`
+
+    @property
+    def record_parts(self) -> tuple[Part, ...]:
+        """Each run of records with the compile options that made it (one part unless appended or merged)."""
+        return self.parts or (Part(0, self.count, self.compile),)
 
     @property
     def skipped_count(self) -> int:
@@ -211,6 +241,10 @@ class Manifest:
             doc["skipped_list"] = asdict(self.skipped_list)
         if self.warnings is not None:
             doc["warnings"] = asdict(self.warnings)
+        if self.dataset_version != 1:
+            doc["dataset_version"] = self.dataset_version
+        if self.parts:
+            doc["parts"] = [asdict(p) for p in self.parts]
         if minor_version(self.version) >= 2:
             doc[SEAL_KEY] = _SEAL_PLACEHOLDER
             return sealed(json.dumps(doc, indent=1, ensure_ascii=True) + "\n")
@@ -249,6 +283,29 @@ def seal_problem(text: bytes, manifest: Manifest, root: Any) -> str | None:
 def shard_file(shard: int) -> str:
     """The relative path the writer gives shard number `shard`."""
     return f"{SHARD_DIR}/{shard:05d}.bin"
+
+
+def version_file(version: int) -> str:
+    """(1.3) The relative path of version `version`'s manifest."""
+    return f"{VERSIONS_DIR}/{version:0{VERSION_DIGITS}d}.json"
+
+
+def version_of(name: str) -> int | None:
+    """(1.3) The version number a file name of `versions/` gives (`00000002.json` -> 2), or None
+    when the name is not one dsc gives a version's manifest (a temporary, a user's file)."""
+    stem = name.removesuffix(".json")
+    if len(stem) != VERSION_DIGITS or not stem.isdigit() or not stem.isascii() or name == stem:
+        return None
+    return int(stem) if int(stem) >= 1 else None
+
+
+def append_folder(tag: str) -> str:
+    """(1.3) The folder an append writes its files in: `appends/<tag>`, `tag` APPEND_TAG_HEX hex digits."""
+    return f"{APPENDS_DIR}/{tag}"
+
+
+def _is_append_tag(tag: str) -> bool:
+    return len(tag) == APPEND_TAG_HEX and all(c in "0123456789abcdef" for c in tag)
 
 
 def shard_count(count: int, records_per_shard: int) -> int:
@@ -303,10 +360,26 @@ def encode_sources(sources: list[str]) -> tuple[np.ndarray, bytes]:
 
 def index_payloads(labels: np.ndarray, sizes: np.ndarray, sources: list[str]) -> dict[str, tuple[str, bytes]]:
     """The index files' (file name, bytes), keyed as the manifest's "index"."""
-    offsets, blob = encode_sources(sources)
+    return encoded_index_payloads(labels, sizes, *encode_sources(sources))
+
+
+def joined_sources(pieces: Iterable[tuple[np.ndarray, bytes]]) -> tuple[np.ndarray, bytes]:
+    """(offsets, bytes) of several runs of records' source paths, one after the other, each given as
+    its own (offsets [n + 1] from 0, bytes): what an append or a merge writes without decoding a name."""
+    offsets, blobs, end = [np.zeros(1, OFFSET_DTYPE)], [], 0
+    for piece_offsets, blob in pieces:
+        offsets.append(np.asarray(piece_offsets[1:], OFFSET_DTYPE) + np.uint64(end))
+        blobs.append(bytes(blob))
+        end += len(blob)
+    return np.concatenate(offsets), b"".join(blobs)
+
+
+def encoded_index_payloads(labels: np.ndarray, sizes: np.ndarray, offsets: np.ndarray,
+                           blob: bytes) -> dict[str, tuple[str, bytes]]:
+    """`index_payloads` of source paths already encoded (`encode_sources`, `joined_sources`)."""
     payloads = {"labels": np.ascontiguousarray(labels, LABEL_DTYPE).tobytes(),
                 "sizes": np.ascontiguousarray(sizes, SIZE_DTYPE).tobytes(),
-                "source_offsets": offsets.tobytes(), "sources": blob}
+                "source_offsets": np.ascontiguousarray(offsets, OFFSET_DTYPE).tobytes(), "sources": blob}
     return {key: (INDEX_FILES[key], payload) for key, payload in payloads.items()}
 
 
@@ -371,8 +444,11 @@ _MANIFEST_KEYS_1_0 = {"format", "version", "record", "count", "records_per_shard
                       "shards", "index", "skipped", "compile"}
 _MANIFEST_KEYS = {0: _MANIFEST_KEYS_1_0, 1: _MANIFEST_KEYS_1_0 | {"fields"},  # required, by MINOR version
                   2: _MANIFEST_KEYS_1_0 | {"fields", SEAL_KEY}}
+_MANIFEST_KEYS[3] = _MANIFEST_KEYS[2]
 _OPTIONAL_KEYS = {0: frozenset(), 1: frozenset({"skipped_list"}),  # optional, by MINOR version
-                  2: frozenset({"skipped_list", "warnings"})}
+                  2: frozenset({"skipped_list", "warnings"}),
+                  3: frozenset({"skipped_list", "warnings", "dataset_version", "parts"})}
+_PART_KEYS = {"first", "count", "compile"}
 _RECORD_KEYS = {"shape", "dtype", "layout", "color", "bytes"}
 _FILE_KEYS = {"file", "bytes", "sha256"}
 _FIELD_KEYS = _FILE_KEYS | {"name", "kind", "dtype", "shape", "classes"}
@@ -463,10 +539,24 @@ def is_dataset_file_name(name: str) -> bool:
     if name in (MANIFEST_FILE, SKIP_LIST_FILE, WARNINGS_FILE, *INDEX_FILES.values()):
         return True
     folder, _, base = name.partition("/")
+    if folder == VERSIONS_DIR:
+        return version_of(base) is not None
+    if folder == APPENDS_DIR:  # an append's own files: appends/<tag>/<what a build holds, but a manifest>
+        tag, _, rest = base.partition("/")
+        return _is_append_tag(tag) and rest != MANIFEST_FILE and is_dataset_file_name(rest)
     stem = base.removesuffix(".bin")
     if folder == SHARD_DIR:
         return stem.isdigit() and shard_file(int(stem)) == name
     return folder == FIELD_DIR and field_name_problem(stem) is None and field_file(stem) == name
+
+
+def is_dataset_folder_name(path: str) -> bool:
+    """Whether dsc gives a dataset's folder this '/'-path: `shards`, `fields`, (1.3) `versions`, `appends`,
+    an append's `appends/<tag>` and the `shards` and `fields` inside it."""
+    parts = path.split("/")
+    if parts[0] == APPENDS_DIR and len(parts) > 1:
+        return _is_append_tag(parts[1]) and len(parts) <= 3 and (len(parts) == 2 or parts[2] in (SHARD_DIR, FIELD_DIR))
+    return path in (SHARD_DIR, FIELD_DIR, VERSIONS_DIR, APPENDS_DIR)
 
 
 def listed_files(text: bytes) -> set[str]:
@@ -612,7 +702,27 @@ def parse_manifest(text: bytes, root: Any, size_of: SizeOf) -> Manifest:
                     skipped=tuple({"source": s["source"], "reason": s["reason"]} for s in skipped),
                     compile=_expect(root, doc, "compile", dict), fields=fields,
                     version=doc["version"], skipped_list=_skip_list_entry(stored, doc, newer),
-                    warnings=_warnings_entry(stored, doc, count, newer))
+                    warnings=_warnings_entry(stored, doc, count, newer),
+                    dataset_version=_expect_int(root, doc, "dataset_version", 1, MAX_DATASET_VERSION)
+                    if "dataset_version" in doc else 1,
+                    parts=_parse_parts(root, doc.get("parts", []), count, newer))
+
+
+def _parse_parts(root: Any, parts_doc: Any, count: int, newer: bool) -> tuple[Part, ...]:
+    """The 1.3 "parts": runs of records, in order, that together cover [0, count) exactly."""
+    if not isinstance(parts_doc, list):
+        raise _fail(root, f"'parts' must be list, found {type(parts_doc).__name__}")
+    parts, first = [], 0
+    for i, entry in enumerate(parts_doc):
+        where = f"parts[{i}]: "
+        _expect_keys(root, entry, _PART_KEYS, where, newer)
+        if _expect_int(root, entry, "first", 0, 1 << 40, where) != first:
+            raise _fail(root, f"{where}'first' = {entry['first']}, expected {first} (parts follow each other)")
+        first += _expect_int(root, entry, "count", 1, 1 << 40, where)
+        parts.append(Part(entry["first"], entry["count"], _expect(root, entry, "compile", dict, where)))
+    if parts and first != count:
+        raise _fail(root, f"'parts' cover {first} records, the dataset has {count}")
+    return tuple(parts)
 
 
 def _warnings_entry(stored: _Stored, doc: dict, count: int, newer: bool) -> FileEntry | None:

@@ -152,6 +152,36 @@ def test_compile(places: dict[str, str], bounded_memory, data: st.DataObject) ->
         shutil.rmtree(places["ds"] + "-copy", ignore_errors=True)
 
 
+@pytest.mark.timeout(600)
+@settings(FUZZ)
+@given(data=st.data())
+def test_append_merge_prune(places: dict[str, str], bounded_memory, data: st.DataObject) -> None:
+    """On copies of the tiny dataset: these commands write into their DATASET (or create OUT)."""
+    work = tempfile.mkdtemp(dir=places["root"])
+    copy = os.path.join(work, "ds")
+    shutil.copytree(places["ds"], copy)
+    def target() -> st.SearchStrategy[str]:
+        return st.one_of(st.just(copy), _path(places, "fifo", "file", "missing", "longer", "src"))
+    command = data.draw(st.sampled_from(["append", "merge", "prune"]))
+    if command == "append":
+        args = ["append", data.draw(target()), data.draw(_path(places, "src", "src", "fifo", "missing", "ds")),
+                *data.draw(_options({"--labels": _path(places, "file", "fifo", "dev", "missing"),
+                                     "--column": st.sampled_from(["label:none", "x:float", ":"]),
+                                     "--new-classes": st.none(), "--strict": st.none(),
+                                     "--workers": st.sampled_from(["1", "0", str(10**6), "x"])}))]
+        args += [] if "--workers" in args else ["-j", "1"]
+    elif command == "merge":
+        args = ["merge", data.draw(target()), data.draw(target()),
+                os.path.join(work, data.draw(st.one_of(st.sampled_from(["out", LONG_NAME]), TEXT))),
+                *data.draw(_options({"--force": st.none()}))]
+    else:
+        args = ["prune", data.draw(target()), "--keep", data.draw(COUNTS)]
+    try:
+        _check(args)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["bench", "{ds}", "--seconds", "inf"], "Invalid value for '--seconds'"),
     (["bench", "{ds}", "--batch-size", "100000000"], "Invalid value for --batch-size: batches of 100,000,000"),

@@ -58,7 +58,7 @@ GOLDEN = {
     "fields/box.bin": "10fdafd06acfb09568faa775cb9d6cd3eecb7bfaa125203ea1abaafe0cb46a0a",
     "fields/tags.bin": "3d8948cc9de9c6b7d11fc57d32d1dd6e14a8728c218628fefe407ac23cf19869",
     "labels.bin": "e767c3048cadc9f414dfb85f7706ab1f32ecc03c54f37168b4f708590881ae72",
-    "manifest.json": "cc701e24f860ea2f1be8af9834791c91441c07040926da91c1990577bd3c151a",
+    "manifest.json": "c997ef55c57bc07924c8e62c6b9dea789a3d74e26dfcc93f3e09ecf30a05a653",
     "shards/00000.bin": "5d7e2d9b1dcbc85e7c890036a2cf2f9fe7b66554f2df08cec6aa9c0a25c99c21",
     "shards/00001.bin": "b6bda3532894fe14e260b28b68309d9947fee600de07ed4353412be70dc13b21",
     "shards/00002.bin": "c24577e1b2548f2402de01e22fc3465503b21a5cf00b6b1b76525776b206d81a",

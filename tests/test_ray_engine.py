@@ -17,6 +17,7 @@ from dsc import CompileError, compile_folder, storage
 from dsc.cli import app
 from dsc.compiler.jobs import MAX_CHUNK
 
+from archives import write_parquet, write_tar_shards, write_zip
 from conftest import make_folder, pattern, save
 
 
@@ -40,6 +41,18 @@ def test_ray_output_is_byte_identical_to_the_local_engine(tmp_path: Path) -> Non
     summary = compile_folder(src, tmp_path / "ray", engine="ray", **quiet)
     assert summary.kept == 18 and summary.shards == 5 and len(summary.skipped) == 1
     assert file_bytes(tmp_path / "ray") == file_bytes(tmp_path / "local")
+
+
+def test_ray_compiles_archives_to_the_local_engines_bytes(tmp_path: Path) -> None:
+    """Archive chunks (a run of tar or zip members, a Parquet row group) travel to Ray tasks as they are."""
+    src = make_folder(tmp_path / "src", classes=3, per_class=6)
+    quiet = {"on_skip": lambda s, r: None, "size": (20, 24), "records_per_shard": 4}
+    for archive in (write_tar_shards(src, tmp_path / "shards", per_shard=5), write_zip(src, tmp_path / "src.zip"),
+                    write_parquet(src, tmp_path / "src.parquet", rows_per_group=4)):
+        name = Path(archive).suffix
+        compile_folder(archive, tmp_path / f"local{name}", workers=2, **quiet)
+        summary = compile_folder(archive, tmp_path / f"ray{name}", engine="ray", **quiet)
+        assert summary.kept == 18 and file_bytes(tmp_path / f"ray{name}") == file_bytes(tmp_path / f"local{name}")
 
 
 def test_ray_splits_one_shard_into_many_bounded_tasks_with_identical_bytes(tmp_path: Path) -> None:

@@ -20,6 +20,8 @@ SHOWN = re.compile(r"`(python (?:benchmarks|examples)/[^`]+)`")
 TINY = {
     "benchmarks/corpus.py": ["--images", "24", "--classes", "3"],
     "benchmarks/compile_bench.py": ["--size", "32", "--limit", "12"],
+    "benchmarks/archive_sources.py": ["--size", "16", "--limit", "12", "--workers", "1", "--out-dir", "{tmp}"],
+    "benchmarks/append_bench.py": ["--size", "16", "--limit", "20", "--new", "0.2", "0.5", "--workers", "1"],
     "benchmarks/read_bench.py": ["--copies", "1", "--batch", "8", "--repeat", "1", "--out", "{tmp}/read_ds"],
     "benchmarks/decode_fidelity.py": ["--sizes", "32", "--limit", "3"],
     "benchmarks/transforms_bench.py": ["--batch", "2", "--record", "32", "--repeat", "1"],
@@ -32,6 +34,7 @@ TINY = {
     "benchmarks/reader_ab.py": ["--rounds", "1", "--epochs", "2", "--batch", "4"],
     "benchmarks/cooccurrence_bench.py": ["--batch", "4", "--epochs", "2", "--cold-repeat", "1", "--warm-repeat", "1",
                                          "--settings", "random", "block:4/2", "block", "--cost-repeat", "1"],
+    "benchmarks/sampling_cost.py": ["--batch", "4", "--repeat", "1"],
     "benchmarks/partner_rates.py": ["--records", "300", "--records-per-shard", "100", "--batch", "16", "--epochs", "2"],
     "benchmarks/peer_bench.py": ["--images", "12", "--size", "32", "--epochs", "2", "--repeat", "1", "--peers"],
     "examples/train.py": ["--steps", "2", "--data", "{tmp}/train_ds"],

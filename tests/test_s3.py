@@ -298,3 +298,18 @@ def test_a_local_dataset_never_imports_the_s3_client(local: MemmapDataset) -> No
             "print(r.exit_code, sorted(m for m in sys.modules if m.startswith(('obstore', 'dsc.storage.s3'))))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.split("\n")[-2] == "0 []", done.stderr
+
+
+def test_a_grown_dataset_uploaded_reads_as_its_latest_version(server: S3Server, env: Path, tmp_path: Path) -> None:
+    """An appended dataset (format 1.3) in a bucket: its `manifest.json`, the copy of the latest version, names
+    the appended files too, so a store that does not list `versions/` serves the latest records."""
+    from dsc.compiler.append import append
+    from dsc.testing import make_image_folder
+
+    grown = tiny_dataset(tmp_path / "grown", seed=6, records_per_shard=5)
+    make_image_folder(tmp_path / "more", classes=3, per_class=2, size=(24, 32), seed=8)
+    append(grown.path, tmp_path / "more", workers=1)
+    latest = MemmapDataset(grown.path)
+    ds = MemmapDataset(server.upload(grown.path, BUCKET, "sets/grown"))
+    assert (ds.version, len(ds), latest.version, len(latest)) == (2, 30, 2, 30)
+    assert all(torch.equal(ds[i].image, latest[i].image) and ds[i].label == latest[i].label for i in range(30))

@@ -65,8 +65,12 @@ def _write(root: Path, name: str, payload: bytes) -> fmt.FileEntry:
 
 def write_index(root: Path, labels: np.ndarray, sizes: np.ndarray, sources: list[str]) -> dict[str, fmt.FileEntry]:
     """Write the per-record index files and return their manifest entries."""
-    return {key: _write(root, name, payload)
-            for key, (name, payload) in fmt.index_payloads(labels, sizes, sources).items()}
+    return write_index_payloads(root, fmt.index_payloads(labels, sizes, sources))
+
+
+def write_index_payloads(root: Path, payloads: dict[str, tuple[str, bytes]]) -> dict[str, fmt.FileEntry]:
+    """Write index files made by `format` ({key: (file name, bytes)}) and return their manifest entries."""
+    return {key: _write(root, name, payload) for key, (name, payload) in payloads.items()}
 
 
 def write_fields(root: Path, fields: list[tuple[fmt.FieldEntry, np.ndarray]]) -> tuple[fmt.FieldEntry, ...]:

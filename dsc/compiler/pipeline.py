@@ -1,8 +1,8 @@
 """The pipeline: discover → order → decode/resize into shards → finish (compact, index) → publish.
 
-`compile_folder` reads as the pipeline: check the options, find the sources (`discover`, or
-`labels` for a label table), fix the plan (which source fills which slot, what a resume must
-find unchanged), then under OUT's lock stage the build (`publish.LocalTarget`), fill its slots
+`compile_folder` reads as the pipeline: check the options, find the sources (`discover`, `labels`
+for a label table, `sources` for archives), fix the plan (which source fills which slot, what a
+resume must find unchanged), then under OUT's lock stage the build (`publish.LocalTarget`), fill its slots
 (`write`, run by an engine from `engines`, recorded by `journal`), `finish` it and commit it.
 """
 
@@ -25,6 +25,7 @@ from dsc.arguments import check_int
 from dsc.compiler import classes as classes_module
 from dsc.compiler import journal, output, publish
 from dsc.compiler import labels as labels_module
+from dsc.compiler import sources as archives
 from dsc.compiler.decode import DEFAULT_MAX_PIXELS, decoder_name
 from dsc.compiler.discover import Discovery, discover, printable
 from dsc.compiler.engines import check_workers, make_engine
@@ -87,6 +88,10 @@ def source_order(n: int, seed: int, shuffle: bool) -> np.ndarray:
 
 def _check_paths(src: Path, out: Path) -> None:
     """OUT and SRC must not contain each other: a compile must never read or replace its sources."""
+    try:
+        src.exists()
+    except OSError as e:  # a name too long: no file or pattern could have it
+        raise CompileError(f"source {src}: {e.strerror or e}") from None
     s, o = src.resolve(), out.resolve()
     if o == s:
         raise CompileError(f"the source folder and the output are the same folder, {src}; give OUT another name")
@@ -100,11 +105,12 @@ class StrictFailure(CompileError):
     """A --strict compile met a source it could not decode: the build is discarded."""
 
 
-def _decode_all(job: WriteJob, sources: list[str], engine: Engine, strict: bool, done: dict[int, SlotResult],
+def _decode_all(job: WriteJob, plan: Plan, engine: Engine, strict: bool, done: dict[int, SlotResult],
                 log: journal.Journal, on_skip: Callable[[str, str], None],
                 progress: Callable[[int], None] | None):
     """Fill every slot not `done` already; return (ok mask, upright sizes, skipped (source, reason) list,
     decoder warnings per slot)."""
+    sources = plan.sources
     ok = np.zeros(len(sources), dtype=bool)
     sizes = np.zeros((len(sources), 2), dtype=np.int64)
     warned = np.zeros(len(sources), dtype=np.int64)
@@ -132,7 +138,11 @@ def _decode_all(job: WriteJob, sources: list[str], engine: Engine, strict: bool,
 
     collect(list(done.values()))
     tasks = [(slot, source) for slot, source in enumerate(sources) if slot not in done]
-    chunks = split(tasks, chunk_size(len(tasks), engine.workers))
+    size = chunk_size(len(tasks), engine.workers)
+    if isinstance(plan.found, archives.ArchiveDiscovery):  # by the format's unit, each read in stored order
+        chunks = archives.chunks(plan.found, plan.order, [slot for slot, _ in tasks], size)
+    else:
+        chunks = split(tasks, size)
     engine.fill(job, chunks, lambda results: (log.append(results), collect(results)))
     return ok, sizes, failed, warned
 
@@ -169,6 +179,7 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
                    alpha: str = "black",
                    classes: str | os.PathLike | Sequence[str] | None = None, skip_unknown_classes: bool = False,
                    labels: str | os.PathLike | None = None, columns: dict[str, str] | None = None,
+                   label_key: str | None = None, image_column: str | None = None,
                    on_found: Callable[[int], None] | None = None, on_total: Callable[[int], None] | None = None,
                    progress: Callable[[int], None] | None = None,
                    on_skip: Callable[[str, str], None] | None = None) -> CompileSummary:
@@ -191,6 +202,11 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
     `labels` is a CSV or JSONL label table (see `dsc.compiler.labels`): only the images it lists
     are compiled, its `label` column is the label and its other columns become typed fields,
     their kinds inferred or given by `columns` ({name: "class" | "multilabel" | "float" | "int"}).
+
+    Archives: `src` may name WebDataset tar shards (a file, a folder of them, a glob, a brace pattern),
+    Parquet files (a file or a folder) or a zip archive (`dsc.compiler.sources`); each record's source is
+    then `ARCHIVE#MEMBER`. `label_key` says where a label is: a tar member suffix (`cls`, `txt`,
+    `json:FIELD`) or a Parquet column; `image_column` which Parquet column holds the images.
     """
     started = time.perf_counter()
     target = Target(*parse_size(size), fit=fit)
@@ -214,9 +230,10 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
                            f"got {stall_seconds!r}")
     # the engine's workers start now: their imports overlap discovery
     with make_engine(engine, workers, address, stall_seconds) as runner:
-        found = _discover(src, out, classes, skip_unknown_classes, labels, columns, on_found)
-        _report(found, src, strict, on_skip, on_total)
-        recipe = WriteJob(str(src), "", 0, per_shard, target, max_pixels, "fast" if fast_decode else "faithful",
+        found = _discover(src, out, classes, skip_unknown_classes, labels, columns, (label_key, image_column),
+                          on_found)
+        _report(found, strict, on_skip, on_total)
+        recipe = WriteJob(str(found.root), "", 0, per_shard, target, max_pixels, "fast" if fast_decode else "faithful",
                           alpha)
         plan = _plan(recipe, found, seed, shuffle, labels)
         runner.ready()  # a broken decoder install fails here, before any build exists
@@ -231,11 +248,18 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
 
 
 def _discover(src: Path, out: Path, classes, skip_unknown_classes: bool, labels, columns,
-              on_found: Callable[[int], None] | None) -> Discovery:
-    """The sources to compile with their labels and fields: a label table's rows, or the folder's images."""
+              archive_options: tuple[str | None, str | None], on_found: Callable[[int], None] | None) -> Discovery:
+    """The sources to compile with their labels and fields: a label table's rows, the archives' samples
+    (`archive_options`: their label key and image column), or the folder's images."""
     vocabulary = None if classes is None else classes_module.load_classes(classes, fields_only=labels is not None)
     reference = classes_module.reference_fields(classes)
-    if labels is not None:
+    if archives.archive_sources(src) is not None:
+        if labels is not None or columns:
+            raise CompileError("a label table (--labels, --column) is for an image folder, not for archives")
+        found = archives.discover(src, vocabulary, skip_unknown_classes, *archive_options, on_found=on_found)
+    elif any(archive_options):
+        raise CompileError("--label-key and --image-column are for archive sources (tar, Parquet)")
+    elif labels is not None:
         found = labels_module.discover_listed(src, labels, columns, vocabulary, skip_unknown_classes, reference,
                                               on_found)
     elif columns:
@@ -249,12 +273,12 @@ def _discover(src: Path, out: Path, classes, skip_unknown_classes: bool, labels,
     return found
 
 
-def _report(found: Discovery, src: Path, strict: bool, on_skip: Callable[[str, str], None],
+def _report(found: Discovery, strict: bool, on_skip: Callable[[str, str], None],
             on_total: Callable[[int], None] | None) -> None:
     """What discovery skipped (a --strict compile stops at the first), and the count left to decode."""
     if strict and found.skipped:
         source, reason = found.skipped[0]
-        raise StrictFailure(f"{src / source}: {reason} (--strict: nothing written)")
+        raise StrictFailure(f"{found.root / source}: {reason} (--strict: nothing written)")
     for source, reason in found.skipped:
         on_skip(source, reason)
     if on_total:
@@ -291,8 +315,12 @@ def _plan(recipe: WriteJob, found: Discovery, seed: int, shuffle: bool, label_ta
               "shuffle": shuffle, "max_pixels": job.max_pixels, "records_per_shard": job.records_per_shard,
               "count": job.count, "sources": journal.listing_digest(listing), "fields": _fields_digest(found.fields),
               **journal.without_defaults({"alpha": job.alpha})}
+    if isinstance(found, archives.ArchiveDiscovery) and any(found.options):  # Parquet: the image column read
+        record["image_column"] = ", ".join(sorted({options[0] for options in found.options if options}))
     digest = hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
     options = _options(job, seed, shuffle, Path(job.src_root), job.count, label_table)
+    if isinstance(found, archives.ArchiveDiscovery):
+        options["source_order"] = f"{found.kind} archives: {archives.ORDER}"
     return Plan(job, found, order, sources, listing, record, digest, options)
 
 
@@ -334,7 +362,7 @@ def _build(stage: Path, plan: Plan, runner: Engine, resumed: bool, strict: bool,
     done = journal.reusable(stage, job) if resumed else {}
     log = journal.Journal(stage)
     try:
-        ok, sizes, failed, warned = _decode_all(job, plan.sources, runner, strict, done, log, on_skip, progress)
+        ok, sizes, failed, warned = _decode_all(job, plan, runner, strict, done, log, on_skip, progress)
     finally:
         log.close()
     finish(stage, job, ok, sizes, plan.found.labels[plan.order], plan.sources, plan.found.classes,

@@ -41,7 +41,7 @@ from pathlib import Path
 from dsc import format as fmt
 from dsc.compiler import journal
 from dsc.errors import CompileError, DatasetError, NotReplaceableError
-from dsc.storage import local, parse_manifest, validate
+from dsc.storage import files_of_versions, local, parse_manifest, validate
 from dsc.storage.local import RENAME_EXCHANGE, RENAME_NOREPLACE, fsync_dir, renameat2
 
 LOCK_WAIT_S = 5.0
@@ -66,8 +66,8 @@ def replace_problem(path: Path) -> str | None:
         entries = sorted(p.name for p in path.iterdir())
         if not entries:
             return None
-        manifest = validate(path)
-        foreign = local.foreign_entries(path, _listed_only(manifest))
+        validate(path)
+        foreign = local.foreign_entries(path, _listed_only(path))
     except DatasetError as e:
         mine = [name for name in entries if name != fmt.MANIFEST_FILE]
         return (f"is a folder that is not a dsc dataset; it{f' holds {_some(mine)} and' if mine else ''} "
@@ -90,11 +90,17 @@ def _folders_of(names: set[str]) -> set[str]:
     return {"/".join(name.split("/")[:k]) for name in names for k in range(1, name.count("/") + 1)}
 
 
-def _listed_only(manifest: fmt.Manifest) -> local.Claims:
-    """A dataset's own entries: its manifest, the files the manifest lists and the folders holding them."""
-    files = {fmt.MANIFEST_FILE, *(entry.file for entry in manifest.files)}
+def _listed_only(root: Path) -> local.Claims:
+    """A dataset's own entries: its manifests (format 1.3: every version's), the files they list and the
+    folders holding them, and what an append killed before its commit left in `appends/` (dsc's names)."""
+    files = files_of_versions(root)
     folders = _folders_of(files)
-    return lambda path, is_dir: path in (folders if is_dir else files)
+
+    def claims(path: str, is_dir: bool) -> bool:
+        if path.startswith(f"{fmt.APPENDS_DIR}/") or path == fmt.APPENDS_DIR:
+            return fmt.is_dataset_folder_name(path) if is_dir else fmt.is_dataset_file_name(path)
+        return path in (folders if is_dir else files)
+    return claims
 
 
 def _made_by_dsc(root: Path) -> local.Claims:
@@ -102,14 +108,14 @@ def _made_by_dsc(root: Path) -> local.Claims:
     its manifest lists (while it has one), the names dsc gives a build's files, resume files and
     temporaries, and the folders holding them. Anything else is someone's, and stays."""
     try:
-        listed = fmt.listed_files(local.read_no_follow(root / fmt.MANIFEST_FILE, fmt.MAX_MANIFEST_BYTES))
-    except OSError:
+        listed = files_of_versions(root)
+    except (OSError, DatasetError):
         listed = set()
-    folders = _folders_of(listed) | {fmt.SHARD_DIR, fmt.FIELD_DIR}
+    folders = _folders_of(listed)
 
     def claims(path: str, is_dir: bool) -> bool:
         if is_dir:
-            return path in folders
+            return path in folders or fmt.is_dataset_folder_name(path)
         folder, _, name = path.rpartition("/")
         return (path in listed or fmt.is_dataset_file_name(path) or path in journal.STATE_FILES
                 or ((not folder or folder in folders) and local.is_temporary(name)))

@@ -14,13 +14,14 @@ import errno
 import os
 import warnings
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
 from dsc import format as fmt
+from dsc.compiler import sources
 from dsc.compiler.decode import DecoderWarning, decode, probe
 from dsc.compiler.jobs import Chunk, SlotResult, WriteJob
 from dsc.compiler.resize import resize_into
@@ -48,6 +49,13 @@ def compile_image(path: str, target: Target, out: np.ndarray, max_pixels: int,
         if e.errno not in SOURCE_ERRNOS:  # EMFILE, EIO, ENOMEM...: the machine's trouble, not the file's
             raise
         raise ImageError(f"cannot read file: {e.strerror or e}") from e
+    return compile_data(data, target, out, max_pixels, decode_mode, alpha)
+
+
+def compile_data(data: bytes, target: Target, out: np.ndarray, max_pixels: int,
+                 decode_mode: str = "faithful", alpha: str = "black") -> tuple[int, int]:
+    """Decode one encoded image (a file's or an archive member's bytes) into `out`; return its upright
+    (height, width) or raise ImageError."""
     try:
         p = probe(data, max_pixels)
         height, width = p.oriented_size
@@ -89,7 +97,7 @@ class SlotWriter:
     def _store(self, slot: int) -> None:
         shard, offset = fmt.record_offset(slot, self.job.records_per_shard, self.buffer.nbytes)
         if shard not in self.files:
-            self._close_files()  # a chunk's slots are consecutive: one shard file open at a time
+            self._close_files()  # a folder chunk's slots are consecutive: one shard file open at a time
             self.files[shard] = os.open(Path(self.job.stage) / fmt.shard_file(shard), os.O_WRONLY)
         data = memoryview(self.buffer).cast("B")
         while data:
@@ -97,17 +105,15 @@ class SlotWriter:
             data, offset = data[written:], offset + written
 
     def write(self, tasks: Chunk, on_result: Callable[[SlotResult], None] | None = None) -> list[SlotResult]:
-        """Fill these slots (consecutive ones), closing the shard file after; `on_result` hears of each
-        slot as it is done (a worker's sign of progress)."""
+        """Fill these slots (consecutive ones, or an archive unit's), closing the shard file after; `on_result`
+        hears of each slot as it is done (a worker's sign of progress)."""
         results = []
         try:
-            for slot, source in tasks:
+            for slot, source in self._inputs(tasks):
                 try:
-                    path = os.path.join(self.job.src_root, source)
                     with warnings.catch_warnings(record=True) as caught:  # they travel back in the result
                         warnings.simplefilter("always", DecoderWarning)
-                        h, w = compile_image(path, self.job.target, self.buffer, self.job.max_pixels,
-                                             self.job.decode_mode, self.job.alpha)
+                        h, w = self._compile(source)
                     self._store(slot)
                     notes = [str(c.message) for c in caught if issubclass(c.category, DecoderWarning)]
                     results.append(SlotResult(slot, h, w, crc=zlib.crc32(self.buffer), warning="; ".join(notes),
@@ -119,6 +125,19 @@ class SlotWriter:
         finally:
             self._close_files()
         return results
+
+    def _inputs(self, tasks: Chunk | sources.ArchiveChunk) -> Iterator[tuple[int, str | bytes | ImageError]]:
+        """(slot, a file's path) for a folder's chunk; (slot, bytes or why not) streamed from an archive's."""
+        if isinstance(tasks, sources.ArchiveChunk):
+            return sources.read_chunk(tasks, max_file_bytes(self.job.max_pixels))
+        return ((slot, os.path.join(self.job.src_root, source)) for slot, source in tasks)
+
+    def _compile(self, source: str | bytes | ImageError) -> tuple[int, int]:
+        if isinstance(source, ImageError):
+            raise source
+        job = self.job
+        compile_source = compile_data if isinstance(source, bytes) else compile_image
+        return compile_source(source, job.target, self.buffer, job.max_pixels, job.decode_mode, job.alpha)
 
     def _close_files(self) -> None:
         for fd in self.files.values():

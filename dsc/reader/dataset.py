@@ -14,6 +14,10 @@ dataset; if the folder is replaced while it is being opened, the open starts aga
 folder (`_open`). A copy made by pickling (a DataLoader worker) opens the folder again by path,
 so it checks that it finds the dataset the original opened, by its manifest's fingerprint,
 and raises `DatasetError` instead of serving other records than the original.
+
+A dataset grown by `dsc append` (format 1.3) has versions: a `MemmapDataset` reads the latest
+when it is made (or the `version` asked for) and keeps reading exactly that version, copies
+included, however many appends land meanwhile (`version` names it).
 """
 
 from __future__ import annotations
@@ -134,9 +138,9 @@ def record_index(i: Any, count: int) -> int:
     return k % count
 
 
-def _open(root: Path | str, cache_dir: str | None = None) -> storage.OpenedDataset:
+def _open(root: Path | str, cache_dir: str | None = None, version: int | None = None) -> storage.OpenedDataset:
     """Validate and map the dataset; shards read-only (see the module docstring), as plain arrays."""
-    opened = storage.open_dataset(root, cache_dir=cache_dir)
+    opened = storage.open_dataset(root, cache_dir=cache_dir, version=version)
     return replace(opened, shards=tuple(s.view(np.ndarray) for s in opened.shards))
 
 
@@ -165,17 +169,21 @@ class MemmapDataset(Dataset):
     `path` may be an ``s3://bucket/prefix`` URL: the dataset's files are downloaded once per node
     into `cache_dir` (default ``$DSC_CACHE_DIR``, else ``~/.cache/dsc``) and read from there
     (README, "Datasets in object storage"); `cache_dir` has no meaning for a folder.
+
+    `version`: which version of a dataset grown by `dsc append` to read [default: the latest];
+    `ds.version` says which one this is, and every copy reads that one.
     """
 
     def __init__(self, path: str | os.PathLike, *, target: str = "label",
                  transform: Callable[[Any], Any] | None = None,
                  target_transform: Callable[[Any], Any] | None = None, return_index: bool = False,
-                 cache_dir: str | os.PathLike | None = None) -> None:
+                 cache_dir: str | os.PathLike | None = None, version: int | None = None) -> None:
         # a folder by absolute path: a spawned worker may start in another directory
         self.path: Path | str = os.fspath(path) if storage.is_url(path) else Path(os.path.abspath(path))
         self.cache_dir = None if cache_dir is None else os.path.abspath(cache_dir)
-        self._data: storage.OpenedDataset | None = _open(self.path, self.cache_dir)  # validates now, fails here
+        self._data: storage.OpenedDataset | None = _open(self.path, self.cache_dir, version)  # validates now
         self._fingerprint = self._data.manifest.fingerprint
+        self.version: int = self._data.manifest.dataset_version
         if target != "label" and target not in self._data.fields:
             raise ValueError(f"target={target!r}: {self.path} has no such field; choose 'label' or one of "
                              f"{sorted(self._data.fields) or 'its fields (it has none)'}")
@@ -184,7 +192,7 @@ class MemmapDataset(Dataset):
 
     def __getstate__(self) -> dict[str, Any]:
         return {"path": str(self.path), "cache_dir": self.cache_dir, "fingerprint": self._fingerprint,
-                "target": self.target,
+                "version": self.version, "target": self.target,
                 "transform": self.transform, "target_transform": self.target_transform,
                 "return_index": self.return_index}
 
@@ -192,6 +200,7 @@ class MemmapDataset(Dataset):
         self.path = state["path"] if storage.is_url(state["path"]) else Path(state["path"])
         self.cache_dir = state.get("cache_dir")
         self._fingerprint = state["fingerprint"]
+        self.version = state.get("version", 1)
         self.target = state.get("target", "label")
         self.transform, self.target_transform = state.get("transform"), state.get("target_transform")
         self.return_index = state.get("return_index", False)
@@ -201,7 +210,7 @@ class MemmapDataset(Dataset):
     def opened(self) -> storage.OpenedDataset:
         """The validated, mapped dataset (mapped again lazily after unpickling)."""
         if self._data is None:
-            data = _open(self.path, self.cache_dir)
+            data = _open(self.path, self.cache_dir, self.version)
             self._check_same(data.manifest)
             self._data = data
         return self._data
@@ -215,7 +224,7 @@ class MemmapDataset(Dataset):
     def _check_still_there(self) -> None:
         """For what maps the files by path again: the folder must still hold the dataset opened."""
         try:
-            manifest = storage.parse_manifest(self.path, self.cache_dir)
+            manifest = storage.parse_manifest(self.path, self.cache_dir, self.version)
         except DatasetError as e:
             raise DatasetError(f"{self.path}: the dataset was replaced or damaged after this MemmapDataset was "
                                f"opened ({e})") from e
@@ -353,7 +362,8 @@ class MemmapDataset(Dataset):
     def loader(self, batch_size: int, *, order: str | None = None, seed: int | None = None, drop_last: bool = False,
                device: str | torch.device | None = None, prefetch: int = 2, num_threads: int | None = None,
                rank: int | None = None, world_size: int | None = None, locality: str | None = None,
-               shuffle: bool | None = None, as_tuple: tuple[str, ...] | None = None):
+               shuffle: bool | None = None, as_tuple: tuple[str, ...] | None = None, indices=None, weights=None,
+               replacement: bool | None = None, repeats: int = 1, samples_per_epoch: int | None = None):
         """Batches as TensorDicts {image, label, index, size, and any fields}, fast (`dsc.reader.loader.Loader`).
 
         order: "block" (default: shuffled windows of contiguous blocks, reads local to a window), "random"
@@ -370,9 +380,12 @@ class MemmapDataset(Dataset):
         locality: "shard" (with order="block") gives each rank whole shard files.
         as_tuple: field names, e.g. ("image", "label"): batches are tuples of those tensors, for
             ``x, y = batch``; a TensorDict batch refuses to be unpacked (it would give samples).
+        indices, weights + replacement, repeats, samples_per_epoch, order=callable(n, seed, epoch): sampling,
+            deterministic and resumable like the built-in orders (`dsc.reader.sampling`; README "Sampling").
         """
         from dsc.reader.loader import Loader
 
         return Loader(self, batch_size, order=order, seed=seed, drop_last=drop_last, device=device, prefetch=prefetch,
                       num_threads=num_threads, rank=rank, world_size=world_size, locality=locality, shuffle=shuffle,
-                      as_tuple=as_tuple)
+                      as_tuple=as_tuple, indices=indices, weights=weights, replacement=replacement, repeats=repeats,
+                      samples_per_epoch=samples_per_epoch)

@@ -29,6 +29,7 @@ from dsc.arguments import check_int
 from dsc.errors import LoaderError
 from dsc.reader import order as orders
 from dsc.reader import progress
+from dsc.reader import sampling as samplers
 from dsc.reader.frameworks import PassTracker
 from dsc.reader.host import Batch, HostSink
 from dsc.reader.producer import LoaderStats, Meter, Producer, Threads, batch_maker, field_specs
@@ -109,6 +110,9 @@ class Loader:
     One consumer thread per loader: iterate it from one thread at a time.
     `locality="shard"` (with order="block") gives each rank its own rotating subset of the shard
     files every epoch instead of a slice of one global order (`order.shard_share`).
+    Sampling (`sampling.py`): `indices=`, `weights=` with `replacement=`, `repeats=`, `samples_per_epoch=`
+    and `order=` a callable ``(n, seed, epoch) -> indices`` make the epoch's global order a sequence of
+    records that may repeat; the state then counts positions of it, so resume stays elastic.
     Its settings are a frozen `LoaderConfig` (`loader.config`), readable as attributes.
     """
 
@@ -119,11 +123,15 @@ class Loader:
                  drop_last: bool = False, device: str | torch.device | None = None, prefetch: int = 2,
                  num_threads: int | None = None, rank: int | None = None, world_size: int | None = None,
                  locality: str | None = None, shuffle: bool | None = None,
-                 as_tuple: tuple[str, ...] | None = None) -> None:
+                 as_tuple: tuple[str, ...] | None = None, indices: Any = None, weights: Any = None,
+                 replacement: bool | None = None, repeats: int = 1, samples_per_epoch: int | None = None) -> None:
+        sampling = {"indices": indices, "weights": weights, "replacement": replacement, "repeats": repeats,
+                    "samples_per_epoch": samples_per_epoch}
         self._config = LoaderConfig.checked(batch_size, order=order, seed=seed, drop_last=drop_last, device=device,
                                             prefetch=prefetch, num_threads=num_threads, rank=rank,
                                             world_size=world_size, locality=locality, shuffle=shuffle,
-                                            as_tuple=as_tuple, sorted_records=stored_sorted(dataset.manifest))
+                                            as_tuple=as_tuple, sorted_records=stored_sorted(dataset.manifest),
+                                            records=len(dataset), sampling=sampling)
         if self._config.order == "block" and stored_sorted(dataset.manifest):
             warnings.warn(sorted_block_warning(dataset, self._config.batch_size), stacklevel=3)
         specs = field_specs(dataset.opened)
@@ -187,7 +195,8 @@ class Loader:
 
     def _agree_seed(self, world_size: int) -> None:
         """Before a drawn seed orders an epoch over several ranks, make it rank 0's on every rank."""
-        if not self._seed_agreed and world_size > 1 and self.order != "sequential":  # sequential: no seed used
+        seeded = self.order != "sequential" or self.sampling is not None  # sequential alone uses no seed
+        if not self._seed_agreed and world_size > 1 and seeded:
             self._use_seed(agreed_seed(self._seed, world_size))
             self._seed_agreed = True
 
@@ -218,10 +227,19 @@ class Loader:
         return (f"Loader({str(self.dataset.path)!r}, batch_size={self.batch_size}, order={self.order!r}, "
                 f"seed={self.seed}, drop_last={self.drop_last}{device}, epoch={self.epoch}, batches={len(self)})")
 
+    @property
+    def sampling(self) -> samplers.Sampling | None:
+        """The sampling options (indices, weights, repeats, samples_per_epoch, an order callable), or None."""
+        return self._config.sampling
+
+    def _epoch_spec(self, epoch: int, seed: int | None = None) -> progress.Epoch:
+        return progress.Epoch(len(self.dataset), self.order, self.seed if seed is None else seed, epoch,
+                              self.dataset.manifest.records_per_shard, self.sampling)
+
     def __len__(self) -> int:
         """Batches of a whole epoch on this rank (a resumed epoch serves what it has left)."""
-        share = orders.share_length(len(self.dataset), self.world_size, self.batch_size, self.drop_last,
-                                    **self._locality())
+        share = orders.share_length(self._epoch_spec(self.epoch).length(), self.world_size, self.batch_size,
+                                    self.drop_last, **self._locality())
         return orders.batch_count(share, self.batch_size)
 
     def _locality(self) -> dict[str, Any]:
@@ -230,7 +248,8 @@ class Loader:
         return {"locality": self.locality, "records_per_shard": self.dataset.manifest.records_per_shard}
 
     def _planner(self, rank: int) -> progress.Planner:
-        return progress.Planner(len(self.dataset), self.order, self.seed, self.dataset.manifest.records_per_shard, rank)
+        return progress.Planner(len(self.dataset), self.order, self.seed, self.dataset.manifest.records_per_shard, rank,
+                                self.sampling)
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration serve `epoch` from its start, or from where `load_state_dict`
@@ -245,15 +264,22 @@ class Loader:
     def state_dict(self) -> dict[str, Any]:
         """Which samples of which epoch have been served (`progress`), and what fixes the order."""
         epoch, rounds = self._progress
-        return {"dsc_loader_state": STATE_VERSION, "dataset": self._dataset_id, "count": len(self.dataset),
-                "order": self.order, "seed": self.seed, "epoch": epoch, "rounds": [r.to_dict() for r in rounds]}
+        return {"dsc_loader_state": STATE_VERSION, "dataset": self._dataset_id,
+                "dataset_version": self.dataset.version, "count": len(self.dataset),
+                "order": self.order, "seed": self.seed, "epoch": epoch, "rounds": [r.to_dict() for r in rounds],
+                "sampling": self._sampling_id()}
+
+    def _sampling_id(self) -> str | None:
+        return None if self.sampling is None else self.sampling.fingerprint()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue where `state` (from any rank, any world size or batch size) says the epoch got to; a loader
         made without a seed takes the state's (one given must be the state's)."""
         epoch, rounds = self._parse_state(state)
+        seed = self.seed if self._config.seed is not None else check_int("seed", state.get("seed"), 0)
+        progress.check_rounds(self._epoch_spec(epoch, seed), rounds)  # before any replay: O(rounds), refuses the absurd
         if self._config.seed is None:
-            self._use_seed(check_int("seed", state.get("seed"), 0))
+            self._use_seed(seed)
             self._seed_agreed = True  # every rank loads the same state
         self._position = self._progress = (epoch, rounds)
         self._iteration += 1  # a paused iterator must not overwrite the position loaded here
@@ -273,8 +299,7 @@ class Loader:
         if taken >= whole:  # Lightning's count is already reached: it goes on until the pass ends (measured)
             return
         budget, split = whole - taken, self._split()
-        spec = progress.Epoch(len(self.dataset), self.order, self.seed, epoch, self.dataset.manifest.records_per_shard)
-        skipped, left = progress.cut_off(spec, rounds, split, budget)
+        skipped, left = progress.cut_off(self._epoch_spec(epoch), rounds, split, budget)
         if skipped > 0:
             saved = rounds[-1].split
             warnings.warn(
@@ -290,12 +315,13 @@ class Loader:
         if not isinstance(state, dict):
             raise ValueError(f"a loader state is a dict from Loader.state_dict(), got {type(state).__name__}")
         if "rounds" not in state and "batch" in state:  # saved by dsc 0.1: one per rank, no fingerprint
-            self._check_same_order(state, ("order", "seed", "count"))
+            self._check_same_order(state, ("order", "seed", "count", "sampling"))
             batch = check_int("batch", state.get("batch"), 0)
             fields = {k: state.get(k) for k in ("world_size", "batch_size", "drop_last", "locality")}
             rounds = [progress.Round.from_dict({**fields, "batches": batch})] if batch else []
         elif state.get("dsc_loader_state") == STATE_VERSION:
-            self._check_same_order(state, ("order", "seed", "count", "dataset"))
+            self._check_same_version(state)
+            self._check_same_order(state, ("order", "seed", "count", "dataset", "sampling"))
             if not isinstance(state.get("rounds"), list):
                 raise ValueError(f"a loader state's rounds must be a list, got {state.get('rounds')!r}")
             rounds = [progress.Round.from_dict(r) for r in state["rounds"]]
@@ -308,8 +334,21 @@ class Loader:
                 raise ValueError(f"a round of this loader state cannot be replayed: {e}") from e
         return check_int("epoch", state.get("epoch"), 0), rounds
 
+    def _check_same_version(self, state: dict[str, Any]) -> None:
+        """A state names the dataset version it read (format 1.3, `dsc append`): resuming on another one is
+        refused, saying how to go on, since the epoch's order is a permutation of that version's records."""
+        saved, ours = state.get("dataset_version", 1), self.dataset.version
+        if saved != ours:
+            path = str(self.dataset.path)
+            raise ValueError(
+                f"this loader state was saved reading version {saved!r} of {path}, and this loader reads version "
+                f"{ours}: its epoch's order is of version {saved}'s records. To continue exactly, read that version: "
+                f"MemmapDataset({path!r}, version={saved!r}); to train on version {ours}, start its epochs afresh "
+                "(do not load this state)")
+
     def _check_same_order(self, state: dict[str, Any], keys: tuple[str, ...]) -> None:
-        ours = {"order": self.order, "seed": self.seed, "count": len(self.dataset), "dataset": self._dataset_id}
+        ours = {"order": self.order, "seed": self.seed, "count": len(self.dataset), "dataset": self._dataset_id,
+                "sampling": self._sampling_id()}
         keys = keys if self._config.seed is not None else tuple(k for k in keys if k != "seed")  # drawn: the state's
         wrong = {k: (state.get(k), ours[k]) for k in keys if state.get(k) != ours[k]}
         if wrong:

@@ -19,6 +19,12 @@ slice"; it says which samples of the epoch have been served, as a list of *round
   repeated, as with DistributedSampler; under locality="shard", which applies to an epoch's
   first round only, what `order.shard_share` pads: up to the difference between shard groups).
 
+With sampling options (`sampling.py`: a subset, weights, repeats, an epoch length, an order callable) the
+epoch's global order is a sequence of records that may repeat, so the rounds count *positions* of it
+(`Epoch.records` maps them back); a sequence laid out for its first round's world (repeats) is
+rebuilt from that round's split. `check_rounds` refuses, before any replay, what no run could have
+written.
+
 `remaining_share` replays the finished rounds (a few numpy passes over the epoch) to find the
 live round's share of this rank; the state itself stays a handful of integers. A `Planner`
 turns that into the loader's passes: the batches one iteration takes, and the epochs after it.
@@ -34,9 +40,11 @@ import numpy as np
 
 from dsc.arguments import check_int
 from dsc.reader import order as orders
+from dsc.reader.sampling import Sampling
 
 ROUND_KEYS = {"world_size", "batch_size", "drop_last", "locality", "batches"}
 MAX_WORLD_SIZE = 1 << 20  # a saved state naming more ranks than this is not from a real job
+MAX_BATCH_SIZE = 1 << 40  # nor a larger batch (a TiB of 1-byte records)
 
 
 @dataclass(frozen=True)
@@ -64,7 +72,8 @@ class Round:
         """A round from a saved state, checked field by field (a state file is input, not trusted)."""
         if not isinstance(value, dict) or set(value) != ROUND_KEYS:
             raise ValueError(f"a round of a loader state has exactly the keys {sorted(ROUND_KEYS)}, got {value!r}")
-        for key, low, high in (("world_size", 1, MAX_WORLD_SIZE), ("batch_size", 1, None), ("batches", 0, None)):
+        for key, low, high in (("world_size", 1, MAX_WORLD_SIZE), ("batch_size", 1, MAX_BATCH_SIZE),
+                                ("batches", 0, None)):
             check_int(f"a round's {key}", value[key], low, high)
         if not isinstance(value["drop_last"], bool):
             raise ValueError(f"a round's drop_last must be true or false, got {value['drop_last']!r}")
@@ -77,23 +86,49 @@ class Round:
 
 @dataclass(frozen=True)
 class Epoch:
-    """What fixes an epoch's order: dataset size, order, seed, epoch, and the shard size locality needs."""
+    """What fixes an epoch's order: dataset size, order, seed, epoch, the shard size locality needs, and the
+    sampling options (`sampling.Sampling`). Without sampling the epoch's items are its records (each once);
+    with it, positions of its global order (`sampling.Sampling.epoch_order`), which may repeat records."""
 
     count: int
     order: str
     seed: int
     epoch: int
     records_per_shard: int
+    sampling: Sampling | None = None
+
+    def _sampled(self, first: Split) -> np.ndarray:
+        return self.sampling.epoch_order(self.order, self.seed, self.epoch, first.world_size, first.batch_size,
+                                         first.drop_last)
+
+    def length(self) -> int:
+        """Samples in the epoch (before a first round's padding)."""
+        return self.count if self.sampling is None else self.sampling.length(self.order, self.seed, self.epoch)
+
+    def positions(self, first: Split) -> int:
+        """How many items the epoch has when its first round is split like `first`."""
+        return self.count if self.sampling is None else len(self._sampled(first))
+
+    def records(self, first: Split, items: np.ndarray) -> np.ndarray:
+        """The records at `items` (the records themselves without sampling)."""
+        return items if self.sampling is None else self._sampled(first)[items]
 
     def first_round_share(self, split: Split, rank: int) -> np.ndarray:
+        if self.sampling is not None:
+            return orders.rank_share(self._sampled(split), rank, split.world_size, split.batch_size, split.drop_last)
         return orders.epoch_share(self.count, self.order, self.seed, self.epoch, rank, split.world_size,
                                   split.batch_size, split.drop_last, locality=split.locality,
                                   records_per_shard=self.records_per_shard)
 
     def first_round(self, split: Split) -> tuple[np.ndarray, np.ndarray]:
-        """Every rank's share of the epoch's first round [world_size, per_rank], and the order they come from."""
+        """Every rank's share of the epoch's first round [world_size, per_rank] (items), and the order they come
+        from."""
+        if self.sampling is not None:
+            items = np.arange(self.positions(split), dtype=np.int64)
+            return orders.rank_shares(items, split.world_size, split.batch_size, split.drop_last), items
         if split.locality is not None:
-            shares = np.stack([self.first_round_share(split, r) for r in range(split.world_size)])
+            shares = orders.shard_shares(self.count, self.records_per_shard, self.seed, self.epoch, split.world_size,
+                                         split.batch_size, split.drop_last)
             return shares, np.arange(self.count, dtype=np.int64)
         order = orders.epoch_order(self.count, self.order, self.seed, self.epoch)
         return orders.rank_shares(order, split.world_size, split.batch_size, split.drop_last), order
@@ -118,7 +153,7 @@ def replay(epoch: Epoch, done: list[Round]) -> np.ndarray:
         else:
             shares, base = orders.rank_shares(remaining, past.split.world_size, past.split.batch_size,
                                               past.split.drop_last), remaining
-        remaining = unserved(shares, past.batches * past.split.batch_size, base, epoch.count)
+        remaining = unserved(shares, past.batches * past.split.batch_size, base, epoch.positions(done[0].split))
     return remaining
 
 
@@ -126,7 +161,8 @@ def remaining_share(epoch: Epoch, done: list[Round], split: Split, rank: int) ->
     """This rank's share of the round that follows the finished rounds `done` (module docstring)."""
     if not done:
         return epoch.first_round_share(split, rank)
-    return orders.rank_share(replay(epoch, done), rank, split.world_size, split.batch_size, split.drop_last)
+    items = orders.rank_share(replay(epoch, done), rank, split.world_size, split.batch_size, split.drop_last)
+    return epoch.records(done[0].split, items)
 
 
 def cut_off(epoch: Epoch, rounds: list[Round], split: Split, batches: int) -> tuple[int, int]:
@@ -140,10 +176,42 @@ def cut_off(epoch: Epoch, rounds: list[Round], split: Split, batches: int) -> tu
     else:
         shares, base = epoch.first_round(split)
 
+    count = epoch.positions(done[0].split if done else split)
+
     def left(taken: int) -> int:
-        return len(unserved(shares, taken, base, epoch.count))
+        return len(unserved(shares, taken, base, count))
     whole = left(shares.shape[1])
     return left((start + batches) * split.batch_size) - whole, left(start * split.batch_size) - whole
+
+
+def check_rounds(epoch: Epoch, rounds: list[Round]) -> None:
+    """Refuse rounds that no run could have produced, naming the field, with arithmetic alone (O(rounds) after
+    the epoch's length): a world larger than the epoch's samples, a round that served no batch (a run records
+    a round once it has served one, so rounds never outnumber the batches served), more batches than a whole
+    epoch split that way holds. Checked before anything is replayed, whose cost grows with the world size
+    (locality="shard" orders every rank's group; the padding of a world larger than the records)."""
+    n = epoch.length() if rounds else 0
+    fresh = 0  # samples the rounds served for the first time, at least (below)
+    for k, r in enumerate(rounds):
+        s = r.split
+        where = f"round {k} of {len(rounds)} of this loader state"
+        if s.world_size > n:
+            raise ValueError(f"{where}: world_size={s.world_size} is larger than the epoch's {n} samples; no run "
+                             "splits an epoch over more ranks than it has samples")
+        if r.batches == 0:
+            raise ValueError(f"{where}: batches=0; a run records a round only once it has served a batch")
+        share = n if s.locality is not None else orders.share_length(n, s.world_size, s.batch_size, s.drop_last)
+        most = orders.batch_count(share, s.batch_size)
+        if r.batches > most:
+            raise ValueError(f"{where}: batches={r.batches} is past the epoch's end; {n} samples over "
+                             f"{s.world_size} rank(s) at batch_size={s.batch_size} give at most {most} per rank")
+        # rank 0's slice of a round holds distinct samples not served before (padding goes to the end), so its
+        # `batches` served at least (batches - 1) * batch_size + 1 of them (a shard group may repeat: 1)
+        fresh += 1 if s.locality is not None else (r.batches - 1) * s.batch_size + 1
+    padding = rounds[0].split.world_size - 1 if rounds and epoch.sampling is not None else 0  # `deit_layout`'s
+    if fresh > n + padding:
+        raise ValueError(f"the {len(rounds)} rounds of this loader state served at least {fresh} samples for the "
+                         f"first time, more than the epoch's {n}: past the epoch's end")
 
 
 def resume_point(rounds: list[Round], split: Split) -> tuple[list[Round], int]:
@@ -175,11 +243,12 @@ class Planner:
     seed: int
     records_per_shard: int
     rank: int
+    sampling: Sampling | None = None
 
     def plan(self, epoch: int, done: list[Round], split: Split,
              start: int) -> tuple[Pass, np.ndarray]:
         """The pass and this rank's share of what the epoch has left."""
-        spec = Epoch(self.count, self.order, self.seed, epoch, self.records_per_shard)
+        spec = Epoch(self.count, self.order, self.seed, epoch, self.records_per_shard, self.sampling)
         share = remaining_share(spec, done, split, self.rank)
         return Pass(epoch, tuple(done), split, start, self.rank, orders.batch_count(len(share), split.batch_size)), \
             share
@@ -187,7 +256,8 @@ class Planner:
     def fresh(self, epoch: int, split: Split) -> Pass:
         """A whole epoch's pass, without computing its order (its length does not depend on it)."""
         locality = {"locality": split.locality, "records_per_shard": self.records_per_shard} if split.locality else {}
-        share = orders.share_length(self.count, split.world_size, split.batch_size, split.drop_last, **locality)
+        count = Epoch(self.count, self.order, self.seed, epoch, self.records_per_shard, self.sampling).length()
+        share = orders.share_length(count, split.world_size, split.batch_size, split.drop_last, **locality)
         return Pass(epoch, (), split, 0, self.rank, orders.batch_count(share, split.batch_size))
 
     def jobs(self, first: Pass, share: np.ndarray) -> Iterator[tuple[Pass, int, np.ndarray]]:

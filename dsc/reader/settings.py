@@ -13,6 +13,7 @@ import torch
 
 from dsc.arguments import check_int
 from dsc.reader import order as orders
+from dsc.reader import sampling as samplers
 
 MAX_DEFAULT_THREADS = 4  # copies saturate memory bandwidth with a few threads
 
@@ -149,21 +150,31 @@ class LoaderConfig:
     world: tuple[int | None, int | None]  # (rank, world_size) as given; None: from torch.distributed
     locality: str | None
     as_tuple: tuple[str, ...] | None = None  # field names: batches are tuples of these tensors
+    sampling: samplers.Sampling | None = None  # indices, weights, repeats, samples_per_epoch, an order callable
 
     @classmethod
-    def checked(cls, batch_size: int, *, order: str | None, seed: int | None, drop_last: bool,
+    def checked(cls, batch_size: int, *, order: Any, seed: int | None, drop_last: bool,
                 device: str | torch.device | None, prefetch: int, num_threads: int | None, rank: int | None,
                 world_size: int | None, locality: str | None, shuffle: bool | None,
-                as_tuple: tuple[str, ...] | None = None, sorted_records: bool = False) -> LoaderConfig:
+                as_tuple: tuple[str, ...] | None = None, sorted_records: bool = False, records: int = 0,
+                sampling: dict[str, Any] | None = None) -> LoaderConfig:
         """The configuration of these arguments, each checked: a bad one fails where the loader is made.
-        Records stored sorted (`stored_sorted`) make "random" the default order, unless locality asks for blocks."""
-        order = order_for_shuffle(order, shuffle, "random" if sorted_records and locality is None else "block")
-        if order not in orders.ORDERS:
+        Records stored sorted (`stored_sorted`) make "random" the default order, unless locality asks for blocks.
+        `sampling`: the keyword arguments of `sampling.checked` (weights make "random" the default order)."""
+        if callable(order) and shuffle is not None:
+            raise ValueError("order= is a callable; shuffle= has nothing to add to it, leave it out")
+        if not callable(order):
+            drawn = (sampling or {}).get("replacement") is not None  # weighted draws are random by nature
+            default = "random" if (sorted_records and locality is None) or drawn else "block"
+            order = order_for_shuffle(order, shuffle, default)
+        order, sampled = samplers.checked(records, order, locality=locality, **(sampling or {}))
+        if (sampled is None or sampled.order_fn is None) and order not in orders.ORDERS:
             raise ValueError(f"order must be one of {orders.ORDERS}, got {order!r}")
-        orders.check_locality(order, locality)
+        if sampled is None:
+            orders.check_locality(order, locality)
         resolve_world(rank, world_size)  # bad explicit values fail here, not at the first epoch
         seed = None if seed is None else check_int("seed", seed, 0)
         return cls(check_int("batch_size", batch_size, 1), order, seed, bool(drop_last),
                    resolve_device(device), check_int("prefetch", prefetch, 1),
                    default_threads() if num_threads is None else check_int("num_threads", num_threads, 1),
-                   (rank, world_size), locality, check_as_tuple(as_tuple))
+                   (rank, world_size), locality, check_as_tuple(as_tuple), sampled)

@@ -8,7 +8,10 @@ S3-compatible bucket, read through a node-local cache (imported only for an s3:/
 from dsc.storage.store import (
     DatasetStore,
     OpenedDataset,
+    check_manifest_text,
     check_skip_list,
+    dataset_versions,
+    files_of_versions,
     is_dataset,
     is_url,
     open_dataset,
@@ -21,4 +24,5 @@ from dsc.storage.store import (
 )
 
 __all__ = ["DatasetStore", "OpenedDataset", "open_dataset", "validate", "parse_manifest", "read_skipped",
-           "read_warnings", "check_skip_list", "stored_and_skipped", "is_dataset", "is_url", "verify_checksums"]
+           "read_warnings", "check_skip_list", "check_manifest_text",
+           "dataset_versions", "files_of_versions", "stored_and_skipped", "is_dataset", "is_url", "verify_checksums"]

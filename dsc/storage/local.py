@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import functools
 import hashlib
 import os
@@ -92,6 +93,19 @@ class LocalFolder:
             os.close(fd)
             raise DatasetError(f"{path}: {where} must be a regular file inside the dataset folder")
         return fd
+
+    def list(self, folder: str) -> list[str]:
+        """The names in the sub-folder `folder` (one plain name), never through a link; [] when it is missing."""
+        try:
+            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=self.fd)
+        except FileNotFoundError:
+            return []
+        except OSError as e:
+            raise DatasetError(f"{self.root}/{folder}: must be a folder inside the dataset ({e.strerror})") from e
+        try:
+            return os.listdir(fd)
+        finally:
+            os.close(fd)
 
     def size(self, name: str, where: str) -> int:
         fd = self.open(name, where)
@@ -381,3 +395,63 @@ def renameat2(a: Path, b: Path, flags: int) -> bool:
     if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
         return False
     raise OSError(err, os.strerror(err), str(b))
+
+
+def create_noreplace(temp: Path, target: Path) -> bool:
+    """Give the written, fsynced file `temp` the name `target` only if nothing has it, atomically:
+    renameat2(RENAME_NOREPLACE), or where that is missing a hard link (which fails on an existing
+    name too) and the temporary removed. False when `target` exists: someone else made it first."""
+    try:
+        if not renameat2(temp, target, RENAME_NOREPLACE):
+            os.link(temp, target)
+            temp.unlink()
+    except FileExistsError:
+        temp.unlink(missing_ok=True)
+        return False
+    fsync_dir(target.parent)
+    return True
+
+
+FICLONE = 0x40049409  # linux/fs.h _IOW(0x94, 9, int): share a whole file's blocks (btrfs, XFS, bcachefs)
+
+
+def reuse_file(src: Path, dst: Path) -> str:
+    """Make `dst` a new file with `src`'s bytes, the cheapest way the storage allows: a reflink (its
+    blocks shared, copy-on-write), else a hard link (the same file: neither is ever written again),
+    else a copy. Returns which ("reflink", "link" or "copy")."""
+    with open(src, "rb") as source:
+        fd = create_exclusive(dst)
+        try:
+            fcntl.ioctl(fd, FICLONE, source.fileno())
+            return "reflink"
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        dst.unlink()
+        try:
+            os.link(src, dst)
+            return "link"
+        except OSError:
+            pass
+        fd = create_exclusive(dst)
+        try:
+            copy_range(source.fileno(), fd, os.fstat(source.fileno()).st_size, 0, 0)
+        finally:
+            os.close(fd)
+        return "copy"
+
+
+def copy_range(src_fd: int, dst_fd: int, n: int, src_offset: int, dst_offset: int) -> None:
+    """Copy `n` bytes between open files, in the kernel where it can (copy_file_range: no trip through
+    this process, and a reflink where the file system can share the blocks)."""
+    done = 0
+    while done < n:
+        try:
+            moved = os.copy_file_range(src_fd, dst_fd, min(n - done, 1 << 30), src_offset + done, dst_offset + done)
+        except (AttributeError, OSError):
+            moved = os.pwrite(dst_fd, pread_exact(src_fd, min(n - done, HASH_CHUNK), src_offset + done),
+                              dst_offset + done)
+        if moved == 0:
+            raise DatasetError(f"file ended early at byte {src_offset + done} (it changed while being copied?)")
+        done += moved

@@ -52,6 +52,9 @@ class DatasetStore(Protocol):
 
     def close(self) -> None: ...
 
+    # Optional (format 1.3 versions): `list(folder) -> list[str]`, the names in a sub-folder. A store
+    # without it reads `manifest.json` only, the copy of the latest version (see `versions`).
+
 
 Location = str | os.PathLike  # a folder path, or a URL whose scheme STORES names
 STORES = {"s3": "dsc.storage.s3"}  # URL scheme -> module with `open_store(url, cache_dir)`, imported when used
@@ -126,16 +129,45 @@ class OpenedDataset:
         return [self.local_root / s.file for s in self.manifest.shards]
 
 
-def read_manifest(store: DatasetStore) -> fmt.Manifest:
-    """The store's manifest, validated with the size of every file it names."""
+def versions(store: DatasetStore) -> list[int]:
+    """(format 1.3) The dataset's committed versions, oldest first: the manifests in `versions/`;
+    [] when it has none (version 1 is then `manifest.json`). A store that cannot list (an object
+    store, for now) answers [] and reads `manifest.json`, the copy of the latest version."""
+    listing = getattr(store, "list", None)
+    return sorted(v for v in map(fmt.version_of, listing(fmt.VERSIONS_DIR) if listing else []) if v is not None)
+
+
+def manifest_name(store: DatasetStore, version: int | None = None) -> str:
+    """Which file holds version `version`'s manifest (None: the latest version's). A store that cannot
+    list has only `manifest.json`, whichever version it holds (a reader compares fingerprints)."""
+    if getattr(store, "list", None) is None:
+        return fmt.MANIFEST_FILE
+    found = versions(store)
+    if version is None:
+        return fmt.version_file(found[-1]) if found else fmt.MANIFEST_FILE
+    if version in found:
+        return fmt.version_file(version)
+    if version == 1 and not found:
+        return fmt.MANIFEST_FILE
+    kept = f"versions {found[0]} to {found[-1]}" if found else "version 1 only"
+    raise DatasetError(f"{store.root}: has no version {version} (it holds {kept}; `dsc prune` removes old versions)")
+
+
+def read_manifest(store: DatasetStore, version: int | None = None) -> fmt.Manifest:
+    """The store's manifest of `version` (None: the latest), validated with the size of every file it names."""
+    name = manifest_name(store, version)
     try:
-        text = store.read(fmt.MANIFEST_FILE, fmt.MAX_MANIFEST_BYTES + 1)
+        text = store.read(name, fmt.MAX_MANIFEST_BYTES + 1)
     except StorageError:
         raise
     except DatasetError as e:
-        raise DatasetError(f"{store.root}: no {fmt.MANIFEST_FILE}; not a dsc dataset, or its compile never "
+        raise DatasetError(f"{store.root}: no {name}; not a dsc dataset, or its compile never "
                            "finished") from e
-    return fmt.parse_manifest(text, store.root, store.size)
+    manifest = fmt.parse_manifest(text, store.root, store.size)
+    if name != fmt.MANIFEST_FILE and manifest.dataset_version != fmt.version_of(name.split("/")[-1]):
+        raise DatasetError(f"{store.root}/{name}: says it is version {manifest.dataset_version}; the dataset is "
+                           "damaged")
+    return manifest
 
 
 def _values_of(store: DatasetStore) -> Callable[[str, np.dtype, int], Iterator[np.ndarray]]:
@@ -149,27 +181,32 @@ def _values_of(store: DatasetStore) -> Callable[[str, np.dtype, int], Iterator[n
     return values
 
 
-def _validated(store: DatasetStore) -> fmt.Manifest:
-    manifest = read_manifest(store)
+def _validated(store: DatasetStore, version: int | None = None) -> fmt.Manifest:
+    manifest = read_manifest(store, version)
     fmt.check_index(manifest, store.root, _values_of(store))
     return manifest
 
 
-def open_dataset(root: Location, cache_dir: str | os.PathLike | None = None) -> OpenedDataset:
-    """Validate a dataset, then map its files (no data is read yet).
+def open_dataset(root: Location, cache_dir: str | os.PathLike | None = None,
+                 version: int | None = None) -> OpenedDataset:
+    """Validate a dataset, then map its files (no data is read yet): its latest version, or `version`.
 
     Every file is mapped read-only and shared (`PROT_READ`, `MAP_SHARED`): such maps count against
     no commit limit, so a shard larger than RAM + swap maps even under strict overcommit. Reading through one
     folder descriptor never mixes two datasets; if a recompile swaps a new folder in meanwhile,
     the old one's files vanish under it, and the folder now at `root` is opened instead.
-    A URL's files are fetched into `cache_dir` first (see `store_for`).
+    A URL's files are fetched into `cache_dir` first (see `store_for`). Versions (format 1.3) are
+    never rewritten: an append committed meanwhile leaves the version opened whole; a `dsc prune`
+    that removed the latest version's predecessor meanwhile makes the open start again.
     """
     for attempt in range(1, REOPEN_ATTEMPTS + 1):
-        store = store_for(root, cache_dir)
+        store, latest = store_for(root, cache_dir), None
         try:
-            return _map_dataset(store)
+            latest = manifest_name(store) if version is None else None
+            return _map_dataset(store, version)
         except DatasetError:
-            if attempt == REOPEN_ATTEMPTS or not store.replaced():  # not swapped: a real error
+            moved = latest is not None and manifest_name(store) != latest
+            if attempt == REOPEN_ATTEMPTS or not (store.replaced() or moved):  # not swapped: a real error
                 raise
         finally:
             store.close()
@@ -177,20 +214,58 @@ def open_dataset(root: Location, cache_dir: str | os.PathLike | None = None) -> 
     raise AssertionError("unreachable")  # the loop returns or raises
 
 
-def validate(root: str | os.PathLike) -> fmt.Manifest:
+def validate(root: str | os.PathLike, version: int | None = None) -> fmt.Manifest:
     """Everything `open_dataset` checks, without mapping anything: what a writer runs before it publishes."""
     with _opened(root) as store:
-        return _validated(store)
+        return _validated(store, version)
 
 
-def parse_manifest(root: Location, cache_dir: str | os.PathLike | None = None) -> fmt.Manifest:
-    """The dataset's manifest, validated with its files' sizes (not their values: see `validate`)."""
+def parse_manifest(root: Location, cache_dir: str | os.PathLike | None = None,
+                   version: int | None = None) -> fmt.Manifest:
+    """The dataset's manifest (latest version, or `version`), validated with its files' sizes (not their
+    values: see `validate`)."""
     with _opened(root, cache_dir) as store:
-        return read_manifest(store)
+        return read_manifest(store, version)
 
 
-def _map_dataset(store: DatasetStore) -> OpenedDataset:
-    manifest = _validated(store)
+def check_manifest_text(root: str | os.PathLike, text: bytes) -> fmt.Manifest:
+    """Everything `validate` checks, of manifest bytes not yet committed, over the files of the folder `root`:
+    what a writer of a new version runs before it commits it."""
+    with _opened(root) as store:
+        manifest = fmt.parse_manifest(text, store.root, store.size)
+        fmt.check_index(manifest, store.root, _values_of(store))
+        return manifest
+
+
+def files_of_versions(root: str | os.PathLike, strict: bool = False) -> set[str]:
+    """(format 1.3) What a dataset folder's versions own: every version's manifest (and `manifest.json`)
+    and every file one of them lists, unchecked. A manifest that cannot be read lists nothing, or with
+    `strict` (for what deletes the files no version lists) raises DatasetError."""
+    with _opened(root) as store:
+        names = {fmt.MANIFEST_FILE, *(fmt.version_file(v) for v in versions(store))}
+        owned = set(names)
+        for name in sorted(names):
+            try:
+                text = store.read(name, fmt.MAX_MANIFEST_BYTES + 1)
+                if strict and not fmt.names_this_format(text):
+                    raise DatasetError(f"{store.root}/{name}: not a readable dsc manifest")
+            except DatasetError as e:
+                if strict:
+                    raise DatasetError(f"{e}; which files the dataset's versions use cannot be told, so none is "
+                                       "deleted (move the damaged manifest away, or recompile)") from e
+                continue
+            owned |= fmt.listed_files(text)
+        return owned
+
+
+def dataset_versions(root: Location) -> list[int]:
+    """(format 1.3) The versions a dataset holds, oldest first ([1] for one never appended to)."""
+    with _opened(root) as store:
+        return versions(store) or [1]
+
+
+def _map_dataset(store: DatasetStore, version: int | None = None) -> OpenedDataset:
+    manifest = _validated(store, version)
     n, index = manifest.count, manifest.index
 
     def mapped(name: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
@@ -283,7 +358,8 @@ def verify_checksums(root: Location, manifest: fmt.Manifest, progress: Callable[
     ChecksumError naming every damaged file. A URL's files are its cached copies (fetched first
     where missing), so a damaged one is named as the cached copy of its object."""
     with _opened(root, cache_dir) as store:
-        sealed = fmt.seal_problem(store.read(fmt.MANIFEST_FILE, fmt.MAX_MANIFEST_BYTES + 1), manifest, store.root)
+        name = manifest_name(store, manifest.dataset_version if versions(store) else None)
+        sealed = fmt.seal_problem(store.read(name, fmt.MAX_MANIFEST_BYTES + 1), manifest, store.root)
         bad = _holes(store, manifest)
         bad = bad or [f"{_named(store, e.file)}: SHA-256 is {digest}, the manifest says {e.sha256}; the file is "
                       "damaged" for e in manifest.files

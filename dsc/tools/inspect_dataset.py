@@ -39,6 +39,10 @@ def summary(path: str | os.PathLike, every_skip: bool = True) -> dict[str, Any]:
         "bytes_on_disk": sum(f.bytes for f in m.files) + (d.local_root / fmt.MANIFEST_FILE).stat().st_size,
         "jpeg_decoder": m.compile.get("jpeg_decoder"), "compile": m.compile,
         "fields": [field_summary(f, d.fields[f.name]) for f in m.fields],
+        "version": m.dataset_version,  # format 1.3: the version shown (the latest), and every one kept
+        "versions": [1] if storage.is_url(path) else storage.dataset_versions(path),
+        "parts": [{"first": p.first, "count": p.count, "source_root": p.compile.get("source_root")}
+                  for p in m.record_parts],
     }
 
 

@@ -3,6 +3,7 @@ compiler did, and compare with the stored pixels. It runs the compiler's decodin
 
 from __future__ import annotations
 
+import bisect
 import os
 from dataclasses import dataclass
 
@@ -11,8 +12,9 @@ import numpy as np
 from dsc import format as fmt
 from dsc import storage
 from dsc.arguments import is_int
+from dsc.compiler import sources
 from dsc.compiler.target import FITS, Target
-from dsc.compiler.write import compile_image
+from dsc.compiler.write import compile_data, compile_image, max_file_bytes
 from dsc.errors import DatasetError, ImageError
 
 
@@ -28,10 +30,11 @@ class DecodeCheck:
     worst_mean_abs: float = 0.0
 
 
-def _recipe(d: storage.OpenedDataset) -> tuple[str, Target, int, str, str]:
-    """(source root, target, max_pixels, decode mode, alpha) as the manifest's "compile" records them, checked."""
-    c, m = d.manifest.compile, d.manifest
-    root, size, fit, max_pixels = c.get("source_root"), c.get("size"), c.get("fit"), c.get("max_pixels")
+def _recipe(d: storage.OpenedDataset, c: dict) -> tuple[str, Target, int, str, str]:
+    """(source root, target, max_pixels, decode mode, alpha) as a "compile" object records them, checked; the
+    source root is the dataset's own (format 1.3: every part's sources are named relative to it)."""
+    m = d.manifest
+    root, size, fit, max_pixels = m.compile.get("source_root"), c.get("size"), c.get("fit"), c.get("max_pixels")
     mode = c.get("decode", fmt.DECODE_MODE_UNRECORDED)
     alpha = {text: name for name, text in fmt.ALPHA.items()}.get(c.get("alpha"))
     ok = (isinstance(root, str) and isinstance(size, list) and size == [m.height, m.width]
@@ -44,17 +47,25 @@ def _recipe(d: storage.OpenedDataset) -> tuple[str, Target, int, str, str]:
 
 
 def check_against_sources(path: str | os.PathLike, n: int, seed: int = 0) -> DecodeCheck:
-    """Re-decode `n` random records from their source files and compare with the stored pixels."""
+    """Re-decode `n` random records from their source files (or archive members), each as the compile that
+    made it did (an appended or merged dataset's parts may differ), and compare with the stored pixels."""
     d = storage.open_dataset(path)
     m = d.manifest
-    root, target, max_pixels, mode, alpha = _recipe(d)
+    parts = m.record_parts
+    recipes = [_recipe(d, p.compile) for p in parts]
+    firsts = [p.first for p in parts]
     picks = np.random.default_rng(seed).choice(m.count, size=min(n, m.count), replace=False)
     fresh = np.empty(m.record_shape, np.uint8)
     missing, worst = [], DecodeCheck(0, [])
     for i in sorted(int(i) for i in picks):
         source = d.source(i)
+        root, target, max_pixels, mode, alpha = recipes[bisect.bisect_right(firsts, i) - 1]
         try:
-            compile_image(os.path.join(root, source), target, fresh, max_pixels, mode, alpha)
+            member = sources.read_source(root, source, max_file_bytes(max_pixels))
+            if member is None:
+                compile_image(os.path.join(root, source), target, fresh, max_pixels, mode, alpha)
+            else:
+                compile_data(member, target, fresh, max_pixels, mode, alpha)
         except ImageError as e:
             missing.append(f"{source} ({e})")
             continue

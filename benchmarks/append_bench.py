@@ -1,0 +1,87 @@
+"""`dsc append` of a share of new images against a full recompile of all of them, side by side.
+
+    python benchmarks/append_bench.py CORPUS [--size 224] [--new 0.05 0.1 0.2] [--limit N] [--workers N]
+
+CORPUS is any ImageFolder tree (e.g. `python benchmarks/corpus.py /tmp/corpus`). For each share of new
+images (`--new`), its images are split evenly across classes into an old set and a new one; the old set
+is compiled (untimed), then `dsc append` of the new set is timed end to end (decode of the new images
+only, a copy of the old last shard when partial, the index written again, the commit). Then a compile of
+every image (what growing a dataset cost before: a full recompile) is timed once. The target is time ∝
+the new images: each append's time over the recompile's near its share, growing with it; what stays
+is a fixed cost (the worker processes' start-up, which the recompile pays too). Page cache warmed first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dsc.compiler.append import append
+from dsc.compiler.discover import discover
+from dsc.compiler.pipeline import compile_folder
+
+
+def thinned(corpus: Path, limit: int | None) -> list[str]:
+    sources = discover(corpus).sources
+    if limit and limit < len(sources):
+        sources = [sources[i] for i in np.linspace(0, len(sources) - 1, limit).round().astype(int)]
+    for s in sources:
+        (corpus / s).read_bytes()  # warm the page cache
+    return sources
+
+
+def tree(corpus: Path, sources: list[str], dest: Path) -> Path:
+    """A folder of symlinks to `sources`."""
+    for s in sources:
+        (dest / s).parent.mkdir(parents=True, exist_ok=True)
+        (dest / s).symlink_to(corpus / s)
+    return dest
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("corpus", type=Path)
+    parser.add_argument("--size", type=int, default=224)
+    parser.add_argument("--new", type=float, nargs="+", default=[0.05, 0.1, 0.2], help="shares of new images")
+    parser.add_argument("--limit", type=int, default=None, help="use at most this many images")
+    parser.add_argument("--workers", type=int, default=None)
+    parser.add_argument("--records-per-shard", type=int, default=None)
+    args = parser.parse_args()
+    sources = thinned(args.corpus, args.limit)
+    options = {"size": args.size, "workers": args.workers, "records_per_shard": args.records_per_shard}
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="dsc-append-bench-") as tmp:
+        tmp = Path(tmp)
+        for share in args.new:
+            every = max(1, round(1 / share))
+            new = [s for k, s in enumerate(sources) if k % every == every - 1]
+            old = [s for k, s in enumerate(sources) if k % every != every - 1]
+            work = tmp / f"share-{share}"
+            compile_folder(tree(args.corpus, old, work / "old"), work / "grown", **options)
+            started = time.perf_counter()
+            summary = append(work / "grown", tree(args.corpus, new, work / "new"), workers=args.workers)
+            rows.append((summary, time.perf_counter() - started))
+            shutil.rmtree(work)
+        started = time.perf_counter()
+        full = compile_folder(tree(args.corpus, sources, tmp / "all"), tmp / "full", **options)
+        full_s = time.perf_counter() - started
+    print(f"{len(sources)} images at {args.size}x{args.size}; full recompile: {full_s:.2f} s "
+          f"({full.kept / full_s:.0f} images/s)")
+    print(f"{'new images':>10} {'share':>6} {'append s':>9} {'append / recompile':>19}  new version's shard files")
+    for summary, seconds in rows:
+        print(f"{summary.added:>10} {summary.added / full.kept:>6.2f} {seconds:>9.2f} {seconds / full_s:>19.2f}  "
+              f"{', '.join(summary.shard_files)}")
+    if len(rows) > 1:
+        (a, ta), (b, tb) = rows[0], rows[-1]
+        per_image = (tb - ta) / max(b.added - a.added, 1)
+        print(f"marginal cost of a new image: {per_image * 1000:.1f} ms (append) vs {full_s / full.kept * 1000:.1f} ms "
+              f"per image of a recompile; fixed cost ~{ta - per_image * a.added:.2f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+"""Combine: the records of several datasets of one record shape as one, without decoding anything.
+
+What `dsc append` (a dataset and the records compiled from new sources) and `dsc merge` (several
+datasets) share: one class vocabulary matched by name (`Vocabulary`: the first dataset's indices
+never change, later names go at the end), fields matched by name and kind, each dataset's labels
+and field values remapped onto them, source paths re-expressed from the first dataset's source
+folder, and the shards laid out again so that record i is in shard i // R (`write_shards`): a shard
+that is a whole input file is reused (reflink, hard link or copy, `local.reuse_file`), any other is
+copied in the kernel, records a run at a time.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from dsc import format as fmt
+from dsc import storage
+from dsc.compiler import output
+from dsc.errors import CompileError
+from dsc.storage import local
+
+
+@dataclass
+class Vocabulary:
+    """Class names in index order, grown by name: a name already there keeps its index."""
+
+    names: list[str]
+    allow_new: bool
+    what: str  # what the classes are of, for messages ("the label", "field 'tags'")
+
+    def remap(self, theirs: Sequence[str], whose: str) -> np.ndarray:
+        """Each of `theirs` (another dataset's classes, in its index order) as an index here, adding
+        the names not here yet at the end, or refusing them unless new classes are allowed."""
+        position = {name: k for k, name in enumerate(self.names)}
+        new = [name for name in theirs if name not in position]
+        if new and not self.allow_new:
+            shown = ", ".join(repr(n) for n in new[:5]) + (f" and {len(new) - 5} more" if len(new) > 5 else "")
+            raise CompileError(f"{whose} has classes of {self.what} that the dataset lacks: {shown}; existing classes "
+                               "keep their indices, and new ones are added at the end only when asked for "
+                               "(--new-classes)")
+        for name in new:
+            position[name] = len(self.names)
+            self.names.append(name)
+        return np.array([position[name] for name in theirs], dtype=np.int64)
+
+
+def _relabel(values: np.ndarray, remap: np.ndarray) -> np.ndarray:
+    """Class indices through `remap`; -1 (no label) stays -1."""
+    values = np.asarray(values, dtype=np.int64)
+    return np.where(values >= 0, remap[np.maximum(values, 0)] if len(remap) else values, values)
+
+
+def check_shapes(datasets: Sequence[storage.OpenedDataset]) -> None:
+    """Every dataset's records have the first one's shape, and all are labeled or none."""
+    first = datasets[0]
+    for d in datasets[1:]:
+        if d.manifest.record_shape != first.manifest.record_shape:
+            raise CompileError(f"{d.root} holds records of shape {list(d.manifest.record_shape)}, {first.root} of "
+                               f"{list(first.manifest.record_shape)}: records of one shape only can be joined "
+                               "without decoding (compile the sources again at one --size)")
+        if d.manifest.labeled != first.manifest.labeled:
+            labeled, other = (d, first) if d.manifest.labeled else (first, d)
+            raise CompileError(f"{labeled.root} is labeled ({len(labeled.manifest.classes)} classes) and {other.root} "
+                               "is not: their labels cannot agree")
+
+
+def _field_vocabularies(datasets: Sequence[storage.OpenedDataset], allow_new: bool):
+    """The fields of the first dataset, checked against every other one's by name and kind; the class
+    and multilabel fields' vocabularies, grown as `Vocabulary` says."""
+    first = datasets[0].manifest.fields
+    ours = {f.name: f for f in first}
+    for d in datasets[1:]:
+        theirs = {f.name: f for f in d.manifest.fields}
+        if set(theirs) != set(ours):
+            raise CompileError(f"{d.root} has fields {sorted(theirs) or 'none'}, {datasets[0].root} has "
+                               f"{sorted(ours) or 'none'}: fields must match by name")
+        for name, f in theirs.items():
+            mine = ours[name]
+            if f.kind != mine.kind or (f.kind in ("float", "int") and f.shape != mine.shape):
+                raise CompileError(f"field {name!r} is {f.kind} {list(f.shape)} in {d.root} but {mine.kind} "
+                                   f"{list(mine.shape)} in {datasets[0].root}: fields must match by name and kind")
+    return {f.name: Vocabulary(list(f.classes), allow_new, f"field {f.name!r}") for f in first if f.classes}
+
+
+@dataclass
+class Joined:
+    """The index of the joined records, ready to write."""
+
+    classes: list[str]
+    labels: np.ndarray
+    sizes: np.ndarray
+    offsets: np.ndarray
+    sources: bytes
+    fields: list[tuple[fmt.FieldEntry, np.ndarray]]
+    warnings: np.ndarray | None
+    skipped: list[dict[str, str]]
+    parts: tuple[fmt.Part, ...]
+
+
+def _rebased(d: storage.OpenedDataset, root: str | None) -> tuple[np.ndarray, bytes]:
+    """A dataset's source paths (offsets, bytes), re-expressed relative to `root` when it was compiled
+    from another folder: one source folder names every record of the joined dataset."""
+    mine = d.manifest.compile.get("source_root")
+    offsets, blob = np.asarray(d.source_offsets), np.asarray(d.sources).tobytes()
+    if root is None or mine == root or not isinstance(mine, str):
+        return offsets, blob
+    return fmt.encode_sources([rebase(d.source(i), mine, root) for i in range(d.manifest.count)])
+
+
+def rebase(source: str, root: str, new_root: str) -> str:
+    """`source` (relative to `root`) relative to `new_root`, '/'-separated (it may climb with '..')."""
+    return os.path.relpath(os.path.join(root, source), new_root).replace(os.sep, "/")
+
+
+def join_index(datasets: Sequence[storage.OpenedDataset], allow_new: bool, whose: Sequence[str]) -> Joined:
+    """The index of `datasets`' records one after the other: the first one's vocabularies grown by the
+    others' (`whose[k]` names dataset k in a refusal), labels and class fields remapped onto them."""
+    check_shapes(datasets)
+    vocabulary = Vocabulary(list(datasets[0].manifest.classes), allow_new, "the label")
+    fields = _field_vocabularies(datasets, allow_new)
+    root = datasets[0].manifest.compile.get("source_root")
+    root = root if isinstance(root, str) else None
+    labels, sizes, sources, values, warned, skipped, parts, first = [], [], [], {}, [], [], [], 0
+    for d, name in zip(datasets, whose):
+        m = d.manifest
+        labels.append(_relabel(d.labels, vocabulary.remap(m.classes, name)))
+        sizes.append(np.asarray(d.sizes))
+        sources.append(_rebased(d, root))
+        for f in m.fields:
+            remap = fields[f.name].remap(f.classes, name) if f.name in fields else None
+            values.setdefault(f.name, []).append((f, np.asarray(d.fields[f.name]), remap))
+        warned.append(storage.read_warnings(d.root, m))
+        mine = m.compile.get("source_root")
+        skipped += [{"source": rebase(s["source"], mine, root) if root and isinstance(mine, str) and mine != root
+                     else s["source"], "reason": s["reason"]} for s in storage.read_skipped(d.root, m)]
+        parts += [fmt.Part(first + p.first, p.count, p.compile) for p in m.record_parts]
+        first += m.count
+    offsets, blob = fmt.joined_sources(sources)
+    warnings = np.concatenate(warned)
+    return Joined(vocabulary.names, np.concatenate(labels), np.concatenate(sizes), offsets, blob,
+                  [_joined_field(pieces, fields.get(name)) for name, pieces in values.items()],
+                  warnings if warnings.any() else None, sorted(skipped, key=lambda s: s["source"]), tuple(parts))
+
+
+def _joined_field(pieces, vocabulary: Vocabulary | None) -> tuple[fmt.FieldEntry, np.ndarray]:
+    """One field's values over every dataset, class indices and multi-hot positions remapped."""
+    first = pieces[0][0]
+    classes = tuple(vocabulary.names) if vocabulary else first.classes
+    joined = []
+    for f, values, remap in pieces:
+        if f.kind == "class":
+            values = _relabel(values, remap)
+        elif f.kind == "multilabel":
+            wide = np.zeros((len(values), len(classes)), dtype=f.dtype)
+            wide[:, remap] = values
+            values = wide
+        joined.append(values)
+    shape = (len(classes),) if first.kind == "multilabel" else first.shape
+    spec = fmt.FieldEntry("", 0, "", first.name, first.kind, shape, classes)
+    return spec, np.concatenate(joined)
+
+
+@dataclass(frozen=True)
+class Run:
+    """Records [first, first + count) of the shard file at `path`, which holds `records` records."""
+
+    path: Path
+    first: int
+    count: int
+    records: int
+    sha256: str
+
+
+def runs_of(d: storage.OpenedDataset, first_record: int = 0) -> list[Run]:
+    """A dataset's records from `first_record` on, as runs of its shard files."""
+    paths, m = d.shard_paths(), d.manifest
+    return [Run(paths[shard], lo, hi - lo, m.shards[shard].records, m.shards[shard].sha256)
+            for shard, lo, hi in fmt.shard_segments(first_record, m.count, m.records_per_shard)]
+
+
+def write_shards(root: Path, folder: str, first_shard: int, runs: Sequence[Run], records_per_shard: int,
+                 record_bytes: int) -> tuple[list[fmt.ShardEntry], list[str]]:
+    """Lay `runs` out as shards `first_shard`, `first_shard + 1`, ... (R records each, the last the rest) in
+    `root`/`folder`; return their entries (file names relative to `root`) and how each was made."""
+    (root / folder).mkdir(mode=0o755, parents=True, exist_ok=True)
+    total = sum(r.count for r in runs)
+    pieces: list[list[tuple[Run, int, int]]] = [[] for _ in fmt.shard_records(total, records_per_shard)]
+    position = 0
+    for run in runs:
+        for shard, lo, hi in fmt.shard_segments(position, position + run.count, records_per_shard):
+            pieces[shard].append((run, run.first + shard * records_per_shard + lo - position, hi - lo))
+        position += run.count
+    entries, how = [], []
+    for k, shard_pieces in enumerate(pieces):
+        name = f"{folder}/{os.path.basename(fmt.shard_file(first_shard + k))}"
+        records = sum(n for _, _, n in shard_pieces)
+        (run, start, n), whole = shard_pieces[0], len(shard_pieces) == 1
+        if whole and start == 0 and n == run.records:
+            how.append(local.reuse_file(run.path, root / name))
+            entries.append(fmt.ShardEntry(name, records * record_bytes, run.sha256, records))
+            continue
+        fd = local.create_exclusive(root / name)
+        try:
+            at = 0
+            for run, start, n in shard_pieces:
+                with open(run.path, "rb") as source:
+                    local.copy_range(source.fileno(), fd, n * record_bytes, start * record_bytes, at)
+                at += n * record_bytes
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        how.append("copy")
+        entries.append(fmt.ShardEntry(name, records * record_bytes, local.sha256_file(root / name), records))
+    return entries, how
+
+
+def write_index(root: Path, folder: str, joined: Joined) -> tuple[dict[str, fmt.FileEntry],
+                                                                  tuple[fmt.FieldEntry, ...],
+                                                                  fmt.FileEntry | None, fmt.SkipListEntry]:
+    """Write the joined index, fields, decoder warnings and skip list into `root`/`folder` (names relative
+    to `root`)."""
+    where = root / folder if folder else root
+    where.mkdir(mode=0o755, parents=True, exist_ok=True)
+    index = output.write_index_payloads(where, fmt.encoded_index_payloads(joined.labels, joined.sizes,
+                                                                          joined.offsets, joined.sources))
+    fields = output.write_fields(where, joined.fields)
+    warnings = output.write_warnings(where, joined.warnings) if joined.warnings is not None else None
+    skip_list = output.write_skip_list(where, joined.skipped)
+
+    def moved(entry):
+        return replace(entry, file=f"{folder}/{entry.file}") if folder else entry
+    return ({k: moved(e) for k, e in index.items()}, tuple(moved(f) for f in fields),
+            moved(warnings) if warnings else None, moved(skip_list))

@@ -1,0 +1,171 @@
+"""WebDataset tar shards: members grouped into samples by key, read by offset, never extracted.
+
+Discovery walks the tar headers (`tarfile` seeks past each member's data) and reads only the
+small label members; a sample is the consecutive members sharing a key (the name up to the first
+dot of its basename, as webdataset groups them), its image the first of IMAGE_SUFFIXES present (else
+the first member whose suffix ends in one, as `input.jpg`).
+A worker then reads each image with one `pread` at the offset the header gave, in stored order.
+A member whose data runs past the end of the file, a header that is damaged or missing before the
+end-of-archive marker (a truncated shard) and a member that is not a regular file (a symbolic
+link, a device) are skipped, named; the samples before them are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from dsc.compiler.sources.common import (
+    IMAGE_SUFFIXES,
+    MAX_LABEL_MEMBER_BYTES,
+    Listing,
+    Member,
+    Sample,
+    split_key,
+    too_large,
+    unsafe_name,
+)
+from dsc.errors import CompileError, ImageError
+
+END_OF_ARCHIVE = 2 * tarfile.BLOCKSIZE  # two zero blocks end a tar
+
+
+def parse_label_key(label_key: str | None) -> tuple[str, str | None] | None:
+    """`--label-key` for tar: `cls` (an integer), `txt` (a class name), `json:FIELD` (either), or any
+    member suffix with or without `:FIELD`; None: `.cls` where samples have one."""
+    if label_key is None:
+        return None
+    suffix, _, name = label_key.partition(":")
+    if not suffix or (label_key.count(":") and not name):
+        raise CompileError(f"--label-key {label_key!r}: give a member suffix (cls, txt) or SUFFIX:FIELD (json:label)")
+    return suffix.lower(), name or None
+
+
+def _label(data: bytes, suffix: str, json_field: str | None) -> int | str:
+    """A label member's value: an integer from `.cls`, a name from text, either from a JSON field."""
+    text = data.decode("utf-8").strip()
+    if json_field is not None:
+        document = json.loads(text)
+        value = document.get(json_field) if isinstance(document, dict) else None
+        if isinstance(value, bool) or not isinstance(value, (int, str)) or value == "":
+            raise ValueError(f"field {json_field!r} is {value!r:.40}, not an integer or a class name")
+        return value
+    if suffix == "cls":
+        return int(text)
+    if not text:
+        raise ValueError("it is empty")
+    return text
+
+
+def _not_regular(info: tarfile.TarInfo) -> str:
+    if info.issym() or info.islnk():
+        return f"not a regular file (a {'symbolic' if info.issym() else 'hard'} link to {info.linkname!r:.80})"
+    return "not a regular file (a device, pipe or folder)"
+
+
+def _group(members: list[tarfile.TarInfo]) -> Iterator[tuple[str, dict[str, tarfile.TarInfo]]]:
+    """Consecutive members of one key as (key, {suffix: member}); the first of a repeated suffix wins."""
+    key, group = None, {}
+    for info in members:
+        k, suffix = split_key(info.name)
+        if k != key and group:
+            yield key, group
+            group = {}
+        key = k
+        group.setdefault(suffix, info)
+    if group:
+        yield key, group
+
+
+def _walk(f, size: int) -> tuple[list[tarfile.TarInfo], str | None]:
+    """Every member header, and why the walk stopped early (a damaged or truncated archive), or None."""
+    try:
+        tar = tarfile.open(fileobj=f, mode="r:")
+    except tarfile.TarError as e:
+        return [], f"not a readable uncompressed tar ({e})"
+    members = []
+    try:
+        while (info := tar.next()) is not None:
+            members.append(info)
+    except tarfile.TarError as e:
+        return members, f"truncated or damaged tar after {len(members)} members ({e})"
+    end = tar.offset  # where the end-of-archive marker must be
+    f.seek(end)
+    marker = f.read(END_OF_ARCHIVE)
+    if len(marker) < END_OF_ARCHIVE or marker.strip(b"\0"):
+        return members, (f"truncated or damaged tar: no valid header or end-of-archive marker at byte {end} of "
+                         f"{size}; the {len(members)} members before it were read")
+    return members, None
+
+
+def list_archive(path: Path, label_key: str | None = None, image_column: str | None = None) -> Listing:
+    """The samples of one shard (headers and label members only)."""
+    key_spec = parse_label_key(label_key)
+    listing = Listing()
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        members, broken = _walk(f, size)
+        for key, group in _group(members):
+            sample = _sample(f, size, key, group, key_spec, listing.skipped)
+            if sample is not None:
+                listing.samples.append(sample)
+    if broken:
+        listing.skipped.append(("", broken))
+    return listing
+
+
+def _sample(f, size: int, key: str, group: dict[str, tarfile.TarInfo], key_spec: tuple[str, str | None] | None,
+            skipped: list[tuple[str, str]]) -> Sample | None:
+    """One sample from its members, or None (recorded in `skipped`)."""
+    suffix = next((s for s in IMAGE_SUFFIXES if s in group), None) or next(  # else "key.input.jpg"
+        (s for s in group if s.rpartition(".")[2] in IMAGE_SUFFIXES), None)
+    if suffix is None:
+        skipped.append((key, f"no image member (looked for .{', .'.join(IMAGE_SUFFIXES[:4])}, ...)"))
+        return None
+    info = group[suffix]
+    why = unsafe_name(info.name) or (None if info.isreg() else _not_regular(info))
+    if why is None and info.offset_data + info.size > size:
+        why = (f"truncated tar: the member's data ends at byte {info.offset_data + info.size}, past the end "
+               f"of the file ({size} bytes)")
+    if why is not None:
+        skipped.append((info.name, why))
+        return None
+    member = Member(0, 0, info.offset_data, info.size)
+    label_suffix, json_field = key_spec or ("cls", None)
+    label_info = group.get(label_suffix)
+    if label_info is None:
+        return Sample(info.name, member, None)
+    try:
+        if not label_info.isreg() or label_info.size > MAX_LABEL_MEMBER_BYTES:
+            raise ValueError("not a regular file" if not label_info.isreg() else f"{label_info.size} bytes")
+        data = os.pread(f.fileno(), label_info.size, label_info.offset_data)
+        if len(data) != label_info.size:
+            raise ValueError("the tar is truncated inside it")
+        label = _label(data, label_suffix, json_field)
+    except ValueError as e:  # UnicodeDecodeError and json's errors are ValueErrors
+        skipped.append((info.name, f"unreadable label member {label_info.name!r:.80}: {e}"))
+        return None
+    return Sample(info.name, member, label)
+
+
+def find_member(path: Path, name: str) -> tuple[Member, tuple] | None:
+    """The regular member called `name` (headers walked up to it), for re-reading one source."""
+    with open(path, "rb") as f:
+        members, _ = _walk(f, os.fstat(f.fileno()).st_size)
+    info = next((m for m in members if m.name == name and m.isreg()), None)
+    return None if info is None else (Member(0, 0, info.offset_data, info.size), ())
+
+
+def read_members(path: str, members: list[Member], max_bytes: int, options: tuple = ()) -> Iterator[bytes | ImageError]:
+    """Each member's bytes, in the order given (the stored order: a sequential read)."""
+    with open(path, "rb") as f:
+        for member in members:
+            if member.size > max_bytes:
+                yield too_large(member.size, max_bytes)
+                continue
+            data = os.pread(f.fileno(), member.size, member.position)
+            yield data if len(data) == member.size else ImageError(
+                f"truncated tar: {len(data)} of the member's {member.size} bytes are in the file")

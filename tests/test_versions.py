@@ -1,0 +1,412 @@
+"""Versions (format 1.3): `dsc append`, `dsc merge`, `dsc prune`, and readers of a growing dataset.
+
+Real compiles of real JPEGs and PNGs (conftest.make_folder), real processes for the races and kills."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_publish_states import tmpfs
+from typer.testing import CliRunner
+
+from dsc import format as fmt
+from dsc import storage
+from dsc.cli import app
+from dsc.compiler import versions
+from dsc.compiler.append import append
+from dsc.compiler.merge import merge
+from dsc.compiler.pipeline import compile_folder
+from dsc.errors import CompileError, DatasetError
+from dsc.reader.dataset import MemmapDataset
+
+from conftest import make_folder, rewrite_manifest
+
+SIZE = 16
+
+
+def split_folder(master: Path, parts: dict[str, Path], pick) -> None:
+    """Copy each image of `master` (class folders) into the part `pick(class, name)` names."""
+    for image in sorted(master.rglob("*.*")):
+        dest = parts[pick(image.parent.name, image.name)] / image.parent.name / image.name
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(image, dest)
+
+
+def by_source(ds: MemmapDataset) -> dict[str, tuple[np.ndarray, str]]:
+    """Each record's pixels and class name, keyed by its source's last two path components (class/file)."""
+    out = {}
+    for i in range(len(ds)):
+        key = "/".join(ds.opened.source(i).split("/")[-2:])
+        label = int(ds.labels[i])
+        out[key] = (np.array(ds.opened.shards[i // ds.manifest.records_per_shard][i % ds.manifest.records_per_shard]),
+                    ds.classes[label] if label >= 0 else None)
+    return out
+
+
+@pytest.fixture
+def grown(tmp_path: Path):
+    """A master folder split in two: `a` compiled (5 records a shard: a partial last shard), `b` to append."""
+    master = make_folder(tmp_path / "master", classes=3, per_class=7)
+    a, b = tmp_path / "a", tmp_path / "b"
+    split_folder(master, {"a": a, "b": b}, lambda cls, name: "a" if int(name[4]) < 4 else "b")
+    compile_folder(a, tmp_path / "ds", size=SIZE, records_per_shard=5, workers=1)
+    return tmp_path, master, a, b
+
+
+def test_append_then_read_equals_a_compile_of_the_union(grown) -> None:
+    tmp, master, a, b = grown
+    before = MemmapDataset(tmp / "ds")
+    old = [before[i].image.numpy().copy() for i in range(len(before))]
+    summary = append(tmp / "ds", b, workers=1)
+    compile_folder(master, tmp / "union", size=SIZE, workers=1)
+    after, union = MemmapDataset(tmp / "ds"), MemmapDataset(tmp / "union")
+    assert (summary.version, after.version, len(after)) == (2, 2, len(union)) == (2, 2, 21)
+    got, want = by_source(after), by_source(union)
+    assert sorted(got) == sorted(want)
+    for key, (pixels, label) in want.items():
+        assert got[key][1] == label, key
+        assert np.array_equal(got[key][0], pixels), key
+    # order: version 1's records first, unchanged; then SRC's in the order a compile of SRC alone stores them
+    assert all(np.array_equal(after[i].image.numpy().copy(), old[i]) for i in range(len(old)))
+    compile_folder(b, tmp / "b_only", size=SIZE, records_per_shard=5, workers=1)
+    alone = MemmapDataset(tmp / "b_only")
+    assert [after.opened.source(len(old) + i) for i in range(len(alone))] == \
+        [f"../b/{alone.opened.source(i)}" for i in range(len(alone))]
+    assert storage.validate(tmp / "ds").dataset_version == 2
+    storage.verify_checksums(tmp / "ds", after.manifest)
+
+
+def test_a_reader_of_version_n_keeps_serving_it_while_an_append_lands(grown) -> None:
+    tmp, _, _, b = grown
+    ds = MemmapDataset(tmp / "ds")
+    expected = {i: ds[i].image.numpy().copy() for i in range(len(ds))}
+    loader = ds.loader(4, order="sequential", seed=0)
+    it = iter(loader)
+    seen = [next(it)]
+    append(tmp / "ds", b, workers=1)  # lands while the pass is half-way
+    seen += list(it)
+    served = {int(i): img for batch in seen for i, img in zip(batch["index"], batch["image"].numpy())}
+    assert sorted(served) == sorted(expected)
+    assert all(np.array_equal(served[i], expected[i]) for i in expected)
+    copy = pickle.loads(pickle.dumps(ds))  # a DataLoader worker's copy opens the same version again
+    assert (copy.version, len(copy)) == (1, 12)
+    assert all(np.array_equal(copy[i].image.numpy().copy(), expected[i]) for i in expected)
+    assert len(MemmapDataset(tmp / "ds")) == 21  # a new open sees the new version
+
+
+def test_loader_state_names_the_version_and_refuses_a_newer_one(grown) -> None:
+    tmp, _, _, b = grown
+    loader = MemmapDataset(tmp / "ds").loader(4, seed=3)
+    next(iter(loader))
+    state = loader.state_dict()
+    assert state["dataset_version"] == 1
+    append(tmp / "ds", b, workers=1)
+    with pytest.raises(ValueError, match=r"saved reading version 1 .* reads version 2.*version=1"):
+        MemmapDataset(tmp / "ds").loader(4, seed=3).load_state_dict(state)
+    again = MemmapDataset(tmp / "ds", version=1).loader(4, seed=3)
+    again.load_state_dict(state)  # the message's way to continue
+    assert len(list(again)) == 2  # 12 records, 4 served: 8 left
+
+
+def _append_process(ds: Path, src: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "dsc", "append", str(ds), str(src), "-j", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_two_racing_appends_in_two_processes_both_land_never_lost(tmp_path: Path) -> None:
+    master = make_folder(tmp_path / "master", classes=2, per_class=9)
+    parts = {k: tmp_path / k for k in ("a", "b", "c")}
+    split_folder(master, parts, lambda cls, name: "abc"[int(name[4]) % 3])
+    compile_folder(parts["a"], tmp_path / "ds", size=SIZE, records_per_shard=4, workers=1)
+    procs = [_append_process(tmp_path / "ds", parts[k]) for k in ("b", "c")]
+    results = [p.communicate(timeout=120) for p in procs]
+    codes = [p.returncode for p in procs]
+    assert codes == [0, 0], [err for _, err in results]  # the second waits for the first's commit, then goes on top
+    ds = MemmapDataset(tmp_path / "ds")
+    assert ds.version == 3 and storage.dataset_versions(tmp_path / "ds") == [1, 2, 3]
+    keys = set(by_source(ds))
+    assert len(keys) == len(ds) == 18  # each append whole, once
+    assert {len(MemmapDataset(tmp_path / "ds", version=2))} == {12}
+    storage.verify_checksums(tmp_path / "ds", ds.manifest)
+
+
+def test_a_commit_never_replaces_a_version_someone_else_made(grown) -> None:
+    tmp, _, _, b = grown
+    append(tmp / "ds", b, workers=1)
+    v2 = storage.parse_manifest(tmp / "ds")
+    text = (tmp / "ds" / fmt.version_file(2)).read_bytes()
+    with pytest.raises(versions.VersionTaken, match="version 2 was committed by another writer"):
+        versions.commit(tmp / "ds", replace(v2, classes=(*v2.classes[:-1], "renamed")))
+    assert (tmp / "ds" / fmt.version_file(2)).read_bytes() == text
+
+
+def test_new_classes_are_refused_unless_asked_for_and_then_go_at_the_end(tmp_path: Path) -> None:
+    make_folder(tmp_path / "a", classes=2, per_class=3)
+    make_folder(tmp_path / "b", classes=3, per_class=2, seed=5)
+    (tmp_path / "b" / "class_2").rename(tmp_path / "b" / "zebra")
+    (tmp_path / "b" / "class_0").rename(tmp_path / "b" / "ant")
+    compile_folder(tmp_path / "a", tmp_path / "ds", size=SIZE, workers=1)
+    with pytest.raises(CompileError, match=r"lacks: 'ant', 'zebra'.*--new-classes"):
+        append(tmp_path / "ds", tmp_path / "b", workers=1)
+    assert storage.dataset_versions(tmp_path / "ds") == [1]
+    summary = append(tmp_path / "ds", tmp_path / "b", workers=1, new_classes=True)
+    ds = MemmapDataset(tmp_path / "ds")
+    assert ds.classes == ["class_0", "class_1", "ant", "zebra"] and summary.new_classes == ["ant", "zebra"]
+    for i in range(len(ds)):
+        assert ds.opened.source(i).split("/")[-2] == ds.classes[int(ds.labels[i])]
+
+
+def test_merge_joins_differing_class_sets_by_name(tmp_path: Path) -> None:
+    make_folder(tmp_path / "a", classes=2, per_class=3)
+    make_folder(tmp_path / "b", classes=2, per_class=4, seed=7)
+    (tmp_path / "b" / "class_0").rename(tmp_path / "b" / "eel")  # b: class_1 (shared, index 0 there), eel
+    compile_folder(tmp_path / "a", tmp_path / "A", size=SIZE, records_per_shard=3, workers=1)
+    compile_folder(tmp_path / "b", tmp_path / "B", size=SIZE, records_per_shard=3, workers=1)
+    assert MemmapDataset(tmp_path / "B").classes == ["class_1", "eel"]
+    result = CliRunner().invoke(app, ["merge", str(tmp_path / "A"), str(tmp_path / "B"), str(tmp_path / "M")])
+    assert result.exit_code == 0, result.output
+    m, a, b = (MemmapDataset(tmp_path / k) for k in "MAB")
+    assert m.classes == ["class_0", "class_1", "eel"] and len(m) == 14
+    for i in range(len(m)):
+        assert m.opened.source(i).split("/")[-2] == m.classes[int(m.labels[i])]
+    for i in range(len(a)):
+        assert np.array_equal(m[i].image.numpy().copy(), a[i].image.numpy().copy())
+    for i in range(len(b)):
+        assert np.array_equal(m[6 + i].image.numpy().copy(), b[i].image.numpy().copy())
+    assert m.opened.source(6) == f"../b/{b.opened.source(0)}"
+    # A's 6 records fill its 2 shards and B's start on a shard boundary: every shard is a whole input file,
+    # reused by a reflink or (on this file system) a hard link, never copied
+    assert "5 shard(s) (5 reused" in result.stdout
+    # one record more in A: B's records no longer start on a boundary, and are copied into place
+    make_folder(tmp_path / "a7", classes=1, per_class=7)
+    compile_folder(tmp_path / "a7", tmp_path / "A7", size=SIZE, records_per_shard=3, workers=1)
+    shifted = merge([tmp_path / "A7", tmp_path / "B"], tmp_path / "M2")
+    assert shifted.shard_files[:2] != ["copy", "copy"] and set(shifted.shard_files[2:]) == {"copy"}
+    m2, a7 = MemmapDataset(tmp_path / "M2"), MemmapDataset(tmp_path / "A7")
+    for i in range(len(b)):
+        assert np.array_equal(m2[7 + i].image.numpy(), b[i].image.numpy())
+    assert m2.classes == ["class_0", "class_1", "eel"] and len(a7) == 7
+    storage.verify_checksums(tmp_path / "M", m.manifest)
+
+
+def test_merge_refuses_other_record_shapes_and_fields(tmp_path: Path) -> None:
+    make_folder(tmp_path / "a", classes=2, per_class=2)
+    compile_folder(tmp_path / "a", tmp_path / "A", size=SIZE, workers=1)
+    compile_folder(tmp_path / "a", tmp_path / "B", size=SIZE + 1, workers=1)
+    with pytest.raises(CompileError, match=r"records of shape \[17, 17, 3\].*\[16, 16, 3\]"):
+        merge([tmp_path / "A", tmp_path / "B"], tmp_path / "M")
+    table = tmp_path / "t.csv"
+    table.write_text("path,label,score\n" + "".join(f"class_{c}/img_{i}.jpg,class_{c},{i}.5\n"
+                                                    for c in range(2) for i in range(2)))
+    compile_folder(tmp_path / "a", tmp_path / "C", size=SIZE, labels=table, workers=1)
+    with pytest.raises(CompileError, match=r"fields must match by name"):
+        merge([tmp_path / "A", tmp_path / "C"], tmp_path / "M")
+    assert not (tmp_path / "M").exists()
+
+
+def test_prune_keeps_what_kept_versions_need(grown) -> None:
+    tmp, master, a, b = grown
+    c = tmp / "c"
+    split_folder(b, {"c": c}, lambda cls, name: "c")
+    for image in c.rglob("*.*"):
+        image.rename(image.with_name("c" + image.name))
+    append(tmp / "ds", b, workers=1)
+    append(tmp / "ds", c, workers=1)
+    (tmp / "ds" / "notes.txt").write_text("mine")
+    v1_only = {"labels.bin", "shards/00002.bin"}  # version 1's index and its partial last shard
+    result = CliRunner().invoke(app, ["prune", str(tmp / "ds"), "--keep", "2"])
+    assert result.exit_code == 0, result.output
+    assert "removed 1 version" in result.output
+    assert storage.dataset_versions(tmp / "ds") == [2, 3]
+    assert not any((tmp / "ds" / name).exists() for name in v1_only)
+    assert (tmp / "ds" / "notes.txt").read_text() == "mine" and (tmp / "ds" / "shards/00000.bin").exists()
+    for v in (2, 3):
+        ds = MemmapDataset(tmp / "ds", version=v)
+        storage.verify_checksums(tmp / "ds", ds.manifest)
+    with pytest.raises(DatasetError, match="has no version 1 .*versions 2 to 3"):
+        MemmapDataset(tmp / "ds", version=1)
+
+
+def test_append_upgrades_a_1_2_dataset_in_place_and_its_readers_see_no_change(tmp_path: Path) -> None:
+    make_folder(tmp_path / "a", classes=2, per_class=3)
+    make_folder(tmp_path / "b", classes=2, per_class=2, seed=3)
+    compile_folder(tmp_path / "a", tmp_path / "ds", size=SIZE, workers=1)
+    doc = json.loads((tmp_path / "ds" / fmt.MANIFEST_FILE).read_text())
+    rewrite_manifest(tmp_path / "ds", {**doc, "version": "1.2"})
+    old_bytes = (tmp_path / "ds" / fmt.MANIFEST_FILE).read_bytes()
+    reader = MemmapDataset(tmp_path / "ds")
+    pixels = [reader[i].image.numpy().copy() for i in range(len(reader))]
+    append(tmp_path / "ds", tmp_path / "b", workers=1)
+    assert (tmp_path / "ds" / fmt.version_file(1)).read_bytes() == old_bytes
+    for ds in (reader, MemmapDataset(tmp_path / "ds", version=1), pickle.loads(pickle.dumps(reader))):
+        assert ds.manifest.version == "1.2" and len(ds) == 6
+        assert all(np.array_equal(ds[i].image.numpy().copy(), pixels[i]) for i in range(6))
+    new = MemmapDataset(tmp_path / "ds")
+    assert (new.manifest.version, new.version, len(new)) == (fmt.FORMAT_VERSION, 2, 10)
+    assert json.loads((tmp_path / "ds" / fmt.MANIFEST_FILE).read_text())["dataset_version"] == 2  # the copy
+
+
+def test_kill_9_during_append_leaves_the_dataset_at_n_and_intact(tmp_path: Path) -> None:
+    make_folder(tmp_path / "a", classes=2, per_class=3)
+    make_folder(tmp_path / "b", classes=2, per_class=30, seed=9, sides=(200, 400))
+    compile_folder(tmp_path / "a", tmp_path / "ds", size=64, records_per_shard=4, workers=1)
+    first = storage.parse_manifest(tmp_path / "ds")
+    killed = 0
+    for delay in (0.6, 1.2, 1.8, 2.4, 3.0):
+        proc = _append_process(tmp_path / "ds", tmp_path / "b")
+        time.sleep(delay)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            killed += 1
+        proc.communicate(timeout=120)
+        ds = MemmapDataset(tmp_path / "ds")
+        storage.verify_checksums(tmp_path / "ds", ds.manifest)
+        assert len(ds) in (first.count, first.count + 60 * (ds.version - 1))
+        if ds.version > 1:
+            break
+    assert killed >= 1
+    summary = append(tmp_path / "ds", tmp_path / "b", workers=1)  # the next append clears what kills left
+    listed = versions.listed_by_versions(tmp_path / "ds")
+    stray = [p for p in (tmp_path / "ds" / fmt.APPENDS_DIR).rglob("*")
+             if p.is_file() and p.relative_to(tmp_path / "ds").as_posix() not in listed]
+    assert stray == [] and summary.count == len(MemmapDataset(tmp_path / "ds"))
+    assert not list(tmp_path.glob(".ds.dsc-append-*"))
+
+
+def test_cli_append_info_verify_name_versions(grown) -> None:
+    tmp, _, _, b = grown
+    runner = CliRunner()
+    result = runner.invoke(app, ["append", str(tmp / "ds"), str(b), "-j", "1"])
+    assert result.exit_code == 0, result.output
+    assert "version 2, 9 new records (21 in all)" in result.stdout
+    info = runner.invoke(app, ["info", str(tmp / "ds")])
+    assert "version 2 (kept: 1, 2)" in info.stdout and "12-20:" in info.stdout
+    as_json = json.loads(runner.invoke(app, ["info", str(tmp / "ds"), "--json"]).stdout)
+    assert (as_json["version"], as_json["versions"], as_json["records"]) == (2, [1, 2], 21)
+    assert "ok: manifest of version 1," in runner.invoke(app, ["verify", str(tmp / "ds"), "--version", "1"]).stdout
+    assert "ok: manifest of version 2," in runner.invoke(app, ["verify", str(tmp / "ds")]).stdout
+    bad = runner.invoke(app, ["append", str(tmp / "ds"), str(tmp / "nowhere")])
+    assert bad.exit_code == 1 and "Traceback" not in bad.output
+
+
+def test_force_replaces_a_grown_dataset_but_not_a_users_file_in_it(grown) -> None:
+    tmp, master, _, b = grown
+    append(tmp / "ds", b, workers=1)
+    (tmp / "ds" / fmt.APPENDS_DIR / "0123456789abcdef" / "shards").mkdir(parents=True)  # a killed append's
+    (tmp / "ds" / fmt.APPENDS_DIR / "0123456789abcdef" / "shards" / "00009.bin").write_bytes(b"x")
+    (tmp / "ds" / "versions" / "notes.txt").write_text("mine")
+    with pytest.raises(CompileError, match="versions/notes.txt"):
+        compile_folder(master, tmp / "ds", size=SIZE, force=True, workers=1)
+    (tmp / "ds" / "versions" / "notes.txt").unlink()
+    compile_folder(master, tmp / "ds", size=SIZE, force=True, workers=1)
+    ds = MemmapDataset(tmp / "ds")
+    assert (ds.version, len(ds)) == (1, 21) and not (tmp / "ds" / fmt.VERSIONS_DIR).exists()
+    assert not list(tmp.glob(".ds.dsc-old-*"))  # the grown dataset, every version's files, deleted whole
+
+
+def _table(path: Path, rows: list[tuple[str, str, str, str]]) -> Path:
+    path.write_text("path,label,tags,score\n" + "".join(",".join(r) + "\n" for r in rows))
+    return path
+
+
+def test_append_by_label_table_keeps_field_indices_and_widens_new_tags(tmp_path: Path) -> None:
+    make_folder(tmp_path / "src", classes=2, per_class=4)
+    rows = [(f"class_{c}/img_{i}.{'png' if i == 3 else 'jpg'}", f"class_{c}", "red;big" if i % 2 else "red", f"{i}.5")
+            for c in range(2) for i in range(4)]
+    compile_folder(tmp_path / "src", tmp_path / "ds", size=SIZE, workers=1,
+                   labels=_table(tmp_path / "old.csv", rows[:5]), columns={"tags": "multilabel"})
+    new_rows = [(p, c, "red;spotted" if k else "big", s) for k, (p, c, _, s) in enumerate(rows[5:])]
+    table = _table(tmp_path / "new.csv", new_rows)
+    with pytest.raises(CompileError, match=r"classes of field 'tags' that the dataset lacks: 'spotted'"):
+        append(tmp_path / "ds", tmp_path / "src", labels=table, workers=1)
+    before = MemmapDataset(tmp_path / "ds")
+    old_tags = np.array(before.fields["tags"])
+    append(tmp_path / "ds", tmp_path / "src", labels=table, workers=1, new_classes=True)
+    ds = MemmapDataset(tmp_path / "ds")
+    assert ds.field_classes("tags") == before.field_classes("tags") + ["spotted"]
+    tags = np.array(ds.fields["tags"])
+    assert tags.shape == (8, 3) and np.array_equal(tags[:5, :2], old_tags) and not tags[:5, 2].any()
+    names = ds.field_classes("tags")
+    for i in range(5, 8):
+        row = {r[0]: r for r in new_rows}[ds.opened.source(i).removeprefix("../src/")]
+        assert {names[k] for k in np.flatnonzero(tags[i])} == set(row[2].split(";"))
+        assert float(ds.fields["score"][i]) == float(row[3]) and ds.classes[int(ds.labels[i])] == row[1]
+
+
+def test_append_carries_its_skips_into_the_skip_list(grown) -> None:
+    tmp, _, _, b = grown
+    (b / "class_0" / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not a jpeg")
+    summary = append(tmp / "ds", b, workers=1)
+    ds = MemmapDataset(tmp / "ds")
+    skipped = storage.read_skipped(tmp / "ds", ds.manifest)
+    assert summary.skipped == 1 and [s["source"] for s in skipped] == ["../b/class_0/broken.jpg"]
+    storage.check_skip_list(ds.opened)
+
+
+KILLED_AT = """
+import os, signal, sys
+from dsc.compiler import append, versions
+def die(*args):
+    os.kill(os.getpid(), signal.SIGKILL)
+if sys.argv[3] == "before-commit":
+    versions.commit = die  # every new file is written, the version's manifest is not
+else:
+    versions.refresh_copy = die  # version N + 1 is committed, manifest.json still says N
+append.append(sys.argv[1], sys.argv[2], workers=1)
+"""
+
+
+@pytest.mark.parametrize("moment", ["before-commit", "before-refresh"])
+def test_a_kill_at_the_commit_leaves_one_whole_version_and_the_next_writer_tidies(grown, moment: str) -> None:
+    tmp, _, _, b = grown
+    before = (tmp / "ds" / fmt.MANIFEST_FILE).read_bytes()
+    done = subprocess.run([sys.executable, "-c", KILLED_AT, str(tmp / "ds"), str(b), moment], timeout=120)
+    assert done.returncode == -signal.SIGKILL
+    ds = MemmapDataset(tmp / "ds")
+    assert (ds.version, len(ds)) == ((1, 12) if moment == "before-commit" else (2, 21))
+    storage.verify_checksums(tmp / "ds", ds.manifest)
+    assert (tmp / "ds" / fmt.MANIFEST_FILE).read_bytes() == before  # not refreshed yet in either case
+    written = [p for p in (tmp / "ds" / fmt.APPENDS_DIR).rglob("*.bin")]
+    assert written  # the killed append's files are there, listed by a version or not
+    result = CliRunner().invoke(app, ["prune", str(tmp / "ds"), "--keep", "5"])  # the next writer
+    assert result.exit_code == 0, result.output
+    listed = versions.listed_by_versions(tmp / "ds")
+    assert all(p.relative_to(tmp / "ds").as_posix() in listed for p in (tmp / "ds" / fmt.APPENDS_DIR).rglob("*.bin"))
+    assert json.loads((tmp / "ds" / fmt.MANIFEST_FILE).read_text()).get("dataset_version", 1) == ds.version
+    assert len(list(tmp.glob(".ds.dsc-append-*"))) == 1  # the killed append's scratch folder, until the next append
+    append(tmp / "ds", b, workers=1)
+    assert not list(tmp.glob(".ds.dsc-append-*"))
+
+
+def test_an_append_beside_which_nothing_can_be_written_is_one_line(tmp_path: Path) -> None:
+    make_folder(tmp_path / "src", classes=2, per_class=2)
+    with tmpfs(tmp_path / "mnt", "16m") as mnt:
+        compile_folder(tmp_path / "src", mnt / "ds", size=SIZE, workers=1)
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+        result = CliRunner().invoke(app, ["append", str(mnt / "ds"), str(tmp_path / "src")])
+        assert result.exit_code == 1 and "Traceback" not in result.output
+        assert f"cannot write beside {mnt / 'ds'}" in result.output and "Read-only file system" in result.output
+        assert MemmapDataset(mnt / "ds").version == 1
+
+
+def test_verify_decode_remakes_each_part_of_a_merge_as_its_own_compile_did(tmp_path: Path) -> None:
+    from dsc.tools.recheck import check_against_sources
+
+    make_folder(tmp_path / "a", classes=2, per_class=3, sides=(40, 120))
+    make_folder(tmp_path / "b", classes=2, per_class=3, seed=4, sides=(40, 120))
+    compile_folder(tmp_path / "a", tmp_path / "A", size=SIZE, workers=1)
+    compile_folder(tmp_path / "b", tmp_path / "B", size=SIZE, fit="stretch", workers=1)
+    merge([tmp_path / "A", tmp_path / "B"], tmp_path / "M")
+    assert [p.compile["fit"] for p in MemmapDataset(tmp_path / "M").manifest.record_parts] == ["center-crop", "stretch"]
+    check = check_against_sources(tmp_path / "M", 12)
+    assert check.checked == 12 and check.missing == [] and check.worst_max_abs == 0, check
