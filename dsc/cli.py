@@ -23,22 +23,27 @@ import typer
 from tqdm import tqdm
 
 from dsc.compiler.decode import DEFAULT_MAX_PIXELS
-from dsc.compiler.engines import ENGINES
+from dsc.compiler.engines import ENGINES, MAX_WORKERS
+from dsc.compiler.engines.supervisor import MAX_STALL_S
 from dsc.compiler.labels import parse_column_kinds
 from dsc.compiler.pipeline import compile_folder
 from dsc.compiler.publish import pending_publish, staging_path
 from dsc.compiler.sources import archive_sources
 from dsc.compiler.target import FITS, Target, parse_size
 from dsc.errors import CompileError, DscError
-from dsc.format import ALPHA, MANIFEST_FILE, minor_version
-from dsc.storage import check_skip_list, is_url, open_dataset, verify_checksums
+from dsc.format import ALPHA, MANIFEST_FILE, MAX_RECORDS, minor_version
+from dsc.storage import check_skip_list, is_url, open_dataset, parse_manifest, verify_checksums
 from dsc.tools.inspect_dataset import summary as inspect_summary
-from dsc.tools.sheet import pick_records, save_sheet
+from dsc.tools.sheet import MAX_TILES, pick_records, save_sheet
 from dsc.version import __version__
 
 SHOW_SKIPPED = 20  # skipped files listed by `dsc info` before "... and N more"
 SHOW_CLASSES = 20  # classes (of the label, of a field) listed with their counts before "..."
 DECODE_MEAN_LIMIT = 1.0  # `verify --decode`: the same pipeline gives identical pixels; allow other builds' rounding
+# Bounds of options that would otherwise run without end or ask for what no machine has:
+MAX_BENCH_SECONDS = 3600.0  # `bench --seconds`: per measurement, and there are up to ten (`--seconds inf`: never)
+MAX_THREADS = 256  # `bench --threads`: copy threads; more only contend for the same memory bandwidth
+MAX_PIXELS_LIMIT = 1 << 40  # `compile --max-pixels`: a terapixel; a larger header is a lie, never an image
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="dsc: compile image folders into memory-mappable uint8 shards, and read them fast.")
@@ -117,7 +122,7 @@ def compile_command(
     seed: int = typer.Option(0, "--seed", min=0, metavar="N", help="Seed of the record order."),
     shuffle: bool = typer.Option(True, "--shuffle/--no-shuffle",
                                  help="Store records in a seeded random order (default) or in sorted order."),
-    workers: int = typer.Option(None, "--workers", "-j", min=1, metavar="N",
+    workers: int = typer.Option(None, "--workers", "-j", min=1, max=MAX_WORKERS, metavar="N",
                                 help="Worker processes [default: all cores]."),
     strict: bool = typer.Option(False, "--strict", help="Fail on the first bad image instead of skipping it."),
     force: bool = typer.Option(False, "--force",
@@ -126,12 +131,16 @@ def compile_command(
                                 "(with --force: one that was to replace the dataset at OUT)."),
     engine: str = typer.Option("local", "--engine", metavar="local|ray",
                                help="Where to decode: local (processes here) or ray."),
+    stall_seconds: float = typer.Option(None, "--stall-seconds", min=1, max=MAX_STALL_S, metavar="S",
+                                        help="A worker that finishes no image for S seconds is stopped and its "
+                                        "work retried by another; an image two workers stalled on is skipped "
+                                        "(local engine, 2+ workers) [default: 300]."),
     address: str = typer.Option(None, "--address", metavar="ADDRESS",
                                 help="Ray cluster address for --engine ray [default: start "
                                 "a local one]."),
-    records_per_shard: int = typer.Option(None, "--records-per-shard", min=1, metavar="N",
+    records_per_shard: int = typer.Option(None, "--records-per-shard", min=1, max=MAX_RECORDS, metavar="N",
                                           help="Records per shard file [default: as many as fit in 1 GiB]."),
-    max_pixels: int = typer.Option(DEFAULT_MAX_PIXELS, "--max-pixels", min=1, metavar="N",
+    max_pixels: int = typer.Option(DEFAULT_MAX_PIXELS, "--max-pixels", min=1, max=MAX_PIXELS_LIMIT, metavar="N",
                                    help="Skip images whose header declares more pixels (decompression bombs)."),
     fast_decode: bool = typer.Option(False, "--fast-decode",
                                      help="Scale JPEGs down in the DCT domain to just the needed size: faster, "
@@ -171,6 +180,9 @@ def compile_command(
         raise typer.BadParameter(f"{alpha!r} is not one of {', '.join(ALPHA)}", param_hint="--alpha")
     if engine not in ENGINES:
         raise typer.BadParameter(f"{engine!r} is not one of {', '.join(ENGINES)}", param_hint="--engine")
+    if stall_seconds is not None and engine != "local":
+        raise typer.BadParameter("only with --engine local (Ray tasks have no stall limit yet)",
+                                 param_hint="--stall-seconds")
     if address is not None and engine != "ray":
         raise typer.BadParameter("only with --engine ray", param_hint="--address")
     if column and labels is None:
@@ -180,10 +192,13 @@ def compile_command(
     if skip_unknown_classes and classes is None and classes_from is None:
         raise typer.BadParameter("only with --classes or --classes-from (without, every class is known)",
                                  param_hint="--skip-unknown-classes")
-    if classes_from is not None and not (classes_from / MANIFEST_FILE).is_file():
-        raise typer.BadParameter(f"{classes_from} does not exist" if not classes_from.exists() else
-                                 f"{classes_from} is not a dsc dataset (no {MANIFEST_FILE}); for a file of class "
-                                 "names use --classes FILE", param_hint="--classes-from")
+    try:
+        if classes_from is not None and not (classes_from / MANIFEST_FILE).is_file():
+            raise typer.BadParameter(f"{classes_from} does not exist" if not classes_from.exists() else
+                                     f"{classes_from} is not a dsc dataset (no {MANIFEST_FILE}); for a file of class "
+                                     "names use --classes FILE", param_hint="--classes-from")
+    except OSError as e:  # a name too long
+        raise typer.BadParameter(f"{classes_from}: {e.strerror or e}", param_hint="--classes-from") from None
     vocabulary = classes_from if classes_from is not None else classes  # names or a path: classes.classes_option
     try:
         kinds = parse_column_kinds(column or [])
@@ -196,6 +211,7 @@ def compile_command(
             summary = compile_folder(src, out, size=size, fit=fit, seed=seed, shuffle=shuffle, workers=workers,
                                      strict=strict, force=force, records_per_shard=records_per_shard,
                                      max_pixels=max_pixels, resume=resume, engine=engine, address=address,
+                                     stall_seconds=stall_seconds,
                                      fast_decode=fast_decode, alpha=alpha, classes=vocabulary,
                                      skip_unknown_classes=skip_unknown_classes, labels=labels, columns=kinds or None,
                                      label_key=label_key, image_column=image_column,
@@ -218,7 +234,7 @@ def compile_command(
     if summary.ignored:
         typer.echo(f"note: {summary.ignored} image(s) in {src} are not listed in {labels} and were not compiled",
                    err=True)
-    for f in inspect_summary(out)["fields"] if summary.fields else []:
+    for f in inspect_summary(out, every_skip=False)["fields"] if summary.fields else []:
         typer.echo(f"field {f['name']}: {_describe_field(f)}", err=True)
     for name in summary.empty_classes:  # a vocabulary's class may have no folder at all (--classes, --classes-from)
         typer.echo(f"note: class folder {name!r} has no images (its label is kept)"
@@ -306,11 +322,20 @@ def _dataset_argument(urls: bool = False) -> Path:
 def _fail_dataset(location: str | Path, e: DscError) -> None:
     """A dataset that cannot be opened; where it is missing because a compile was interrupted, say so."""
     problems = [*(getattr(e, "problems", None) or [str(e)])]
-    dataset = Path(location)
-    if not is_url(location) and not dataset.exists() and staging_path(dataset.absolute()).is_dir():
+    if not is_url(location) and _left_partial(Path(location)):
+        dataset = Path(location)
         problems.append(f"an interrupted compile left its work in {staging_path(dataset.absolute())}: run that "
                         "compile again with --resume to finish it")
     _fail(*problems)
+
+
+def _left_partial(dataset: Path) -> bool:
+    """Whether an interrupted compile of `dataset` left its work beside it; False where the name cannot be
+    looked up at all (a name too long for its staging name, a folder that cannot be searched)."""
+    try:
+        return not dataset.exists() and staging_path(dataset.absolute()).is_dir()
+    except OSError:
+        return False
 
 
 def _versioned_command(run: Callable[[], object], dataset: Path) -> object:
@@ -336,7 +361,7 @@ def append_command(
     new_classes: bool = typer.Option(False, "--new-classes",
                                      help="Allow classes the dataset lacks (added at the end; existing indices "
                                      "never change) [default: refuse them]."),
-    workers: int = typer.Option(None, "--workers", "-j", min=1, metavar="N",
+    workers: int = typer.Option(None, "--workers", "-j", min=1, max=MAX_WORKERS, metavar="N",
                                 help="Worker processes [default: all cores]."),
     strict: bool = typer.Option(False, "--strict", help="Fail on the first bad image instead of skipping it."),
 ) -> None:
@@ -406,7 +431,7 @@ def info_command(
 ) -> None:
     """Summarise a dataset: records, shape, classes, skipped files, size, shards, compile options."""
     try:
-        s = inspect_summary(dataset)
+        s = inspect_summary(dataset, every_skip=as_json)  # the text shows SHOW_SKIPPED: no need to read them all
     except DscError as e:
         _fail_dataset(dataset, e)
     if as_json:
@@ -439,11 +464,11 @@ def info_command(
             typer.echo(f"  record {item['record']} {_clean(item['source'])}: {item['warnings']} warning(s)")
         if len(s["warned"]) > SHOW_SKIPPED:
             typer.echo(f"  ... and {len(s['warned']) - SHOW_SKIPPED} more (dsc info --json lists them all)")
-    typer.echo(f"{len(s['skipped'])} skipped" + (":" if s["skipped"] else ""))
+    typer.echo(f"{s['skipped_count']} skipped" + (":" if s["skipped"] else ""))
     for item in s["skipped"][:SHOW_SKIPPED]:
         typer.echo(f"  {_clean(item['source'])}: {_clean(item['reason'])}")
-    if len(s["skipped"]) > SHOW_SKIPPED:
-        typer.echo(f"  ... and {len(s['skipped']) - SHOW_SKIPPED} more (dsc info --json lists them all)")
+    if s["skipped_count"] > SHOW_SKIPPED:
+        typer.echo(f"  ... and {s['skipped_count'] - SHOW_SKIPPED} more (dsc info --json lists them all)")
 
 
 @app.command("verify")
@@ -492,12 +517,13 @@ def verify_command(
 def show_command(
     dataset: str = _dataset_argument(urls=True),
     output: Path = typer.Option(..., "--output", "-o", metavar="FILE", help="Image file to write (PNG, JPEG, ...)."),
-    n: int = typer.Option(36, "--n", min=1, metavar="N", help="How many random records to show."),
+    n: int = typer.Option(36, "--n", min=1, max=MAX_TILES, metavar="N", help="How many random records to show."),
     indices: str = typer.Option(None, "--indices", metavar="I,J,...",
                                 help="Comma-separated record indices instead (e.g. 0,5,9)."),
     class_name: str = typer.Option(None, "--class", metavar="NAME", help="Only records of this class."),
     seed: int = typer.Option(0, "--seed", min=0, metavar="N", help="Seed of the random pick."),
-    columns: int = typer.Option(None, "--columns", min=1, metavar="N", help="Tiles per row [default: a square grid]."),
+    columns: int = typer.Option(None, "--columns", min=1, max=MAX_TILES, metavar="N",
+                                help="Tiles per row [default: a square grid]."),
 ) -> None:
     """Draw a contact sheet of records with their index and label, to check a compile by eye."""
     if indices is not None and class_name is not None:
@@ -519,16 +545,25 @@ def show_command(
 def bench_command(
     dataset: str = _dataset_argument(urls=True),
     batch_size: int = typer.Option(256, "--batch-size", "-b", min=1, metavar="N", help="Records per batch."),
-    seconds: float = typer.Option(5.0, "--seconds", min=0.1, metavar="S", help="Time budget per measurement."),
-    threads: int = typer.Option(None, "--threads", min=1, metavar="N", help="Copy threads [default: up to 4 cores]."),
+    seconds: float = typer.Option(5.0, "--seconds", min=0.1, max=MAX_BENCH_SECONDS, metavar="S",
+                                  help="Time budget per measurement."),
+    threads: int = typer.Option(None, "--threads", min=1, max=MAX_THREADS, metavar="N",
+                                help="Copy threads [default: up to 4 cores]."),
     cold: bool = typer.Option(True, "--cold/--no-cold", help="Also measure from a cold page cache."),
     device: str = typer.Option(None, "--device", metavar="DEVICE",
                                help="Add the host→device path, e.g. cuda (if present)."),
 ) -> None:
     """Measure read throughput of this dataset here, next to this machine's copy limit; name the bottleneck."""
     from dsc.reader.settings import resolve_device  # the reader (torch): only the command that reads with it
+    from dsc.tools.bench import batch_problem, memory_bytes
     from dsc.tools.bench import run as run_bench
 
+    try:
+        record_shape = parse_manifest(dataset).record_shape
+    except DscError as e:
+        _fail_dataset(dataset, e)
+    if (problem := batch_problem(batch_size, record_shape, memory_bytes())) is not None:
+        raise typer.BadParameter(problem, param_hint="--batch-size")
     try:
         on_host = device is not None and resolve_device(device) is None
     except ValueError as e:

@@ -93,6 +93,7 @@ MAX_FIELD_NAME = 64
 MAX_FIELD_VALUES = 1 << 16  # values per record in one field
 MAX_MANIFEST_BYTES = 64 << 20  # refuse to parse more: a manifest is small, even with many skips
 MAX_SIDE = 1 << 16  # records are thumbnails for training, not posters
+MAX_RECORDS = 1 << 40  # records in a dataset, and so in one shard (formats.md: 2^40)
 SCAN_ITEMS = 1 << 20  # index values checked this many at a time: bounded memory at open
 # compile.decode (informative): how far the compiler let libjpeg-turbo scale JPEGs down in the
 # DCT domain; a manifest without the key was made before it existed, by today's "fast".
@@ -682,8 +683,8 @@ def parse_manifest(text: bytes, root: Any, size_of: SizeOf) -> Manifest:
     if isinstance(record["bytes"], bool) or not isinstance(record["bytes"], int) or record["bytes"] != record_bytes:
         raise _fail(root, f"record: 'bytes' = {record['bytes']!r:.30} but shape {shape} needs {record_bytes}")
 
-    count = _expect_int(root, doc, "count", 1, 1 << 40)
-    per_shard = _expect_int(root, doc, "records_per_shard", 1, 1 << 40)
+    count = _expect_int(root, doc, "count", 1, MAX_RECORDS)
+    per_shard = _expect_int(root, doc, "records_per_shard", 1, MAX_RECORDS)
     classes = _expect(root, doc, "classes", list)
     if not all(isinstance(c, str) and c for c in classes) or len(set(classes)) != len(classes):
         raise _fail(root, "'classes' must be a list of distinct, non-empty strings")
@@ -697,7 +698,7 @@ def parse_manifest(text: bytes, root: Any, size_of: SizeOf) -> Manifest:
     for i, (entry, records) in enumerate(zip(shards_doc, expected_records)):
         where = f"shards[{i}]"
         _file_entry(stored, entry, where, records * record_bytes, newer, _FILE_KEYS | {"records"})
-        if _expect_int(root, entry, "records", 1, 1 << 40, f"{where}: ") != records:
+        if _expect_int(root, entry, "records", 1, MAX_RECORDS, f"{where}: ") != records:
             raise _fail(root, f"{where}: 'records' = {entry['records']}, expected {records}")
         shards.append(ShardEntry(entry["file"], entry["bytes"], entry["sha256"], records))
 
@@ -766,7 +767,7 @@ def _skip_list_entry(stored: _Stored, doc: dict, newer: bool) -> SkipListEntry |
     if "skipped_list" not in doc:
         return None
     entry = _file_entry(stored, doc["skipped_list"], "skipped_list", None, newer, _FILE_KEYS | {"count"})
-    count = _expect_int(stored.root, entry, "count", 0, 1 << 40, "skipped_list: ")
+    count = _expect_int(stored.root, entry, "count", 0, MAX_RECORDS, "skipped_list: ")
     if len(doc["skipped"]) != min(count, SKIPPED_IN_MANIFEST):  # 'skipped' repeats the list's first lines
         raise _fail(stored.root, f"skipped_list: 'count' = {count}, but 'skipped' lists {len(doc['skipped'])} "
                                  f"(it must repeat the first min(count, {SKIPPED_IN_MANIFEST}))")

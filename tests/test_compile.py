@@ -182,7 +182,7 @@ def test_discovery_rules(tmp_path: Path) -> None:
     ({"size": "12y4"}, "is not N or HxW"),
     ({"size": 0}, "between 1 and"),
     ({"fit": "zoom"}, "unknown fit"),
-    ({"workers": 0}, "workers must be a positive integer"),
+    ({"workers": 0}, "workers must be an integer >= 1 and <= 1024"),
     ({"out": "src/class_0/out"}, "must not be inside the source folder"),
 ])
 def test_bad_arguments_are_clear_errors(folder: Path, tmp_path: Path, kwargs: dict, message: str) -> None:
@@ -449,14 +449,15 @@ def test_a_kill_after_cleaning_up_but_before_publishing_still_resumes(folder: Pa
 
 def test_a_passing_system_error_stops_the_compile_instead_of_skipping(folder: Path, tmp_path: Path,
                                                                       monkeypatch) -> None:
-    real_open = open
+    import dsc.compiler.write as write
+    real_read = write.read_regular
 
     def crowded(path, *args, **kwargs):  # as if the process had run out of file descriptors
         if str(path).endswith("img_1.jpg"):
             raise OSError(errno.EMFILE, "Too many open files", str(path))
-        return real_open(path, *args, **kwargs)
+        return real_read(path, *args, **kwargs)
 
-    monkeypatch.setattr("builtins.open", crowded)
+    monkeypatch.setattr(write, "read_regular", crowded)
     with pytest.raises(CompileError, match="Too many open files.*--resume"):
         compile_folder(folder, tmp_path / "out", size=8, workers=1)
     monkeypatch.undo()

@@ -30,6 +30,7 @@ TINY = {
                                     "--resume-engine", "", "--root", "{tmp}/scale"],
     "benchmarks/scale_sim.py": ["--ranks", "2", "--batch", "4", "--epochs", "1", "--repeat", "1"],
     "benchmarks/startup_bench.py": ["--repeat", "1"],
+    "benchmarks/open_scale.py": ["--counts", "2000", "--dir", "{tmp}"],
     "benchmarks/reader_ab.py": ["--rounds", "1", "--epochs", "2", "--batch", "4"],
     "benchmarks/cooccurrence_bench.py": ["--batch", "4", "--epochs", "2", "--cold-repeat", "1", "--warm-repeat", "1",
                                          "--settings", "random", "block:4/2", "block", "--cost-repeat", "1"],

@@ -10,7 +10,7 @@ shared class differently, in the label or in a field.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ def classes_option(value: str) -> Path | list[str]:
     names; a value that looks like a file name must exist, or a typo would become one class."""
     if not value.strip():
         raise CompileError("the classes are empty (give names, a file of names or a dataset)")
-    if Path(value).exists():
+    if _is(Path(value), Path.exists):
         return Path(value)
     if "," not in value and ("/" in value or Path(value).suffix.lower() in CLASS_FILE_SUFFIXES):
         raise CompileError(f"classes file {value} does not exist")
@@ -61,10 +61,18 @@ def load_classes(value: str | os.PathLike | Sequence[str], fields_only: bool = F
     return check_classes(list(value), "classes")
 
 
+def _is(path: Path, test: Callable[[Path], bool]) -> bool:
+    """`test(path)`, False for a name that cannot be a path at all (too long: one long class name)."""
+    try:
+        return test(path)
+    except OSError:
+        return False
+
+
 def reference_fields(value: Any) -> dict[str, tuple[str, tuple[str, ...]]]:
     """The fields of the dataset `value` names, if it names one ({name: (kind, classes)}): a split
     compiled with `--classes-from` it gives its class and tag columns the same positions."""
-    if not isinstance(value, (str, os.PathLike)) or not Path(value).is_dir():
+    if not isinstance(value, (str, os.PathLike)) or not _is(Path(value), Path.is_dir):
         return {}
     return {f.name: (f.kind, f.classes) for f in storage.parse_manifest(value).fields}
 

@@ -146,10 +146,13 @@ def list_images(root: Path, on_found: OnFound | None = None) -> tuple[list[str],
 
 def check_source_folder(root: Path) -> list[os.DirEntry]:
     """The entries of SRC, sorted by name; CompileError when it is not a readable folder."""
-    if not root.exists():
-        raise CompileError(f"source folder {root} does not exist")
-    if not root.is_dir():
-        raise CompileError(f"source {root} is not a folder")
+    try:
+        if not root.exists():
+            raise CompileError(f"source folder {root} does not exist")
+        if not root.is_dir():
+            raise CompileError(f"source {root} is not a folder")
+    except OSError as e:  # a name too long, a folder above that may not be searched
+        raise CompileError(f"cannot open source folder {root}: {e.strerror or e}") from e
     if is_dataset(root):
         raise CompileError(f"source {root} is a compiled dsc dataset, not an image folder; did you swap SRC and OUT?")
     try:

@@ -47,6 +47,7 @@ from dsc import format as fmt
 from dsc.arguments import is_int
 from dsc.compiler.discover import Discovery, check_source_folder, is_image_name, list_images
 from dsc.errors import CompileError
+from dsc.files import RefusedFile, TooLarge, read_regular
 
 KINDS = tuple(fmt.FIELD_DTYPES)
 LABEL_COLUMN = "label"  # the table column that becomes the dataset's label (labels.bin, `classes`)
@@ -102,18 +103,18 @@ def read_table(path: str | os.PathLike, root: str | os.PathLike | None = None) -
     paths inside `root` (SRC) are taken relative to it."""
     path = Path(path)
     roots = () if root is None else (Path(os.path.abspath(root)), Path(root).resolve())  # as given; links resolved
-    if path.is_dir():
+    if _is_dir(path):
         raise CompileError(f"{path} is a folder; --labels takes a CSV or JSONL file")
     if path.suffix.lower() == ".json":  # read as CSV, a JSON document would fail at its first '"'
         raise CompileError(f"{path}: only CSV (.csv, header row) and JSON Lines (.jsonl, one object per line) label "
                            "tables are read, not a .json document")
     try:
-        if path.stat().st_size > MAX_TABLE_BYTES:
-            raise CompileError(f"{path}: larger than {MAX_TABLE_BYTES >> 20} MiB; not a label table")
-        text = path.read_text(encoding="utf-8-sig")
+        text = read_regular(path, MAX_TABLE_BYTES).decode("utf-8-sig")
+    except TooLarge:
+        raise CompileError(f"{path}: larger than {MAX_TABLE_BYTES >> 20} MiB; not a label table") from None
     except FileNotFoundError:
         raise CompileError(f"label table {path} does not exist") from None
-    except (OSError, UnicodeDecodeError) as e:
+    except (OSError, UnicodeDecodeError, RefusedFile) as e:
         raise CompileError(f"cannot read label table {path}: {e}") from e
     jsonl = path.suffix.lower() in JSONL_SUFFIXES
     path_column, header, body = ("path", *_read_jsonl(path, text)) if jsonl else _read_csv(path, text, roots)
@@ -167,6 +168,13 @@ def _check_header_is_names(path: Path, header: list[str], roots: tuple[Path, ...
             continue
         raise _problem(path, 1, f"the header cell {cell!r:.80} is {what}, so the table seems to have no header row; "
                        "add one as its first line (e.g. 'path,label': the image path column, then names)")
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except OSError:  # a name too long: reading it says so
+        return False
 
 
 def _is_file(path: Path) -> bool:

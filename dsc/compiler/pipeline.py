@@ -29,6 +29,7 @@ from dsc.compiler import sources as archives
 from dsc.compiler.decode import DEFAULT_MAX_PIXELS, decoder_name
 from dsc.compiler.discover import Discovery, discover, printable
 from dsc.compiler.engines import check_workers, make_engine
+from dsc.compiler.engines.supervisor import MAX_STALL_S
 from dsc.compiler.finish import NothingDecoded, Unpublishable, check_shard_count, finish
 from dsc.compiler.jobs import Engine, SlotResult, WriteJob, chunk_size, split
 from dsc.compiler.target import INTERPOLATION, PAD_VALUE, Target, parse_size, resize_backend
@@ -87,6 +88,10 @@ def source_order(n: int, seed: int, shuffle: bool) -> np.ndarray:
 
 def _check_paths(src: Path, out: Path) -> None:
     """OUT and SRC must not contain each other: a compile must never read or replace its sources."""
+    try:
+        src.exists()
+    except OSError as e:  # a name too long: no file or pattern could have it
+        raise CompileError(f"source {src}: {e.strerror or e}") from None
     s, o = src.resolve(), out.resolve()
     if o == s:
         raise CompileError(f"the source folder and the output are the same folder, {src}; give OUT another name")
@@ -170,7 +175,8 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
                    fit: str = "center-crop", seed: int = 0, shuffle: bool = True, workers: int | None = None,
                    strict: bool = False, force: bool = False, records_per_shard: int | None = None,
                    max_pixels: int = DEFAULT_MAX_PIXELS, resume: bool = False, engine: str = "local",
-                   address: str | None = None, fast_decode: bool = False, alpha: str = "black",
+                   address: str | None = None, stall_seconds: float | None = None, fast_decode: bool = False,
+                   alpha: str = "black",
                    classes: str | os.PathLike | Sequence[str] | None = None, skip_unknown_classes: bool = False,
                    labels: str | os.PathLike | None = None, columns: dict[str, str] | None = None,
                    label_key: str | None = None, image_column: str | None = None,
@@ -185,7 +191,9 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
     skipped source (default: a line on the "dsc" logger). Raises CompileError; OUT is then untouched.
     An interrupted compile leaves its partial build beside OUT; `resume=True` continues it.
     `engine="ray"` runs the decoding as Ray tasks on the cluster at `address` (or a local one);
-    the output is byte-identical to the local engine's. `fast_decode=True` lets JPEGs be scaled
+    the output is byte-identical to the local engine's. `stall_seconds` (local engine, several
+    workers; default 300): a worker that finishes no source for that long is stopped and its work
+    retried by another; a source two workers stalled on is skipped. `fast_decode=True` lets JPEGs be scaled
     down in the DCT domain to just the needed size: faster, visibly less faithful. `alpha`: what
     becomes of transparent pixels: "black" (composited onto black), "white" or "drop" (the stored RGB).
 
@@ -210,12 +218,18 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
         raise CompileError(f"unknown alpha {alpha!r}; choose one of {', '.join(fmt.ALPHA)}")
     record_bytes = target.height * target.width * fmt.CHANNELS
     per_shard = check_int("records_per_shard", max(1, SHARD_TARGET_BYTES // record_bytes)
-                          if records_per_shard is None else records_per_shard, 1, error=CompileError)
+                          if records_per_shard is None else records_per_shard, 1, fmt.MAX_RECORDS,
+                          error=CompileError)
     max_pixels = check_int("max_pixels", max_pixels, 1, error=CompileError)
     src, out = Path(src).absolute(), Path(out).absolute()
     _check_paths(src, out)
     on_skip = on_skip or _log_skip
-    with make_engine(engine, workers, address) as runner:  # its workers start now: their imports overlap discovery
+    if stall_seconds is not None and (isinstance(stall_seconds, bool) or not isinstance(stall_seconds, (int, float))
+                                      or not 1 <= stall_seconds <= MAX_STALL_S):
+        raise CompileError(f"stall_seconds must be a number of seconds from 1 to {MAX_STALL_S:g}, "
+                           f"got {stall_seconds!r}")
+    # the engine's workers start now: their imports overlap discovery
+    with make_engine(engine, workers, address, stall_seconds) as runner:
         found = _discover(src, out, classes, skip_unknown_classes, labels, columns, (label_key, image_column),
                           on_found)
         _report(found, strict, on_skip, on_total)

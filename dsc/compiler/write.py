@@ -14,7 +14,7 @@ import errno
 import os
 import warnings
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +27,7 @@ from dsc.compiler.jobs import Chunk, SlotResult, WriteJob
 from dsc.compiler.resize import resize_into
 from dsc.compiler.target import Target, needed_size
 from dsc.errors import ImageError
+from dsc.files import RefusedFile, TooLarge, read_regular
 
 # Errors that belong to a source file itself, so it is skipped. Any other OSError (too many open
 # files, an I/O error) stops the compile instead, to be resumed: never a good image lost.
@@ -38,12 +39,12 @@ def compile_image(path: str, target: Target, out: np.ndarray, max_pixels: int,
                   decode_mode: str = "faithful", alpha: str = "black") -> tuple[int, int]:
     """Decode one file into `out`; return its upright (height, width) or raise ImageError."""
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size > max_file_bytes(max_pixels):
-                raise ImageError(f"file is {size} bytes, more than any image within --max-pixels "
-                                 f"({max_pixels}) can need; not read")
-            data = f.read()
+        data = read_regular(path, max_file_bytes(max_pixels))
+    except TooLarge as e:
+        raise ImageError(f"file is {e.size} bytes, more than any image within --max-pixels ({max_pixels}) can "
+                         "need; not read") from None
+    except RefusedFile as e:
+        raise ImageError(str(e)) from None
     except OSError as e:
         if e.errno not in SOURCE_ERRNOS:  # EMFILE, EIO, ENOMEM...: the machine's trouble, not the file's
             raise
@@ -103,8 +104,9 @@ class SlotWriter:
             written = os.pwrite(self.files[shard], data, offset)
             data, offset = data[written:], offset + written
 
-    def write(self, tasks: Chunk) -> list[SlotResult]:
-        """Fill these slots (consecutive ones, or an archive unit's), closing the shard file after."""
+    def write(self, tasks: Chunk, on_result: Callable[[SlotResult], None] | None = None) -> list[SlotResult]:
+        """Fill these slots (consecutive ones, or an archive unit's), closing the shard file after; `on_result`
+        hears of each slot as it is done (a worker's sign of progress)."""
         results = []
         try:
             for slot, source in self._inputs(tasks):
@@ -118,6 +120,8 @@ class SlotWriter:
                                               warnings=len(notes)))
                 except ImageError as e:
                     results.append(SlotResult(slot, reason=str(e)))
+                if on_result is not None:
+                    on_result(results[-1])
         finally:
             self._close_files()
         return results

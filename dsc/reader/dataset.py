@@ -3,9 +3,10 @@
 Everything about the files comes from `dsc.format.open_dataset`, which validates the whole
 folder before anything is mapped: a damaged dataset fails in the constructor, never later.
 
-Shard maps are copy-on-write (`MAP_PRIVATE`, like tensordict's ``mode="r"``), so `ds[i]` can
-be a zero-copy tensor view of the page cache; an in-place write into such a view changes this
-process's private copy of that page, never the file. Clone before editing images in place.
+Shard maps are read-only and shared (`PROT_READ`, `MAP_SHARED`): they cost no commit charge, so
+a dataset larger than RAM + swap maps even under strict overcommit. `ds[i]` is therefore a copy
+of its one record (cheap beside the per-item Python around it), which may be edited in place
+without ever reaching the file; batches are copied out of the maps whole, as before.
 
 Recompiling into the folder (`dsc compile --force`) while readers use it: a `MemmapDataset`
 keeps reading the dataset it opened (its maps hold the old files). A new one opens the new
@@ -42,7 +43,7 @@ from dsc.reader.gather import check_indices, fill, out_of_range
 class Sample(NamedTuple):
     """One record, as torchvision datasets return it: `image, label = ds[i]`."""
 
-    image: Any  # uint8 [3, H, W], a view of the map (or what `transform` made of it)
+    image: Any  # uint8 [3, H, W], a copy of the record (or what `transform` made of it)
     label: Any  # the target: an int for a class, a float, or a tensor for a vector field
 
 
@@ -140,8 +141,8 @@ def record_index(i: Any, count: int) -> int:
 
 def _open(root: Path | str, cache_dir: str | None = None, version: int | None = None,
           cache_bytes: int | None = None) -> storage.OpenedDataset:
-    """Validate and map the dataset; shards copy-on-write (see the module docstring), as plain arrays."""
-    opened = storage.open_dataset(root, shard_mode="c", cache_dir=cache_dir, version=version, cache_bytes=cache_bytes)
+    """Validate and map the dataset; shards read-only (see the module docstring), as plain arrays."""
+    opened = storage.open_dataset(root, cache_dir=cache_dir, version=version, cache_bytes=cache_bytes)
     return replace(opened, shards=tuple(s.view(np.ndarray) for s in opened.shards))
 
 
@@ -189,7 +190,6 @@ class MemmapDataset(Dataset):
                                                          self.cache_bytes)  # validates now, fails here
         self._fingerprint = self._data.manifest.fingerprint
         self.version: int = self._data.manifest.dataset_version
-        self._tensors: tuple[torch.Tensor, ...] | None = None
         if target != "label" and target not in self._data.fields:
             raise ValueError(f"target={target!r}: {self.path} has no such field; choose 'label' or one of "
                              f"{sorted(self._data.fields) or 'its fields (it has none)'}")
@@ -210,7 +210,7 @@ class MemmapDataset(Dataset):
         self.target = state.get("target", "label")
         self.transform, self.target_transform = state.get("transform"), state.get("target_transform")
         self.return_index = state.get("return_index", False)
-        self._data, self._tensors = None, None
+        self._data = None
 
     @property
     def opened(self) -> storage.OpenedDataset:
@@ -294,14 +294,9 @@ class MemmapDataset(Dataset):
             raise DatasetError(f"{self.path}/{fmt.MANIFEST_FILE}: 'compile' has no 'source_root' string")
         return Path(root) / self.opened.source(i)
 
-    def _shard_tensors(self) -> tuple[torch.Tensor, ...]:
-        if self._tensors is None:
-            self._tensors = tuple(torch.from_numpy(s) for s in self.opened.shards)
-        return self._tensors
-
     def __getitem__(self, i: int) -> Sample | IndexedSample:
-        """Record `i` (one integer): a uint8 [3, H, W] view of the map (no copy) and its target,
-        transformed if asked."""
+        """Record `i` (one integer): a uint8 [3, H, W] copy of the record (the map is read-only) and its
+        target, transformed if asked."""
         i = record_index(i, len(self))
         if self.opened.records is not None:  # in object storage: a copy out of the cache
             image = torch.empty((1, *self.record_shape), dtype=torch.uint8)
@@ -309,7 +304,7 @@ class MemmapDataset(Dataset):
             image = image[0].permute(2, 0, 1)
         else:
             shard, pos = fmt.locate(i, self.manifest.records_per_shard)
-            image = self._shard_tensors()[shard][pos].permute(2, 0, 1)
+            image = torch.from_numpy(np.array(self.opened.shards[shard][pos])).permute(2, 0, 1)
         target = _target_value(np.array(self._targets()[i]))
         if self.transform is not None:
             image = self.transform(image)
@@ -348,8 +343,8 @@ class MemmapDataset(Dataset):
         Record ``i`` is ``td["shards", str(s)][j]`` with ``s, j = dsc.format.locate(i, records_per_shard)``.
         Indexing by record at the top (``td[i]``) raises (its batch size is empty), and so does
         ``td["image"]`` (no such key): neither can silently pick the wrong record.
-        Maps are copy-on-write, like `ds[i]`: writes stay in this process. A dataset in object storage
-        has no shard files to map (its records are cached a range at a time): refused.
+        Its maps are tensordict's copy-on-write ones (mode "r"): writes stay in this process. A dataset in
+        object storage has no shard files to map (its records are cached a range at a time): refused.
         """
         if self.opened.records is not None:
             raise DatasetError(f"{self.path}: as_tensordict maps shard files, and a dataset in object storage has "

@@ -45,8 +45,10 @@ class LocalFolder:
             self.fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
         except FileNotFoundError as e:
             raise DatasetError(f"{root}: does not exist (expected a compiled dsc dataset)") from e
-        except OSError as e:
+        except NotADirectoryError as e:
             raise DatasetError(f"{root}: not a directory (expected a compiled dsc dataset)") from e
+        except OSError as e:  # a name too long, a folder that may not be read, a loop of links
+            raise DatasetError(f"{root}: cannot be opened: {e.strerror or e} (expected a compiled dsc dataset)") from e
 
     def close(self) -> None:
         os.close(self.fd)
@@ -118,13 +120,13 @@ class LocalFolder:
             return f.read(limit)
 
 
-def map_file(fd: int, dtype: np.dtype, shape: tuple[int, ...], mode: str = "r") -> np.ndarray:
-    """Map an open file as an array (the descriptor is closed: the map keeps the file); numpy
-    cannot map an empty file, so an empty shape gives an empty array."""
+def map_file(fd: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """Map an open file read-only (`PROT_READ`, `MAP_SHARED`) as an array (the descriptor is closed:
+    the map keeps the file); numpy cannot map an empty file, so an empty shape gives an empty array."""
     with os.fdopen(fd, "rb") as f:
         if 0 in shape:
             return np.zeros(shape, dtype)
-        return np.memmap(f, dtype=dtype, mode=mode, shape=shape)
+        return np.memmap(f, dtype=dtype, mode="r", shape=shape)
 
 
 def scan_values(fd: int, dtype: np.dtype, count: int, piece: int) -> Iterator[np.ndarray]:
@@ -155,6 +157,14 @@ def _seek(fd: int, position: int, whence: str, size: int) -> int:
         if e.errno == errno.ENXIO:  # no data (or hole) after `position`: the rest is a hole
             return size
         return position if whence == "SEEK_DATA" else size
+
+
+def first_hole(fd: int) -> int | None:
+    """Where the open file's first hole (bytes never written: a sparse file) starts; None when it has none.
+    dsc never writes one, so a hole is damage, found in one `lseek` before hours of hashing zeros."""
+    size = os.fstat(fd).st_size
+    hole = _seek(fd, 0, "SEEK_HOLE", size)
+    return hole if hole < size else None
 
 
 def pread_exact(fd: int, n: int, offset: int) -> bytes:

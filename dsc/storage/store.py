@@ -27,7 +27,7 @@ import numpy as np
 
 from dsc import format as fmt
 from dsc.errors import ChecksumError, DatasetError, StorageError
-from dsc.storage.local import LocalFolder, map_file, scan_values
+from dsc.storage.local import LocalFolder, first_hole, map_file, scan_values
 
 REOPEN_ATTEMPTS = 5  # opens of a folder that recompiles keep swapping, before giving up
 VERIFY_PIECE_BYTES = 8 << 20  # verification reads a file this much (whole records) at a time
@@ -206,12 +206,12 @@ def _validated(store: DatasetStore, version: int | None = None) -> fmt.Manifest:
     return manifest
 
 
-def open_dataset(root: Location, shard_mode: str = "r", cache_dir: str | os.PathLike | None = None,
+def open_dataset(root: Location, cache_dir: str | os.PathLike | None = None,
                  version: int | None = None, cache_bytes: int | None = None) -> OpenedDataset:
     """Validate a dataset, then map its files (no data is read yet): its latest version, or `version`.
 
-    Index files are mapped read-only; shards with `shard_mode`: "r" (read-only) or "c"
-    (copy-on-write: writable views whose writes never reach the file). Reading through one
+    Every file is mapped read-only and shared (`PROT_READ`, `MAP_SHARED`): such maps count against
+    no commit limit, so a shard larger than RAM + swap maps even under strict overcommit. Reading through one
     folder descriptor never mixes two datasets; if a recompile swaps a new folder in meanwhile,
     the old one's files vanish under it, and the folder now at `root` is opened instead.
     A URL's index files are fetched into `cache_dir` first (see `store_for`), and its records are
@@ -219,13 +219,11 @@ def open_dataset(root: Location, shard_mode: str = "r", cache_dir: str | os.Path
     Versions (format 1.3) are never rewritten: an append committed meanwhile leaves the version opened
     whole; a `dsc prune` that removed the latest version's predecessor meanwhile makes the open start again.
     """
-    if shard_mode not in ("r", "c"):
-        raise ValueError(f"shard_mode must be 'r' or 'c', got {shard_mode!r}")
     for attempt in range(1, REOPEN_ATTEMPTS + 1):
         store, latest = store_for(root, cache_dir, cache_bytes), None
         try:
             latest = manifest_name(store) if version is None else None
-            return _map_dataset(store, shard_mode, version)
+            return _map_dataset(store, version)
         except DatasetError:
             moved = latest is not None and manifest_name(store) != latest
             if attempt == REOPEN_ATTEMPTS or not (store.replaced() or moved):  # not swapped: a real error
@@ -286,12 +284,12 @@ def dataset_versions(root: Location) -> list[int]:
         return versions(store) or [1]
 
 
-def _map_dataset(store: DatasetStore, shard_mode: str, version: int | None = None) -> OpenedDataset:
+def _map_dataset(store: DatasetStore, version: int | None = None) -> OpenedDataset:
     manifest = _validated(store, version)
     n, index = manifest.count, manifest.index
 
-    def mapped(name: str, dtype: np.dtype, shape: tuple[int, ...], mode: str = "r") -> np.ndarray:
-        return map_file(store.open(name, name), dtype, shape, mode)
+    def mapped(name: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        return map_file(store.open(name, name), dtype, shape)
 
     labels = mapped(index["labels"].file, fmt.LABEL_DTYPE, (n,))
     sizes = mapped(index["sizes"].file, fmt.SIZE_DTYPE, (n, 2))
@@ -301,7 +299,7 @@ def _map_dataset(store: DatasetStore, shard_mode: str, version: int | None = Non
     remote = getattr(store, "record_cache", None)  # an object store: records through its bounded cache
     records = remote(manifest) if remote is not None else None
     shards = () if records is not None else tuple(
-        mapped(s.file, fmt.RECORD_DTYPE, (s.records, *manifest.record_shape), shard_mode) for s in manifest.shards)
+        mapped(s.file, fmt.RECORD_DTYPE, (s.records, *manifest.record_shape)) for s in manifest.shards)
     local = store.local_folder()
     return OpenedDataset(store.root, manifest, shards, labels, sizes, offsets, sources, fields,
                          None if local == store.root else local, records)
@@ -399,10 +397,12 @@ def verify_checksums(root: Location, manifest: fmt.Manifest, progress: Callable[
     with _opened(root, cache_dir) as store:
         name = manifest_name(store, manifest.dataset_version if versions(store) else None)
         sealed = fmt.seal_problem(store.read(name, fmt.MAX_MANIFEST_BYTES + 1), manifest, store.root)
-        crcs = _stored_checksums(store, manifest)
         bad = [sealed] if sealed else []
+        holes = [] if _is_remote(store) else _holes(store, manifest)  # objects have no holes; a shard with one
+        bad.extend(holes)                                              # is not hashed at all
+        crcs = None if holes else _stored_checksums(store, manifest)
         first = 0
-        for entry in manifest.files:
+        for entry in [] if holes else manifest.files:
             digest, problem = _check_file(store, entry, manifest.record_bytes, crcs, first, progress)
             if digest != entry.sha256:
                 bad.append(f"{_named(store, entry.file)}: SHA-256 is {digest}, the manifest says {entry.sha256}; the "
@@ -454,13 +454,34 @@ def _pieces(store: DatasetStore, entry: fmt.FileEntry, record_bytes: int) -> Ite
     """A file's bytes, a bounded piece (whole records) at a time: from the store's own reader where it has one
     (an object store's ranged GETs), else from the descriptor it opens."""
     step = max(1, VERIFY_PIECE_BYTES // record_bytes) * record_bytes
-    remote = getattr(store, "pieces", None)
-    if remote is not None:
-        yield from remote(entry.file, entry.bytes, step)
+    if _is_remote(store):
+        yield from store.pieces(entry.file, entry.bytes, step)
         return
     with os.fdopen(store.open(entry.file, entry.file), "rb") as f:
         while piece := f.read(step):
             yield piece
+
+
+def _is_remote(store: DatasetStore) -> bool:
+    """Whether `store` reads its files from an object store (its own ranged reader), not from descriptors."""
+    return getattr(store, "pieces", None) is not None
+
+
+def _holes(store: DatasetStore, manifest: fmt.Manifest) -> list[str]:
+    """Every file of the dataset with a hole, said in words: checked before any is hashed, for hashing a
+    sparse file claiming terabytes would read zeros for hours."""
+    problems = []
+    for e in manifest.files:
+        fd = store.open(e.file, e.file)
+        try:
+            hole = first_hole(fd)
+        finally:
+            os.close(fd)
+        if hole is not None:
+            problems.append(f"{_named(store, e.file)}: a hole (bytes never written) at byte {hole:,} of {e.bytes:,}; "
+                            "dsc never writes sparse files, so the file is damaged (or was copied sparse, e.g. by "
+                            "cp --sparse=always or rsync -S: copy it again without)")
+    return problems
 
 
 def _named(store: DatasetStore, name: str) -> str:

@@ -21,6 +21,7 @@ import torch
 
 from dsc import format as fmt
 from dsc import storage
+from dsc.errors import DscError
 from dsc.reader import MemmapDataset
 from dsc.reader.gather import split
 from dsc.reader.producer import LoaderStats
@@ -29,6 +30,7 @@ from dsc.reader.settings import default_threads, resolve_device
 ORDERS = ("sequential", "block", "random")
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 COLD_RESIDENT_MAX = 0.05  # a "cold" run needs at least 95% of the dataset out of the page cache
+BATCHES_HELD = 8  # batch-sized buffers alive at once at most: the copy limit's, the loader's ring and prefetch
 
 
 @dataclass(frozen=True)
@@ -236,6 +238,16 @@ def diagnose(r: BenchReport) -> list[str]:
     return notes
 
 
+def batch_problem(batch_size: int, record_shape: tuple[int, int, int], memory: int) -> str | None:
+    """Why batches of `batch_size` records cannot be measured in `memory` bytes; None when they can."""
+    held = batch_size * int(np.prod(record_shape)) * BATCHES_HELD
+    if not memory or held <= memory:
+        return None
+    h, w, c = record_shape
+    return (f"batches of {batch_size:,} records of {h}x{w}x{c} need about {held / 1e9:,.1f} GB "
+            f"({BATCHES_HELD} of them in memory at once), more than this machine's {memory / 1e9:.1f} GB")
+
+
 def run(path: str | os.PathLike, batch_size: int = 256, threads: int | None = None, budget_s: float = 5.0,
         cold: bool = True, device: str | None = None,
         log: Callable[[str], None] = lambda line: None) -> BenchReport:
@@ -243,6 +255,8 @@ def run(path: str | os.PathLike, batch_size: int = 256, threads: int | None = No
     path, threads = Path(path), threads or default_threads()
     d = storage.open_dataset(path)
     shards, shape = d.shard_paths(), d.manifest.record_shape
+    if (problem := batch_problem(batch_size, shape, memory_bytes())) is not None:
+        raise DscError(problem)
     report = BenchReport(sum(s.bytes for s in d.manifest.shards), memory_bytes(), Rate("", 0, 0.0, 1), [])
     del d
     if cold:

@@ -15,19 +15,24 @@ import numpy as np
 from dsc import format as fmt
 from dsc import storage
 
+COUNT_PIECE = 1 << 22  # labels counted at a time (32 MiB of int64)
 
-def summary(path: str | os.PathLike) -> dict[str, Any]:
-    """Everything `dsc info` shows, as plain JSON-able values."""
+
+def summary(path: str | os.PathLike, every_skip: bool = True) -> dict[str, Any]:
+    """Everything `dsc info` shows, as plain JSON-able values. `every_skip=False` lists only the skipped
+    sources the manifest holds (the first SKIPPED_IN_MANIFEST), without reading the skip list file,
+    whose size grows with the skips; "skipped_count" counts them all either way."""
     d = storage.open_dataset(path)
     m = d.manifest
-    counts = np.bincount(d.labels[d.labels >= 0], minlength=len(m.classes)) if m.classes else []
+    counts, unlabeled = _label_counts(d.labels, len(m.classes))
     return {
         "path": os.fspath(path) if storage.is_url(path) else str(Path(path).absolute()),
         "format_version": m.version, "records": m.count,
         "record_shape": list(m.record_shape), "dtype": "uint8", "labeled": m.labeled,
         "classes": {name: int(n) for name, n in zip(m.classes, counts)},
-        "unlabeled": int(np.count_nonzero(d.labels < 0)),  # label -1: every record of an unlabeled dataset
-        "skipped": storage.read_skipped(d.root, m),
+        "unlabeled": unlabeled,  # label -1: every record of an unlabeled dataset
+        "skipped": storage.read_skipped(d.root, m) if every_skip else [dict(s) for s in m.skipped],
+        "skipped_count": m.skipped_count,
         "warned": [{"record": int(i), "source": d.source(int(i)), "warnings": int(n)}
                    for i, n in zip(*_warned(storage.read_warnings(d.root, m)))],
         "shards": len(m.shards), "records_per_shard": m.records_per_shard,
@@ -39,6 +44,20 @@ def summary(path: str | os.PathLike) -> dict[str, Any]:
         "parts": [{"first": p.first, "count": p.count, "source_root": p.compile.get("source_root")}
                   for p in m.record_parts],
     }
+
+
+def _label_counts(labels: np.ndarray, classes: int) -> tuple[np.ndarray, int]:
+    """Records per class and records without a label (-1), counted a piece of the mapped labels at a
+    time: memory stays bounded however many records there are (a mask and a copy of all of them took
+    9 bytes a record)."""
+    counts, unlabeled = np.zeros(classes, np.int64), 0
+    for start in range(0, len(labels), COUNT_PIECE):
+        piece = np.asarray(labels[start:start + COUNT_PIECE])
+        labeled = piece[piece >= 0]
+        unlabeled += len(piece) - len(labeled)
+        if classes:
+            counts += np.bincount(labeled, minlength=classes)[:classes]
+    return counts, unlabeled
 
 
 def _warned(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -18,7 +18,8 @@ from dsc import storage
 from dsc.errors import DscError
 
 CAPTION_HEIGHT = 14  # pixels under each tile per caption line: "#index label", then one per field
-MAX_TILES = 1024
+MAX_TILES = 1024  # records on one sheet: more are not looked at, and the sheet must fit in memory
+MAX_SHEET_PIXELS = 1 << 28  # ~0.8 GB as RGB: larger records make fewer tiles fit
 MAX_CAPTION_CHARS = 40
 
 
@@ -49,7 +50,9 @@ def pick_records(d: storage.OpenedDataset, n: int, indices: Sequence[int] | None
         bad = [i for i in indices if not 0 <= i < m.count]
         if bad:
             raise DscError(f"record index {bad[0]} is out of range for a dataset of {m.count} records")
-        return list(indices)[:MAX_TILES]
+        if len(indices) > MAX_TILES:
+            raise DscError(f"{len(indices)} records asked for; a sheet shows at most {MAX_TILES}")
+        return list(indices)
     pool = np.arange(m.count)
     if class_name is not None:
         if class_name not in m.classes:
@@ -68,6 +71,10 @@ def contact_sheet(path: str | os.PathLike, records: Sequence[int], columns: int 
     columns = columns or max(1, math.ceil(math.sqrt(len(records))))
     rows = max(1, math.ceil(len(records) / columns))
     tile_h = m.height + CAPTION_HEIGHT * (1 + len(m.fields))
+    if columns * m.width * rows * tile_h > MAX_SHEET_PIXELS:
+        raise DscError(f"a sheet of {len(records)} tiles of {m.width}x{tile_h} in {columns} column(s) would be "
+                       f"{columns * m.width}x{rows * tile_h} pixels, more than {MAX_SHEET_PIXELS:,}; show fewer "
+                       "records (--n, --indices) or fewer columns")
     sheet = Image.new("RGB", (columns * m.width, rows * tile_h), (255, 255, 255))
     draw = ImageDraw.Draw(sheet)
     font = ImageFont.load_default()
@@ -83,10 +90,13 @@ def save_sheet(path: str | os.PathLike, output: str | os.PathLike, records: Sequ
                columns: int | None = None) -> tuple[int, int]:
     """Write the sheet as an image file (format from the suffix); return its (width, height)."""
     output = Path(output)
-    if output.is_dir():
-        raise DscError(f"{output} is a folder; give an image file to write, e.g. {output / 'sheet.png'}")
-    if not output.parent.is_dir():
-        raise DscError(f"cannot write {output}: the folder {output.parent} does not exist")
+    try:
+        if output.is_dir():
+            raise DscError(f"{output} is a folder; give an image file to write, e.g. {output / 'sheet.png'}")
+        if not output.parent.is_dir():
+            raise DscError(f"cannot write {output}: the folder {output.parent} does not exist")
+    except OSError as e:  # a name too long, a folder that may not be searched
+        raise DscError(f"cannot write {output}: {e.strerror or e}") from e
     if output.suffix.lower() not in Image.registered_extensions():
         raise DscError(f"cannot write {output}: its name does not say an image format; end it in .png or .jpg")
     sheet = contact_sheet(path, records, columns)

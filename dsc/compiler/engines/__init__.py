@@ -13,13 +13,14 @@ from dsc.compiler.jobs import Engine
 from dsc.errors import CompileError
 
 ENGINES = {"local": LocalEngine, "ray": RayEngine}
+MAX_WORKERS = 1024  # worker processes (or Ray tasks in flight) a compile asks for; more is a typo, or a fork bomb
 
 
-def make_engine(name: str, workers: int, address: str | None) -> Engine:
+def make_engine(name: str, workers: int, address: str | None, stall_seconds: float | None = None) -> Engine:
     """The engine called `name`; it checks its own options (a Ray address is reached before any build exists)."""
     if name not in ENGINES:
         raise CompileError(f"unknown engine {name!r}; choose one of {', '.join(ENGINES)}")
-    return ENGINES[name](workers, address)
+    return ENGINES[name](workers, address, stall_seconds)
 
 
 def available_cores() -> int:
@@ -30,4 +31,4 @@ def available_cores() -> int:
 def check_workers(workers: int | None) -> int:
     if workers is None:
         return available_cores()
-    return check_int("workers", workers, 1, error=CompileError)
+    return check_int("workers", workers, 1, MAX_WORKERS, error=CompileError)

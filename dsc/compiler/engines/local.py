@@ -4,15 +4,16 @@ The compile process (the driver) never imports the decoders or torch when it has
 entry the engine forks one host process, before discovery starts its threads; the host imports
 the decoders and torch while the driver lists the sources. Once the chunks are known, the host
 forks min(workers, chunks) workers, which share those imports (copy-on-write pages: one import,
-not one per worker), and relays chunks to them and results back. Each worker writes its records
-into the shard files itself: only (slot, size or reason, CRC) travels back.
+not one per worker), and relays chunks to them and results back (`supervisor`: a worker that
+makes no progress for the stall limit is replaced and its work retried). Each worker writes its
+records into the shard files itself: only (slot, size or reason, CRC) travels back.
 
 At most IN_FLIGHT_PER_WORKER chunks per worker are queued at a time, so a compile of millions
 of sources keeps a bounded queue. Every process dies with its parent (the kernel's parent-death
 signal: driver → host → workers), so a killed compile leaves no orphan writing into a partial
 build that a resumed compile now owns. A worker that dies fails the compile at once instead of
 hanging it, and any failure stops every worker. With one worker the driver decodes itself (no
-processes to start).
+processes to start, and no stall limit: nothing could stop a stalled driver but the user).
 """
 
 from __future__ import annotations
@@ -22,14 +23,11 @@ import logging
 import multiprocessing
 import os
 import signal
-import threading
-import traceback
 from collections.abc import Iterable
-from concurrent.futures import Future, ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from itertools import islice
 
-from dsc.compiler.jobs import Chunk, OnResults, SlotResult, WriteJob
+from dsc.compiler.engines.supervisor import DEFAULT_STALL_S, Failed, Supervisor
+from dsc.compiler.jobs import Chunk, OnResults, WriteJob
 from dsc.errors import CompileError
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -47,10 +45,11 @@ class LocalEngine:
     """`workers` processes here, their host started on entry (`with LocalEngine(n) as engine:`);
     one worker decodes in this process."""
 
-    def __init__(self, workers: int, address: str | None = None) -> None:
+    def __init__(self, workers: int, address: str | None = None, stall_seconds: float | None = None) -> None:
         if address is not None:
             raise CompileError("an address is only for --engine ray")
         self.workers = workers
+        self.stall_s = DEFAULT_STALL_S if stall_seconds is None else stall_seconds
         self._host: multiprocessing.Process | None = None
         self._conn = None
         self._ready = False
@@ -125,7 +124,7 @@ class LocalEngine:
             _fill_here(job, chunks, on_results)
             return
         try:
-            self._conn.send(("start", job, max(1, min(self.workers, len(chunks)))))  # no pool of 8 for 2 chunks
+            self._conn.send(("start", job, max(1, min(self.workers, len(chunks))), self.stall_s))  # no 8 for 2 chunks
             queue, pending = iter(chunks), 0
             for chunk in islice(queue, self.workers * IN_FLIGHT_PER_WORKER):
                 self._conn.send(("chunk", chunk))
@@ -134,6 +133,9 @@ class LocalEngine:
                 kind, value = self._receive()
                 if kind == "error":
                     raise CompileError(WORKER_DIED if value == "broken" else f"a worker failed: {value}")
+                if kind == "note":  # a worker stalled: said while the compile waits
+                    logger.warning("%s", value)
+                    continue
                 pending -= 1
                 for chunk in islice(queue, 1):
                     self._conn.send(("chunk", chunk))
@@ -173,7 +175,7 @@ def _ignore_stop_signals() -> None:
 
 
 def _host_main(conn) -> None:
-    """The host: import the decoders, say so, then run a pool of workers for the driver's chunks."""
+    """The host: import the decoders, say so, then run the workers for the driver's chunks until it says "end"."""
     _die_with_parent()
     _ignore_stop_signals()
     try:
@@ -182,46 +184,17 @@ def _host_main(conn) -> None:
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
     conn.send(("ready", None))
-    sending, pool, job = threading.Lock(), None, None
-
-    def send_result(future: Future) -> None:  # runs on the pool's thread: one sender at a time
-        try:
-            message = ("done", future.result())
-        except BrokenProcessPool:
-            message = ("error", "broken")
-        except BaseException as e:  # a bug in dsc, not a bad image (those are SlotResults)
-            message = ("error", "".join(traceback.format_exception_only(type(e), e)).strip())
-        with sending:
-            conn.send(message)
-
     try:
-        while True:
-            kind, *args = conn.recv()
-            if kind == "start":
-                job, workers = args
-                pool = ProcessPoolExecutor(workers, multiprocessing.get_context(START_METHOD), _init_worker)
-            elif kind == "chunk":
-                pool.submit(_work, job, args[0]).add_done_callback(send_result)
-            else:  # "end"
-                break
+        kind, *args = conn.recv()
+        if kind == "start":  # else "end": no chunks came
+            job, workers, stall_s = args
+            Supervisor(conn, multiprocessing.get_context(START_METHOD), job, workers, stall_s, _init_worker).run()
     except EOFError:  # the driver went away: stop at once
         os._exit(1)
-    if pool is not None:
-        pool.shutdown(wait=True)
+    except Failed as e:
+        conn.send(("error", str(e)))
 
 
 def _init_worker() -> None:
     _die_with_parent()
     _ignore_stop_signals()
-
-
-_WRITERS: dict = {}  # in each worker: its SlotWriter for the job at hand
-
-
-def _work(job: WriteJob, chunk: Chunk) -> list[SlotResult]:
-    if job not in _WRITERS:
-        from dsc.compiler.write import SlotWriter  # imported by the host already: shared, no cost here
-
-        _WRITERS.clear()
-        _WRITERS[job] = SlotWriter(job)
-    return _WRITERS[job].write(chunk)

@@ -22,13 +22,18 @@ from dsc.errors import CompileError
 
 RETRIES = 3  # a task whose worker process dies is run again this many times
 ADDRESS_TIMEOUT_S = 5.0
+PROBE_S = 2.0  # while no task finishes, the cluster's head is checked this often: Ray itself waits 60 s, then exits
+LOST = ("lost the Ray cluster at {address} (its head stopped?); the work so far is kept beside OUT: run the same "
+        "dsc compile command with --resume to continue")
 IN_FLIGHT_PER_CPU = 2  # one running, one queued behind it: no CPU waits for the driver
 
 
 class RayEngine:
     """Tasks on the Ray cluster at `address`, or on a local one of `workers` CPUs."""
 
-    def __init__(self, workers: int, address: str | None = None) -> None:
+    def __init__(self, workers: int, address: str | None = None, stall_seconds: float | None = None) -> None:
+        if stall_seconds is not None:
+            raise CompileError("a stall limit is for the local engine; Ray tasks have none yet")
         check_address(address)  # before any partial build exists
         self.workers, self.address = workers, address
         self._ray, self._started = None, False
@@ -52,9 +57,13 @@ class RayEngine:
         chunks = iter(chunks)
         limit = max(1, int(ray.cluster_resources().get("CPU", 1))) * IN_FLIGHT_PER_CPU
         pending = [remote.remote(job, chunk) for chunk in islice(chunks, limit)]
+        head = ray.get_runtime_context().gcs_address
         try:
             while pending:
-                done, pending = ray.wait(pending, num_returns=1)
+                done, pending = ray.wait(pending, num_returns=1, timeout=PROBE_S)
+                if not done:
+                    _check_head(head)
+                    continue
                 pending += [remote.remote(job, chunk) for chunk in islice(chunks, 1)]
                 on_results(_result(ray, done[0]))
         finally:
@@ -81,6 +90,14 @@ def _result(ray, ref):
     except ray.exceptions.RayError as e:  # the worker died and every retry too
         raise CompileError(f"a Ray task's worker died {RETRIES + 1} times ({type(e).__name__}); the output "
                            "was not written, and the same command with --resume continues the work") from e
+
+
+def _check_head(head: str) -> None:
+    """CompileError at once when nobody listens at the head's address any more."""
+    try:
+        check_address(head, PROBE_S)
+    except CompileError:
+        raise CompileError(LOST.format(address=head)) from None
 
 
 def check_address(address: str | None, timeout_s: float = ADDRESS_TIMEOUT_S) -> None:

@@ -1,0 +1,139 @@
+"""What opening a large dataset costs: time and memory of `MemmapDataset(path)`, its first batch, and `dsc info`.
+
+    python benchmarks/open_scale.py [--counts 1000000 10000000] [--side 32] [--records-per-shard N] [--dir DIR]
+
+For each record count, a dataset is built with the format's own writer (`dsc.format` payloads through
+`dsc.compiler.output`), nothing decoded: shard files are sparse (sized, never written; their SHA-256 is
+that of zeros), index files real (random labels over 1,000 classes, names like `c123/000000042.jpg`),
+1,000 skipped sources. Each figure is measured in a fresh process, page cache warm (the build just
+wrote the index):
+
+  manifest       the manifest's size (it grows with the number of shards: one entry of ~150 bytes each)
+  open s         `MemmapDataset(path)`: manifest parsed, every index file's values checked, files mapped
+  batch s        then `ds.loader(256, order="block", seed=0)` and its first batch: includes the epoch
+                 order (its permutation of every record is another piece of work, issue 27 point 7)
+  anon MB        the process's anonymous memory (RssAnon) after the first batch, less that after
+                 `import dsc.reader` alone: what grows with the dataset beyond the maps
+  info s, MB     `dsc info PATH` as a user runs it, wall time and peak RSS of the whole process
+
+Targets (issue 27): at 10^8 records, open + first batch <= 1 s and <= 256 MB beyond the maps, info <= 1 s.
+Building needs about 100 bytes of memory per record (the writer holds the names as Python strings):
+10^8 records need ~10 GB and several GB of disk; pass --counts 100000000 where there is room.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dsc import format as fmt
+from dsc.compiler import output
+
+CLASSES = 1000
+SKIPS = 1000
+
+MEASURE_OPEN = """
+import json, sys, time
+def anon():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+from dsc.reader import MemmapDataset
+base = anon()
+t = time.perf_counter()
+ds = MemmapDataset(sys.argv[1])
+opened = time.perf_counter() - t
+t = time.perf_counter()
+batch = next(iter(ds.loader(256, order="block", seed=0)))
+first = time.perf_counter() - t
+print(json.dumps({"open": opened, "batch": first, "anon": anon() - base}))
+"""
+
+MEASURE_INFO = """
+import resource, subprocess, sys, time
+t = time.perf_counter()
+done = subprocess.run([sys.executable, "-m", "dsc", "info", sys.argv[1]], capture_output=True)
+assert done.returncode == 0, done.stderr
+print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)
+"""
+
+
+def zeros_sha256(size: int) -> str:
+    digest, block = hashlib.sha256(), bytes(16 << 20)
+    for start in range(0, size, len(block)):
+        digest.update(block[:min(len(block), size - start)])
+    return digest.hexdigest()
+
+
+def build(root: Path, count: int, side: int, records_per_shard: int | None) -> fmt.Manifest:
+    """A valid dataset of `count` records with sparse shards, through the format's own writer."""
+    record_bytes = side * side * fmt.CHANNELS
+    per_shard = records_per_shard or max(1, (1 << 30) // record_bytes)
+    (root / fmt.SHARD_DIR).mkdir(parents=True)
+    digests: dict[int, str] = {}
+    shards = []
+    for i, n in enumerate(fmt.shard_records(count, per_shard)):
+        size = n * record_bytes
+        with open(root / fmt.shard_file(i), "wb") as f:
+            f.truncate(size)  # sparse: sized, never written
+        digests.setdefault(size, zeros_sha256(size))
+        shards.append(fmt.ShardEntry(fmt.shard_file(i), size, digests[size], n))
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, CLASSES, count)
+    sizes = np.full((count, 2), side, np.int64)
+    sources = [f"c{label}/{i:09d}.jpg" for i, label in enumerate(labels.tolist())]
+    index = output.write_index(root, labels, sizes, sources)
+    del sources
+    skips = [{"source": f"bad/{i:06d}.jpg", "reason": "not a recognised image file"} for i in range(SKIPS)]
+    manifest = fmt.Manifest(height=side, width=side, count=count, records_per_shard=per_shard,
+                            classes=tuple(f"c{k}" for k in range(CLASSES)), shards=tuple(shards), index=index,
+                            compile={"size": [side, side], "fit": "center-crop", "source_root": "/nonexistent"},
+                            skipped=tuple(skips[:fmt.SKIPPED_IN_MANIFEST]),
+                            skipped_list=output.write_skip_list(root, skips))
+    output.write_manifest(root, manifest)
+    return manifest
+
+
+def measure(path: Path) -> dict:
+    opened = json.loads(subprocess.run([sys.executable, "-c", MEASURE_OPEN, str(path)], capture_output=True,
+                                       text=True, check=True).stdout)
+    info_s, info_rss = subprocess.run([sys.executable, "-c", MEASURE_INFO, str(path)], capture_output=True,
+                                      text=True, check=True).stdout.split()
+    return {**opened, "info": float(info_s), "info_rss": int(info_rss)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--counts", type=int, nargs="+", default=[1_000_000, 10_000_000])
+    p.add_argument("--side", type=int, default=32)
+    p.add_argument("--records-per-shard", type=int, default=None)
+    p.add_argument("--dir", type=Path, default=None, help="where to build [default: a temporary folder]")
+    args = p.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="open_scale_", dir=args.dir))
+    print(f"{'records':>12} {'shards':>7} {'manifest':>9} {'open s':>7} {'batch s':>8} {'anon MB':>8} "
+          f"{'info s':>7} {'info MB':>8} {'build s':>8}")
+    try:
+        for count in args.counts:
+            root = work / f"ds_{count}"
+            t = time.perf_counter()
+            manifest = build(root, count, args.side, args.records_per_shard)
+            built = time.perf_counter() - t
+            m = measure(root)
+            print(f"{count:>12,} {len(manifest.shards):>7,} {(root / fmt.MANIFEST_FILE).stat().st_size / 1e6:>7.2f}MB "
+                  f"{m['open']:>7.2f} {m['batch']:>8.2f} {m['anon'] / 1e6:>8.0f} {m['info']:>7.2f} "
+                  f"{m['info_rss'] / 1e6:>8.0f} {built:>8.1f}", flush=True)
+            shutil.rmtree(root)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
