@@ -21,6 +21,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -73,7 +74,10 @@ class Server:
                     "--log-level", "ERROR"]
             env = {**os.environ, "BIND_HOST": HOST, "GATEWAY_PORT": str(port), "S3_PERSIST": "0",
                    "LOG_LEVEL": "ERROR"}
-        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # its log goes to a file: a pipe nobody reads fills after a few hundred requests (moto logs each one)
+        # and the server then blocks in mid-answer
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=self.log)
         self._wait()
 
     @property
@@ -86,7 +90,8 @@ class Server:
         deadline = time.monotonic() + START_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise SystemExit(f"{self.kind} exited at start: {self.proc.stderr.read().decode()[-500:]}")
+                self.log.seek(0)
+                raise SystemExit(f"{self.kind} exited at start: {self.log.read().decode(errors='replace')[-500:]}")
             try:
                 urllib.request.urlopen(self.endpoint + "/", timeout=2)
                 return
