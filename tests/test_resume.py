@@ -202,7 +202,7 @@ def test_a_state_saved_by_dsc_0_1_still_loads(ds: MemmapDataset) -> None:
         resumed.load_state_dict(old)
         assert indices(resumed) == reference(ds, 4, 2, order="block", seed=3, rank=r, world_size=2)[12:]
     with pytest.raises(ValueError, match=r"middle of epoch 2 by a dsc whose random order was numpy's permutation"):
-        ds.loader(4, order="random", seed=3, world_size=2).load_state_dict({**old, "order": "random"})
+        ds.loader(4, order="random", seed=3, rank=0, world_size=2).load_state_dict({**old, "order": "random"})
 
 
 def test_the_world_is_taken_when_an_epoch_starts(ds: MemmapDataset, tmp_path: Path) -> None:
