@@ -85,7 +85,7 @@ def sequential(n: int, seed: int = 0, epoch: int = 0) -> np.ndarray:
 
 
 def random(n: int, seed: int, epoch: int) -> np.ndarray:
-    return permuted(np.arange(n, dtype=np.int64), n, seed, epoch)
+    return order_slice(n, "random", seed, epoch, 0, n)  # in chunks: `permuted`'s temporaries are ~6x its input
 
 
 @functools.lru_cache(maxsize=8)  # one per epoch in use
@@ -201,7 +201,7 @@ def epoch_order(n: int, order: str, seed: int, epoch: int) -> np.ndarray:
     """Every index of [0, n) exactly once, in the epoch's order."""
     if order not in _ORDER_FUNCTIONS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
-    return _ORDER_FUNCTIONS[order](n, seed, epoch)
+    return order_slice(n, order, seed, epoch, 0, n)  # in chunks: the peak is the order and one chunk's temporaries
 
 
 def rank_shares(order: np.ndarray, world_size: int, batch_size: int, drop_last: bool) -> np.ndarray:
@@ -315,7 +315,7 @@ def splitmix64(records: np.ndarray, salt: np.uint64) -> np.ndarray:
     """splitmix64's output for each record's number in a stream started at `salt`: a well-mixed
     pseudo-random uint64 per record, computed for any subset of records on its own."""
     with np.errstate(over="ignore"):  # uint64 arithmetic wraps, as splitmix64 wants
-        z = salt + (records.astype(np.uint64) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
+        z = salt + (np.asarray(records, dtype=np.uint64) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return z ^ (z >> np.uint64(31))
