@@ -286,10 +286,6 @@ class LazyShare:
             self._chunk = (first, chunk)
         return chunk[a - first:b - first]
 
-    def __array__(self, dtype=None, copy=None) -> np.ndarray:  # np.asarray(share): the whole share, on request
-        whole = self[:]
-        return whole if dtype is None else whole.astype(dtype)
-
 
 def share_length(n: int, world_size: int, batch_size: int, drop_last: bool, *,
                  locality: str | None = None, records_per_shard: int = 0) -> int:
@@ -373,15 +369,13 @@ def epoch_share(n: int, order: str, seed: int, epoch: int, rank: int, world_size
     check_locality(order, locality)
     if locality is not None:
         return shard_share(n, records_per_shard, seed, epoch, rank, world_size, batch_size, drop_last)
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must lie in [0, world_size={world_size}), got {rank}")
-    per_rank = share_length(n, world_size, batch_size, drop_last)
-    return order_slice(n, order, seed, epoch, rank * per_rank, (rank + 1) * per_rank)  # = rank_share(epoch_order)
+    return lazy_share(n, order, seed, epoch, rank, world_size, batch_size, drop_last)[:]
 
 
 def lazy_share(n: int, order: str, seed: int, epoch: int, rank: int, world_size: int, batch_size: int,
                drop_last: bool) -> LazyShare:
-    """`epoch_share` (without locality) as a `LazyShare`: the loader's, computed a chunk at a time as served."""
+    """`epoch_share` (without locality) as a `LazyShare`, = rank_share(epoch_order): the loader's, computed a
+    chunk at a time as it is served."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must lie in [0, world_size={world_size}), got {rank}")
     per_rank = share_length(n, world_size, batch_size, drop_last)

@@ -9,7 +9,8 @@ slice"; it says which samples of the epoch have been served, as a list of *round
   rank has taken from its share in it. Ranks take batches in step (DDP's collectives make
   them), so that number is the same on every rank, and so is the whole state.
 - An epoch starts with one round over all its samples, split by `order.epoch_share` (the
-  epoch's order cut into rank slices, or shard groups with locality="shard").
+  epoch's order cut into rank slices, or shard groups with locality="shard"); a rank's slice
+  is computed a chunk at a time as it is served (`order.LazyShare`).
 - A loader that resumes with the split of the last round continues that round exactly where
   it stopped: the same batches an uninterrupted run would have served.
 - A loader with another split starts a new round over the samples not served yet, kept in the
