@@ -35,6 +35,7 @@ TINY = {
     "benchmarks/cooccurrence_bench.py": ["--batch", "4", "--epochs", "2", "--cold-repeat", "1", "--warm-repeat", "1",
                                          "--settings", "random", "block:4/2", "block", "--cost-repeat", "1"],
     "benchmarks/sampling_cost.py": ["--batch", "4", "--repeat", "1"],
+    "benchmarks/share_memory.py": ["--records", "10000", "--world-size", "1", "2", "--whole-epoch"],
     "benchmarks/partner_rates.py": ["--records", "300", "--records-per-shard", "100", "--batch", "16", "--epochs", "2"],
     "benchmarks/s3_read_bench.py": ["--records", "48", "--size", "16", "--records-per-shard", "16", "--batch", "8",
                                     "--fetch-batch", "4", "--server", "moto", "--repeat", "1", "--peers"],

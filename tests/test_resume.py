@@ -195,12 +195,14 @@ def test_states_that_belong_to_another_order_are_refused(ds: MemmapDataset, tmp_
 
 
 def test_a_state_saved_by_dsc_0_1_still_loads(ds: MemmapDataset) -> None:
-    old = {"epoch": 2, "batch": 3, "order": "random", "seed": 3, "batch_size": 4, "drop_last": False, "rank": 1,
+    old = {"epoch": 2, "batch": 3, "order": "block", "seed": 3, "batch_size": 4, "drop_last": False, "rank": 1,
            "world_size": 2, "count": len(ds), "locality": None}
     for r in range(2):  # a per-rank state, but every rank had the same position: any rank may load it
-        resumed = ds.loader(4, order="random", seed=3, rank=r, world_size=2)
+        resumed = ds.loader(4, order="block", seed=3, rank=r, world_size=2)
         resumed.load_state_dict(old)
-        assert indices(resumed) == reference(ds, 4, 2, order="random", seed=3, rank=r, world_size=2)[12:]
+        assert indices(resumed) == reference(ds, 4, 2, order="block", seed=3, rank=r, world_size=2)[12:]
+    with pytest.raises(ValueError, match=r"middle of epoch 2 by a dsc whose random order was numpy's permutation"):
+        ds.loader(4, order="random", seed=3, rank=0, world_size=2).load_state_dict({**old, "order": "random"})
 
 
 def test_the_world_is_taken_when_an_epoch_starts(ds: MemmapDataset, tmp_path: Path) -> None:

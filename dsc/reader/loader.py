@@ -269,8 +269,8 @@ class Loader:
         epoch, rounds = self._progress
         return {"dsc_loader_state": STATE_VERSION, "dataset": self._dataset_id,
                 "dataset_version": self.dataset.version, "count": len(self.dataset),
-                "order": self.order, "seed": self.seed, "epoch": epoch, "rounds": [r.to_dict() for r in rounds],
-                "sampling": self._sampling_id()}
+                "order": self.order, "order_version": orders.ORDER_VERSION, "seed": self.seed, "epoch": epoch,
+                "rounds": [r.to_dict() for r in rounds], "sampling": self._sampling_id()}
 
     def _sampling_id(self) -> str | None:
         return None if self.sampling is None else self.sampling.fingerprint()
@@ -330,12 +330,14 @@ class Loader:
             rounds = [progress.Round.from_dict(r) for r in state["rounds"]]
         else:
             raise ValueError(f"not a dsc loader state of version {STATE_VERSION}: keys {sorted(state)}")
+        epoch = check_int("epoch", state.get("epoch"), 0)
+        progress.check_order_version(state.get("order_version", 1), self.order, epoch, rounds)
         for r in rounds:
             try:
                 orders.check_locality(self.order, r.split.locality)
             except ValueError as e:
                 raise ValueError(f"a round of this loader state cannot be replayed: {e}") from e
-        return check_int("epoch", state.get("epoch"), 0), rounds
+        return epoch, rounds
 
     def _check_same_version(self, state: dict[str, Any]) -> None:
         """A state names the dataset version it read (format 1.3, `dsc append`): resuming on another one is

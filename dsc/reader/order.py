@@ -14,16 +14,20 @@ number under locality="shard"), so every rank and every resumed run computes the
   brings a window in with large reads, and its batches then read it from the page cache.
   (Before issue 21, runs of 8 contiguous records stayed together inside a batch, so stored
   neighbours shared a batch 85-92% of the time in every epoch.)
-- ``random``: a full permutation.
+- ``random``: a seeded bijection on [0, n) (`permuted`: a Feistel network over the next power of two,
+  cycle-walked back into [0, n)), so any positions of the order are computed on their own, and a rank
+  holds only the chunk of its share it is serving (`LazyShare`), never a permutation of every record
+  (0.8 GB at 10^8). Before issue 27 (`ORDER_VERSION` 1) it was numpy's ``permutation(n)``: another
+  order for the same seed, so a loader state saved mid-epoch by that version is refused (`progress`).
 
 An epoch is then split between ranks (`rank_share`; `epoch_share` computes one rank's part with
-`order_slice`, which expands only that part of a block or sequential order, so a rank holds 1/world_size
-of the order, never the whole) and cut into batches (`batch_indices`); inside a batch of block or
-random order the records take a seeded random arrangement (`arrange`, fixed by seed, epoch and
-the records): each shard's records one contiguous segment in a random order, the segments in a
-random order, so that pairing samples by position pairs random same-shard batch-mates, not stored
-neighbours, and the copy stays one gather per shard straight into its segment. The batch's
-``index`` entry says what is where.
+`order_slice`, which expands only that part of the order, `CHUNK` positions at a time, so a rank holds
+1/world_size of the order, never the whole; the loader's `LazyShare` holds one chunk of it) and cut
+into batches (`batch_indices`); inside a batch of block or random order the records take a seeded
+random arrangement (`arrange`, fixed by seed, epoch and the records): each shard's records one
+contiguous segment in a random order, the segments in a random order, so that pairing samples by
+position pairs random same-shard batch-mates, not stored neighbours, and the copy stays one gather
+per shard straight into its segment. The batch's ``index`` entry says what is where.
 
 ``locality="shard"`` (block order only) splits an epoch between ranks by shard instead
 (`shard_share`), so that each rank reads about 1/world_size of the shard files per epoch:
@@ -62,6 +66,9 @@ ORDERS = ("sequential", "block", "random")
 LOCALITIES = ("shard",)  # values of the loader's `locality` besides None
 BLOCK_RECORDS = 64  # ~10 MB at 224×224: large enough for fast reads from a cold disk
 WINDOW_BLOCKS = 32  # blocks whose records are mixed together: a batch of 256 is 1/8 of a window
+ORDER_VERSION = 2  # of the orders a seed gives: 2 since random order became `permuted` (issue 27)
+FEISTEL_ROUNDS = 6  # Luby-Rackoff: 4 rounds of random functions give a pseudo-random permutation; 2 more of margin
+CHUNK = 1 << 20  # positions of an order computed at once (8 MB of int64): a rank's memory does not grow with n
 POSITIONS_STREAM = 1 << 32  # `generator` stream of the arrangement within batches (shard groups use 0..world_size-1)
 DROPPED_WARN_FRACTION = 0.05  # locality="shard" with drop_last=True warns when it leaves out more
 
@@ -78,7 +85,44 @@ def sequential(n: int, seed: int = 0, epoch: int = 0) -> np.ndarray:
 
 
 def random(n: int, seed: int, epoch: int) -> np.ndarray:
-    return generator(seed, epoch).permutation(n).astype(np.int64, copy=False)  # int64 already: no second copy
+    return order_slice(n, "random", seed, epoch, 0, n)  # in chunks: `permuted`'s temporaries are ~6x its input
+
+
+@functools.lru_cache(maxsize=8)  # one per epoch in use
+def _round_keys(seed: int, epoch: int) -> tuple[np.uint64, ...]:
+    return tuple(generator(seed, epoch).integers(2**64, size=FEISTEL_ROUNDS, dtype=np.uint64))
+
+
+def permuted(positions: np.ndarray, n: int, seed: int, epoch: int) -> np.ndarray:
+    """Random order at `positions` (each in [0, n)): a bijection on [0, n) fixed by (seed, epoch), computed
+    for any positions on their own, so a rank or a batch needs only its own.
+
+    A Feistel network on the bits of the next power of two >= n (at least 4): the high and low halves
+    take turns being xor-ed with `splitmix64` of the other half under a round key, each round a bijection.
+    A result >= n is sent through the network again (cycle-walking) until it lands in [0, n): it stays on
+    the cycle of its position, so this is a bijection on [0, n) too; the domain is < 2n, so a position
+    walks ~2 times at worst on average."""
+    bits = max(2, (n - 1).bit_length())
+    low_bits = bits // 2
+    low_mask, high_mask = np.uint64((1 << low_bits) - 1), np.uint64((1 << (bits - low_bits)) - 1)
+    keys = _round_keys(seed, epoch)
+
+    def network(x: np.ndarray) -> np.ndarray:
+        high, low = x >> np.uint64(low_bits), x & low_mask
+        for k, key in enumerate(keys):
+            if k % 2:
+                low ^= splitmix64(high, key) & low_mask
+            else:
+                high ^= splitmix64(low, key) & high_mask
+        return (high << np.uint64(low_bits)) | low
+
+    out = network(np.asarray(positions).astype(np.uint64))
+    for _ in range(1 << bits):  # bounded: a cycle of the domain's 2^bits values ends back in [0, n)
+        outside = np.flatnonzero(out >= np.uint64(n))
+        if not len(outside):
+            break
+        out[outside] = network(out[outside])
+    return out.astype(np.int64)
 
 
 def expand_runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -96,16 +140,23 @@ def block(n: int, seed: int, epoch: int, block_records: int = BLOCK_RECORDS, win
     return block_slice(n, seed, epoch, 0, n, block_records, window, stream)
 
 
+@functools.lru_cache(maxsize=4)  # the epoch served and the next one planned; each chunk of a share asks again
 def block_windows(n: int, seed: int, epoch: int, block_records: int = BLOCK_RECORDS,
-                  stream: tuple[int, ...] = ()) -> tuple[np.ndarray, np.ndarray, np.uint64]:
-    """(first record, length) of the epoch's blocks in their shuffled order, and the salt of its
-    `window_keys`: 1/block_records of the order's size, so that a rank expands only its own windows."""
+                  stream: tuple[int, ...] = ()) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.uint64]:
+    """(first record, length, end position in the order) of the epoch's blocks in their shuffled order,
+    read-only, and the salt of its `window_keys`: 1/block_records of the order's size (25 MB at 10^8),
+    so that a rank expands only its own windows."""
     rng = generator(seed, epoch, *stream)
     shift = int(rng.integers(block_records)) if n > block_records else 0
-    edges = np.unique(np.r_[0, np.arange(shift, n, block_records), n]).astype(np.int64)
+    edges = np.concatenate([np.zeros(1 if shift else 0, dtype=np.int64),  # sorted and distinct as they stand
+                            np.arange(shift, n, block_records, dtype=np.int64), np.array([n], dtype=np.int64)])
     perm = rng.permutation(len(edges) - 1)
     salt = rng.integers(2**64, dtype=np.uint64)
-    return edges[:-1][perm], np.diff(edges)[perm], salt
+    starts, lengths = edges[:-1][perm], np.diff(edges)[perm]
+    ends = np.cumsum(lengths)
+    for a in (starts, lengths, ends):
+        a.setflags(write=False)
+    return starts, lengths, ends, salt
 
 
 def window_keys(records: np.ndarray, salt: np.uint64) -> np.ndarray:
@@ -120,13 +171,14 @@ def block_slice(n: int, seed: int, epoch: int, start: int, stop: int, block_reco
     that hold them."""
     if stop <= start:
         return np.empty(0, dtype=np.int64)
-    starts, lengths, salt = block_windows(n, seed, epoch, block_records, stream)
-    ends = np.cumsum(lengths)
+    starts, lengths, ends, salt = block_windows(n, seed, epoch, block_records, stream)
     first = int(np.searchsorted(ends, start, side="right")) // window * window  # the first block of its window
     last = min(len(lengths), (int(np.searchsorted(ends, stop - 1, side="right")) // window + 1) * window)
     records = expand_runs(starts[first:last], lengths[first:last])
-    window_of = np.repeat(np.arange(first, last) // window, lengths[first:last])
-    records = records[np.lexsort((window_keys(records, salt), window_of))]
+    keys = window_keys(records, salt)  # distinct (splitmix64 is a bijection): the order within a window is total
+    cuts = np.r_[0, np.cumsum(lengths[first:last])][::window].tolist() + [len(records)]
+    for a, b in zip(cuts[:-1], cuts[1:]):  # window by window: a tenth of one lexsort's time, and its memory
+        records[a:b] = records[a:b][np.argsort(keys[a:b])]
     offset = int(ends[first - 1]) if first else 0
     return records[start - offset:stop - offset].copy()  # a copy: the windows' records are freed on return
 
@@ -149,7 +201,7 @@ def epoch_order(n: int, order: str, seed: int, epoch: int) -> np.ndarray:
     """Every index of [0, n) exactly once, in the epoch's order."""
     if order not in _ORDER_FUNCTIONS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
-    return _ORDER_FUNCTIONS[order](n, seed, epoch)
+    return order_slice(n, order, seed, epoch, 0, n)  # in chunks: the peak is the order and one chunk's temporaries
 
 
 def rank_shares(order: np.ndarray, world_size: int, batch_size: int, drop_last: bool) -> np.ndarray:
@@ -176,24 +228,63 @@ def rank_share(order: np.ndarray, rank: int, world_size: int, batch_size: int, d
     return np.concatenate([order[a:b] for a, b in pieces]) if pieces else order[:0].copy()
 
 
+def _positions(n: int, order: str, seed: int, epoch: int, start: int, stop: int) -> np.ndarray:
+    """Positions [start, stop) of the epoch's order, 0 <= start <= stop <= n."""
+    if order == "sequential":
+        return np.arange(start, stop, dtype=np.int64)
+    if order == "block":
+        return block_slice(n, seed, epoch, start, stop)  # draws the blocks, 1/BLOCK_RECORDS of the order
+    return permuted(np.arange(start, stop, dtype=np.int64), n, seed, epoch)
+
+
 def order_slice(n: int, order: str, seed: int, epoch: int, start: int, stop: int) -> np.ndarray:
     """Positions [start, stop) of the epoch's order repeated end to end (`rank_shares`' padding): one
-    rank's share, without the whole order where the order allows. Sequential and block orders expand
-    only these positions (block order draws its blocks, 1/BLOCK_RECORDS of the order, as `block` does);
-    random order has no cheaper slice of numpy's permutation, so it is drawn whole and let go."""
+    rank's share, without the whole order, computed `CHUNK` positions at a time (the temporaries of a
+    chunk, not of the share, bound the peak)."""
     if order not in _ORDER_FUNCTIONS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
-    pieces = _wrapped(start, stop, n) if n else []
+    pieces = [(c, min(c + CHUNK, b)) for a, b in (_wrapped(start, stop, n) if n else []) for c in range(a, b, CHUNK)]
     if not pieces:
         return np.empty(0, dtype=np.int64)
-    if order == "sequential":
-        parts = [np.arange(a, b, dtype=np.int64) for a, b in pieces]
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
-    if order == "block":
-        parts = [block_slice(n, seed, epoch, a, b) for a, b in pieces]
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
-    whole = random(n, seed, epoch)
-    return np.concatenate([whole[a:b] for a, b in pieces])  # a copy: `whole` is freed on return
+    if len(pieces) == 1:
+        return _positions(n, order, seed, epoch, *pieces[0])
+    out = np.empty(stop - start, dtype=np.int64)
+    at = 0
+    for a, b in pieces:
+        out[at:at + b - a] = _positions(n, order, seed, epoch, a, b)
+        at += b - a
+    return out
+
+
+class LazyShare:
+    """Positions [start, stop) of an epoch's order repeated end to end (`order_slice`), computed when sliced,
+    at least `CHUNK` positions at a time, the last chunk kept: what a rank holds while it serves its share
+    is one chunk (8 MB), not the share (0.8 GB at 10^8 records on one rank). Batches are sliced in
+    order, so each chunk is computed once; slices only (`batch_indices`), step 1."""
+
+    def __init__(self, n: int, order: str, seed: int, epoch: int, start: int, stop: int) -> None:
+        if order not in _ORDER_FUNCTIONS:
+            raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+        self.n, self.order, self.seed, self.epoch, self.start, self.stop = n, order, seed, epoch, start, stop
+        self._chunk: tuple[int, np.ndarray] = (0, np.empty(0, dtype=np.int64))  # swapped whole: thread-safe
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __getitem__(self, key: slice) -> np.ndarray:
+        if not isinstance(key, slice):
+            raise TypeError(f"a LazyShare is sliced, not indexed with {type(key).__name__}")
+        a, b, step = key.indices(len(self))
+        if step != 1:
+            raise ValueError(f"a LazyShare is sliced with step 1, got {step}")
+        b = max(a, b)
+        first, chunk = self._chunk
+        if not (first <= a and b <= first + len(chunk)):
+            first = a
+            chunk = order_slice(self.n, self.order, self.seed, self.epoch, self.start + a,
+                                self.start + max(b, min(len(self), a + CHUNK)))
+            self._chunk = (first, chunk)
+        return chunk[a - first:b - first]
 
 
 def share_length(n: int, world_size: int, batch_size: int, drop_last: bool, *,
@@ -220,7 +311,7 @@ def splitmix64(records: np.ndarray, salt: np.uint64) -> np.ndarray:
     """splitmix64's output for each record's number in a stream started at `salt`: a well-mixed
     pseudo-random uint64 per record, computed for any subset of records on its own."""
     with np.errstate(over="ignore"):  # uint64 arithmetic wraps, as splitmix64 wants
-        z = salt + (records.astype(np.uint64) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
+        z = salt + (np.asarray(records, dtype=np.uint64) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return z ^ (z >> np.uint64(31))
@@ -278,10 +369,17 @@ def epoch_share(n: int, order: str, seed: int, epoch: int, rank: int, world_size
     check_locality(order, locality)
     if locality is not None:
         return shard_share(n, records_per_shard, seed, epoch, rank, world_size, batch_size, drop_last)
+    return lazy_share(n, order, seed, epoch, rank, world_size, batch_size, drop_last)[:]
+
+
+def lazy_share(n: int, order: str, seed: int, epoch: int, rank: int, world_size: int, batch_size: int,
+               drop_last: bool) -> LazyShare:
+    """`epoch_share` (without locality) as a `LazyShare`, = rank_share(epoch_order): the loader's, computed a
+    chunk at a time as it is served."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must lie in [0, world_size={world_size}), got {rank}")
     per_rank = share_length(n, world_size, batch_size, drop_last)
-    return order_slice(n, order, seed, epoch, rank * per_rank, (rank + 1) * per_rank)  # = rank_share(epoch_order)
+    return LazyShare(n, order, seed, epoch, rank * per_rank, (rank + 1) * per_rank)
 
 
 # ----------------------------------------------------------------------------- locality="shard"

@@ -9,7 +9,8 @@ slice"; it says which samples of the epoch have been served, as a list of *round
   rank has taken from its share in it. Ranks take batches in step (DDP's collectives make
   them), so that number is the same on every rank, and so is the whole state.
 - An epoch starts with one round over all its samples, split by `order.epoch_share` (the
-  epoch's order cut into rank slices, or shard groups with locality="shard").
+  epoch's order cut into rank slices, or shard groups with locality="shard"); a rank's slice
+  is computed a chunk at a time as it is served (`order.LazyShare`).
 - A loader that resumes with the split of the last round continues that round exactly where
   it stopped: the same batches an uninterrupted run would have served.
 - A loader with another split starts a new round over the samples not served yet, kept in the
@@ -24,6 +25,14 @@ epoch's global order is a sequence of records that may repeat, so the rounds cou
 (`Epoch.records` maps them back); a sequence laid out for its first round's world (repeats) is
 rebuilt from that round's split. `check_rounds` refuses, before any replay, what no run could have
 written.
+
+A state also says which version of the orders it was saved under (`order.ORDER_VERSION`): its rounds
+name samples of that version's order. Random order changed in version 2 (issue 27: numpy's permutation
+became a seeded bijection, computed a chunk at a time), so a random-order state saved mid-epoch by
+version 1 is refused (`check_order_version`) rather than resumed on a different order, which would
+serve some samples twice and skip others; one saved at an epoch's end (no rounds) served nothing of
+its epoch and resumes. Replaying version 1 would mean drawing its whole permutation again, the cost
+version 2 removed, for states of one release.
 
 `remaining_share` replays the finished rounds (a few numpy passes over the epoch) to find the
 live round's share of this rank; the state itself stays a handful of integers. A `Planner`
@@ -113,9 +122,14 @@ class Epoch:
         """The records at `items` (the records themselves without sampling)."""
         return items if self.sampling is None else self._sampled(first)[items]
 
-    def first_round_share(self, split: Split, rank: int) -> np.ndarray:
+    def first_round_share(self, split: Split, rank: int) -> np.ndarray | orders.LazyShare:
+        """This rank's share of the first round: computed a chunk at a time as it is served (`order.LazyShare`)
+        unless sampling options or locality make the epoch's sequence whole anyway."""
         if self.sampling is not None:
             return orders.rank_share(self._sampled(split), rank, split.world_size, split.batch_size, split.drop_last)
+        if split.locality is None:
+            return orders.lazy_share(self.count, self.order, self.seed, self.epoch, rank, split.world_size,
+                                     split.batch_size, split.drop_last)
         return orders.epoch_share(self.count, self.order, self.seed, self.epoch, rank, split.world_size,
                                   split.batch_size, split.drop_last, locality=split.locality,
                                   records_per_shard=self.records_per_shard)
@@ -157,7 +171,7 @@ def replay(epoch: Epoch, done: list[Round]) -> np.ndarray:
     return remaining
 
 
-def remaining_share(epoch: Epoch, done: list[Round], split: Split, rank: int) -> np.ndarray:
+def remaining_share(epoch: Epoch, done: list[Round], split: Split, rank: int) -> np.ndarray | orders.LazyShare:
     """This rank's share of the round that follows the finished rounds `done` (module docstring)."""
     if not done:
         return epoch.first_round_share(split, rank)
@@ -214,6 +228,20 @@ def check_rounds(epoch: Epoch, rounds: list[Round]) -> None:
                          f"first time, more than the epoch's {n}: past the epoch's end")
 
 
+def check_order_version(version: Any, order: str, epoch: int, rounds: list[Round]) -> None:
+    """Refuse a state whose rounds name samples of another version's order (module docstring); `version` is the
+    state's ``order_version`` (1 when absent: saved before it was recorded)."""
+    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= orders.ORDER_VERSION:
+        raise ValueError(f"a loader state's order_version must be an integer from 1 to {orders.ORDER_VERSION} "
+                         f"(this dsc's), got {version!r}: a state saved by a newer dsc cannot be resumed here")
+    if version == 1 and order == "random" and rounds:
+        raise ValueError(f"this loader state was saved in the middle of epoch {epoch} by a dsc whose random order "
+                         f"was numpy's permutation (order_version 1); this dsc computes random order another way "
+                         f"(order_version {orders.ORDER_VERSION}), so resuming would serve some samples of the epoch "
+                         "twice and skip others. Resume from a state saved at an epoch's end, or finish epoch "
+                         f"{epoch} with the dsc that saved this state")
+
+
 def resume_point(rounds: list[Round], split: Split) -> tuple[list[Round], int]:
     """(finished rounds, batches already taken in the live one): the last round goes on if its split is ours."""
     if rounds and rounds[-1].split == split:
@@ -246,7 +274,7 @@ class Planner:
     sampling: Sampling | None = None
 
     def plan(self, epoch: int, done: list[Round], split: Split,
-             start: int) -> tuple[Pass, np.ndarray]:
+             start: int) -> tuple[Pass, np.ndarray | orders.LazyShare]:
         """The pass and this rank's share of what the epoch has left."""
         spec = Epoch(self.count, self.order, self.seed, epoch, self.records_per_shard, self.sampling)
         share = remaining_share(spec, done, split, self.rank)
