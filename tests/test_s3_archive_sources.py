@@ -20,7 +20,6 @@ from typer.testing import CliRunner
 from dsc import CompileError, compile_folder, storage
 from dsc.cli import app
 from dsc.compiler.publish import staging_path
-from dsc.storage.object_file import ObjectFile
 
 from archives import write_parquet, write_tar_shards, write_zip
 from s3server import S3Server, closed_port, serving  # skips this module when the server packages are missing
@@ -118,6 +117,8 @@ def test_the_cli_with_workers_reads_the_bucket_from_its_worker_processes(made: d
 def test_a_second_compile_in_one_process_starts_its_workers_afresh(made: dict, env, tmp_path: Path) -> None:
     """This process has used the S3 client (its runtime does not survive fork): the engine's host is
     spawned, not forked, so its workers can read the bucket."""
+    from dsc.storage.object_file import ObjectFile
+
     local, url = made["parquet"]
     ObjectFile(url).close()
     compile_folder(local, tmp_path / "local", **quiet())
@@ -129,7 +130,7 @@ def test_verify_decode_reads_the_members_again_from_the_bucket(made: dict, env, 
     compile_folder(made["zip"][1], tmp_path / "out", **quiet())
     result = runner.invoke(app, ["verify", str(tmp_path / "out"), "--decode", "20"])
     assert result.exit_code == 0, result.stderr
-    assert "20 of 20" in result.stdout or "decoded 20" in result.stdout, result.stdout
+    assert "decoded 20 record(s) again" in result.stdout and ": max 0, mean 0.000" in result.stdout
 
 
 def test_missing_objects_and_prefixes_are_one_clear_line(made: dict, server: S3Server, env, tmp_path: Path) -> None:
@@ -189,6 +190,8 @@ def test_a_dead_endpoint_is_a_bounded_clear_error(made: dict, env, monkeypatch, 
 
 
 def test_an_object_file_reads_ranges_within_its_window(made: dict, env) -> None:
+    from dsc.storage.object_file import ObjectFile
+
     local, url = made["zip"]
     data = Path(local).read_bytes()
     with ObjectFile(url, read_ahead=4096) as f:
@@ -218,7 +221,8 @@ def test_a_killed_compile_from_the_bucket_resumes_to_identical_bytes(server: S3S
     while (not journal.exists() or journal.read_bytes().count(b"\n") < 30) and proc.poll() is None:
         assert time.monotonic() < deadline, "the compile never got that far"
         time.sleep(0.005)
-    os.kill(proc.pid, signal.SIGKILL)
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)
     if not out.exists():  # else it finished first
         result = subprocess.run(command + ["--resume"], capture_output=True, text=True, timeout=RUN_S, env=env)
