@@ -8,9 +8,11 @@ members read in stored order, cost one GET per window, not one per member); a re
 the window is one GET of exactly its bytes. Memory stays bounded whatever the object's size.
 
 Requests are those of `dsc.storage.s3` (its client, made per process, and its rule of which
-failures a retry can fix), tried ATTEMPTS times. A missing object reads as FileNotFoundError (the
-archive is gone: its samples are skipped, as for a local file); any other failure is a
-StorageError naming the object, the tries and the last error.
+failures a retry can fix), tried ATTEMPTS times; that module (and obstore) is imported only once
+an s3:// source is read. A missing object reads as FileNotFoundError (the archive is gone: its
+samples are skipped, as for a local file); any other failure is a StorageError naming the
+object, the tries and the last error. A process forked after this one used the client cannot use
+it (obstore's runtime does not survive fork): it says so instead of hanging.
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ from __future__ import annotations
 import errno
 import io
 import os
+import sys
 import time
 from typing import Any
 
 from dsc.errors import StorageError
-from dsc.storage import s3
 
 READ_AHEAD_BYTES = 8 << 20  # one GET fetches this much ahead of a read: tar headers and members in order
 SCHEME = "s3://"
@@ -33,20 +35,27 @@ def is_url(text: str) -> bool:
     return text.startswith(SCHEME)
 
 
+def _s3():
+    from dsc.storage import s3  # obstore's module: never imported for local sources
+
+    return s3
+
+
 def split(url: str) -> tuple[str, str]:
     """(bucket, key) of `s3://bucket/key`."""
-    bucket, key = s3.parse_url(url)
-    return bucket, key
+    return _s3().parse_url(url)
 
 
 def client_used_here() -> bool:
     """Whether this process runs obstore's runtime (it read a bucket): a child it forks from now on
     could not, so it must start fresh ones (spawn) for work that reads a bucket."""
-    return s3._runtime_pid == os.getpid()
+    s3 = sys.modules.get("dsc.storage.s3")
+    return s3 is not None and s3._runtime_pid == os.getpid()
 
 
 def _request(what: str, url: str, request) -> Any:
     """`request()`, retried as dsc.storage.s3 retries; FileNotFoundError for a missing object."""
+    s3 = _s3()
     began, last = time.monotonic(), None
     for attempt in range(1, s3.ATTEMPTS + 1):
         if s3._forked():
@@ -72,6 +81,7 @@ def _request(what: str, url: str, request) -> Any:
 def head(url: str) -> tuple[int, str]:
     """(size, a stamp that changes when the object does: its size and ETag) of one object."""
     bucket, key = split(url)
+    s3 = _s3()
     meta = _request("HEAD", url, lambda: s3._obstore().head(s3.client(bucket), key))
     return int(meta["size"]), f"{meta['size']}:{meta.get('e_tag') or meta.get('last_modified')}"
 
@@ -83,6 +93,8 @@ def list_prefix(url: str) -> list[tuple[str, int, str]]:
         raise StorageError(f"{url}: not an s3://bucket/prefix URL")
 
     folder = key.rpartition("/")[0]  # obstore lists whole path segments: a partial name is filtered here
+
+    s3 = _s3()
 
     def listed() -> list[dict]:
         pages = s3._obstore().list(s3.client(bucket), prefix=folder or None)
@@ -151,6 +163,7 @@ class ObjectFile(io.RawIOBase):
         return self._window[:stop - offset]
 
     def _get(self, start: int, stop: int) -> bytes:
+        s3 = _s3()
         data = bytes(_request(f"GET of bytes {start}-{stop - 1}", self.url,
                               lambda: s3._obstore().get_range(s3.client(self.bucket), self.key, start=start,
                                                               end=stop)))
