@@ -73,7 +73,9 @@ def made(server: S3Server, tmp_path_factory) -> dict:
     archive = write_zip(folder, root / "photos.zip")
     for path in sorted((root / "shards").iterdir()) + [parquet, archive]:
         server.put(BUCKET, f"in/{path.relative_to(root).as_posix()}", path.read_bytes())
-    return {"root": root, "tar": (shards, f"s3://{BUCKET}/in/shards/train-{{000000..000002}}.tar"),
+    sizes = {"tar": sum(p.stat().st_size for p in (root / "shards").iterdir()), "parquet": parquet.stat().st_size,
+             "zip": archive.stat().st_size}
+    return {"root": root, "bytes": sizes, "tar": (shards, f"s3://{BUCKET}/in/shards/train-{{000000..000002}}.tar"),
             "parquet": (str(parquet), f"s3://{BUCKET}/in/train.parquet"),
             "zip": (str(archive), f"s3://{BUCKET}/in/photos.zip")}
 
@@ -203,18 +205,44 @@ def test_an_object_file_reads_ranges_within_its_window(made: dict, env) -> None:
         assert f.read() == data[-7:] and f.read(3) == b""
 
 
-def test_a_killed_compile_from_the_bucket_resumes_to_identical_bytes(server: S3Server, env,
-                                                                     tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def big(server: S3Server, tmp_path_factory) -> dict:
+    """120 PNGs of 400x500 (~14 MB) as tar shards, a zip and a Parquet file, uploaded; their sizes."""
     from dsc.testing import make_image_folder
 
-    make_image_folder(tmp_path / "src", classes=3, per_class=40, size=(400, 500), formats=("png",))
-    pattern = write_tar_shards(tmp_path / "src", tmp_path / "shards", per_shard=25)
-    for path in sorted((tmp_path / "shards").iterdir()):
+    root = tmp_path_factory.mktemp("s3-big")
+    make_image_folder(root / "src", classes=3, per_class=40, size=(400, 500), formats=("png",))
+    pattern = write_tar_shards(root / "src", root / "shards", per_shard=25)
+    made = [*sorted((root / "shards").iterdir()), write_zip(root / "src", root / "big.zip"),
+            write_parquet(root / "src", root / "big.parquet", rows_per_group=20)]
+    for path in made:
         server.put(BUCKET, f"big/{path.name}", path.read_bytes())
-    url = f"s3://{BUCKET}/big/{Path(pattern).name}"
-    compile_folder(pattern, tmp_path / "whole", size=64, workers=1, records_per_shard=16)
+    return {"pattern": pattern, "tar": f"s3://{BUCKET}/big/{Path(pattern).name}", "zip": f"s3://{BUCKET}/big/big.zip",
+            "parquet": f"s3://{BUCKET}/big/big.parquet",
+            "bytes": {"tar": sum(p.stat().st_size for p in made[:-2]), "zip": made[-2].stat().st_size,
+                      "parquet": made[-1].stat().st_size}}
+
+
+@pytest.mark.parametrize("kind, times", [("tar", 2.0), ("zip", 1.25), ("parquet", 1.25)])
+def test_a_compile_reads_each_archive_by_ranges_not_again_and_again(big: dict, env, monkeypatch, kind: str,
+                                                                      times: float, tmp_path: Path) -> None:
+    """Bytes fetched, against the archives' size: a tar is walked once at discovery (its headers are
+    between the members) and read once by the workers; a zip or Parquet file once, plus its directory
+    or footer again at each open. A read-ahead running past a chunk's last member would fetch more."""
+    from dsc.storage.object_file import ObjectFile
+
+    fetched = []
+    get = ObjectFile._get
+    monkeypatch.setattr(ObjectFile, "_get", lambda self, start, stop: fetched.append(stop - start) or get(self, start,
+                                                                                                           stop))
+    compile_folder(big[kind], tmp_path / "out", **quiet())  # chunks of 16 members, 8 MiB read-ahead
+    assert 0 < sum(fetched) <= times * big["bytes"][kind], (sum(fetched), big["bytes"][kind])
+
+
+def test_a_killed_compile_from_the_bucket_resumes_to_identical_bytes(big: dict, env, tmp_path: Path) -> None:
+    compile_folder(big["pattern"], tmp_path / "whole", size=64, workers=1, records_per_shard=16)
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "dsc", "compile", url, str(out), "--size", "64", "-j", "2",
+    command = [sys.executable, "-m", "dsc", "compile", big["tar"], str(out), "--size", "64", "-j", "2",
                "--records-per-shard", "16"]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     journal, deadline = staging_path(out) / "journal.jsonl", time.monotonic() + RUN_S
