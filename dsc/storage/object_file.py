@@ -27,6 +27,7 @@ from typing import Any
 from dsc.errors import StorageError
 
 READ_AHEAD_BYTES = 8 << 20  # one GET fetches this much ahead of a read: tar headers and members in order
+EXACT_READS = 0  # read_ahead for a reader that asks for whole ranges itself (pyarrow): one GET a read
 SCHEME = "s3://"
 
 
@@ -107,8 +108,11 @@ def list_prefix(url: str) -> list[tuple[str, int, str]]:
 class ObjectFile(io.RawIOBase):
     """A read-only, seekable file over one object's bytes (see the module's docstring)."""
 
-    def __init__(self, url: str, read_ahead: int = READ_AHEAD_BYTES) -> None:
+    def __init__(self, url: str, read_ahead: int = READ_AHEAD_BYTES, until: int | None = None) -> None:
+        """`until`: where the reads the caller means to make end (a chunk's last member), so the
+        read-ahead stops there instead of fetching bytes nobody reads; reads beyond it still work."""
         super().__init__()
+        self._until = until
         self.url = url
         self.bucket, self.key = split(url)
         self.size, self.stamp = head(url)
@@ -158,8 +162,10 @@ class ObjectFile(io.RawIOBase):
             return self._window[offset - self._window_start:stop - self._window_start]
         if stop - offset >= self._read_ahead:
             return self._get(offset, stop)
+        ahead = offset + self._read_ahead if self._until is None else min(offset + self._read_ahead,
+                                                                              max(self._until, stop))
         self._window_start = offset
-        self._window = self._get(offset, min(self.size, offset + self._read_ahead))
+        self._window = self._get(offset, min(self.size, ahead))
         return self._window[:stop - offset]
 
     def _get(self, start: int, stop: int) -> bytes:

@@ -159,7 +159,10 @@ def archive_sources(src: str | os.PathLike) -> tuple[str, Path | str, list[Path]
 def _stamp(path: Path | str) -> str:
     """What changes when an archive does: size and mtime of a file, size and ETag of an object."""
     if isinstance(path, str):
-        return head(path)[1]
+        try:
+            return head(path)[1]
+        except FileNotFoundError:  # gone since it was listed: its samples are skipped already
+            return "gone"
     st = path.stat()
     return f"{st.st_size}:{st.st_mtime_ns}"
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import BinaryIO, NamedTuple
 
 from dsc.errors import ImageError
-from dsc.storage.object_file import ObjectFile, is_url
+from dsc.storage.object_file import READ_AHEAD_BYTES, ObjectFile, is_url
 
 # Why a read of an archive is the archive's fault (skipped) rather than the machine's (the compile stops,
 # to be resumed): the same errors as for a source file (dsc.compiler.write.SOURCE_ERRNOS).
@@ -30,10 +30,11 @@ MAX_LABEL_MEMBER_BYTES = 1 << 20  # a .cls/.txt/.json label member is a few byte
 IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "jpe", "jfif", "bmp", "gif", "tif", "tiff", "ppm", "pgm", "pbm", "pnm")
 
 
-def open_archive(path: str | os.PathLike) -> BinaryIO:
-    """An archive opened for reading: a local file, or an `s3://` object read by ranged GETs."""
+def open_archive(path: str | os.PathLike, until: int | None = None, read_ahead: int = READ_AHEAD_BYTES) -> BinaryIO:
+    """An archive opened for reading: a local file, or an `s3://` object read by ranged GETs, ahead
+    by `read_ahead` bytes but not past `until` (where the caller's reads end), when given."""
     text = os.fspath(path)
-    return ObjectFile(text) if is_url(text) else open(text, "rb")
+    return ObjectFile(text, read_ahead, until) if is_url(text) else open(text, "rb")
 
 
 def archive_size(f: BinaryIO) -> int:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from dsc.compiler.sources.common import Listing, Member, Sample, open_archive, too_large, unsafe_name
 from dsc.errors import CompileError, ImageError
+from dsc.storage.object_file import EXACT_READS
 
 HF_METADATA = b"huggingface"  # the schema metadata key `datasets` writes its features under
 LABEL_COLUMN = "label"
@@ -97,7 +98,7 @@ def list_archive(path: str | Path, label_key: str | None = None, image_column: s
     pq = pyarrow_parquet()
     import pyarrow as pa
 
-    with open_archive(path) as f:
+    with open_archive(path, read_ahead=EXACT_READS) as f:
         try:
             parquet = pq.ParquetFile(f)
         except (pa.ArrowException, OSError) as e:
@@ -131,7 +132,7 @@ def _list_rows(pa, parquet, image: str, label: str | None, names: list[str] | No
 def find_member(path: str | Path, name: str) -> tuple[Member, tuple] | None:
     """The row `name` names (`row=N`, or the first whose image path it is), for re-reading one source."""
     pq = pyarrow_parquet()
-    with open_archive(path) as f:
+    with open_archive(path, read_ahead=EXACT_READS) as f:
         parquet = pq.ParquetFile(f)
         image, _, _ = columns(parquet.schema_arrow, path, None, None)
         meta, first = parquet.metadata, 0
@@ -165,7 +166,7 @@ def read_members(path: str, members: list[Member], max_bytes: int, options: tupl
     member = next(wanted, None)
     f = None
     try:
-        f = open_archive(path)
+        f = open_archive(path, read_ahead=EXACT_READS)
         batches = pq.ParquetFile(f).iter_batches(READ_BATCH_ROWS, row_groups=[group], columns=[image])
         first = 0
         for batch in batches:

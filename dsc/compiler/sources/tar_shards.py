@@ -163,7 +163,7 @@ def find_member(path: Path, name: str) -> tuple[Member, tuple] | None:
 
 def read_members(path: str, members: list[Member], max_bytes: int, options: tuple = ()) -> Iterator[bytes | ImageError]:
     """Each member's bytes, in the order given (the stored order: a sequential read)."""
-    with open_archive(path) as f:
+    with open_archive(path, until=max(m.position + m.size for m in members)) as f:
         for member in members:
             if member.size > max_bytes:
                 yield too_large(member.size, max_bytes)

@@ -26,6 +26,7 @@ from dsc.errors import ImageError
 LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., name length, extra field length (30 bytes)
 LOCAL_SIGNATURE = b"PK\x03\x04"
 METHODS = {zipfile.ZIP_STORED: "stored", zipfile.ZIP_DEFLATED: "deflate"}
+NAME_ROOM = 1024  # what a local header's name and extra field usually take: read ahead with its member
 MAC_METADATA = "__MACOSX"  # resource forks the macOS archiver adds: never images
 
 
@@ -130,7 +131,8 @@ def _inflate(f, member: Member, max_bytes: int) -> bytes:
 
 def read_members(path: str, members: list[Member], max_bytes: int, options: tuple = ()) -> Iterator[bytes | ImageError]:
     """Each member's bytes (inflated, checked against its CRC-32), in the order given."""
-    with open_archive(path) as f:
+    last = max(members, key=lambda m: m.position)
+    with open_archive(path, until=last.position + LOCAL_HEADER.size + NAME_ROOM + last.size) as f:
         for member in members:
             try:
                 yield _inflate(f, member, max_bytes)
