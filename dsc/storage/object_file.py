@@ -92,9 +92,7 @@ def list_prefix(url: str) -> list[tuple[str, int, str]]:
     bucket, _, key = url[len(SCHEME):].partition("/")  # the key as given: a partial name narrows it too
     if not bucket:
         raise StorageError(f"{url}: not an s3://bucket/prefix URL")
-
     folder = key.rpartition("/")[0]  # obstore lists whole path segments: a partial name is filtered here
-
     s3 = _s3()
 
     def listed() -> list[dict]:
