@@ -108,12 +108,18 @@ def _path(value: str) -> Path:
     return Path(value)
 
 
+def _source(value: str) -> Path | str:
+    """SRC: a path, or an `s3://` URL kept as written (a Path would fold its '//')."""
+    return value if value.startswith("s3://") else _path(value)
+
+
 @app.command("compile")
 def compile_command(
-    src: Path = typer.Argument(..., metavar="SRC", parser=_path,
+    src: Path = typer.Argument(..., metavar="SRC", parser=_source,
                                help="Image folder: one sub-folder per class (or images directly); or archives: "
                                "WebDataset tar shards (a file, a folder, a glob or a {000..099} pattern), "
-                               "Parquet files (a file or a folder), a zip of an image folder."),
+                               "Parquet files (a file or a folder), a zip of an image folder; any of these "
+                               "as s3:// URLs."),
     out: Path = typer.Argument(..., metavar="OUT", parser=_path,
                                help="Dataset folder to create (built aside, then renamed into place)."),
     size: str = typer.Option("224", "--size", callback=_size_option, metavar="N|HxW",
@@ -238,7 +244,7 @@ def compile_command(
         typer.echo(f"field {f['name']}: {_describe_field(f)}", err=True)
     for name in summary.empty_classes:  # a vocabulary's class may have no folder at all (--classes, --classes-from)
         typer.echo(f"note: class folder {name!r} has no images (its label is kept)"
-                   if labels is None and (src / name).is_dir() else
+                   if labels is None and isinstance(src, Path) and (src / name).is_dir() else
                    f"note: class {name!r} has no images (its label index is kept)", err=True)
     h, w, c = summary.record_shape
     typer.echo(f"wrote {out}: {_count(summary.kept, 'record')} of {h}x{w}x{c} uint8 in {summary.shards} shard(s), "

@@ -34,6 +34,7 @@ from dsc.compiler.finish import NothingDecoded, Unpublishable, check_shard_count
 from dsc.compiler.jobs import Engine, SlotResult, WriteJob, chunk_size, split
 from dsc.compiler.target import INTERPOLATION, PAD_VALUE, Target, parse_size, resize_backend
 from dsc.errors import CompileError
+from dsc.storage.object_file import is_url
 from dsc.version import __version__
 
 __all__ = ["CompileSummary", "compile_folder"]
@@ -101,6 +102,12 @@ def _check_paths(src: Path, out: Path) -> None:
         raise CompileError(f"the source folder {src} must not be inside the output {out}")
 
 
+def _source(src: str | os.PathLike) -> Path | str:
+    """SRC as an absolute path, or as given when it is an `s3://` URL (archives in a bucket)."""
+    text = os.fspath(src)
+    return text if is_url(text) else Path(src).absolute()
+
+
 class StrictFailure(CompileError):
     """A --strict compile met a source it could not decode: the build is discarded."""
 
@@ -156,7 +163,7 @@ def _fields_digest(fields: list[tuple[fmt.FieldEntry, np.ndarray]]) -> str:
     return digest.hexdigest()
 
 
-def _options(job: WriteJob, seed: int, shuffle: bool, src: Path, found: int,
+def _options(job: WriteJob, seed: int, shuffle: bool, src: Path | str, found: int,
              label_table: str | os.PathLike | None) -> dict:
     """How the pixels were made, recorded in the manifest (formats.md, "compile")."""
     listed = {} if label_table is None else {"label_table": printable(str(Path(label_table).absolute()))}
@@ -221,8 +228,9 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
                           if records_per_shard is None else records_per_shard, 1, fmt.MAX_RECORDS,
                           error=CompileError)
     max_pixels = check_int("max_pixels", max_pixels, 1, error=CompileError)
-    src, out = Path(src).absolute(), Path(out).absolute()
-    _check_paths(src, out)
+    src, out = _source(src), Path(out).absolute()
+    if isinstance(src, Path):
+        _check_paths(src, out)
     on_skip = on_skip or _log_skip
     if stall_seconds is not None and (isinstance(stall_seconds, bool) or not isinstance(stall_seconds, (int, float))
                                       or not 1 <= stall_seconds <= MAX_STALL_S):
@@ -247,7 +255,7 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
                           found.ignored, reused, len(plan.sources))
 
 
-def _discover(src: Path, out: Path, classes, skip_unknown_classes: bool, labels, columns,
+def _discover(src: Path | str, out: Path, classes, skip_unknown_classes: bool, labels, columns,
               archive_options: tuple[str | None, str | None], on_found: Callable[[int], None] | None) -> Discovery:
     """The sources to compile with their labels and fields: a label table's rows, the archives' samples
     (`archive_options`: their label key and image column), or the folder's images."""
@@ -278,7 +286,7 @@ def _report(found: Discovery, strict: bool, on_skip: Callable[[str, str], None],
     """What discovery skipped (a --strict compile stops at the first), and the count left to decode."""
     if strict and found.skipped:
         source, reason = found.skipped[0]
-        raise StrictFailure(f"{found.root / source}: {reason} (--strict: nothing written)")
+        raise StrictFailure(f"{found.root}/{source}: {reason} (--strict: nothing written)")
     for source, reason in found.skipped:
         on_skip(source, reason)
     if on_total:
@@ -318,7 +326,7 @@ def _plan(recipe: WriteJob, found: Discovery, seed: int, shuffle: bool, label_ta
     if isinstance(found, archives.ArchiveDiscovery) and any(found.options):  # Parquet: the image column read
         record["image_column"] = ", ".join(sorted({options[0] for options in found.options if options}))
     digest = hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
-    options = _options(job, seed, shuffle, Path(job.src_root), job.count, label_table)
+    options = _options(job, seed, shuffle, _source(job.src_root), job.count, label_table)
     if isinstance(found, archives.ArchiveDiscovery):
         options["source_order"] = f"{found.kind} archives: {archives.ORDER}"
     return Plan(job, found, order, sources, listing, record, digest, options)

@@ -29,6 +29,7 @@ from itertools import islice
 from dsc.compiler.engines.supervisor import DEFAULT_STALL_S, Failed, Supervisor
 from dsc.compiler.jobs import Chunk, OnResults, WriteJob
 from dsc.errors import CompileError
+from dsc.storage.object_file import client_used_here
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # fork starts a process in milliseconds and shares the host's imports with the workers; spawn
@@ -39,6 +40,13 @@ IN_FLIGHT_PER_WORKER = 4  # queued chunks per worker: none idles between chunks,
 logger = logging.getLogger("dsc")  # what a compile finds is reported here (see dsc.compiler.pipeline)
 WORKER_DIED = ("a worker process died (killed by a signal, or out of memory?); the output was not written, and "
                "the same command with --resume continues the work")
+
+
+def _host_start_method() -> str:
+    """How the host starts: forked, unless this process already used the S3 client (an earlier
+    compile from s3:// archives), whose runtime a forked child cannot use; the host is then
+    spawned, and forks the workers from itself, where the client was never used."""
+    return "spawn" if START_METHOD == "fork" and client_used_here() else START_METHOD
 
 
 class LocalEngine:
@@ -59,7 +67,7 @@ class LocalEngine:
             logger.warning("this process is a daemon (a multiprocessing.Pool task?), which may not start worker "
                            "processes: decoding here, in one process")
         elif self.workers > 1:
-            context = multiprocessing.get_context(START_METHOD)
+            context = multiprocessing.get_context(_host_start_method())
             self._conn, child = context.Pipe()
             self._host = context.Process(target=_host_main, args=(child,), name="dsc-host",
                                          daemon=False)  # not a daemon: it starts the workers

@@ -5,14 +5,19 @@ SRC names archives (`archive_sources`): a `.tar`, `.zip` or `.parquet` file, a f
 lists their samples (headers, directories and metadata only: `common` says what each format
 module does) into the same `Discovery` a folder gives, each source named `ARCHIVE#MEMBER`
 (ARCHIVE relative to the archives' folder), labels resolved by the folder's rules and ordered as
-a folder's are: by label, then archive and member order. `chunks` groups the pending slots by
+a folder's are: by label, then archive and member order. The same given as an `s3://` URL (an
+object, a prefix holding the archives, a glob or a brace pattern over object names) lists the
+bucket (`remote_archives`) and reads every archive by ranged GETs (`dsc.storage.object_file`);
+ARCHIVE is then relative to the archives' common prefix. `chunks` groups the pending slots by
 the format's unit of work, in stored order; `read_chunk` streams one chunk's bytes to a worker.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import os
+import posixpath
 import re
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +33,7 @@ from dsc.compiler.sources import parquet_files, tar_shards, zip_archive
 from dsc.compiler.sources.common import ARCHIVE_ERRNOS, ArchiveChunk, Listing, Member
 from dsc.errors import CompileError, ImageError
 from dsc.format import UNLABELED
+from dsc.storage.object_file import head, is_url, list_prefix
 
 __all__ = ["ArchiveDiscovery", "archive_sources", "chunks", "discover", "read_chunk", "read_source"]
 
@@ -46,7 +52,7 @@ class ArchiveDiscovery(Discovery):
     """A `Discovery` of archive members: `members[i]` locates `sources[i]` in `archives[members[i].archive]`."""
 
     kind: str = ""
-    archives: list[str] = field(default_factory=list)  # absolute paths
+    archives: list[str] = field(default_factory=list)  # absolute paths or s3:// URLs
     members: list[Member] = field(default_factory=list)
     options: list[tuple] = field(default_factory=list)  # per archive: the format's read options
 
@@ -70,17 +76,58 @@ def expand_braces(pattern: str) -> list[str]:
     return [name for item in items for name in expand_braces(head + item + tail)]
 
 
-def _kind_of(paths: list[Path], what: str) -> str:
-    kinds = {SUFFIXES.get(p.suffix.lower()) for p in paths}
+def _kind_of(paths: list[Path] | list[str], what: str) -> str:
+    kinds = {SUFFIXES.get(Path(p).suffix.lower()) for p in paths}
     if len(kinds) != 1 or None in kinds:
         raise CompileError(f"{what} names {len(paths)} files that are not all .tar, all .zip or all .parquet "
-                           f"(e.g. {paths[0].name})")
+                           f"(e.g. {Path(paths[0]).name})")
     return kinds.pop()
 
 
-def archive_sources(src: str | os.PathLike) -> tuple[str, Path, list[Path]] | None:
-    """(format, the archives' folder, the archives sorted) when SRC names archives, else None (an image folder)."""
+def remote_archives(url: str) -> tuple[str, str, list[str]]:
+    """(format, the archives' common prefix, their URLs sorted) of an `s3://` SRC: one object, a prefix
+    holding .tar or .parquet objects (not below it), or a glob or brace pattern over object names; one
+    LIST of the folder before the first pattern character (a HEAD for one object)."""
+    if _BRACES.search(url) or glob.has_magic(url):
+        names = expand_braces(url)
+        literal = os.path.commonprefix([re.split(r"[*?[]", n, maxsplit=1)[0] for n in names])
+        listed = {u for u, _, _ in list_prefix(literal)}
+        found, missing = [], []
+        for name in names:
+            if glob.has_magic(name):  # a glob's * stays inside one folder, as it does on disk
+                found += sorted(u for u in fnmatch.filter(listed, name) if u.count("/") == name.count("/"))
+            elif name in listed:
+                found.append(name)
+            else:
+                missing.append(name)
+        if not found or missing:
+            raise CompileError(f"the pattern {url} names no objects" if not found else
+                               f"{len(missing)} of the {len(names)} objects the pattern {url} names do not exist, "
+                               f"e.g. {missing[0]}")
+        return _kind_of(found, f"the pattern {url}"), posixpath.dirname(os.path.commonprefix(found)), found
+    if Path(url).suffix.lower() in SUFFIXES:
+        try:
+            head(url)
+        except FileNotFoundError:
+            raise CompileError(f"source {url} does not exist (no such object in the bucket)") from None
+        return SUFFIXES[Path(url).suffix.lower()], posixpath.dirname(url), [url]
+    folder = url.rstrip("/") + "/"
+    listed = [u for u, _, _ in list_prefix(folder) if "/" not in u[len(folder):]]
+    archives = [u for u in listed if SUFFIXES.get(Path(u).suffix.lower()) in FOLDER_KINDS]
+    if not archives:
+        held = f"{len(listed)} other objects" if listed else "no objects at all: is the prefix right?"
+        raise CompileError(f"{url} holds no .tar or .parquet objects ({held}); an s3:// source "
+                           "must name archives: a .tar, .zip or .parquet object, a prefix of .tar or .parquet "
+                           "objects, a glob or a {000..099} pattern")
+    return _kind_of(archives, f"the prefix {url}"), folder.rstrip("/"), archives
+
+
+def archive_sources(src: str | os.PathLike) -> tuple[str, Path | str, list[Path] | list[str]] | None:
+    """(format, the archives' folder, the archives sorted) when SRC names archives, else None (an image
+    folder); for an `s3://` SRC, always archives (their common prefix and URLs), or a CompileError."""
     text, path = os.fspath(src), Path(src)
+    if is_url(text):
+        return remote_archives(text)
     if not path.exists() and (_BRACES.search(text) or glob.has_magic(text)):
         names = [p for name in expand_braces(text) for p in (sorted(glob.glob(name)) if glob.has_magic(name)
                                                               else [name])]
@@ -109,9 +156,19 @@ def archive_sources(src: str | os.PathLike) -> tuple[str, Path, list[Path]] | No
     return _kind_of(archives, f"the folder {path}"), path.absolute(), archives
 
 
-def _stamp(path: Path) -> str:
+def _stamp(path: Path | str) -> str:
+    """What changes when an archive does: size and mtime of a file, size and ETag of an object."""
+    if isinstance(path, str):
+        try:
+            return head(path)[1]
+        except FileNotFoundError:  # gone since it was listed: its samples are skipped already
+            return "gone"
     st = path.stat()
     return f"{st.st_size}:{st.st_mtime_ns}"
+
+
+def _relative(path: Path | str, root: Path | str) -> str:
+    return path[len(root) + 1:] if isinstance(path, str) else path.relative_to(root).as_posix()
 
 
 def discover(src: str | os.PathLike, classes: list[str] | None = None, skip_unknown: bool = False,
@@ -125,12 +182,13 @@ def discover(src: str | os.PathLike, classes: list[str] | None = None, skip_unkn
     if kind == "tar" and image_column:
         raise CompileError("--image-column is for Parquet sources; a tar sample's image is its first image member")
     listings = _listings(FORMATS[kind], paths, label_key, image_column, on_found)
-    names = [p.relative_to(root).as_posix() for p in paths]
+    names = [_relative(p, root) for p in paths]
     skipped = [(f"{name}#{member}" if member else name, reason)
                for name, listing in zip(names, listings) for member, reason in listing.skipped]
-    samples = [(f"{name}#{s.name}", s.member._replace(archive=a), s.label, stamp)
-               for a, (name, listing) in enumerate(zip(names, listings))
-               for stamp in [_stamp(paths[a])] for s in listing.samples]
+    with ThreadPoolExecutor(max(1, min(WALK_THREADS, len(paths)))) as pool:  # HEADs of objects overlap
+        stamps = list(pool.map(_stamp, paths))
+    samples = [(f"{name}#{s.name}", s.member._replace(archive=a), s.label, stamps[a])
+               for a, (name, listing) in enumerate(zip(names, listings)) for s in listing.samples]
     declared = _declared(kind, listings)
     labels, vocabulary, reasons = resolve_labels([s[2] for s in samples], declared, classes, skip_unknown)
     if label_key and not vocabulary:
@@ -150,11 +208,11 @@ def discover(src: str | os.PathLike, classes: list[str] | None = None, skip_unkn
                             members=[samples[i][1] for i in keep], options=[listing.options for listing in listings])
 
 
-def _listings(module, paths: list[Path], label_key: str | None, image_column: str | None,
+def _listings(module, paths: list[Path] | list[str], label_key: str | None, image_column: str | None,
               on_found: Callable[[int], None] | None) -> list[Listing]:
     """Each archive's listing, WALK_THREADS at a time (their reads overlap), `on_found` told in this
     thread as each comes in order; an unreadable archive is a skip."""
-    def listed(path: Path) -> Listing:
+    def listed(path: Path | str) -> Listing:
         try:
             return module.list_archive(path, label_key, image_column)
         except OSError as e:
@@ -261,11 +319,11 @@ def read_source(root: str | os.PathLike, source: str, max_bytes: int) -> bytes |
     """The bytes of one compiled source named `ARCHIVE#MEMBER` (for `dsc verify --decode`); None when
     `source` names no member of an archive under `root` (then it is a file's path). ImageError when
     the member is gone or unreadable."""
-    at = source.find("#")
+    at, remote = source.find("#"), is_url(os.fspath(root))
     while at >= 0:
-        archive = Path(root) / source[:at]
-        kind = SUFFIXES.get(archive.suffix.lower())
-        if kind and archive.is_file():
+        archive = f"{os.fspath(root).rstrip('/')}/{source[:at]}" if remote else Path(root) / source[:at]
+        kind = SUFFIXES.get(Path(archive).suffix.lower())
+        if kind and (remote or archive.is_file()):
             try:
                 found = FORMATS[kind].find_member(archive, source[at + 1:])
             except (OSError, ValueError, CompileError) as e:  # pyarrow's errors are ValueErrors or OSErrors

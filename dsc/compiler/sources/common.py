@@ -5,17 +5,21 @@ lists one archive's samples cheaply at discovery (tar headers, the zip directory
 metadata and its label column: never the images), `read_members` streams the encoded bytes
 of some of its members to a worker, one unit of work (a run of tar or zip members, a Parquet
 row group) at a time, and `find_member` locates one member by its name again (`dsc verify
---decode`). Nothing is ever extracted: member names are only names.
+--decode`). Nothing is ever extracted: member names are only names. Each opens its archive with
+`open_archive`, a local file or an object in a bucket (`s3://`, read by ranges), and reads a
+member at its offset with `read_at`.
 """
 
 from __future__ import annotations
 
 import errno
+import os
 import posixpath
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import BinaryIO, NamedTuple
 
 from dsc.errors import ImageError
+from dsc.storage.object_file import READ_AHEAD_BYTES, ObjectFile, is_url
 
 # Why a read of an archive is the archive's fault (skipped) rather than the machine's (the compile stops,
 # to be resumed): the same errors as for a source file (dsc.compiler.write.SOURCE_ERRNOS).
@@ -24,6 +28,23 @@ ARCHIVE_ERRNOS = frozenset({errno.ENOENT, errno.EACCES, errno.EPERM, errno.EISDI
 MAX_LABEL_MEMBER_BYTES = 1 << 20  # a .cls/.txt/.json label member is a few bytes: a larger one is not read
 # The image member chosen for a sample, in this order of preference (webdataset's own extensions first).
 IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "jpe", "jfif", "bmp", "gif", "tif", "tiff", "ppm", "pgm", "pbm", "pnm")
+
+
+def open_archive(path: str | os.PathLike, until: int | None = None, read_ahead: int = READ_AHEAD_BYTES) -> BinaryIO:
+    """An archive opened for reading: a local file, or an `s3://` object read by ranged GETs, ahead
+    by `read_ahead` bytes but not past `until` (where the caller's reads end), when given."""
+    text = os.fspath(path)
+    return ObjectFile(text, read_ahead, until) if is_url(text) else open(text, "rb")
+
+
+def archive_size(f: BinaryIO) -> int:
+    """The size of an archive `open_archive` opened."""
+    return f.size if isinstance(f, ObjectFile) else os.fstat(f.fileno()).st_size
+
+
+def read_at(f: BinaryIO, size: int, offset: int) -> bytes:
+    """Up to `size` bytes at `offset` of an archive `open_archive` opened (fewer at its end)."""
+    return f.pread(size, offset) if isinstance(f, ObjectFile) else os.pread(f.fileno(), size, offset)
 
 
 class Member(NamedTuple):
@@ -61,7 +82,7 @@ class ArchiveChunk:
     """One unit of work for a worker: some members of one archive, in the order they are stored."""
 
     kind: str  # a key of dsc.compiler.sources.FORMATS
-    path: str  # the archive, absolute
+    path: str  # the archive: an absolute path or an s3:// URL
     tasks: list[tuple[int, Member]]  # (slot, member)
     options: tuple = ()  # the format's read options (Parquet: the image column)
 

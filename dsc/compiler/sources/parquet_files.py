@@ -16,8 +16,9 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from dsc.compiler.sources.common import Listing, Member, Sample, too_large, unsafe_name
+from dsc.compiler.sources.common import Listing, Member, Sample, open_archive, too_large, unsafe_name
 from dsc.errors import CompileError, ImageError
+from dsc.storage.object_file import EXACT_READS
 
 HF_METADATA = b"huggingface"  # the schema metadata key `datasets` writes its features under
 LABEL_COLUMN = "label"
@@ -73,12 +74,11 @@ def _label_column(schema, features: dict, given: str | None, path: Path) -> str 
     return tagged[0] if tagged else (LABEL_COLUMN if LABEL_COLUMN in schema.names else None)
 
 
-def columns(path: Path, label_key: str | None, image_column: str | None) -> tuple[str, str | None, list[str] | None]:
-    """(image column, label column or None, the label's ClassLabel names or None) of one file."""
-    pq = pyarrow_parquet()
+def columns(schema, path: str | Path, label_key: str | None,
+            image_column: str | None) -> tuple[str, str | None, list[str] | None]:
+    """(image column, label column or None, the label's ClassLabel names or None) of one file's schema."""
     import pyarrow as pa
 
-    schema = pq.read_schema(path)
     features = _features(schema)
     image = _image_column(pa, schema, features, image_column, path)
     kind = schema.field(image).type
@@ -93,26 +93,29 @@ def columns(path: Path, label_key: str | None, image_column: str | None) -> tupl
     return image, label, list(names) if isinstance(names, list) else None
 
 
-def list_archive(path: Path, label_key: str | None = None, image_column: str | None = None) -> Listing:
+def list_archive(path: str | Path, label_key: str | None = None, image_column: str | None = None) -> Listing:
     """The rows of one file: names and labels from the metadata, the label column and the images' paths."""
     pq = pyarrow_parquet()
     import pyarrow as pa
 
-    listing = Listing()
-    try:
-        image, label, names = columns(path, label_key, image_column)
-        meta = pq.ParquetFile(path).metadata
-    except (pa.ArrowException, OSError) as e:
-        listing.skipped.append(("", f"not a readable Parquet file ({e})"))
-        return listing
-    listing.names, listing.options = names, (image,)
-    has_path = pa.types.is_struct(pq.read_schema(path).field(image).type)
+    with open_archive(path, read_ahead=EXACT_READS) as f:
+        try:
+            parquet = pq.ParquetFile(f)
+        except (pa.ArrowException, OSError) as e:
+            return Listing(skipped=[("", f"not a readable Parquet file ({e})")])
+        return _list_rows(pa, parquet, *columns(parquet.schema_arrow, path, label_key, image_column))
+
+
+def _list_rows(pa, parquet, image: str, label: str | None, names: list[str] | None) -> Listing:
+    listing = Listing(names=names, options=(image,))
+    meta = parquet.metadata
+    has_path = pa.types.is_struct(parquet.schema_arrow.field(image).type)
     wanted = ([label] if label else []) + ([f"{image}.path"] if has_path else [])
     first = 0
     for group in range(meta.num_row_groups):
         rows = meta.row_group(group).num_rows
         try:
-            table = pq.ParquetFile(path).read_row_group(group, columns=wanted) if wanted else None
+            table = parquet.read_row_group(group, columns=wanted) if wanted else None
         except (pa.ArrowException, OSError) as e:
             listing.skipped.append((f"row={first}..{first + rows - 1}", f"row group {group} cannot be read ({e})"))
             first += rows
@@ -126,21 +129,23 @@ def list_archive(path: Path, label_key: str | None = None, image_column: str | N
     return listing
 
 
-def find_member(path: Path, name: str) -> tuple[Member, tuple] | None:
+def find_member(path: str | Path, name: str) -> tuple[Member, tuple] | None:
     """The row `name` names (`row=N`, or the first whose image path it is), for re-reading one source."""
     pq = pyarrow_parquet()
-    image, _, _ = columns(path, None, None)
-    meta, first = pq.ParquetFile(path).metadata, 0
-    row = int(name[4:]) if name.startswith("row=") and name[4:].isdigit() else None
-    for group in range(meta.num_row_groups):
-        rows = meta.row_group(group).num_rows
-        if row is not None and row < first + rows:
-            return Member(0, group, row - first), (image,)
-        if row is None:
-            paths = _paths(pq.ParquetFile(path).read_row_group(group, columns=[f"{image}.path"]).column(image))
-            if name in paths:
-                return Member(0, group, paths.index(name)), (image,)
-        first += rows
+    with open_archive(path, read_ahead=EXACT_READS) as f:
+        parquet = pq.ParquetFile(f)
+        image, _, _ = columns(parquet.schema_arrow, path, None, None)
+        meta, first = parquet.metadata, 0
+        row = int(name[4:]) if name.startswith("row=") and name[4:].isdigit() else None
+        for group in range(meta.num_row_groups):
+            rows = meta.row_group(group).num_rows
+            if row is not None and row < first + rows:
+                return Member(0, group, row - first), (image,)
+            if row is None:
+                paths = _paths(parquet.read_row_group(group, columns=[f"{image}.path"]).column(image))
+                if name in paths:
+                    return Member(0, group, paths.index(name)), (image,)
+            first += rows
     return None
 
 
@@ -159,8 +164,10 @@ def read_members(path: str, members: list[Member], max_bytes: int, options: tupl
     group = members[0].unit
     wanted = iter(members)
     member = next(wanted, None)
+    f = None
     try:
-        batches = pq.ParquetFile(path).iter_batches(READ_BATCH_ROWS, row_groups=[group], columns=[image])
+        f = open_archive(path, read_ahead=EXACT_READS)
+        batches = pq.ParquetFile(f).iter_batches(READ_BATCH_ROWS, row_groups=[group], columns=[image])
         first = 0
         for batch in batches:
             values = batch.column(0)
@@ -177,6 +184,9 @@ def read_members(path: str, members: list[Member], max_bytes: int, options: tupl
         while member is not None:
             yield error
             member = next(wanted, None)
+    finally:
+        if f is not None:
+            f.close()
     while member is not None:  # rows the file no longer has
         yield ImageError(f"row group {group} has no row {member.position}")
         member = next(wanted, None)

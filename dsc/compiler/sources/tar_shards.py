@@ -4,7 +4,7 @@ Discovery walks the tar headers (`tarfile` seeks past each member's data) and re
 small label members; a sample is the consecutive members sharing a key (the name up to the first
 dot of its basename, as webdataset groups them), its image the first of IMAGE_SUFFIXES present (else
 the first member whose suffix ends in one, as `input.jpg`).
-A worker then reads each image with one `pread` at the offset the header gave, in stored order.
+A worker then reads each image at the offset the header gave (`read_at`), in stored order.
 A member whose data runs past the end of the file, a header that is damaged or missing before the
 end-of-archive marker (a truncated shard) and a member that is not a regular file (a symbolic
 link, a device) are skipped, named; the samples before them are kept.
@@ -13,7 +13,6 @@ link, a device) are skipped, named; the samples before them are kept.
 from __future__ import annotations
 
 import json
-import os
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +23,9 @@ from dsc.compiler.sources.common import (
     Listing,
     Member,
     Sample,
+    archive_size,
+    open_archive,
+    read_at,
     split_key,
     too_large,
     unsafe_name,
@@ -105,8 +107,8 @@ def list_archive(path: Path, label_key: str | None = None, image_column: str | N
     """The samples of one shard (headers and label members only)."""
     key_spec = parse_label_key(label_key)
     listing = Listing()
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
+    with open_archive(path) as f:
+        size = archive_size(f)
         members, broken = _walk(f, size)
         for key, group in _group(members):
             sample = _sample(f, size, key, group, key_spec, listing.skipped)
@@ -141,7 +143,7 @@ def _sample(f, size: int, key: str, group: dict[str, tarfile.TarInfo], key_spec:
     try:
         if not label_info.isreg() or label_info.size > MAX_LABEL_MEMBER_BYTES:
             raise ValueError("not a regular file" if not label_info.isreg() else f"{label_info.size} bytes")
-        data = os.pread(f.fileno(), label_info.size, label_info.offset_data)
+        data = read_at(f, label_info.size, label_info.offset_data)
         if len(data) != label_info.size:
             raise ValueError("the tar is truncated inside it")
         label = _label(data, label_suffix, json_field)
@@ -153,19 +155,19 @@ def _sample(f, size: int, key: str, group: dict[str, tarfile.TarInfo], key_spec:
 
 def find_member(path: Path, name: str) -> tuple[Member, tuple] | None:
     """The regular member called `name` (headers walked up to it), for re-reading one source."""
-    with open(path, "rb") as f:
-        members, _ = _walk(f, os.fstat(f.fileno()).st_size)
+    with open_archive(path) as f:
+        members, _ = _walk(f, archive_size(f))
     info = next((m for m in members if m.name == name and m.isreg()), None)
     return None if info is None else (Member(0, 0, info.offset_data, info.size), ())
 
 
 def read_members(path: str, members: list[Member], max_bytes: int, options: tuple = ()) -> Iterator[bytes | ImageError]:
     """Each member's bytes, in the order given (the stored order: a sequential read)."""
-    with open(path, "rb") as f:
+    with open_archive(path, until=max(m.position + m.size for m in members)) as f:
         for member in members:
             if member.size > max_bytes:
                 yield too_large(member.size, max_bytes)
                 continue
-            data = os.pread(f.fileno(), member.size, member.position)
+            data = read_at(f, member.size, member.position)
             yield data if len(data) == member.size else ImageError(
                 f"truncated tar: {len(data)} of the member's {member.size} bytes are in the file")

@@ -12,7 +12,6 @@ inflates it with a bound: a member whose declared or actual size is larger than 
 
 from __future__ import annotations
 
-import os
 import stat
 import struct
 import zipfile
@@ -21,12 +20,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from dsc.compiler.discover import is_image_name
-from dsc.compiler.sources.common import Listing, Member, Sample, too_large, unsafe_name
+from dsc.compiler.sources.common import Listing, Member, Sample, open_archive, read_at, too_large, unsafe_name
 from dsc.errors import ImageError
 
 LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., name length, extra field length (30 bytes)
 LOCAL_SIGNATURE = b"PK\x03\x04"
 METHODS = {zipfile.ZIP_STORED: "stored", zipfile.ZIP_DEFLATED: "deflate"}
+NAME_ROOM = 1024  # what a local header's name and extra field usually take: read ahead with its member
 MAC_METADATA = "__MACOSX"  # resource forks the macOS archiver adds: never images
 
 
@@ -66,7 +66,7 @@ def list_archive(path: Path, label_key: str | None = None, image_column: str | N
     """The images of the ImageFolder tree inside one zip (its central directory only)."""
     listing = Listing()
     try:
-        with zipfile.ZipFile(path) as archive:
+        with open_archive(path) as f, zipfile.ZipFile(f) as archive:
             infos = archive.infolist()
     except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError) as e:
         listing.skipped.append(("", f"not a readable zip archive ({e})"))
@@ -93,7 +93,7 @@ def list_archive(path: Path, label_key: str | None = None, image_column: str | N
 def find_member(path: Path, name: str) -> tuple[Member, tuple] | None:
     """The member called `name` (from the central directory), for re-reading one source."""
     try:
-        with zipfile.ZipFile(path) as archive:
+        with open_archive(path) as f, zipfile.ZipFile(f) as archive:
             info = archive.getinfo(name)
     except (KeyError, zipfile.BadZipFile, ValueError, EOFError):
         return None
@@ -106,11 +106,11 @@ def _inflate(f, member: Member, max_bytes: int) -> bytes:
     method, size, crc = member.extra
     if size > max_bytes or member.size > max_bytes:
         raise too_large(max(size, member.size), max_bytes)
-    header = os.pread(f.fileno(), LOCAL_HEADER.size, member.position)
+    header = read_at(f, LOCAL_HEADER.size, member.position)
     if len(header) != LOCAL_HEADER.size or header[:4] != LOCAL_SIGNATURE:
         raise ImageError("corrupt zip: no local file header where the central directory points")
     _, name_length, extra_length = LOCAL_HEADER.unpack(header)
-    stored = os.pread(f.fileno(), member.size, member.position + LOCAL_HEADER.size + name_length + extra_length)
+    stored = read_at(f, member.size, member.position + LOCAL_HEADER.size + name_length + extra_length)
     if len(stored) != member.size:
         raise ImageError(f"truncated zip: {len(stored)} of the member's {member.size} stored bytes are in the file")
     if method == zipfile.ZIP_DEFLATED:
@@ -131,7 +131,8 @@ def _inflate(f, member: Member, max_bytes: int) -> bytes:
 
 def read_members(path: str, members: list[Member], max_bytes: int, options: tuple = ()) -> Iterator[bytes | ImageError]:
     """Each member's bytes (inflated, checked against its CRC-32), in the order given."""
-    with open(path, "rb") as f:
+    last = max(members, key=lambda m: m.position)
+    with open_archive(path, until=last.position + LOCAL_HEADER.size + NAME_ROOM + last.size) as f:
         for member in members:
             try:
                 yield _inflate(f, member, max_bytes)
