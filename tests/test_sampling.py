@@ -5,6 +5,7 @@ refused before anything is replayed (issue 27, point 1)."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -40,6 +41,20 @@ def ds(tmp_path_factory) -> MemmapDataset:
 def reversed_twice(n: int, seed: int, epoch: int) -> np.ndarray:
     """A user's order: every record twice, last first, shifted by the epoch."""
     return np.roll(np.r_[np.arange(n)[::-1], np.arange(n)], epoch)
+
+
+def shifted(by: int, n: int, seed: int, epoch: int) -> np.ndarray:
+    return np.roll(np.arange(n), by + epoch)
+
+
+class Reversed:
+    """A user's order as a callable object (no __qualname__ of its own, like a functools.partial)."""
+
+    def __call__(self, n: int, seed: int, epoch: int) -> np.ndarray:
+        return np.arange(n)[::-1]
+
+
+CALLABLE_OBJECTS = {"partial": functools.partial(shifted, 2), "object": Reversed()}
 
 
 OPTIONS = {
@@ -215,6 +230,8 @@ from dsc.reader import MemmapDataset
 ds = MemmapDataset(sys.argv[1])
 out = {name: t.served_by_rank(ds, 2, 4, epoch=1, **options) for name, options in t.OPTIONS.items()}
 out["state"] = t.ranks(ds, 1, 4, seed=5, **t.OPTIONS["indices"])[0].state_dict()["sampling"]
+for name, fn in t.CALLABLE_OBJECTS.items():
+    out[name] = t.ranks(ds, 1, 4, seed=5, order=fn)[0].state_dict()["sampling"]
 print(json.dumps(out))
 """
 
@@ -228,6 +245,8 @@ def test_every_option_serves_the_same_batches_in_another_process(ds: MemmapDatas
                           text=True, timeout=120, check=True)
     theirs = json.loads(done.stdout)
     assert theirs.pop("state") == ranks(ds, 1, 4, seed=5, **OPTIONS["indices"])[0].state_dict()["sampling"]
+    for name, fn in CALLABLE_OBJECTS.items():  # was: their repr's memory address in the fingerprint
+        assert theirs.pop(name) == ranks(ds, 1, 4, seed=5, order=fn)[0].state_dict()["sampling"], name
     assert theirs == {name: served_by_rank(ds, 2, 4, epoch=1, **options) for name, options in OPTIONS.items()}
 
 

@@ -47,6 +47,15 @@ WEIGHTS_STREAM = (1 << 32) + 2  # stream of the weighted draws
 MAX_EPOCH_SAMPLES = 1 << 34  # a sequence longer than this (128 GiB of int64) is a typo, not a plan
 
 
+def callable_name(fn: Callable[..., Any]) -> str:
+    """An order callable's name, the same in every process (no memory address): a function's or method's
+    qualified name, a `functools.partial`'s function with its arguments, an instance's class."""
+    if isinstance(fn, functools.partial):
+        return f"partial({callable_name(fn.func)}, {fn.args!r}, {sorted(fn.keywords.items())!r})"
+    named = fn if hasattr(fn, "__qualname__") else type(fn)
+    return f"{getattr(named, '__module__', '')}.{named.__qualname__}"
+
+
 @dataclass(frozen=True, eq=False)
 class Sampling:
     """The sampling options of one loader, checked (`checked`); hashed by identity (`sequence` caches by it)."""
@@ -68,8 +77,7 @@ class Sampling:
         h = hashlib.sha256()
         for part in (self.pool, self.weights):
             h.update(b"-" if part is None else part.tobytes())
-        fn = self.order_fn
-        name = None if fn is None else f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}"
+        name = None if self.order_fn is None else callable_name(self.order_fn)
         h.update(repr((self.replacement, self.repeats, self.samples_per_epoch, name)).encode())
         return h.hexdigest()[:16]
 

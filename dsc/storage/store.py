@@ -186,6 +186,10 @@ def read_manifest(store: DatasetStore, version: int | None = None) -> fmt.Manife
     if name != fmt.MANIFEST_FILE and manifest.dataset_version != fmt.version_of(name.split("/")[-1]):
         raise DatasetError(f"{store.root}/{name}: says it is version {manifest.dataset_version}; the dataset is "
                            "damaged")
+    if version is not None and manifest.dataset_version != version:  # a store that cannot list: manifest.json
+        raise DatasetError(f"{store.root}: version {version} asked for, but this store reads only its latest "
+                           f"version ({manifest.dataset_version}, its {fmt.MANIFEST_FILE}); older versions of a "
+                           "dataset in object storage cannot be opened yet: copy the dataset to a folder")
     return manifest
 
 
