@@ -437,3 +437,49 @@ def test_labels_as_stored_resolve_by_the_folders_rules() -> None:
     assert resolve_labels([None, None], None, None, False) == ([-1, -1], [], {})
     with pytest.raises(CompileError, match="mix integers and class names"):
         resolve_labels([1, "x"], None, None, False)
+
+
+def flat_png(value: int) -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (16, 16), (value, value, value)).save(out, "PNG")
+    return out.getvalue()
+
+
+def test_a_repeated_member_name_keeps_the_first_and_says_so(tmp_path: Path) -> None:
+    """A record's source names one member: a second member of a name already taken (a tar appended to, a
+    repeated zip entry, a sample with two .png) is a recorded skip, and Parquet rows sharing a path are
+    named by their row; `verify --decode` then re-reads exactly the member compiled (was: a false
+    'differs from its source', or an image dropped with no skip)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with tarfile.open(tmp_path / "s.tar", "w") as tar:
+        for name, data in [("a.png", flat_png(10)), ("a.cls", b"0"), ("b.png", flat_png(100)), ("b.cls", b"1"),
+                           ("a.png", flat_png(200)), ("a.cls", b"0"), ("c.png", flat_png(50)), ("c.cls", b"1"),
+                           ("c.png", flat_png(250)), ("c.cls", b"1")]:
+            tar_member(tar, name, data)
+    with zipfile.ZipFile(tmp_path / "z.zip", "w") as z:
+        z.writestr("cat/a.png", flat_png(10))
+        z.writestr("dog/b.png", flat_png(100))
+        with pytest.warns(UserWarning, match="Duplicate name"):
+            z.writestr("cat/a.png", flat_png(200))
+    pq.write_table(pa.table({"image": [{"bytes": flat_png(v), "path": "image.png"} for v in (10, 200, 100)],
+                             "label": [0, 1, 0]}), tmp_path / "p.parquet")
+    expected = {"s.tar": ([10, 100, 50], ["a.png (copy 2)", "c.cls (copy 2)", "c.png (copy 2)"]),
+                "z.zip": ([10, 100], ["cat/a.png (copy 2)"]),
+                "p.parquet": ([10, 200, 100], [])}
+    for name, (values, skipped) in expected.items():
+        out = tmp_path / f"out-{name}"
+        compile_folder(tmp_path / name, out, **quiet(size=16, shuffle=False))
+        ds = MemmapDataset(out)
+        by_source = {ds.source(i).name: int(ds[i][0].float().mean()) for i in range(len(ds))}
+        assert sorted(by_source.values()) == sorted(values), (name, by_source)
+        assert sorted(s.split("#", 1)[1] for s in skips(out)) == sorted(skipped), (name, skips(out))
+        result = runner.invoke(app, ["verify", str(out), "--decode", str(len(ds))])
+        assert result.exit_code == 0, (name, result.output)
+        assert ": max 0, mean 0.000" in result.stdout, (name, result.stdout)
+    parquet = MemmapDataset(tmp_path / "out-p.parquet")
+    assert sorted(parquet.source(i).name for i in range(3)) == ["p.parquet#image.png", "p.parquet#row=1",
+                                                                "p.parquet#row=2"]

@@ -30,7 +30,7 @@ import numpy as np
 from dsc.compiler.discover import WALK_THREADS, Discovery, is_image_name
 from dsc.compiler.labels import MAX_INTEGER_LABEL, classes_without_records
 from dsc.compiler.sources import parquet_files, tar_shards, zip_archive
-from dsc.compiler.sources.common import ARCHIVE_ERRNOS, ArchiveChunk, Listing, Member
+from dsc.compiler.sources.common import ARCHIVE_ERRNOS, ArchiveChunk, Listing, Member, repeated
 from dsc.errors import CompileError, ImageError
 from dsc.format import UNLABELED
 from dsc.storage.object_file import head, is_url, list_prefix
@@ -208,13 +208,30 @@ def discover(src: str | os.PathLike, classes: list[str] | None = None, skip_unkn
                             members=[samples[i][1] for i in keep], options=[listing.options for listing in listings])
 
 
+def unique_names(listing: Listing) -> Listing:
+    """The listing with one sample per member name: a record's source (ARCHIVE#MEMBER) must name one member,
+    so a later member of a name already taken (a tar appended to, a zip with a repeated entry) is skipped."""
+    seen: dict[str, int] = {}
+    kept = []
+    for sample in listing.samples:
+        if sample.name in seen:
+            seen[sample.name] += 1
+            listing.skipped.append((repeated(sample.name, seen[sample.name]), "another member of this name comes "
+                                    "first in the archive (a record's source must name one member; the first is kept)"))
+        else:
+            seen[sample.name] = 1
+            kept.append(sample)
+    listing.samples[:] = kept
+    return listing
+
+
 def _listings(module, paths: list[Path] | list[str], label_key: str | None, image_column: str | None,
               on_found: Callable[[int], None] | None) -> list[Listing]:
     """Each archive's listing, WALK_THREADS at a time (their reads overlap), `on_found` told in this
     thread as each comes in order; an unreadable archive is a skip."""
     def listed(path: Path | str) -> Listing:
         try:
-            return module.list_archive(path, label_key, image_column)
+            return unique_names(module.list_archive(path, label_key, image_column))
         except OSError as e:
             return Listing(skipped=[("", f"cannot read archive: {e.strerror or e}")])
 

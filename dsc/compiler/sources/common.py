@@ -57,6 +57,11 @@ class Member(NamedTuple):
     extra: tuple = ()  # zip: (method, uncompressed size, CRC-32)
 
 
+def repeated(name: str, k: int) -> str:
+    """How a skip names the k-th member called `name` (k >= 2): not `name` itself, which names the first."""
+    return f"{name} (copy {k})"
+
+
 @dataclass
 class Sample:
     """One sample of an archive: the name of its image member, where it is, its label as stored."""

@@ -111,7 +111,7 @@ def _list_rows(pa, parquet, image: str, label: str | None, names: list[str] | No
     meta = parquet.metadata
     has_path = pa.types.is_struct(parquet.schema_arrow.field(image).type)
     wanted = ([label] if label else []) + ([f"{image}.path"] if has_path else [])
-    first = 0
+    first, seen = 0, set()
     for group in range(meta.num_row_groups):
         rows = meta.row_group(group).num_rows
         try:
@@ -123,7 +123,9 @@ def _list_rows(pa, parquet, image: str, label: str | None, names: list[str] | No
         labels = table.column(label).to_pylist() if label else [None] * rows
         paths = _paths(table.column(image)) if has_path else [None] * rows
         for row, (value, image_path) in enumerate(zip(labels, paths)):
-            name = image_path if image_path and not unsafe_name(image_path) else f"row={first + row}"
+            named = image_path and not unsafe_name(image_path) and image_path not in seen
+            name = image_path if named else f"row={first + row}"  # a path met before: the row's own number
+            seen.add(name)
             listing.samples.append(Sample(name, Member(0, group, row), value))
         first += rows
     return listing

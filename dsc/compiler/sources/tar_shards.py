@@ -26,6 +26,7 @@ from dsc.compiler.sources.common import (
     archive_size,
     open_archive,
     read_at,
+    repeated,
     split_key,
     too_large,
     unsafe_name,
@@ -68,8 +69,10 @@ def _not_regular(info: tarfile.TarInfo) -> str:
     return "not a regular file (a device, pipe or folder)"
 
 
-def _group(members: list[tarfile.TarInfo]) -> Iterator[tuple[str, dict[str, tarfile.TarInfo]]]:
-    """Consecutive members of one key as (key, {suffix: member}); the first of a repeated suffix wins."""
+def _group(members: list[tarfile.TarInfo],
+           skipped: list[tuple[str, str]]) -> Iterator[tuple[str, dict[str, tarfile.TarInfo]]]:
+    """Consecutive members of one key as (key, {suffix: member}); the first of a repeated suffix wins, the
+    others are recorded in `skipped`."""
     key, group = None, {}
     for info in members:
         k, suffix = split_key(info.name)
@@ -77,7 +80,11 @@ def _group(members: list[tarfile.TarInfo]) -> Iterator[tuple[str, dict[str, tarf
             yield key, group
             group = {}
         key = k
-        group.setdefault(suffix, info)
+        if suffix in group:
+            skipped.append((repeated(info.name, 2), f"sample {k!r:.80} already has a .{suffix} member (the first "
+                            "is kept)"))
+            continue
+        group[suffix] = info
     if group:
         yield key, group
 
@@ -110,7 +117,7 @@ def list_archive(path: Path, label_key: str | None = None, image_column: str | N
     with open_archive(path) as f:
         size = archive_size(f)
         members, broken = _walk(f, size)
-        for key, group in _group(members):
+        for key, group in _group(members, listing.skipped):
             sample = _sample(f, size, key, group, key_spec, listing.skipped)
             if sample is not None:
                 listing.samples.append(sample)

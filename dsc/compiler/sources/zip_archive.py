@@ -94,8 +94,8 @@ def find_member(path: Path, name: str) -> tuple[Member, tuple] | None:
     """The member called `name` (from the central directory), for re-reading one source."""
     try:
         with open_archive(path) as f, zipfile.ZipFile(f) as archive:
-            info = archive.getinfo(name)
-    except (KeyError, zipfile.BadZipFile, ValueError, EOFError):
+            info = next(i for i in archive.infolist() if i.filename == name)  # the first: getinfo gives the last
+    except (StopIteration, zipfile.BadZipFile, ValueError, EOFError):
         return None
     if _refusal(info):
         return None
