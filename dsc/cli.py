@@ -358,8 +358,8 @@ def _versioned_command(run: Callable[[], object], dataset: Path) -> object:
 
 @app.command("append")
 def append_command(
-    dataset: Path = typer.Argument(..., metavar="DATASET", parser=_path, help="A compiled dsc dataset folder."),
-    src: Path = typer.Argument(..., metavar="SRC", parser=_path, help="Image folder with the images to add."),
+    dataset: Path = typer.Argument(..., metavar="DATASET", parser=_source, help="A compiled dsc dataset folder."),
+    src: Path = typer.Argument(..., metavar="SRC", parser=_source, help="Image folder with the images to add."),
     labels: Path = typer.Option(None, "--labels", metavar="TABLE",
                                 help="Labels and fields of the new images from a label table, as for compile."),
     column: list[str] = typer.Option(None, "--column", metavar="NAME:KIND",
@@ -395,7 +395,7 @@ def append_command(
 
 @app.command("merge")
 def merge_command(
-    datasets: list[Path] = typer.Argument(..., metavar="A B [C ...] OUT", parser=_path,
+    datasets: list[Path] = typer.Argument(..., metavar="A B [C ...] OUT", parser=_source,
                                           help="Datasets to join (their latest versions), then the dataset to create."),
     force: bool = typer.Option(False, "--force", help="Replace an existing dataset at OUT."),
 ) -> None:
@@ -418,7 +418,7 @@ def merge_command(
 
 @app.command("prune")
 def prune_command(
-    dataset: Path = typer.Argument(..., metavar="DATASET", parser=_path, help="A compiled dsc dataset folder."),
+    dataset: Path = typer.Argument(..., metavar="DATASET", parser=_source, help="A compiled dsc dataset folder."),
     keep: int = typer.Option(..., "--keep", min=1, metavar="N", help="How many of the newest versions to keep."),
 ) -> None:
     """Delete the old versions of a dataset and the files no kept version uses (only files dsc made)."""

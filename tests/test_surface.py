@@ -69,10 +69,13 @@ def test_reprs_say_what_they_are(ds: MemmapDataset) -> None:
 
 def test_drop_last_with_less_than_one_batch_warns_instead_of_serving_nothing_silently(ds: MemmapDataset) -> None:
     loader = ds.loader(len(ds) + 1, drop_last=True)
-    with pytest.warns(UserWarning, match=rf"drop_last=True, but the {len(ds)} records .* every epoch is empty") as w:
+    with pytest.warns(UserWarning, match=rf"drop_last=True, but the {len(ds)} records .* this epoch is empty") as w:
         assert list(loader) == [] and loader.epoch == 1  # and the epoch moves on, as an empty one must
     assert w[0].filename == __file__  # it points at the caller's loop
     assert len(list(ds.loader(len(ds) + 1))) == 1
+    sampled = ds.loader(2, drop_last=True, samples_per_epoch=1)  # was: named the dataset's records
+    with pytest.warns(UserWarning, match=r"but epoch 0's 1 samples \(of the sampling options\) split over 1 rank"):
+        assert list(sampled) == []
 
 
 @pytest.mark.parametrize("command", ["compile", "info", "verify", "show", "bench"])

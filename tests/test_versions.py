@@ -431,3 +431,24 @@ def test_verify_decode_remakes_each_part_of_a_merge_as_its_own_compile_did(tmp_p
     assert [p.compile["fit"] for p in MemmapDataset(tmp_path / "M").manifest.record_parts] == ["center-crop", "stretch"]
     check = check_against_sources(tmp_path / "M", 12)
     assert check.checked == 12 and check.missing == [] and check.worst_max_abs == 0, check
+
+
+@pytest.mark.parametrize("args", [["prune", "s3://bucket/ds", "--keep", "1"], ["append", "s3://bucket/ds", "SRC"],
+                                  ["merge", "A", "s3://bucket/b", "OUT"], ["merge", "A", "B", "s3://bucket/out"]])
+def test_object_storage_urls_are_refused_by_name_not_mangled_into_paths(grown, args: list[str]) -> None:
+    """Was: '/cwd/s3:/bucket/ds: does not exist' (the URL folded into a relative path)."""
+    tmp = grown[0]
+    args = [str(tmp / "ds") if a in ("A", "B") else str(tmp / "b") if a == "SRC" else
+            str(tmp / "out") if a == "OUT" else a for a in args]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 1 and "object storage come later" in result.output, result.output
+    assert "s3:/bucket" not in result.output.replace("s3://bucket", ""), result.output
+
+
+def test_merge_refuses_an_output_inside_an_input(grown) -> None:
+    """Was: a whole dataset written inside the input folder (which `--force` then refused to replace)."""
+    tmp = grown[0]
+    shutil.copytree(tmp / "ds", tmp / "other")
+    result = CliRunner().invoke(app, ["merge", str(tmp / "ds"), str(tmp / "other"), str(tmp / "ds" / "sub")])
+    assert result.exit_code == 1 and "would lie one inside the other" in result.output, result.output
+    assert not (tmp / "ds" / "sub").exists()

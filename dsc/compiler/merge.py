@@ -39,12 +39,16 @@ def merge(inputs: list[str | os.PathLike], out: str | os.PathLike, force: bool =
     started = time.perf_counter()
     if len(inputs) < 2:
         raise CompileError("give at least two datasets to merge")
-    out = Path(out).absolute()
-    if any(storage.is_url(p) for p in inputs):
+    if any(storage.is_url(p) for p in [*inputs, out]):
         raise CompileError("dsc merge joins dataset folders; datasets in object storage come later")
+    out = Path(out).absolute()
     for p in inputs:
-        if Path(p).absolute() == out:
+        given = Path(p).absolute()
+        if given == out:
             raise CompileError(f"the output {out} is one of the datasets to merge; give OUT another name")
+        if given in out.parents or out in given.parents:
+            raise CompileError(f"the output {out} and the dataset {given} would lie one inside the other; give OUT "
+                               "a folder of its own")
     datasets = [storage.open_dataset(p) for p in inputs]
     joined = combine.join_index(datasets, True, [str(p) for p in inputs])
     per_shard = datasets[0].manifest.records_per_shard

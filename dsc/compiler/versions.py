@@ -131,6 +131,8 @@ class Pruned:
 def prune(root: str | os.PathLike, keep: int) -> Pruned:
     """Keep the `keep` newest versions; delete the other versions' manifests, then every file of the
     dataset that no kept version lists (only names dsc gives, never anything else)."""
+    if storage.is_url(root):
+        raise CompileError(f"{root}: dsc prune trims dataset folders; datasets in object storage come later")
     root = Path(root).absolute()
     if keep < 1:
         raise CompileError(f"--keep must be at least 1 (the latest version), got {keep}")

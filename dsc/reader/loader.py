@@ -395,9 +395,12 @@ class Loader:
         """The pass the loader's position asks for, and the producer making it: the running one when it
         is already making exactly that (the epoch after the one it finished), else a new one."""
         if self.drop_last and len(self) == 0:  # the epoch still moves on: a training loop must not spin
-            warnings.warn(f"drop_last=True, but the {len(self.dataset)} records split over {self.world_size} "
-                          f"rank(s) give each rank fewer than batch_size={self.batch_size}: every epoch is empty; "
-                          "lower batch_size or keep the last partial batch (drop_last=False)", stacklevel=3)
+            samples = self._epoch_spec(self.epoch).length()
+            what = (f"the {len(self.dataset)} records" if self.sampling is None else
+                    f"epoch {self.epoch}'s {samples} samples (of the sampling options)")
+            warnings.warn(f"drop_last=True, but {what} split over {self.world_size} rank(s) give each rank fewer "
+                          f"than batch_size={self.batch_size}: this epoch is empty; lower batch_size or keep the "
+                          "last partial batch (drop_last=False)", stacklevel=3)
         if self.drop_last and self.locality is not None:  # unequal shard groups: what every epoch leaves out
             dropped = orders.dropped_by_locality(len(self.dataset), self.dataset.manifest.records_per_shard,
                                                  self.world_size, self.batch_size)
