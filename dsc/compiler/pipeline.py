@@ -262,16 +262,18 @@ def _discover(src: Path | str, out: Path, classes, skip_unknown_classes: bool, l
     vocabulary = None if classes is None else classes_module.load_classes(classes, fields_only=labels is not None)
     reference = classes_module.reference_fields(classes)
     if archives.archive_sources(src) is not None:
-        if labels is not None or columns:
-            raise CompileError("a label table (--labels, --column) is for an image folder, not for archives")
-        found = archives.discover(src, vocabulary, skip_unknown_classes, *archive_options, on_found=on_found)
+        if labels is not None:
+            raise CompileError("a label table (--labels) is for an image folder, not for archives (--column takes "
+                               "an archive's own columns or members as fields)")
+        found = archives.discover(src, vocabulary, skip_unknown_classes, *archive_options, on_found=on_found,
+                                  columns=columns)
     elif any(archive_options):
         raise CompileError("--label-key and --image-column are for archive sources (tar, Parquet)")
     elif labels is not None:
         found = labels_module.discover_listed(src, labels, columns, vocabulary, skip_unknown_classes, reference,
                                               on_found)
     elif columns:
-        raise CompileError("column kinds are for a label table (--labels)")
+        raise CompileError("--column is for a label table (--labels) or archive sources (tar, Parquet)")
     else:
         found = discover(src, vocabulary, skip_unknown_classes, on_found)
     free = [(spec.name, spec.kind, spec.classes) for spec, _ in found.fields  # vocabularies no reference fixed
