@@ -128,3 +128,16 @@ def test_a_zip_takes_no_columns(photos, tmp_path: Path) -> None:
     write_zip(folder, tmp_path / "images.zip")
     with pytest.raises(CompileError, match="--column is for tar and Parquet sources"):
         compile_folder(tmp_path / "images.zip", tmp_path / "out", **quiet(columns={"txt": "int"}))
+
+
+def test_classes_from_a_split_fixes_the_vocabulary_of_a_class_column(photos, tmp_path: Path) -> None:
+    """The val split lacks pose "down": with --classes-from train, "up" keeps train's index."""
+    _, files = photos
+    write_plain_parquet(tmp_path / "train.parquet", files, pose=[("up", "down")[k % 2] for k in range(len(files))])
+    write_plain_parquet(tmp_path / "val.parquet", files[:4], pose=["up"] * 4)
+    options = {"image_column": "jpeg", "label_key": "species", "columns": {"pose": "class"}}
+    compile_folder(tmp_path / "train.parquet", tmp_path / "train", **quiet(**options))
+    compile_folder(tmp_path / "val.parquet", tmp_path / "val", **quiet(classes=str(tmp_path / "train"), **options))
+    train, val = MemmapDataset(tmp_path / "train"), MemmapDataset(tmp_path / "val")
+    assert train.field_classes("pose") == val.field_classes("pose") == ["down", "up"]
+    assert val.fields["pose"].tolist() == [1, 1, 1, 1]

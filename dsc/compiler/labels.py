@@ -75,11 +75,13 @@ class Table:
     by_source: bool = False  # messages name a row by its source (an archive's samples), not by a line
 
 
+def _row(table: Table, line: int) -> str:
+    """A row as messages name it: its line, or for an archive's samples its source."""
+    return f"sample {table.sources[table.lines.index(line)]}" if table.by_source else f"line {line}"
+
+
 def _problem(table: Table | Path, line: int, what: str, column: str | None = None) -> CompileError:
-    if isinstance(table, Table) and table.by_source:
-        where = f"{table.path}, sample {table.sources[table.lines.index(line)]}"
-    else:
-        where = f"{getattr(table, 'path', table)}, line {line}"
+    where = f"{table.path}, {_row(table, line)}" if isinstance(table, Table) else f"{table}, line {line}"
     return CompileError(where + (f", column {column!r}" if column else "") + f": {what}")
 
 
@@ -351,7 +353,7 @@ def _numbers(table: Table, name: str, kind: str) -> tuple[np.ndarray, tuple[int,
         if not numbers:
             raise _problem(table, line, "no value", name)
         if rows and len(numbers) != len(rows[0]):
-            raise _problem(table, line, f"{len(numbers)} values, but line {table.lines[0]} has {len(rows[0])}",
+            raise _problem(table, line, f"{len(numbers)} values, but {_row(table, table.lines[0])} has {len(rows[0])}",
                            name)
         rows.append(numbers)
     array = np.asarray(rows, dtype=fmt.FIELD_DTYPES[kind])
@@ -435,8 +437,8 @@ def _warn_joined(table: Table, name: str) -> None:
             how = ("if they list several classes, " + ("" if mark == SEPARATOR else "separate them with ';' (the "
                    "multilabel separator) and ") + f"give --column {name}:multilabel")
         line, example = joined[0]
-        logger.warning("%s: %d of %d values of column %r hold %r (e.g. %r on line %d) and each is read as one class "
-                       "name; %s", table.path, len(joined), len(cells), name, mark, example, line, how)
+        logger.warning("%s: %d of %d values of column %r hold %r (e.g. %r on %s) and each is read as one class "
+                       "name; %s", table.path, len(joined), len(cells), name, mark, example, _row(table, line), how)
         return
 
 

@@ -173,10 +173,12 @@ def _relative(path: Path | str, root: Path | str) -> str:
 
 def discover(src: str | os.PathLike, classes: list[str] | None = None, skip_unknown: bool = False,
              label_key: str | None = None, image_column: str | None = None,
-             on_found: Callable[[int], None] | None = None, columns: dict[str, str] | None = None) -> ArchiveDiscovery:
+             on_found: Callable[[int], None] | None = None, columns: dict[str, str] | None = None,
+             reference: dict[str, tuple[str, tuple[str, ...]]] | None = None) -> ArchiveDiscovery:
     """Every sample of the archives SRC names, labelled, in the folder's order; CompileError when none.
     `columns` ({NAME: KIND}, `--column`) become typed fields: a Parquet column, a tar member suffix
-    (its text) or `json:FIELD` of the sample's .json member, parsed as a label table's columns are."""
+    (its text) or `json:FIELD` of the sample's .json member, parsed as a label table's columns are;
+    `reference` (another split's fields, `--classes-from`) fixes the vocabularies, as for a table."""
     kind, root, paths = archive_sources(src)
     columns = columns or {}
     if kind == "zip" and columns:
@@ -213,7 +215,7 @@ def discover(src: str | os.PathLike, classes: list[str] | None = None, skip_unkn
     sources = [samples[i][0] for i in keep]
     table = Table(os.fspath(src), sources, list(range(1, len(keep) + 1)),
                   {names_of[spec]: [samples[i][4][spec] for i in keep] for spec in columns}, by_source=True)
-    fields = table_fields(table, {names_of[spec]: k for spec, k in columns.items()}, {})
+    fields = table_fields(table, {names_of[spec]: k for spec, k in columns.items()}, reference or {})
     return ArchiveDiscovery(root, sources, kept_labels, vocabulary, skipped,
                             [] if gaps else classes_without_records(kept_labels, vocabulary),
                             [samples[i][3] for i in keep], fields, kind=kind, archives=[str(p) for p in paths],
