@@ -141,3 +141,18 @@ def test_classes_from_a_split_fixes_the_vocabulary_of_a_class_column(photos, tmp
     train, val = MemmapDataset(tmp_path / "train"), MemmapDataset(tmp_path / "val")
     assert train.field_classes("pose") == val.field_classes("pose") == ["down", "up"]
     assert val.fields["pose"].tolist() == [1, 1, 1, 1]
+
+
+def test_a_field_member_that_is_not_text_skips_its_sample_with_the_reason(photos, tmp_path: Path) -> None:
+    folder, files = photos
+    bad = files[5][1]
+    pattern = write_tar_shards(folder, tmp_path / "shards", per_shard=5, extra=lambda c, f: {
+        "txt": b"\xff\xfe7" if f == bad else b"7"})
+    skipped = []
+    summary = compile_folder(pattern, tmp_path / "out", **quiet(columns={"txt": "int"},
+                                                                on_skip=lambda s, r: skipped.append((s, r))))
+    assert summary.kept == len(files) - 1
+    assert len(skipped) == 1 and skipped[0][0].endswith(f"#{files[5][0]}/{bad.name}")
+    assert "unreadable member" in skipped[0][1] and "--column txt" in skipped[0][1]
+    ds, index = by_member(tmp_path / "out")
+    assert sorted(ds.fields["txt"].tolist()) == [7] * (len(files) - 1)
