@@ -524,9 +524,10 @@ def _column_kinds(table: Table, given: dict[str, str], reference: dict[str, tupl
 
 
 def table_fields(table: Table, kinds: dict[str, str],
-            reference: dict[str, tuple[str, tuple[str, ...]]]) -> list[tuple[fmt.FieldEntry, np.ndarray]]:
+                 reference: dict[str, tuple[str, tuple[str, ...]]]) -> list[tuple[fmt.FieldEntry, np.ndarray]]:
     """Every column but the label as a typed field; `reference` (another split's fields) fixes the
-    vocabulary of a class or tag column of the same kind, so a class keeps its position in every split."""
+    vocabulary of a class or tag column of the same kind, so a class keeps its position in every split.
+    Archive sources make their `--column` values into fields here too, through a Table of their samples."""
     fields = []
     for name, kind in kinds.items():
         if name == LABEL_COLUMN:
