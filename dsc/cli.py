@@ -108,6 +108,14 @@ def _path(value: str) -> Path:
     return Path(value)
 
 
+def _names_archives(src: Path | str) -> bool:
+    """SRC names archive sources (or may: a pattern or URL that fails to list is the compile's to report)."""
+    try:
+        return archive_sources(src) is not None
+    except DscError:
+        return True
+
+
 def _source(value: str) -> Path | str:
     """SRC: a path, or an `s3://` URL kept as written (a Path would fold its '//')."""
     return value if value.startswith("s3://") else _path(value)
@@ -170,7 +178,9 @@ def compile_command(
                                 "columns become fields."),
     column: list[str] = typer.Option(None, "--column", metavar="NAME:KIND",
                                      help="The kind of a --labels column: class, multilabel, float or int "
-                                     "[default: inferred]; label:none for a table without labels. Repeatable."),
+                                     "[default: inferred]; label:none for a table without labels. Archives: "
+                                     "a Parquet column, a tar member suffix (txt) or json:FIELD made a field of "
+                                     "that kind. Repeatable."),
     label_key: str = typer.Option(None, "--label-key", metavar="KEY",
                                   help="Archives: the label's tar member (cls: an integer, txt: a class name, "
                                   "json:FIELD) or Parquet column [default: .cls; the ClassLabel column, else "
@@ -191,8 +201,9 @@ def compile_command(
                                  param_hint="--stall-seconds")
     if address is not None and engine != "ray":
         raise typer.BadParameter("only with --engine ray", param_hint="--address")
-    if column and labels is None:
-        raise typer.BadParameter("only with --labels (it gives a label table column its kind)", param_hint="--column")
+    if column and labels is None and not _names_archives(src):
+        raise typer.BadParameter("only with --labels (it gives a label table column its kind), or with archive "
+                                 "sources (a Parquet column or tar member as a field)", param_hint="--column")
     if classes is not None and classes_from is not None:
         raise typer.BadParameter("give --classes or --classes-from, not both", param_hint="--classes")
     if skip_unknown_classes and classes is None and classes_from is None:

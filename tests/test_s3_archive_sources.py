@@ -257,3 +257,27 @@ def test_a_killed_compile_from_the_bucket_resumes_to_identical_bytes(big: dict, 
         assert result.returncode == 0, result.stderr
         assert "resumed" in result.stderr
     assert files(out) == files(tmp_path / "whole")
+
+
+def test_column_fields_from_a_bucket_are_the_local_archives_fields(made: dict, server: S3Server, env,
+                                                                   tmp_path: Path) -> None:
+    """`--column` reads a tar member and a Parquet column by the same ranged GETs: the same field bytes."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = made["root"] / "images"
+    photos = [f for c in CLASSES for f in sorted((folder / c).iterdir())]
+    rank = {f.name: k for k, f in enumerate(photos)}
+    shards = write_tar_shards(folder, tmp_path / "shards", per_shard=7, extra=lambda c, f: {"txt": str(rank[f.name])})
+    pq.write_table(pa.table({"jpeg": pa.array([f.read_bytes() for f in photos], pa.binary()),
+                             "score": [k / 8 for k in range(len(photos))]}), tmp_path / "t.parquet", row_group_size=6)
+    for path in sorted((tmp_path / "shards").iterdir()) + [tmp_path / "t.parquet"]:
+        server.put(BUCKET, f"fields/{path.relative_to(tmp_path).as_posix()}", path.read_bytes())
+    for local, url, options in ((shards, f"s3://{BUCKET}/fields/shards/", {"columns": {"txt": "int"}}),
+                                (str(tmp_path / "t.parquet"), f"s3://{BUCKET}/fields/t.parquet",
+                                 {"columns": {"score": "float"}, "image_column": "jpeg"})):
+        name = next(iter(options["columns"]))
+        compile_folder(local, tmp_path / f"local-{name}", **quiet(**options))
+        compile_folder(url, tmp_path / f"remote-{name}", **quiet(**options))
+        local_files = files(tmp_path / f"local-{name}")
+        assert f"fields/{name}.bin" in local_files and files(tmp_path / f"remote-{name}") == local_files

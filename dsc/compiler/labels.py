@@ -67,16 +67,22 @@ logger = logging.getLogger("dsc")
 class Table:
     """A label table as read: source paths, and per column its name and one raw value per row."""
 
-    path: Path
+    path: Path | str  # a table's file; for an archive's columns, SRC as given (an s3:// URL is no Path)
     sources: list[str]
     lines: list[int]  # the file's line number of each row, for messages
     columns: dict[str, list[Any]]
     path_column: str = "path"  # the header's name of the image path column
+    by_source: bool = False  # messages name a row by its source (an archive's samples), not by a line
 
 
-def _problem(table_path: Path, line: int, what: str, column: str | None = None) -> CompileError:
-    where = f"{table_path}, line {line}" + (f", column {column!r}" if column else "")
-    return CompileError(f"{where}: {what}")
+def _row(table: Table, line: int) -> str:
+    """A row as messages name it: its line, or for an archive's samples its source."""
+    return f"sample {table.sources[table.lines.index(line)]}" if table.by_source else f"line {line}"
+
+
+def _problem(table: Table | Path, line: int, what: str, column: str | None = None) -> CompileError:
+    where = f"{table.path}, {_row(table, line)}" if isinstance(table, Table) else f"{table}, line {line}"
+    return CompileError(where + (f", column {column!r}" if column else "") + f": {what}")
 
 
 def _clean_source(table_path: Path, line: int, value: Any, roots: tuple[Path, ...] = ()) -> str:
@@ -293,7 +299,7 @@ def infer_kind(table: Table, name: str) -> str:
         return "float"
     if any(numbers):
         line, item = items[numbers.index(False)]
-        raise _problem(table.path, line, f"{item!r:.40} is not a number, but the column's other values are; fix "
+        raise _problem(table, line, f"{item!r:.40} is not a number, but the column's other values are; fix "
                        f"the cell, or give --column {name}:class (or multilabel) to read the values as names", name)
     if multi or any(isinstance(v, str) and not v.strip() for v in values):
         return "multilabel"
@@ -341,13 +347,13 @@ def _numbers(table: Table, name: str, kind: str) -> tuple[np.ndarray, tuple[int,
                     if not math.isfinite(number) or abs(number) > float(np.finfo(np.float32).max):
                         raise ValueError
             except (ValueError, OverflowError):
-                raise _problem(table.path, line, f"{item!r:.40} is not a{'n integer' if kind == 'int' else ' finite'}"
+                raise _problem(table, line, f"{item!r:.40} is not a{'n integer' if kind == 'int' else ' finite'}"
                                f" number{' in float32 range' if kind == 'float' else ''}", name) from None
             numbers.append(number)
         if not numbers:
-            raise _problem(table.path, line, "no value", name)
+            raise _problem(table, line, "no value", name)
         if rows and len(numbers) != len(rows[0]):
-            raise _problem(table.path, line, f"{len(numbers)} values, but line {table.lines[0]} has {len(rows[0])}",
+            raise _problem(table, line, f"{len(numbers)} values, but {_row(table, table.lines[0])} has {len(rows[0])}",
                            name)
         rows.append(numbers)
     array = np.asarray(rows, dtype=fmt.FIELD_DTYPES[kind])
@@ -361,7 +367,7 @@ def _class_indices(table: Table, name: str, classes: Sequence[str] | None) -> tu
     for line, value in zip(table.lines, table.columns[name]):
         class_name = _class_name(value)
         if class_name is None:
-            raise _problem(table.path, line, f"a class name or integer is needed, found {value!r:.40}", name)
+            raise _problem(table, line, f"a class name or integer is needed, found {value!r:.40}", name)
         names.append(class_name)
     vocabulary = list(classes) if classes is not None else _vocabulary(set(names))
     index = {c: i for i, c in enumerate(vocabulary)}
@@ -374,7 +380,7 @@ def _multi_hot(table: Table, name: str, classes: Sequence[str] | None = None) ->
     for line, value in zip(table.lines, table.columns[name]):
         items = _items(value)
         if not all(isinstance(i, str) and i.strip() for i in items):
-            raise _problem(table.path, line, f"tags must be text, found {value!r:.60}", name)
+            raise _problem(table, line, f"tags must be text, found {value!r:.60}", name)
         tags.append({i.strip() for i in items})
     vocabulary = list(classes) if classes is not None else sorted(set().union(*tags))
     if not vocabulary:
@@ -383,7 +389,7 @@ def _multi_hot(table: Table, name: str, classes: Sequence[str] | None = None) ->
     for line, names in zip(table.lines, tags):
         unknown = sorted(names - set(index))
         if unknown:
-            raise _problem(table.path, line, f"tag {unknown[0]!r} is not among the {len(vocabulary)} tags of the "
+            raise _problem(table, line, f"tag {unknown[0]!r} is not among the {len(vocabulary)} tags of the "
                            "dataset the classes come from", name)
     hot = np.zeros((len(tags), len(vocabulary)), dtype=np.uint8)
     for row, names in enumerate(tags):
@@ -399,11 +405,11 @@ def _integer_labels(table: Table, classes: Sequence[str] | None) -> tuple[np.nda
     for line, cell in zip(table.lines, table.columns[LABEL_COLUMN]):
         value = int(cell)  # an int, or text spelling one ("01" is 1)
         if value < fmt.UNLABELED:
-            raise _problem(table.path, line, f"label {value} is below {fmt.UNLABELED}: integer labels are stored as "
+            raise _problem(table, line, f"label {value} is below {fmt.UNLABELED}: integer labels are stored as "
                            f"given, {fmt.UNLABELED} marking a record without a label; fix the cell, or give --column "
                            f"{LABEL_COLUMN}:class to read the labels as class names", LABEL_COLUMN)
         if value > MAX_INTEGER_LABEL:
-            raise _problem(table.path, line, f"label {value} is above {MAX_INTEGER_LABEL}, the largest integer label "
+            raise _problem(table, line, f"label {value} is above {MAX_INTEGER_LABEL}, the largest integer label "
                            "stored as given (its classes are named 0 to the largest); map the labels to 0..K-1, or "
                            f"give --column {LABEL_COLUMN}:class to read them as class names", LABEL_COLUMN)
         values.append(value)
@@ -431,8 +437,8 @@ def _warn_joined(table: Table, name: str) -> None:
             how = ("if they list several classes, " + ("" if mark == SEPARATOR else "separate them with ';' (the "
                    "multilabel separator) and ") + f"give --column {name}:multilabel")
         line, example = joined[0]
-        logger.warning("%s: %d of %d values of column %r hold %r (e.g. %r on line %d) and each is read as one class "
-                       "name; %s", table.path, len(joined), len(cells), name, mark, example, line, how)
+        logger.warning("%s: %d of %d values of column %r hold %r (e.g. %r on %s) and each is read as one class "
+                       "name; %s", table.path, len(joined), len(cells), name, mark, example, _row(table, line), how)
         return
 
 
@@ -473,7 +479,7 @@ def _check_label_column(table: Table, unlabeled: bool) -> None:
         return
     for line, value in zip(table.lines, table.columns[LABEL_COLUMN]):
         if value is None or (isinstance(value, str) and not value.strip()):
-            raise _problem(table.path, line, "empty label", LABEL_COLUMN)
+            raise _problem(table, line, "empty label", LABEL_COLUMN)
 
 
 def _no_label_column(table: Table) -> CompileError:
@@ -517,10 +523,11 @@ def _column_kinds(table: Table, given: dict[str, str], reference: dict[str, tupl
     return kinds
 
 
-def _fields(table: Table, kinds: dict[str, str],
-            reference: dict[str, tuple[str, tuple[str, ...]]]) -> list[tuple[fmt.FieldEntry, np.ndarray]]:
+def table_fields(table: Table, kinds: dict[str, str],
+                 reference: dict[str, tuple[str, tuple[str, ...]]]) -> list[tuple[fmt.FieldEntry, np.ndarray]]:
     """Every column but the label as a typed field; `reference` (another split's fields) fixes the
-    vocabulary of a class or tag column of the same kind, so a class keeps its position in every split."""
+    vocabulary of a class or tag column of the same kind, so a class keeps its position in every split.
+    Archive sources make their `--column` values into fields here too, through a Table of their samples."""
     fields = []
     for name, kind in kinds.items():
         if name == LABEL_COLUMN:
@@ -537,7 +544,7 @@ def _fields(table: Table, kinds: dict[str, str],
             values, field_classes, unknown_rows = _class_indices(table, name, fixed)
             if unknown_rows:
                 row = unknown_rows[0]
-                raise _problem(table.path, table.lines[row], f"class {_class_name(table.columns[name][row])!r} is "
+                raise _problem(table, table.lines[row], f"class {_class_name(table.columns[name][row])!r} is "
                                "not among the classes of the dataset the classes come from", name)
             shape = ()
         fields.append((fmt.FieldEntry("", 0, "", name, kind, shape, tuple(field_classes)), values))
@@ -582,13 +589,13 @@ def discover_listed(src: str | os.PathLike, table_path: str | os.PathLike, kinds
             labels, vocabulary, unknown = _class_indices(table, LABEL_COLUMN, classes)
         if unknown and not skip_unknown:
             row = unknown[0]
-            raise _problem(table.path, table.lines[row], f"class {_class_name(table.columns[LABEL_COLUMN][row])!r} "
+            raise _problem(table, table.lines[row], f"class {_class_name(table.columns[LABEL_COLUMN][row])!r} "
                            f"is not among the {len(vocabulary)} given classes ({len(unknown)} row(s) like it); "
                            "pass --skip-unknown-classes to leave them out", LABEL_COLUMN)
         for row in unknown:
             keep[row] = False
             skipped.append((table.sources[row], "its class is not among the given classes"))
-    fields = _fields(table, kinds, reference)
+    fields = table_fields(table, kinds, reference)
 
     on_disk, on_disk_stamps, walk_skipped = list_images(root, on_found)  # one walk, not a stat per row
     found = dict(zip(on_disk, on_disk_stamps))

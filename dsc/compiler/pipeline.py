@@ -259,19 +259,22 @@ def _discover(src: Path | str, out: Path, classes, skip_unknown_classes: bool, l
               archive_options: tuple[str | None, str | None], on_found: Callable[[int], None] | None) -> Discovery:
     """The sources to compile with their labels and fields: a label table's rows, the archives' samples
     (`archive_options`: their label key and image column), or the folder's images."""
-    vocabulary = None if classes is None else classes_module.load_classes(classes, fields_only=labels is not None)
+    fields_only = labels is not None or bool(columns)  # an unlabeled dataset still gives its fields' vocabularies
+    vocabulary = None if classes is None else classes_module.load_classes(classes, fields_only=fields_only)
     reference = classes_module.reference_fields(classes)
     if archives.archive_sources(src) is not None:
-        if labels is not None or columns:
-            raise CompileError("a label table (--labels, --column) is for an image folder, not for archives")
-        found = archives.discover(src, vocabulary, skip_unknown_classes, *archive_options, on_found=on_found)
+        if labels is not None:
+            raise CompileError("a label table (--labels) is for an image folder, not for archives (--column takes "
+                               "an archive's own columns or members as fields)")
+        found = archives.discover(src, vocabulary, skip_unknown_classes, *archive_options, on_found=on_found,
+                                  columns=columns, reference=reference)
     elif any(archive_options):
         raise CompileError("--label-key and --image-column are for archive sources (tar, Parquet)")
     elif labels is not None:
         found = labels_module.discover_listed(src, labels, columns, vocabulary, skip_unknown_classes, reference,
                                               on_found)
     elif columns:
-        raise CompileError("column kinds are for a label table (--labels)")
+        raise CompileError("--column is for a label table (--labels) or archive sources (tar, Parquet)")
     else:
         found = discover(src, vocabulary, skip_unknown_classes, on_found)
     free = [(spec.name, spec.kind, spec.classes) for spec, _ in found.fields  # vocabularies no reference fixed

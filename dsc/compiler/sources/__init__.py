@@ -28,11 +28,11 @@ from pathlib import Path
 import numpy as np
 
 from dsc.compiler.discover import WALK_THREADS, Discovery, is_image_name
-from dsc.compiler.labels import MAX_INTEGER_LABEL, classes_without_records
+from dsc.compiler.labels import LABEL_COLUMN, MAX_INTEGER_LABEL, Table, classes_without_records, table_fields
 from dsc.compiler.sources import parquet_files, tar_shards, zip_archive
 from dsc.compiler.sources.common import ARCHIVE_ERRNOS, ArchiveChunk, Listing, Member, repeated
 from dsc.errors import CompileError, ImageError
-from dsc.format import UNLABELED
+from dsc.format import UNLABELED, field_name_problem
 from dsc.storage.object_file import head, is_url, list_prefix
 
 __all__ = ["ArchiveDiscovery", "archive_sources", "chunks", "discover", "read_chunk", "read_source"]
@@ -173,21 +173,31 @@ def _relative(path: Path | str, root: Path | str) -> str:
 
 def discover(src: str | os.PathLike, classes: list[str] | None = None, skip_unknown: bool = False,
              label_key: str | None = None, image_column: str | None = None,
-             on_found: Callable[[int], None] | None = None) -> ArchiveDiscovery:
-    """Every sample of the archives SRC names, labelled, in the folder's order; CompileError when none."""
+             on_found: Callable[[int], None] | None = None, columns: dict[str, str] | None = None,
+             reference: dict[str, tuple[str, tuple[str, ...]]] | None = None) -> ArchiveDiscovery:
+    """Every sample of the archives SRC names, labelled, in the folder's order; CompileError when none.
+    `columns` ({NAME: KIND}, `--column`) become typed fields: a Parquet column, a tar member suffix
+    (its text) or `json:FIELD` of the sample's .json member, parsed as a label table's columns are;
+    `reference` (another split's fields, `--classes-from`) fixes the vocabularies, as for a table."""
     kind, root, paths = archive_sources(src)
+    columns = columns or {}
+    if kind == "zip" and columns:
+        raise CompileError("--column is for tar and Parquet sources; a zip's members are images only")
+    names_of = {spec: _field_name(spec, kind) for spec in columns}
+    if len(set(names_of.values())) < len(names_of):
+        raise CompileError(f"--column: two of {', '.join(columns)} make the same field; give each once")
     if kind == "zip" and (label_key or image_column):
         raise CompileError("--label-key and --image-column are for tar and Parquet sources; a zip holds an "
                            "ImageFolder tree, labelled by its class folders")
     if kind == "tar" and image_column:
         raise CompileError("--image-column is for Parquet sources; a tar sample's image is its first image member")
-    listings = _listings(FORMATS[kind], paths, label_key, image_column, on_found)
+    listings = _listings(FORMATS[kind], paths, label_key, image_column, on_found, tuple(columns))
     names = [_relative(p, root) for p in paths]
     skipped = [(f"{name}#{member}" if member else name, reason)
                for name, listing in zip(names, listings) for member, reason in listing.skipped]
     with ThreadPoolExecutor(max(1, min(WALK_THREADS, len(paths)))) as pool:  # HEADs of objects overlap
         stamps = list(pool.map(_stamp, paths))
-    samples = [(f"{name}#{s.name}", s.member._replace(archive=a), s.label, stamps[a])
+    samples = [(f"{name}#{s.name}", s.member._replace(archive=a), s.label, stamps[a], s.values)
                for a, (name, listing) in enumerate(zip(names, listings)) for s in listing.samples]
     declared = _declared(kind, listings)
     labels, vocabulary, reasons = resolve_labels([s[2] for s in samples], declared, classes, skip_unknown)
@@ -202,9 +212,13 @@ def discover(src: str | os.PathLike, classes: list[str] | None = None, skip_unkn
                            f"{len(skipped)} skipped{example})")
     kept_labels = np.asarray([labels[i] for i in keep], dtype=np.int64)
     gaps = vocabulary and classes is None and declared is None and isinstance(samples[keep[0]][2], int)
-    return ArchiveDiscovery(root, [samples[i][0] for i in keep], kept_labels, vocabulary, skipped,
+    sources = [samples[i][0] for i in keep]
+    table = Table(os.fspath(src), sources, list(range(1, len(keep) + 1)),
+                  {names_of[spec]: [samples[i][4][spec] for i in keep] for spec in columns}, by_source=True)
+    fields = table_fields(table, {names_of[spec]: k for spec, k in columns.items()}, reference or {})
+    return ArchiveDiscovery(root, sources, kept_labels, vocabulary, skipped,
                             [] if gaps else classes_without_records(kept_labels, vocabulary),
-                            [samples[i][3] for i in keep], kind=kind, archives=[str(p) for p in paths],
+                            [samples[i][3] for i in keep], fields, kind=kind, archives=[str(p) for p in paths],
                             members=[samples[i][1] for i in keep], options=[listing.options for listing in listings])
 
 
@@ -225,13 +239,23 @@ def unique_names(listing: Listing) -> Listing:
     return listing
 
 
+def _field_name(spec: str, kind: str) -> str:
+    """The field a `--column` spec makes: a Parquet column's name, a tar member's suffix, `json:FIELD`'s FIELD."""
+    name = (spec.partition(":")[2] or spec) if kind == "tar" else spec
+    problem = (f"{name!r} is the label (give --label-key to choose where it is)" if name == LABEL_COLUMN
+               else field_name_problem(name))
+    if problem:
+        raise CompileError(f"--column {spec}: {problem}")
+    return name
+
+
 def _listings(module, paths: list[Path] | list[str], label_key: str | None, image_column: str | None,
-              on_found: Callable[[int], None] | None) -> list[Listing]:
+              on_found: Callable[[int], None] | None, fields: tuple[str, ...] = ()) -> list[Listing]:
     """Each archive's listing, WALK_THREADS at a time (their reads overlap), `on_found` told in this
     thread as each comes in order; an unreadable archive is a skip."""
     def listed(path: Path | str) -> Listing:
         try:
-            return unique_names(module.list_archive(path, label_key, image_column))
+            return unique_names(module.list_archive(path, label_key, image_column, *((fields,) if fields else ())))
         except OSError as e:
             return Listing(skipped=[("", f"cannot read archive: {e.strerror or e}")])
 

@@ -69,6 +69,7 @@ class Sample:
     name: str
     member: Member
     label: int | str | None = None
+    values: dict[str, object] = field(default_factory=dict)  # `--column` name -> its value as stored ("": none)
 
 
 @dataclass

@@ -93,8 +93,10 @@ def columns(schema, path: str | Path, label_key: str | None,
     return image, label, list(names) if isinstance(names, list) else None
 
 
-def list_archive(path: str | Path, label_key: str | None = None, image_column: str | None = None) -> Listing:
-    """The rows of one file: names and labels from the metadata, the label column and the images' paths."""
+def list_archive(path: str | Path, label_key: str | None = None, image_column: str | None = None,
+                 fields: tuple[str, ...] = ()) -> Listing:
+    """The rows of one file: names and labels from the metadata, the label column and the images' paths;
+    `fields` (`--column` names) are read too, each row's values kept for its fields (a null as "": no value)."""
     pq = pyarrow_parquet()
     import pyarrow as pa
 
@@ -103,14 +105,20 @@ def list_archive(path: str | Path, label_key: str | None = None, image_column: s
             parquet = pq.ParquetFile(f)
         except (pa.ArrowException, OSError) as e:
             return Listing(skipped=[("", f"not a readable Parquet file ({e})")])
-        return _list_rows(pa, parquet, *columns(parquet.schema_arrow, path, label_key, image_column))
+        image, label, names = columns(parquet.schema_arrow, path, label_key, image_column)
+        for name in fields:
+            if name not in parquet.schema_arrow.names or name in (image, label):
+                raise CompileError(f"--column {name}: {path} has no column {name!r} other than its image and label "
+                                   f"(its columns: {', '.join(parquet.schema_arrow.names)})")
+        return _list_rows(pa, parquet, image, label, names, fields)
 
 
-def _list_rows(pa, parquet, image: str, label: str | None, names: list[str] | None) -> Listing:
+def _list_rows(pa, parquet, image: str, label: str | None, names: list[str] | None,
+               fields: tuple[str, ...] = ()) -> Listing:
     listing = Listing(names=names, options=(image,))
     meta = parquet.metadata
     has_path = pa.types.is_struct(parquet.schema_arrow.field(image).type)
-    wanted = ([label] if label else []) + ([f"{image}.path"] if has_path else [])
+    wanted = ([label] if label else []) + ([f"{image}.path"] if has_path else []) + list(fields)
     first, seen = 0, set()
     for group in range(meta.num_row_groups):
         rows = meta.row_group(group).num_rows
@@ -122,11 +130,12 @@ def _list_rows(pa, parquet, image: str, label: str | None, names: list[str] | No
             continue
         labels = table.column(label).to_pylist() if label else [None] * rows
         paths = _paths(table.column(image)) if has_path else [None] * rows
+        values = {name: ["" if v is None else v for v in table.column(name).to_pylist()] for name in fields}
         for row, (value, image_path) in enumerate(zip(labels, paths)):
             named = image_path and not unsafe_name(image_path) and image_path not in seen
             name = image_path if named else f"row={first + row}"  # a path met before: the row's own number
             seen.add(name)
-            listing.samples.append(Sample(name, Member(0, group, row), value))
+            listing.samples.append(Sample(name, Member(0, group, row), value, {k: v[row] for k, v in values.items()}))
         first += rows
     return listing
 

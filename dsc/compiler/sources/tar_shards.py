@@ -110,8 +110,9 @@ def _walk(f, size: int) -> tuple[list[tarfile.TarInfo], str | None]:
     return members, None
 
 
-def list_archive(path: Path, label_key: str | None = None, image_column: str | None = None) -> Listing:
-    """The samples of one shard (headers and label members only)."""
+def list_archive(path: Path, label_key: str | None = None, image_column: str | None = None,
+                 fields: tuple[str, ...] = ()) -> Listing:
+    """The samples of one shard (headers, label members and the members `fields` names only)."""
     key_spec = parse_label_key(label_key)
     listing = Listing()
     with open_archive(path) as f:
@@ -119,7 +120,7 @@ def list_archive(path: Path, label_key: str | None = None, image_column: str | N
         members, broken = _walk(f, size)
         for key, group in _group(members, listing.skipped):
             sample = _sample(f, size, key, group, key_spec, listing.skipped)
-            if sample is not None:
+            if sample is not None and _field_values(f, sample, group, fields, listing.skipped):
                 listing.samples.append(sample)
     if broken:
         listing.skipped.append(("", broken))
@@ -148,16 +149,43 @@ def _sample(f, size: int, key: str, group: dict[str, tarfile.TarInfo], key_spec:
     if label_info is None:
         return Sample(info.name, member, None)
     try:
-        if not label_info.isreg() or label_info.size > MAX_LABEL_MEMBER_BYTES:
-            raise ValueError("not a regular file" if not label_info.isreg() else f"{label_info.size} bytes")
-        data = read_at(f, label_info.size, label_info.offset_data)
-        if len(data) != label_info.size:
-            raise ValueError("the tar is truncated inside it")
-        label = _label(data, label_suffix, json_field)
+        label = _label(_small_member(f, label_info), label_suffix, json_field)
     except ValueError as e:  # UnicodeDecodeError and json's errors are ValueErrors
         skipped.append((info.name, f"unreadable label member {label_info.name!r:.80}: {e}"))
         return None
     return Sample(info.name, member, label)
+
+
+def _small_member(f, info: tarfile.TarInfo) -> bytes:
+    """A label or field member's bytes; ValueError when it is no regular file, too large or truncated."""
+    if not info.isreg() or info.size > MAX_LABEL_MEMBER_BYTES:
+        raise ValueError("not a regular file" if not info.isreg() else f"{info.size} bytes")
+    data = read_at(f, info.size, info.offset_data)
+    if len(data) != info.size:
+        raise ValueError("the tar is truncated inside it")
+    return data
+
+
+def _field_values(f, sample: Sample, group: dict[str, tarfile.TarInfo], fields: tuple[str, ...],
+                  skipped: list[tuple[str, str]]) -> bool:
+    """Fill `sample.values` from the members `fields` names (`txt`: the text of KEY.txt; `json:FIELD`:
+    that field of KEY.json), "" where the sample has none (refused by the field's kind as an empty
+    table cell is); False (recorded in `skipped`) when such a member cannot be read."""
+    for spec in fields:
+        suffix, _, json_field = spec.partition(":")
+        info = group.get(suffix)
+        try:
+            text = "" if info is None else _small_member(f, info).decode("utf-8").strip()
+            if json_field and text:
+                document = json.loads(text)
+                value = document.get(json_field) if isinstance(document, dict) else None
+                sample.values[spec] = "" if value is None else value
+            else:
+                sample.values[spec] = text
+        except ValueError as e:  # UnicodeDecodeError and json's errors are ValueErrors
+            skipped.append((sample.name, f"unreadable member {info.name!r:.80} (--column {spec}): {e}"))
+            return False
+    return True
 
 
 def find_member(path: Path, name: str) -> tuple[Member, tuple] | None:
