@@ -19,28 +19,18 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
+from compile_bench import link_tree, pick_sources
 
 from dsc.compiler.append import append
-from dsc.compiler.discover import discover
 from dsc.compiler.pipeline import compile_folder
 
 
-def thinned(corpus: Path, limit: int | None) -> list[str]:
-    sources = discover(corpus).sources
-    if limit and limit < len(sources):
-        sources = [sources[i] for i in np.linspace(0, len(sources) - 1, limit).round().astype(int)]
+def warmed(corpus: Path, limit: int | None) -> list[str]:
+    """`compile_bench.pick_sources`, each file read once so that every compile starts from a warm page cache."""
+    sources = pick_sources(corpus, limit)
     for s in sources:
-        (corpus / s).read_bytes()  # warm the page cache
+        (corpus / s).read_bytes()
     return sources
-
-
-def tree(corpus: Path, sources: list[str], dest: Path) -> Path:
-    """A folder of symlinks to `sources`."""
-    for s in sources:
-        (dest / s).parent.mkdir(parents=True, exist_ok=True)
-        (dest / s).symlink_to(corpus / s)
-    return dest
 
 
 def main() -> None:
@@ -52,7 +42,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=None)
     parser.add_argument("--records-per-shard", type=int, default=None)
     args = parser.parse_args()
-    sources = thinned(args.corpus, args.limit)
+    args.corpus = args.corpus.absolute()  # the links made to its files must hold from anywhere
+    sources = warmed(args.corpus, args.limit)
     options = {"size": args.size, "workers": args.workers, "records_per_shard": args.records_per_shard}
     rows = []
     with tempfile.TemporaryDirectory(prefix="dsc-append-bench-") as tmp:
@@ -62,13 +53,13 @@ def main() -> None:
             new = [s for k, s in enumerate(sources) if k % every == every - 1]
             old = [s for k, s in enumerate(sources) if k % every != every - 1]
             work = tmp / f"share-{share}"
-            compile_folder(tree(args.corpus, old, work / "old"), work / "grown", **options)
+            compile_folder(link_tree(args.corpus, old, work / "old"), work / "grown", **options)
             started = time.perf_counter()
-            summary = append(work / "grown", tree(args.corpus, new, work / "new"), workers=args.workers)
+            summary = append(work / "grown", link_tree(args.corpus, new, work / "new"), workers=args.workers)
             rows.append((summary, time.perf_counter() - started))
             shutil.rmtree(work)
         started = time.perf_counter()
-        full = compile_folder(tree(args.corpus, sources, tmp / "all"), tmp / "full", **options)
+        full = compile_folder(link_tree(args.corpus, sources, tmp / "all"), tmp / "full", **options)
         full_s = time.perf_counter() - started
     print(f"{len(sources)} images at {args.size}x{args.size}; full recompile: {full_s:.2f} s "
           f"({full.kept / full_s:.0f} images/s)")
