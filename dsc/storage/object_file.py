@@ -21,7 +21,6 @@ import errno
 import io
 import os
 import sys
-import time
 from typing import Any
 
 from dsc.errors import StorageError
@@ -57,26 +56,14 @@ def client_used_here() -> bool:
 def _request(what: str, url: str, request) -> Any:
     """`request()`, retried as dsc.storage.s3 retries; FileNotFoundError for a missing object."""
     s3 = _s3()
-    began, last = time.monotonic(), None
-    for attempt in range(1, s3.ATTEMPTS + 1):
-        if s3._forked():
-            raise StorageError(f"{url}: this process cannot reach the bucket: it was forked from one that already "
-                               "used the S3 client (obstore), whose runtime does not survive fork; compile s3:// "
-                               "sources from a fresh process")
-        try:
-            return request()
-        except FileNotFoundError as e:
-            raise FileNotFoundError(errno.ENOENT, "no such object in the bucket", url) from e
-        except StorageError:
-            raise
-        except Exception as e:  # obstore's errors: connection, timeout, HTTP status
-            if s3._permanent(e):
-                raise StorageError(f"{url}: {what} refused: {s3._describe(e)}") from e
-            last = e
-        if attempt < s3.ATTEMPTS:
-            time.sleep(s3.BACKOFF_S * 2 ** (attempt - 1))
-    raise StorageError(f"{url}: {what} failed {s3.ATTEMPTS} times in {time.monotonic() - began:.1f} s; "
-                       f"last: {s3._describe(last)}") from last
+    if s3._forked():
+        raise StorageError(f"{url}: this process cannot reach the bucket: it was forked from one that already "
+                           "used the S3 client (obstore), whose runtime does not survive fork; compile s3:// "
+                           "sources from a fresh process")
+    try:
+        return s3.retried(what, url, request)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(errno.ENOENT, "no such object in the bucket", url) from e
 
 
 def head(url: str) -> tuple[int, str]:

@@ -145,6 +145,26 @@ def client(bucket: str) -> Any:
     return made
 
 
+def retried(what: str, where: str, request) -> Any:
+    """`request()`, tried up to ATTEMPTS times with growing pauses while it fails in a way a retry can fix;
+    a failure names `where`, the tries and the last error, on one line. FileNotFoundError (no such object)
+    and dsc's own errors (the client not installed, a bad endpoint) pass through: no retry helps them."""
+    began, last = time.monotonic(), None
+    for attempt in range(1, ATTEMPTS + 1):
+        try:
+            return request()
+        except (FileNotFoundError, DatasetError):  # StorageError is one too
+            raise
+        except Exception as e:  # obstore's errors: connection, timeout, HTTP status
+            if _permanent(e):
+                raise StorageError(f"{where}: {what} refused: {_describe(e)}") from e
+            last = e
+        if attempt < ATTEMPTS:
+            time.sleep(BACKOFF_S * 2 ** (attempt - 1))
+    raise StorageError(f"{where}: {what} failed {ATTEMPTS} times in {time.monotonic() - began:.1f} s; "
+                       f"last: {_describe(last)}") from last
+
+
 def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
@@ -479,24 +499,11 @@ class S3Dataset:
                                                                              end=stop), missing="missing"))
 
     def _call(self, what: str, name: str, request, missing: str) -> Any:
-        """`request()`, tried up to ATTEMPTS times with growing pauses while it fails in a way a retry can
-        fix; a failure names the object, the tries and the last error, on one line."""
-        began, last = time.monotonic(), None
-        for attempt in range(1, ATTEMPTS + 1):
-            try:
-                return request()
-            except FileNotFoundError as e:
-                raise DatasetError(f"{self._at(name)}: {missing}") from e
-            except DatasetError:  # dsc's own (the client not installed, a bad endpoint): no retry helps
-                raise
-            except Exception as e:  # obstore's errors: connection, timeout, HTTP status
-                if _permanent(e):
-                    raise StorageError(f"{self._at(name)}: {what} refused: {_describe(e)}") from e
-                last = e
-            if attempt < ATTEMPTS:
-                time.sleep(BACKOFF_S * 2 ** (attempt - 1))
-        raise StorageError(f"{self._at(name)}: {what} failed {ATTEMPTS} times in {time.monotonic() - began:.1f} s; "
-                           f"last: {_describe(last)}") from last
+        """`retried(request)`, naming this dataset's object; a missing one is `missing`."""
+        try:
+            return retried(what, self._at(name), request)
+        except FileNotFoundError as e:
+            raise DatasetError(f"{self._at(name)}: {missing}") from e
 
     def _forked_error(self, name: str) -> StorageError:
         return StorageError(f"{self._at(name)}: not in the cache {self.cache}, and this process cannot reach the "
