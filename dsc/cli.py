@@ -445,10 +445,13 @@ def prune_command(
 def info_command(
     dataset: str = _dataset_argument(urls=True),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
+    version: int = typer.Option(None, "--version", min=1, metavar="N",
+                                help="Which version of a dataset grown by dsc append [default: the latest]."),
 ) -> None:
     """Summarise a dataset: records, shape, classes, skipped files, size, shards, compile options."""
     try:
-        s = inspect_summary(dataset, every_skip=as_json)  # the text shows SHOW_SKIPPED: no need to read them all
+        # the text shows SHOW_SKIPPED: no need to read them all
+        s = inspect_summary(dataset, every_skip=as_json, version=version)
     except DscError as e:
         _fail_dataset(dataset, e)
     if as_json:

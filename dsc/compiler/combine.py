@@ -12,8 +12,9 @@ copied in the kernel, records a run at a time.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -170,20 +171,55 @@ def _joined_field(pieces, vocabulary: Vocabulary | None) -> tuple[fmt.FieldEntry
 
 @dataclass(frozen=True)
 class Run:
-    """Records [first, first + count) of the shard file at `path`, which holds `records` records."""
+    """Records [first, first + count) of the shard file at `path`, which holds `records` records; a shard in
+    object storage has no local path but `fetch(start, stop)`, its bytes [start, stop) from the bucket."""
 
-    path: Path
+    path: Path | None
     first: int
     count: int
     records: int
     sha256: str
+    fetch: Callable[[int, int], bytes] | None = None
+    file: str = ""  # the shard's name in its dataset (what a server-side copy names)
+
+
+FETCH_BYTES = 32 << 20  # a shard in object storage is copied by ranged GETs of at most this much
 
 
 def runs_of(d: storage.OpenedDataset, first_record: int = 0) -> list[Run]:
-    """A dataset's records from `first_record` on, as runs of its shard files."""
-    paths, m = d.shard_paths(), d.manifest
-    return [Run(paths[shard], lo, hi - lo, m.shards[shard].records, m.shards[shard].sha256)
+    """A dataset's records from `first_record` on, as runs of its shard files (fetched from the bucket when the
+    dataset is in object storage)."""
+    m = d.manifest
+    if storage.is_url(d.root):
+        store = storage.store_for(d.root)
+        fetch = {e.file: partial(store.get_range, e.file) for e in m.shards}
+        return [Run(None, lo, hi - lo, m.shards[shard].records, m.shards[shard].sha256, fetch[m.shards[shard].file],
+                    m.shards[shard].file) for shard, lo, hi in fmt.shard_segments(first_record, m.count,
+                                                                                 m.records_per_shard)]
+    paths = d.shard_paths()
+    return [Run(paths[shard], lo, hi - lo, m.shards[shard].records, m.shards[shard].sha256, None, m.shards[shard].file)
             for shard, lo, hi in fmt.shard_segments(first_record, m.count, m.records_per_shard)]
+
+
+Piece = tuple[Run, int, int]  # (a run, its first record within its shard file, how many records)
+
+
+def layout(runs: Sequence[Run], records_per_shard: int) -> list[list[Piece]]:
+    """`runs` one after the other laid out as shards of R records (the last the rest): each shard's pieces."""
+    total = sum(r.count for r in runs)
+    pieces: list[list[Piece]] = [[] for _ in fmt.shard_records(total, records_per_shard)]
+    position = 0
+    for run in runs:
+        for shard, lo, hi in fmt.shard_segments(position, position + run.count, records_per_shard):
+            pieces[shard].append((run, run.first + shard * records_per_shard + lo - position, hi - lo))
+        position += run.count
+    return pieces
+
+
+def whole_file(pieces: Sequence[Piece]) -> Run | None:
+    """The run whose whole shard file these pieces are (a shard reused as it is), or None."""
+    (run, start, n) = pieces[0]
+    return run if len(pieces) == 1 and start == 0 and n == run.records else None
 
 
 def write_shards(root: Path, folder: str, first_shard: int, runs: Sequence[Run], records_per_shard: int,
@@ -191,35 +227,47 @@ def write_shards(root: Path, folder: str, first_shard: int, runs: Sequence[Run],
     """Lay `runs` out as shards `first_shard`, `first_shard + 1`, ... (R records each, the last the rest) in
     `root`/`folder`; return their entries (file names relative to `root`) and how each was made."""
     (root / folder).mkdir(mode=0o755, parents=True, exist_ok=True)
-    total = sum(r.count for r in runs)
-    pieces: list[list[tuple[Run, int, int]]] = [[] for _ in fmt.shard_records(total, records_per_shard)]
-    position = 0
-    for run in runs:
-        for shard, lo, hi in fmt.shard_segments(position, position + run.count, records_per_shard):
-            pieces[shard].append((run, run.first + shard * records_per_shard + lo - position, hi - lo))
-        position += run.count
     entries, how = [], []
-    for k, shard_pieces in enumerate(pieces):
+    for k, shard_pieces in enumerate(layout(runs, records_per_shard)):
         name = f"{folder}/{os.path.basename(fmt.shard_file(first_shard + k))}"
         records = sum(n for _, _, n in shard_pieces)
-        (run, start, n), whole = shard_pieces[0], len(shard_pieces) == 1
-        if whole and start == 0 and n == run.records:
-            how.append(local.reuse_file(run.path, root / name))
-            entries.append(fmt.ShardEntry(name, records * record_bytes, run.sha256, records))
+        whole = whole_file(shard_pieces)
+        if whole is not None and whole.path is not None:
+            how.append(local.reuse_file(whole.path, root / name))
+            entries.append(fmt.ShardEntry(name, records * record_bytes, whole.sha256, records))
             continue
         fd = local.create_exclusive(root / name)
         try:
             at = 0
             for run, start, n in shard_pieces:
-                with open(run.path, "rb") as source:
-                    local.copy_range(source.fileno(), fd, n * record_bytes, start * record_bytes, at)
+                _copy_piece(run, start * record_bytes, n * record_bytes, fd, at)
                 at += n * record_bytes
             os.fsync(fd)
         finally:
             os.close(fd)
-        how.append("copy")
-        entries.append(fmt.ShardEntry(name, records * record_bytes, local.sha256_file(root / name), records))
+        digest = local.sha256_file(root / name)
+        if whole is not None and digest != whole.sha256:
+            raise CompileError(f"{whole.file}: downloaded, its SHA-256 is {digest}, its manifest says {whole.sha256}; "
+                               "the object in the bucket is damaged")
+        how.append("copy" if whole is None else "download")
+        entries.append(fmt.ShardEntry(name, records * record_bytes, digest, records))
     return entries, how
+
+
+def _copy_piece(run: Run, start: int, size: int, fd: int, at: int) -> None:
+    """Bytes [start, start + size) of a run's shard file into the open file `fd` at `at`: in the kernel from a
+    local file, by bounded ranged GETs from a bucket (never the whole shard in memory)."""
+    if run.fetch is None:
+        with open(run.path, "rb") as source:
+            local.copy_range(source.fileno(), fd, size, start, at)
+        return
+    for offset in range(0, size, FETCH_BYTES):
+        want = min(size - offset, FETCH_BYTES)
+        data = run.fetch(start + offset, start + offset + want)
+        if len(data) != want:
+            raise CompileError(f"{run.file}: the bucket gave {len(data)} bytes where {want} were asked for at byte "
+                               f"{start + offset}; the object is shorter than its manifest says")
+        os.pwrite(fd, data, at + offset)
 
 
 def write_index(root: Path, folder: str, joined: Joined) -> tuple[dict[str, fmt.FileEntry],

@@ -150,8 +150,8 @@ class OpenedDataset:
 
 def versions(store: DatasetStore) -> list[int]:
     """(format 1.3) The dataset's committed versions, oldest first: the manifests in `versions/`;
-    [] when it has none (version 1 is then `manifest.json`). A store that cannot list (an object
-    store, for now) answers [] and reads `manifest.json`, the copy of the latest version."""
+    [] when it has none (version 1 is then `manifest.json`). A store that cannot list answers [] and
+    reads `manifest.json`, the copy of the latest version (an object store lists `versions/`)."""
     listing = getattr(store, "list", None)
     return sorted(v for v in map(fmt.version_of, listing(fmt.VERSIONS_DIR) if listing else []) if v is not None)
 
@@ -188,8 +188,8 @@ def read_manifest(store: DatasetStore, version: int | None = None) -> fmt.Manife
                            "damaged")
     if version is not None and manifest.dataset_version != version:  # a store that cannot list: manifest.json
         raise DatasetError(f"{store.root}: version {version} asked for, but this store reads only its latest "
-                           f"version ({manifest.dataset_version}, its {fmt.MANIFEST_FILE}); older versions of a "
-                           "dataset in object storage cannot be opened yet: copy the dataset to a folder")
+                           f"version ({manifest.dataset_version}, its {fmt.MANIFEST_FILE}): it cannot list "
+                           f"{fmt.VERSIONS_DIR}/; copy the dataset to a folder")
     return manifest
 
 
