@@ -369,7 +369,8 @@ def _versioned_command(run: Callable[[], object], dataset: Path) -> object:
 
 @app.command("append")
 def append_command(
-    dataset: Path = typer.Argument(..., metavar="DATASET", parser=_source, help="A compiled dsc dataset folder."),
+    dataset: Path = typer.Argument(..., metavar="DATASET", parser=_source,
+                                   help="A compiled dsc dataset folder, or an s3://bucket/prefix URL."),
     src: Path = typer.Argument(..., metavar="SRC", parser=_source, help="Image folder with the images to add."),
     labels: Path = typer.Option(None, "--labels", metavar="TABLE",
                                 help="Labels and fields of the new images from a label table, as for compile."),
@@ -429,7 +430,8 @@ def merge_command(
 
 @app.command("prune")
 def prune_command(
-    dataset: Path = typer.Argument(..., metavar="DATASET", parser=_source, help="A compiled dsc dataset folder."),
+    dataset: Path = typer.Argument(..., metavar="DATASET", parser=_source,
+                                   help="A compiled dsc dataset folder, or an s3://bucket/prefix URL."),
     keep: int = typer.Option(..., "--keep", min=1, metavar="N", help="How many of the newest versions to keep."),
 ) -> None:
     """Delete the old versions of a dataset and the files no kept version uses (only files dsc made)."""

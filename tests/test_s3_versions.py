@@ -5,7 +5,11 @@ two processes, an append while a reader iterates. Real compiles of real JPEGs an
 from __future__ import annotations
 
 import json
+import os
+import pickle
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,10 +19,12 @@ from typer.testing import CliRunner
 
 from dsc import storage
 from dsc.cli import app
+from dsc.compiler import bucket_versions
 from dsc.compiler.append import append
 from dsc.compiler.pipeline import compile_folder
 from dsc.errors import DatasetError
 from dsc.reader.dataset import MemmapDataset
+from dsc.storage.bucket import Bucket
 
 from conftest import make_folder
 from s3server import S3Server, serving  # skips this module when the server packages are missing
@@ -78,3 +84,114 @@ def test_older_versions_of_a_bucket_dataset_open_by_listing_versions(server: S3S
     with pytest.raises(DatasetError, match="has no version 3"):
         MemmapDataset(url, version=3)
     shutil.rmtree(env)
+
+
+def tag_of(manifest) -> str:
+    """The append folder tag of a version's new files (`appends/<tag>/labels.bin`)."""
+    return manifest.index["labels"].file.split("/")[1]
+
+
+def sealed_doc(text: bytes, tag: str, other: str) -> dict:
+    doc = json.loads(text.decode("ascii").replace(tag, other))
+    doc.pop("manifest_sha256")
+    return doc
+
+
+def test_an_append_to_a_bucket_writes_the_objects_a_local_append_writes(server: S3Server, env: Path, grown) -> None:
+    tmp, _, _, b = grown
+    original = (tmp / "ds" / "manifest.json").read_bytes()
+    url = server.upload(tmp / "ds", BUCKET, prefix())
+    before = {o.name: o.etag for o in Bucket(url).list()}
+    summary = append(url, b, workers=1)
+    append(tmp / "ds", b, workers=1)
+    remote, here = storage.parse_manifest(url), storage.parse_manifest(tmp / "ds")
+    assert (summary.version, summary.added, summary.count) == (2, 6, 15) == (remote.dataset_version, 6, remote.count)
+    bucket = Bucket(url)
+    assert [e.file.replace(tag_of(remote), tag_of(here)) for e in remote.files] == [e.file for e in here.files]
+    for mine, theirs in zip(remote.files, here.files):  # object bytes = file bytes
+        assert bucket.get(mine.file)[0] == (tmp / "ds" / theirs.file).read_bytes(), mine.file
+    v2 = bucket.get("versions/00000002.json")[0]
+    assert sealed_doc(v2, tag_of(remote), tag_of(here)) == sealed_doc((tmp / "ds" / "versions/00000002.json")
+                                                                      .read_bytes(), "", "")
+    assert bucket.get("manifest.json")[0] == v2 and bucket.get("versions/00000001.json")[0] == original
+    after = {o.name: o.etag for o in bucket.list()}
+    assert {k: v for k, v in after.items() if k in before and k != "manifest.json"} == \
+        {k: v for k, v in before.items() if k != "manifest.json"}  # nothing published was rewritten
+    assert all(k.startswith(f"appends/{tag_of(remote)}/") for k in set(after) - set(before) - {
+        "versions/00000001.json", "versions/00000002.json"})
+    assert np.array_equal(pixels(MemmapDataset(url)), pixels(MemmapDataset(tmp / "ds")))
+    storage.verify_checksums(url, remote)
+
+
+def test_a_reader_of_version_n_in_a_bucket_keeps_it_while_an_append_lands(server: S3Server, env: Path,
+                                                                          grown) -> None:
+    tmp, _, _, b = grown
+    expected = pixels(MemmapDataset(tmp / "ds"))
+    url = server.upload(tmp / "ds", BUCKET, prefix())
+    ds = MemmapDataset(url)
+    it = iter(ds.loader(4, order="sequential", seed=0))
+    seen = [next(it)]
+    append(url, b, workers=1)  # lands while the pass is half-way
+    seen += list(it)
+    served = {int(i): img for batch in seen for i, img in zip(batch["index"], batch["image"].numpy())}
+    assert sorted(served) == list(range(9)) and all(np.array_equal(served[i], expected[i]) for i in served)
+    copy = pickle.loads(pickle.dumps(ds))  # a DataLoader worker's copy opens the same version again
+    fresh = MemmapDataset(url, version=1, cache_dir=tmp / "other-cache")  # every record fetched after the append
+    for again in (copy, fresh):
+        assert (again.version, len(again)) == (1, 9) and np.array_equal(pixels(again), expected)
+    assert len(MemmapDataset(url)) == 15  # a new open sees the new version
+
+
+def _append_process(url: str, src: Path, env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "dsc", "append", url, str(src), "-j", "1"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def sources(ds: MemmapDataset) -> list[str]:
+    return [ds.opened.source(i) for i in range(len(ds))]
+
+
+def test_two_racing_appends_to_a_bucket_in_two_processes_both_land(server: S3Server, env: Path,
+                                                                   tmp_path: Path) -> None:
+    master = make_folder(tmp_path / "master", classes=2, per_class=6)
+    parts = {k: tmp_path / k for k in ("a", "b", "c")}
+    split_folder(master, parts, lambda cls, name: "abc"[int(name[4]) % 3])
+    compile_folder(parts["a"], tmp_path / "ds", size=SIZE, records_per_shard=3, workers=1)
+    url = server.upload(tmp_path / "ds", BUCKET, prefix())
+    procs = [_append_process(url, parts[k], {**os.environ}) for k in ("b", "c")]
+    results = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err for _, err in results]
+    ds = MemmapDataset(url)
+    assert ds.version == 3 and storage.dataset_versions(url) == [1, 2, 3]
+    assert len(set(sources(ds))) == len(ds) == 12  # each append whole, once
+    assert len(MemmapDataset(url, version=2)) == 8
+    storage.verify_checksums(url, ds.manifest)
+
+
+def test_an_append_that_loses_the_race_builds_again_on_the_winners_version(server: S3Server, env: Path, grown,
+                                                                         monkeypatch) -> None:
+    tmp, master, _, b = grown
+    c = tmp / "c"
+    split_folder(b, {"c": c}, lambda cls, name: "c")
+    for image in c.rglob("*.*"):
+        image.rename(image.with_name("c" + image.name))
+    url = server.upload(tmp / "ds", BUCKET, prefix())
+    real, calls = bucket_versions.commit, []
+
+    def another_writer_first(bucket, manifest, first):  # the other append commits between plan and commit
+        calls.append(manifest.dataset_version)
+        if len(calls) == 1:
+            monkeypatch.setattr(bucket_versions, "commit", real)
+            append(url, c, workers=1)
+            monkeypatch.setattr(bucket_versions, "commit", another_writer_first)
+        return real(bucket, manifest, first)
+    monkeypatch.setattr(bucket_versions, "commit", another_writer_first)
+    summary = append(url, b, workers=1)
+    assert calls == [2, 3] and summary.version == 3  # lost version 2 to the other append, then made 3
+    ds = MemmapDataset(url)
+    assert (ds.version, len(ds), len(set(sources(ds)))) == (3, 21, 21)
+    assert [p.count for p in ds.manifest.record_parts] == [9, 6, 6]
+    listed = set().union(*(MemmapDataset(url, version=v).manifest.files for v in (1, 2, 3)))
+    stray = [o.name for o in Bucket(url).list("appends") if o.name not in {e.file for e in listed}]
+    assert stray == []  # the lost attempt's uploads were deleted
+    storage.verify_checksums(url, ds.manifest)

@@ -30,13 +30,14 @@ from dsc.errors import CompileError
 from dsc.storage import local
 
 SCRATCH_LOCK = "owner.lock"  # held by the append that made a scratch folder, for as long as it lives
+COMMIT_ATTEMPTS = 5  # versions built, each on the latest one, before an append that keeps losing races gives up
 
 
 @dataclass
 class AppendSummary:
     """What an append did; also printed by `dsc append`."""
 
-    dataset: Path
+    dataset: Path | str
     version: int
     added: int
     count: int
@@ -110,24 +111,21 @@ def append(dataset: str | os.PathLike, src: str | os.PathLike, *, labels: str | 
            strict: bool = False, on_total: Callable[[int], None] | None = None,
            progress: Callable[[int], None] | None = None,
            on_skip: Callable[[str, str], None] | None = None) -> AppendSummary:
-    """Add the images of `src` (or the rows of the label table `labels`) to the dataset folder `dataset` as
-    its next version; see `dsc append --help`. Raises CompileError; the dataset is then unchanged."""
+    """Add the images of `src` (or the rows of the label table `labels`) to the dataset `dataset` (a folder, or
+    an s3:// URL: `append_bucket`) as its next version; see `dsc append --help`. Raises CompileError; the
+    dataset is then unchanged."""
     started = time.perf_counter()
-    root = Path(dataset).absolute()
+    compiling = {"labels": labels, "columns": columns, "workers": workers, "strict": strict, "on_total": on_total,
+                 "progress": progress, "on_skip": on_skip}
     if storage.is_url(dataset):
-        raise CompileError(f"{dataset}: dsc append grows dataset folders; datasets in object storage come later")
+        from dsc.compiler.append_bucket import append_to_bucket
+
+        return append_to_bucket(os.fspath(dataset), src, new_classes, compiling, started)
+    root = Path(dataset).absolute()
     base = storage.parse_manifest(root)
-    options = compile_options(base, root)
-    kinds = {f.name: f.kind for f in base.fields}
-    if labels is not None and not base.labeled:
-        kinds.setdefault("label", "none")
     scratch = _Scratch(root)
     try:
-        table_kinds = ({**kinds, **(columns or {})} or None) if labels is not None else columns
-        compile_folder(src, scratch.path / "new", **options, workers=workers, strict=strict, labels=labels,
-                       columns=table_kinds,
-                       on_total=on_total, progress=progress, on_skip=on_skip)
-        new = storage.open_dataset(scratch.path / "new")
+        new = compile_new(base, root, src, scratch.path / "new", **compiling)
         with versions.writing(root):
             try:
                 version, how, joined = _commit_on_latest(root, new, new_classes, src)
@@ -136,34 +134,73 @@ def append(dataset: str | os.PathLike, src: str | os.PathLike, *, labels: str | 
                                    "version, and what was written is cleared by the next append or prune") from e
     finally:
         scratch.close()
+    return summary(root, base, new, version, joined, how, started)
+
+
+def compile_new(base: fmt.Manifest, where: Path | str, src: str | os.PathLike, out: Path, *,
+                labels: str | os.PathLike | None, columns: dict[str, str] | None, **options) -> storage.OpenedDataset:
+    """Compile `src` into the new folder `out` the way the records of the dataset at `where` (whose latest
+    manifest is `base`) were made, its fields' kinds by default; the compiled dataset."""
+    kinds = {f.name: f.kind for f in base.fields}
+    if labels is not None and not base.labeled:
+        kinds.setdefault("label", "none")
+    table_kinds = ({**kinds, **(columns or {})} or None) if labels is not None else columns
+    compile_folder(src, out, **compile_options(base, where), labels=labels, columns=table_kinds, **options)
+    return storage.open_dataset(out)
+
+
+def summary(dataset: Path | str, base: fmt.Manifest, new: storage.OpenedDataset, version: fmt.Manifest,
+            joined: combine.Joined, how: list[str], started: float) -> AppendSummary:
     before = set(base.classes)
-    return AppendSummary(root, version.dataset_version, new.manifest.count, version.count,
+    return AppendSummary(dataset, version.dataset_version, new.manifest.count, version.count,
                          new.manifest.skipped_count, [c for c in joined.classes if c not in before], how,
                          time.perf_counter() - started)
 
 
 def _commit_on_latest(root: Path, new: storage.OpenedDataset, new_classes: bool, src) -> tuple:
-    """Under the lock: join the compiled records after the latest version's, write them, commit."""
-    base = storage.open_dataset(root)
+    """Under the lock: join the compiled records after the latest version's, write them, commit; where a
+    writer that bypasses the lock committed that version first, start again on the new latest one."""
+    for attempt in range(1, COMMIT_ATTEMPTS + 1):
+        base = storage.open_dataset(root)
+        joined = combine.join_index([base, new], new_classes, [str(root), str(src)])
+        folder = fmt.append_folder(secrets.token_hex(fmt.APPEND_TAG_HEX // 2))
+        manifest, how = next_version(root, folder, base, new, joined)
+        local.fsync_dir(root / folder / fmt.SHARD_DIR)
+        local.fsync_dir(root / folder)
+        local.fsync_dir(root / fmt.APPENDS_DIR)
+        local.fsync_dir(root)
+        storage.check_manifest_text(root, manifest.to_json().encode("ascii"))  # never commit what readers refuse
+        try:
+            versions.commit(root, manifest)
+            return manifest, how, joined
+        except versions.VersionTaken as e:
+            if attempt == COMMIT_ATTEMPTS:
+                raise lost_every_race(root, e) from e
+            versions.clear_abandoned(root)  # this attempt's files: no version lists them
+    raise AssertionError("unreachable")  # the loop returns or raises
+
+
+def lost_every_race(dataset: Path | str, e: Exception) -> CompileError:
+    return CompileError(f"{dataset}: {COMMIT_ATTEMPTS} times another writer committed the version this append built "
+                        f"({e}); nothing was added: run the command again")
+
+
+def next_version(root: Path, folder: str, base: storage.OpenedDataset, new: storage.OpenedDataset,
+                 joined: combine.Joined) -> tuple[fmt.Manifest, list[str]]:
+    """Write the files version N + 1 adds (`base` being version N) into `root`/`folder`: its shards from
+    version N's last full one on (a partial last shard is copied with the first new records), its whole
+    index; return its manifest and how each new shard file was made."""
     m = base.manifest
-    joined = combine.join_index([base, new], new_classes, [str(root), str(src)])
-    folder = fmt.append_folder(secrets.token_hex(fmt.APPEND_TAG_HEX // 2))
     full = m.count // m.records_per_shard  # shards kept as they are; a partial last one is copied
     runs = combine.runs_of(base, full * m.records_per_shard) + combine.runs_of(new)
     shards, how = combine.write_shards(root, f"{folder}/{fmt.SHARD_DIR}", full, runs, m.records_per_shard,
                                        m.record_bytes)
     index, fields, warnings, skip_list = combine.write_index(root, folder, joined)
     checksums = combine.write_checksums(root, folder, joined)
-    local.fsync_dir(root / folder / fmt.SHARD_DIR)
-    local.fsync_dir(root / folder)
-    local.fsync_dir(root / fmt.APPENDS_DIR)
-    local.fsync_dir(root)
     manifest = fmt.Manifest(height=m.height, width=m.width, count=len(joined.labels),
                             records_per_shard=m.records_per_shard, classes=tuple(joined.classes),
                             shards=(*m.shards[:full], *shards), index=index,
                             skipped=tuple(joined.skipped[:fmt.SKIPPED_IN_MANIFEST]), compile=m.compile,
                             fields=fields, skipped_list=skip_list, warnings=warnings,
                             dataset_version=m.dataset_version + 1, parts=joined.parts, checksums=checksums)
-    storage.check_manifest_text(root, manifest.to_json().encode("ascii"))  # never commit what readers refuse
-    versions.commit(root, manifest)
-    return manifest, how, joined
+    return manifest, how

@@ -191,8 +191,10 @@ def runs_of(d: storage.OpenedDataset, first_record: int = 0) -> list[Run]:
     dataset is in object storage)."""
     m = d.manifest
     if storage.is_url(d.root):
-        store = storage.store_for(d.root)
-        fetch = {e.file: partial(store.get_range, e.file) for e in m.shards}
+        from dsc.storage.bucket import Bucket  # the s3 client, imported only for a dataset in a bucket
+
+        bucket = Bucket(str(d.root))
+        fetch = {e.file: partial(bucket.get_range, e.file) for e in m.shards}
         return [Run(None, lo, hi - lo, m.shards[shard].records, m.shards[shard].sha256, fetch[m.shards[shard].file],
                     m.shards[shard].file) for shard, lo, hi in fmt.shard_segments(first_record, m.count,
                                                                                  m.records_per_shard)]

@@ -130,9 +130,12 @@ class Pruned:
 
 def prune(root: str | os.PathLike, keep: int) -> Pruned:
     """Keep the `keep` newest versions; delete the other versions' manifests, then every file of the
-    dataset that no kept version lists (only names dsc gives, never anything else)."""
+    dataset that no kept version lists (only names dsc gives, never anything else). An s3:// URL: see
+    `bucket_versions.prune`."""
     if storage.is_url(root):
-        raise CompileError(f"{root}: dsc prune trims dataset folders; datasets in object storage come later")
+        from dsc.compiler import bucket_versions
+
+        return bucket_versions.prune(os.fspath(root), keep)
     root = Path(root).absolute()
     if keep < 1:
         raise CompileError(f"--keep must be at least 1 (the latest version), got {keep}")

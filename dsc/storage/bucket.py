@@ -27,11 +27,13 @@ UPLOAD_CONCURRENCY = 4  # parts of one upload in flight at a time
 
 @dataclass(frozen=True)
 class ObjectInfo:
-    """One object: its name relative to the bucket prefix, its size and its ETag (quotes kept)."""
+    """One object: its name relative to the bucket prefix, its size and its ETag (quotes kept); from a LIST,
+    when it was last written (seconds since the epoch)."""
 
     name: str
     size: int
     etag: str
+    modified: float | None = None
 
 
 class Bucket:
@@ -146,7 +148,8 @@ class Bucket:
         def listed(c: Any) -> list[dict]:
             return [meta for page in s3._obstore().list(c, prefix=base or None) for meta in page]
         cut = len(self.prefix) + 1 if self.prefix else 0
-        found = [ObjectInfo(m["path"][cut:], int(m["size"]), m["e_tag"]) for m in self._request("LIST", folder, listed)]
+        found = [ObjectInfo(m["path"][cut:], int(m["size"]), m["e_tag"], m["last_modified"].timestamp())
+                 for m in self._request("LIST", folder, listed)]
         return sorted(found, key=lambda info: info.name)
 
 

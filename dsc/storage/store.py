@@ -252,11 +252,14 @@ def parse_manifest(root: Location, cache_dir: str | os.PathLike | None = None,
         return read_manifest(store, version)
 
 
-def check_manifest_text(root: str | os.PathLike, text: bytes) -> fmt.Manifest:
+def check_manifest_text(root: str | os.PathLike, text: bytes, kept: dict[str, int] | None = None) -> fmt.Manifest:
     """Everything `validate` checks, of manifest bytes not yet committed, over the files of the folder `root`:
-    what a writer of a new version runs before it commits it."""
+    what a writer of a new version runs before it commits it. `kept`: the sizes of files it keeps from an
+    earlier, validated version that are not in `root` (the shards of a dataset in a bucket)."""
     with _opened(root) as store:
-        manifest = fmt.parse_manifest(text, store.root, store.size)
+        def size(name: str, where: str) -> int:
+            return kept[name] if kept and name in kept else store.size(name, where)
+        manifest = fmt.parse_manifest(text, store.root, size)
         fmt.check_index(manifest, store.root, _values_of(store))
         return manifest
 
@@ -322,6 +325,10 @@ def record_checksums(dataset: OpenedDataset) -> np.ndarray:
     """Each record's CRC-32: the dataset's checksums.bin (format 1.3), or computed from its mapped records
     where it has none (what a writer that joins datasets needs for the joined one)."""
     m, entry = dataset.manifest, dataset.manifest.checksums
+    if entry is None and dataset.records is not None:  # in object storage: its records a bounded piece at a time
+        step = max(1, VERIFY_PIECE_BYTES // m.record_bytes)
+        return np.array([c for first in range(0, m.count, step) for c in fmt.record_checksums(
+            dataset.read_records(range(first, min(m.count, first + step))), m.record_bytes)], fmt.CHECKSUM_DTYPE)
     if entry is None:
         return np.fromiter((c for shard in dataset.shards for c in fmt.record_checksums(shard, m.record_bytes)),
                            fmt.CHECKSUM_DTYPE, m.count)
