@@ -195,3 +195,77 @@ def test_an_append_that_loses_the_race_builds_again_on_the_winners_version(serve
     stray = [o.name for o in Bucket(url).list("appends") if o.name not in {e.file for e in listed}]
     assert stray == []  # the lost attempt's uploads were deleted
     storage.verify_checksums(url, ds.manifest)
+
+
+def test_merge_with_differing_class_sets_into_and_out_of_a_bucket(server: S3Server, env: Path,
+                                                                  tmp_path: Path) -> None:
+    make_folder(tmp_path / "a", classes=2, per_class=3)
+    make_folder(tmp_path / "b", classes=2, per_class=4, seed=7)
+    (tmp_path / "b" / "class_0").rename(tmp_path / "b" / "eel")  # b: class_1 (shared, index 0 there), eel
+    compile_folder(tmp_path / "a", tmp_path / "A", size=SIZE, records_per_shard=3, workers=1)
+    compile_folder(tmp_path / "b", tmp_path / "B", size=SIZE, records_per_shard=3, workers=1)
+    where = prefix()
+    a_url = server.upload(tmp_path / "A", BUCKET, f"{where}/A")
+    runner = CliRunner()
+    local = runner.invoke(app, ["merge", str(tmp_path / "A"), str(tmp_path / "B"), str(tmp_path / "M")])
+    assert local.exit_code == 0, local.output
+    into = runner.invoke(app, ["merge", a_url, str(tmp_path / "B"), f"s3://{BUCKET}/{where}/M"])
+    assert into.exit_code == 0, into.output
+    # A's 6 records fill 2 shards: copied inside the bucket; B's 3 shards uploaded from their files
+    assert "5 shard(s) (5 reused by server-side copy/upload, 0 copied)" in into.stdout, into.stdout
+    merged, here = MemmapDataset(f"s3://{BUCKET}/{where}/M"), MemmapDataset(tmp_path / "M")
+    assert merged.classes == here.classes == ["class_0", "class_1", "eel"] and len(merged) == 14
+    assert np.array_equal(pixels(merged), pixels(here)) and merged.labels.tolist() == here.labels.tolist()
+    bucket = Bucket(f"s3://{BUCKET}/{where}/M")
+    for entry in here.manifest.files:  # object bytes = the local merge's file bytes
+        assert bucket.get(entry.file)[0] == (tmp_path / "M" / entry.file).read_bytes(), entry.file
+    storage.verify_checksums(merged.path, merged.manifest)
+    # out of a bucket, shifted off the shard boundary (pieces fetched by ranged GETs) into a folder
+    make_folder(tmp_path / "a7", classes=1, per_class=7)
+    compile_folder(tmp_path / "a7", tmp_path / "A7", size=SIZE, records_per_shard=3, workers=1)
+    b_url = server.upload(tmp_path / "B", BUCKET, f"{where}/B")
+    out = runner.invoke(app, ["merge", str(tmp_path / "A7"), b_url, str(tmp_path / "M2")])
+    assert out.exit_code == 0, out.output
+    m2, b = MemmapDataset(tmp_path / "M2"), MemmapDataset(tmp_path / "B")
+    assert len(m2) == 15 and np.array_equal(pixels(m2)[7:], pixels(b))
+    storage.verify_checksums(m2.path, m2.manifest)
+    again = runner.invoke(app, ["merge", a_url, b_url, f"s3://{BUCKET}/{where}/M"])
+    assert again.exit_code == 1 and "already holds objects" in again.output
+
+
+def test_prune_in_a_bucket_deletes_only_objects_no_kept_version_lists(server: S3Server, env: Path, grown,
+                                                                      monkeypatch) -> None:
+    tmp, _, _, b = grown
+    c = tmp / "c"
+    split_folder(b, {"c": c}, lambda cls, name: "c")
+    for image in c.rglob("*.*"):
+        image.rename(image.with_name("c" + image.name))
+    url = server.upload(tmp / "ds", BUCKET, prefix())
+    append(url, b, workers=1)
+    append(url, c, workers=1)
+    key = url.split("/", 3)[3]
+    foreign = {"notes.txt": b"mine", "shards/readme.md": b"mine", "appends/xyz/labels.bin": b"mine",
+               "versions/notes.json": b"mine"}
+    uploading = "appends/0123456789abcdef/shards/00009.bin"  # dsc's name, no version lists it: an append's upload?
+    for name, data in {**foreign, uploading: b"x"}.items():
+        server.put(BUCKET, f"{key}/{name}", data)
+    v1_only = {"labels.bin", "shards/00001.bin"}  # version 1's index and its partial last shard
+    result = CliRunner().invoke(app, ["prune", url, "--keep", "2"])
+    assert result.exit_code == 0, result.output
+    assert "removed 1 version" in result.output
+    names = {o.name for o in Bucket(url).list()}
+    assert storage.dataset_versions(url) == [2, 3] and not names & v1_only
+    assert set(foreign) | {uploading, "shards/00000.bin"} <= names
+    for v in (2, 3):
+        ds = MemmapDataset(url, version=v)
+        storage.verify_checksums(url, ds.manifest)
+    with pytest.raises(DatasetError, match="has no version 1 .*versions 2 to 3"):
+        MemmapDataset(url, version=1)
+    monkeypatch.setattr(bucket_versions, "ABANDONED_AFTER_S", 0.0)  # the upload is now old: abandoned
+    bucket_versions.prune(url, 2)
+    names = {o.name for o in Bucket(url).list()}
+    assert uploading not in names and set(foreign) <= names
+    server.put(BUCKET, f"{key}/versions/00000002.json", b"{not json")  # a version that cannot be read
+    refused = CliRunner().invoke(app, ["prune", url, "--keep", "1"])
+    assert refused.exit_code == 1 and "versions/00000002.json: not a readable dsc manifest" in refused.output
+    assert {o.name for o in Bucket(url).list()} == names  # nothing deleted

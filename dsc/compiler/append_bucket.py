@@ -63,7 +63,7 @@ def _commit_on_latest(bucket: Bucket, new: storage.OpenedDataset, new_classes: b
     names = sorted(p.relative_to(stage).as_posix() for p in (stage / folder).rglob("*") if p.is_file())
     try:
         for name in names:
-            _upload(bucket, name, stage / name)
+            upload_file(bucket, name, stage / name)
         bucket_versions.commit(bucket, manifest, (base.local_root / fmt.MANIFEST_FILE).read_bytes())
     except VersionTaken:
         for name in names:  # listed by no version: nobody reads them
@@ -74,12 +74,13 @@ def _commit_on_latest(bucket: Bucket, new: storage.OpenedDataset, new_classes: b
     return manifest, how, joined
 
 
-def _upload(bucket: Bucket, name: str, path: Path) -> None:
-    """Upload a new file of the version under its name (a fresh tag's: nothing is there to replace)."""
+def upload_file(bucket: Bucket, name: str, path: Path) -> None:
+    """Upload a new file under its name, where nothing is (a fresh tag's, an empty prefix's): a small one by a
+    create-only PUT, a large one by a multipart upload (whole or not at all)."""
     if path.stat().st_size <= SMALL_OBJECT_BYTES:
         if not bucket.create(name, path.read_bytes()):
-            raise CompileError(f"{bucket.at(name)}: another object already has the name this append drew at random "
-                               "for its files; nothing was added: run the command again")
+            raise CompileError(f"{bucket.at(name)}: another writer's object is already there; nothing was committed: "
+                               "run the command again")
         return
 
     def pieces():

@@ -180,7 +180,7 @@ class Run:
     records: int
     sha256: str
     fetch: Callable[[int, int], bytes] | None = None
-    file: str = ""  # the shard's name in its dataset (what a server-side copy names)
+    url: str = ""  # the shard object's s3://bucket/key, for a shard in a bucket
 
 
 FETCH_BYTES = 32 << 20  # a shard in object storage is copied by ranged GETs of at most this much
@@ -196,10 +196,10 @@ def runs_of(d: storage.OpenedDataset, first_record: int = 0) -> list[Run]:
         bucket = Bucket(str(d.root))
         fetch = {e.file: partial(bucket.get_range, e.file) for e in m.shards}
         return [Run(None, lo, hi - lo, m.shards[shard].records, m.shards[shard].sha256, fetch[m.shards[shard].file],
-                    m.shards[shard].file) for shard, lo, hi in fmt.shard_segments(first_record, m.count,
-                                                                                 m.records_per_shard)]
+                    bucket.at(m.shards[shard].file))
+                for shard, lo, hi in fmt.shard_segments(first_record, m.count, m.records_per_shard)]
     paths = d.shard_paths()
-    return [Run(paths[shard], lo, hi - lo, m.shards[shard].records, m.shards[shard].sha256, None, m.shards[shard].file)
+    return [Run(paths[shard], lo, hi - lo, m.shards[shard].records, m.shards[shard].sha256)
             for shard, lo, hi in fmt.shard_segments(first_record, m.count, m.records_per_shard)]
 
 
@@ -249,7 +249,7 @@ def write_shards(root: Path, folder: str, first_shard: int, runs: Sequence[Run],
             os.close(fd)
         digest = local.sha256_file(root / name)
         if whole is not None and digest != whole.sha256:
-            raise CompileError(f"{whole.file}: downloaded, its SHA-256 is {digest}, its manifest says {whole.sha256}; "
+            raise CompileError(f"{whole.url}: downloaded, its SHA-256 is {digest}, its manifest says {whole.sha256}; "
                                "the object in the bucket is damaged")
         how.append("copy" if whole is None else "download")
         entries.append(fmt.ShardEntry(name, records * record_bytes, digest, records))
@@ -267,7 +267,7 @@ def _copy_piece(run: Run, start: int, size: int, fd: int, at: int) -> None:
         want = min(size - offset, FETCH_BYTES)
         data = run.fetch(start + offset, start + offset + want)
         if len(data) != want:
-            raise CompileError(f"{run.file}: the bucket gave {len(data)} bytes where {want} were asked for at byte "
+            raise CompileError(f"{run.url}: the bucket gave {len(data)} bytes where {want} were asked for at byte "
                                f"{start + offset}; the object is shorter than its manifest says")
         os.pwrite(fd, data, at + offset)
 
