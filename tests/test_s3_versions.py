@@ -14,7 +14,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_versions import split_folder
+import test_versions
+import torch
+from torch.utils.data import DataLoader
 from typer.testing import CliRunner
 
 from dsc import storage
@@ -33,6 +35,8 @@ BUCKET = "dsc-versions"
 SIZE = 16
 
 server = serving(BUCKET)
+grown = test_versions.grown  # the local tests' dataset: `a` compiled (12 records, 5 a shard), `b` to append
+split_folder = test_versions.split_folder
 _prefixes = iter(range(1 << 30))
 
 
@@ -46,18 +50,16 @@ def env(server: S3Server, monkeypatch, tmp_path: Path) -> Path:
     return tmp_path / "cache"
 
 
-@pytest.fixture
-def grown(tmp_path: Path):
-    """A master folder split in two: `a` compiled (5 records a shard: a partial last shard), `b` to append."""
-    master = make_folder(tmp_path / "master", classes=3, per_class=5)
-    a, b = tmp_path / "a", tmp_path / "b"
-    split_folder(master, {"a": a, "b": b}, lambda cls, name: "a" if int(name[4]) < 3 else "b")
-    compile_folder(a, tmp_path / "ds", size=SIZE, records_per_shard=5, workers=1)
-    return tmp_path, master, a, b
-
-
 def prefix() -> str:
     return f"sets/v{next(_prefixes)}"
+
+
+def renamed_copy(src: Path, dest: Path) -> Path:
+    """`src`'s images again under other names: a third set of sources to append."""
+    split_folder(src, {"c": dest}, lambda cls, name: "c")
+    for image in dest.rglob("*.*"):
+        image.rename(image.with_name("c" + image.name))
+    return dest
 
 
 def pixels(ds: MemmapDataset) -> np.ndarray:
@@ -70,15 +72,18 @@ def test_older_versions_of_a_bucket_dataset_open_by_listing_versions(server: S3S
     append(tmp / "ds", b, workers=1)
     url = server.upload(tmp / "ds", BUCKET, prefix())
     latest, first = MemmapDataset(url), MemmapDataset(url, version=1)
-    assert (latest.version, len(latest), first.version, len(first)) == (2, 15, 1, 9)
+    assert (latest.version, len(latest), first.version, len(first)) == (2, 21, 1, 12)
     assert np.array_equal(pixels(first), v1)
     assert np.array_equal(pixels(latest), pixels(MemmapDataset(tmp / "ds")))
     assert storage.dataset_versions(url) == [1, 2]
+    for ds, want in ((first, v1), (latest, pixels(latest))):  # forked workers: the versions their parent read
+        loader = DataLoader(ds, batch_size=4, num_workers=1, multiprocessing_context="fork", timeout=120)
+        assert np.array_equal(torch.cat([b[0] for b in loader]).numpy(), want)
     runner = CliRunner()
     info = runner.invoke(app, ["info", url, "--version", "1", "--json"])
     assert info.exit_code == 0, info.output
     shown = json.loads(info.stdout)
-    assert (shown["version"], shown["records"], shown["versions"]) == (1, 9, [1, 2])
+    assert (shown["version"], shown["records"], shown["versions"]) == (1, 12, [1, 2])
     verify = runner.invoke(app, ["verify", url, "--version", "1"])
     assert verify.exit_code == 0 and "ok: manifest of version 1," in verify.stdout, verify.output
     with pytest.raises(DatasetError, match="has no version 3"):
@@ -105,7 +110,7 @@ def test_an_append_to_a_bucket_writes_the_objects_a_local_append_writes(server: 
     summary = append(url, b, workers=1)
     append(tmp / "ds", b, workers=1)
     remote, here = storage.parse_manifest(url), storage.parse_manifest(tmp / "ds")
-    assert (summary.version, summary.added, summary.count) == (2, 6, 15) == (remote.dataset_version, 6, remote.count)
+    assert (summary.version, summary.added, summary.count) == (2, 9, 21) == (remote.dataset_version, 9, remote.count)
     bucket = Bucket(url)
     assert [e.file.replace(tag_of(remote), tag_of(here)) for e in remote.files] == [e.file for e in here.files]
     for mine, theirs in zip(remote.files, here.files):  # object bytes = file bytes
@@ -134,12 +139,12 @@ def test_a_reader_of_version_n_in_a_bucket_keeps_it_while_an_append_lands(server
     append(url, b, workers=1)  # lands while the pass is half-way
     seen += list(it)
     served = {int(i): img for batch in seen for i, img in zip(batch["index"], batch["image"].numpy())}
-    assert sorted(served) == list(range(9)) and all(np.array_equal(served[i], expected[i]) for i in served)
+    assert sorted(served) == list(range(12)) and all(np.array_equal(served[i], expected[i]) for i in served)
     copy = pickle.loads(pickle.dumps(ds))  # a DataLoader worker's copy opens the same version again
     fresh = MemmapDataset(url, version=1, cache_dir=tmp / "other-cache")  # every record fetched after the append
     for again in (copy, fresh):
-        assert (again.version, len(again)) == (1, 9) and np.array_equal(pixels(again), expected)
-    assert len(MemmapDataset(url)) == 15  # a new open sees the new version
+        assert (again.version, len(again)) == (1, 12) and np.array_equal(pixels(again), expected)
+    assert len(MemmapDataset(url)) == 21  # a new open sees the new version
 
 
 def _append_process(url: str, src: Path, env: dict[str, str]) -> subprocess.Popen:
@@ -170,11 +175,8 @@ def test_two_racing_appends_to_a_bucket_in_two_processes_both_land(server: S3Ser
 
 def test_an_append_that_loses_the_race_builds_again_on_the_winners_version(server: S3Server, env: Path, grown,
                                                                          monkeypatch) -> None:
-    tmp, master, _, b = grown
-    c = tmp / "c"
-    split_folder(b, {"c": c}, lambda cls, name: "c")
-    for image in c.rglob("*.*"):
-        image.rename(image.with_name("c" + image.name))
+    tmp, _, _, b = grown
+    c = renamed_copy(b, tmp / "c")
     url = server.upload(tmp / "ds", BUCKET, prefix())
     real, calls = bucket_versions.commit, []
 
@@ -189,8 +191,8 @@ def test_an_append_that_loses_the_race_builds_again_on_the_winners_version(serve
     summary = append(url, b, workers=1)
     assert calls == [2, 3] and summary.version == 3  # lost version 2 to the other append, then made 3
     ds = MemmapDataset(url)
-    assert (ds.version, len(ds), len(set(sources(ds)))) == (3, 21, 21)
-    assert [p.count for p in ds.manifest.record_parts] == [9, 6, 6]
+    assert (ds.version, len(ds), len(set(sources(ds)))) == (3, 30, 30)
+    assert [p.count for p in ds.manifest.record_parts] == [12, 9, 9]
     listed = set().union(*(MemmapDataset(url, version=v).manifest.files for v in (1, 2, 3)))
     stray = [o.name for o in Bucket(url).list("appends") if o.name not in {e.file for e in listed}]
     assert stray == []  # the lost attempt's uploads were deleted
@@ -236,10 +238,7 @@ def test_merge_with_differing_class_sets_into_and_out_of_a_bucket(server: S3Serv
 def test_prune_in_a_bucket_deletes_only_objects_no_kept_version_lists(server: S3Server, env: Path, grown,
                                                                       monkeypatch) -> None:
     tmp, _, _, b = grown
-    c = tmp / "c"
-    split_folder(b, {"c": c}, lambda cls, name: "c")
-    for image in c.rglob("*.*"):
-        image.rename(image.with_name("c" + image.name))
+    c = renamed_copy(b, tmp / "c")
     url = server.upload(tmp / "ds", BUCKET, prefix())
     append(url, b, workers=1)
     append(url, c, workers=1)
@@ -249,7 +248,7 @@ def test_prune_in_a_bucket_deletes_only_objects_no_kept_version_lists(server: S3
     uploading = "appends/0123456789abcdef/shards/00009.bin"  # dsc's name, no version lists it: an append's upload?
     for name, data in {**foreign, uploading: b"x"}.items():
         server.put(BUCKET, f"{key}/{name}", data)
-    v1_only = {"labels.bin", "shards/00001.bin"}  # version 1's index and its partial last shard
+    v1_only = {"labels.bin", "shards/00002.bin"}  # version 1's index and its partial last shard
     result = CliRunner().invoke(app, ["prune", url, "--keep", "2"])
     assert result.exit_code == 0, result.output
     assert "removed 1 version" in result.output
