@@ -364,7 +364,7 @@ def _versioned_command(run: Callable[[], object], dataset: Path) -> object:
         _fail(str(e))
     except KeyboardInterrupt:
         _fail(f"interrupted; {dataset} was left at its previous version (what was written before its commit is "
-              "cleared by the next append or prune)", code=130)
+              "cleared by the next append or prune; in a bucket, by a prune a day later)", code=130)
 
 
 @app.command("append")

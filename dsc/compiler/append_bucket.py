@@ -1,4 +1,4 @@
-"""Append to a dataset in a bucket (`dsc append s3://bucket/prefix SRC`): `append`'s sibling for object storage.
+"""Append to a dataset in a bucket (`dsc append s3://bucket/prefix SRC`): `append` does it in a folder.
 
 SRC is compiled on this machine, in a private temporary folder, the way the dataset's records were made;
 nothing of the dataset is downloaded but its manifest, its index and, when partial, its last shard (whose
@@ -20,10 +20,8 @@ from pathlib import Path
 
 from dsc import format as fmt
 from dsc import storage
-from dsc.compiler import append as local_append
-from dsc.compiler import bucket_versions, combine
-from dsc.compiler.append import AppendSummary
-from dsc.compiler.versions import VersionTaken
+from dsc.compiler import bucket_versions, combine, grow
+from dsc.compiler.grow import AppendSummary, VersionTaken
 from dsc.errors import CompileError
 from dsc.storage.bucket import UPLOAD_PART_BYTES, Bucket
 
@@ -36,18 +34,21 @@ def append_to_bucket(url: str, src: str | os.PathLike, new_classes: bool, compil
     base = storage.parse_manifest(url)
     scratch = Path(tempfile.mkdtemp(prefix="dsc-append-"))
     try:
-        new = local_append.compile_new(base, url, src, scratch / "new", **compiling)
+        new = grow.compile_new(base, url, src, scratch / "new", **compiling)
         bucket = Bucket(url)
-        for attempt in range(1, local_append.COMMIT_ATTEMPTS + 1):
+        for attempt in range(1, grow.COMMIT_ATTEMPTS + 1):
             try:
                 version, how, joined = _commit_on_latest(bucket, new, new_classes, src, scratch / f"try{attempt}")
                 break
             except VersionTaken as e:
-                if attempt == local_append.COMMIT_ATTEMPTS:
-                    raise local_append.lost_every_race(url, e) from e
+                if attempt == grow.COMMIT_ATTEMPTS:
+                    raise grow.lost_every_race(url, e) from e
+            except OSError as e:  # a full disk here: nothing is committed
+                raise CompileError(f"writing the next version of {url} in {scratch} failed ({e}); it is still at "
+                                   "its previous version") from e
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return local_append.summary(bucket.root, base, new, version, joined, how, started)
+    return grow.summary(bucket.root, base, new, version, joined, how, started)
 
 
 def _commit_on_latest(bucket: Bucket, new: storage.OpenedDataset, new_classes: bool, src, stage: Path) -> tuple:
@@ -57,7 +58,7 @@ def _commit_on_latest(bucket: Bucket, new: storage.OpenedDataset, new_classes: b
     joined = combine.join_index([base, new], new_classes, [bucket.root, str(src)])
     folder = fmt.append_folder(secrets.token_hex(fmt.APPEND_TAG_HEX // 2))
     stage.mkdir()
-    manifest, how = local_append.next_version(stage, folder, base, new, joined)
+    manifest, how = grow.next_version(stage, folder, base, new, joined)
     kept = {e.file: e.bytes for e in base.manifest.files}
     storage.check_manifest_text(stage, manifest.to_json().encode("ascii"), kept)  # never commit what readers refuse
     names = sorted(p.relative_to(stage).as_posix() for p in (stage / folder).rglob("*") if p.is_file())

@@ -18,7 +18,7 @@ import json
 import time
 
 from dsc import format as fmt
-from dsc.compiler.versions import Pruned, VersionTaken
+from dsc.compiler.grow import Pruned, VersionTaken
 from dsc.errors import CompileError, DatasetError
 from dsc.storage import parse_manifest
 from dsc.storage.bucket import Bucket

@@ -6,7 +6,8 @@ never change, later names go at the end), fields matched by name and kind, each 
 and field values remapped onto them, source paths re-expressed from the first dataset's source
 folder, and the shards laid out again so that record i is in shard i // R (`write_shards`): a shard
 that is a whole input file is reused (reflink, hard link or copy, `local.reuse_file`), any other is
-copied in the kernel, records a run at a time.
+copied in the kernel, records a run at a time; a shard in a bucket is read by bounded ranged GETs. Also
+what `dsc merge` does into a folder and into a bucket alike (`joined_inputs`, `merged_manifest`).
 """
 
 from __future__ import annotations
@@ -295,3 +296,32 @@ def write_checksums(root: Path, folder: str, joined: Joined) -> fmt.FileEntry:
     """Write the joined records' CRC-32s (format 1.3) into `root`/`folder` (its name relative to `root`)."""
     written = output.write_checksums(root / folder if folder else root, joined.checksums)
     return replace(written, file=f"{folder}/{written.file}") if folder else written
+
+
+@dataclass
+class MergeSummary:
+    """What a merge did; also printed by `dsc merge`."""
+
+    out: Path | str
+    count: int
+    classes: list[str]
+    shard_files: list[str]  # how each was made: reflink, link, copy, download, server-side copy, upload
+    seconds: float
+
+
+def joined_inputs(inputs: list[str | os.PathLike]) -> tuple[list[storage.OpenedDataset], Joined, list[Run]]:
+    """The datasets to merge, opened; their joined index; their records as runs of their shard files."""
+    datasets = [storage.open_dataset(p) for p in inputs]
+    joined = join_index(datasets, True, [os.fspath(p) for p in inputs])
+    return datasets, joined, [run for d in datasets for run in runs_of(d)]
+
+
+def merged_manifest(stage: Path, first: fmt.Manifest, joined: Joined, shards: list[fmt.ShardEntry]) -> fmt.Manifest:
+    """Write the joined index into `stage`; the merged dataset's manifest (records shaped as `first`'s)."""
+    index, fields, warnings, skip_list = write_index(stage, "", joined)
+    checksums = write_checksums(stage, "", joined)
+    return fmt.Manifest(height=first.height, width=first.width, count=len(joined.labels),
+                        records_per_shard=first.records_per_shard, classes=tuple(joined.classes), shards=tuple(shards),
+                        index=index, skipped=tuple(joined.skipped[:fmt.SKIPPED_IN_MANIFEST]),
+                        compile=first.compile, fields=fields, skipped_list=skip_list, warnings=warnings,
+                        parts=joined.parts, checksums=checksums)

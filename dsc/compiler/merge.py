@@ -13,26 +13,15 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from dsc import format as fmt
 from dsc import storage
-from dsc.compiler import combine, output, publish
+from dsc.compiler import output, publish
+from dsc.compiler.combine import MergeSummary, joined_inputs, merged_manifest, write_shards
 from dsc.compiler.finish import Unpublishable
 from dsc.errors import CompileError, DatasetError
 from dsc.storage import local
-
-
-@dataclass
-class MergeSummary:
-    """What a merge did; also printed by `dsc merge`."""
-
-    out: Path | str
-    count: int
-    classes: list[str]
-    shard_files: list[str]  # how each was made: reflink, link, copy, download, server-side copy, upload
-    seconds: float
 
 
 def merge(inputs: list[str | os.PathLike], out: str | os.PathLike, force: bool = False) -> MergeSummary:
@@ -60,7 +49,7 @@ def merge(inputs: list[str | os.PathLike], out: str | os.PathLike, force: bool =
         target.stage(force, resume=False)
         stage = target.stage_dir
         try:
-            shards, how = combine.write_shards(stage, fmt.SHARD_DIR, 0, runs, first.records_per_shard,
+            shards, how = write_shards(stage, fmt.SHARD_DIR, 0, runs, first.records_per_shard,
                                                first.record_bytes)
             local.fsync_dir(stage / fmt.SHARD_DIR)
             manifest = merged_manifest(stage, first, joined, shards)
@@ -74,23 +63,3 @@ def merge(inputs: list[str | os.PathLike], out: str | os.PathLike, force: bool =
             raise
         target.commit(digest, force)
     return MergeSummary(out, manifest.count, joined.classes, how, time.perf_counter() - started)
-
-
-def joined_inputs(inputs: list[str | os.PathLike]) -> tuple[list[storage.OpenedDataset], combine.Joined,
-                                                             list[combine.Run]]:
-    """The datasets to merge, opened; their joined index; their records as runs of their shard files."""
-    datasets = [storage.open_dataset(p) for p in inputs]
-    joined = combine.join_index(datasets, True, [os.fspath(p) for p in inputs])
-    return datasets, joined, [run for d in datasets for run in combine.runs_of(d)]
-
-
-def merged_manifest(stage: Path, first: fmt.Manifest, joined: combine.Joined,
-                    shards: list[fmt.ShardEntry]) -> fmt.Manifest:
-    """Write the joined index into `stage`; the merged dataset's manifest (records shaped as `first`'s)."""
-    index, fields, warnings, skip_list = combine.write_index(stage, "", joined)
-    checksums = combine.write_checksums(stage, "", joined)
-    return fmt.Manifest(height=first.height, width=first.width, count=len(joined.labels),
-                        records_per_shard=first.records_per_shard, classes=tuple(joined.classes), shards=tuple(shards),
-                        index=index, skipped=tuple(joined.skipped[:fmt.SKIPPED_IN_MANIFEST]),
-                        compile=first.compile, fields=fields, skipped_list=skip_list, warnings=warnings,
-                        parts=joined.parts, checksums=checksums)

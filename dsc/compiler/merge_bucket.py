@@ -1,4 +1,4 @@
-"""Merge into a bucket (`dsc merge A B ... s3://bucket/prefix`): `merge`'s sibling for an OUT in object storage.
+"""Merge into a bucket (`dsc merge A B ... s3://bucket/prefix`): `merge` does it into a folder.
 
 The joined index is written in a private temporary folder on this machine and uploaded. Each shard of OUT
 that is a whole shard of an input is reused: copied server-side when the input is in OUT's bucket (no byte
@@ -21,7 +21,7 @@ from dsc import format as fmt
 from dsc import storage
 from dsc.compiler import combine
 from dsc.compiler.append_bucket import upload_file
-from dsc.compiler.merge import MergeSummary, joined_inputs, merged_manifest
+from dsc.compiler.combine import MergeSummary, joined_inputs, merged_manifest
 from dsc.errors import CompileError
 from dsc.storage.bucket import Bucket
 from dsc.storage.s3 import parse_url

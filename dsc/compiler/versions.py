@@ -21,20 +21,16 @@ import os
 import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 from dsc import format as fmt
 from dsc import storage
 from dsc.compiler import publish
+from dsc.compiler.grow import Pruned, VersionTaken
 from dsc.errors import CompileError
 from dsc.storage import local
 
 WRITER_WAIT_S = 600.0  # how long an append or a prune waits for the dataset's lock (another append's commit)
-
-
-class VersionTaken(CompileError):
-    """Another writer committed the version this one built: nothing was added."""
 
 
 @contextmanager
@@ -116,16 +112,6 @@ def _digest(path: Path) -> bytes | None:
         return hashlib.sha256(local.read_no_follow(path, fmt.MAX_MANIFEST_BYTES + 1)).digest()
     except OSError:
         return None
-
-
-@dataclass
-class Pruned:
-    """What `prune` did."""
-
-    kept: list[int]
-    removed_versions: list[int]
-    removed_files: list[str]
-    bytes_freed: int
 
 
 def prune(root: str | os.PathLike, keep: int) -> Pruned:
