@@ -21,7 +21,6 @@ from typer.testing import CliRunner
 
 from dsc import storage
 from dsc.cli import app
-from dsc.compiler import bucket_versions
 from dsc.compiler.append import append
 from dsc.compiler.pipeline import compile_folder
 from dsc.errors import DatasetError
@@ -177,6 +176,8 @@ def test_an_append_that_loses_the_race_builds_again_on_the_winners_version(serve
                                                                          monkeypatch) -> None:
     tmp, _, _, b = grown
     c = renamed_copy(b, tmp / "c")
+    from dsc.compiler import bucket_versions
+
     url = server.upload(tmp / "ds", BUCKET, prefix())
     real, calls = bucket_versions.commit, []
 
@@ -237,6 +238,8 @@ def test_merge_with_differing_class_sets_into_and_out_of_a_bucket(server: S3Serv
 
 def test_prune_in_a_bucket_deletes_only_objects_no_kept_version_lists(server: S3Server, env: Path, grown,
                                                                       monkeypatch) -> None:
+    from dsc.compiler import bucket_versions
+
     tmp, _, _, b = grown
     c = renamed_copy(b, tmp / "c")
     url = server.upload(tmp / "ds", BUCKET, prefix())
