@@ -271,3 +271,15 @@ def test_prune_in_a_bucket_deletes_only_objects_no_kept_version_lists(server: S3
     refused = CliRunner().invoke(app, ["prune", url, "--keep", "1"])
     assert refused.exit_code == 1 and "versions/00000002.json: not a readable dsc manifest" in refused.output
     assert {o.name for o in Bucket(url).list()} == names  # nothing deleted
+
+
+def test_an_append_refuses_a_damaged_shard_object_it_would_copy(server: S3Server, env: Path, grown) -> None:
+    tmp, _, _, b = grown
+    url = server.upload(tmp / "ds", BUCKET, prefix())
+    shard = bytearray((tmp / "ds" / "shards/00002.bin").read_bytes())  # version 1's partial last shard
+    shard[-1] ^= 0xFF  # its last record damaged in the bucket, the size unchanged
+    server.put(BUCKET, f"{url.split('/', 3)[3]}/shards/00002.bin", bytes(shard))
+    result = CliRunner().invoke(app, ["append", url, str(b), "-j", "1"])
+    assert result.exit_code == 1, result.output
+    assert f"{url}/shards/00002.bin: record 1 of this shard does not match its CRC-32" in result.output
+    assert storage.dataset_versions(url) == [1] and not Bucket(url).list("appends")

@@ -182,6 +182,7 @@ class Run:
     sha256: str
     fetch: Callable[[int, int], bytes] | None = None
     url: str = ""  # the shard object's s3://bucket/key, for a shard in a bucket
+    crcs: np.ndarray | None = None  # a shard in a bucket: its records' CRC-32s, each fetched record checked
 
 
 FETCH_BYTES = 32 << 20  # a shard in object storage is copied by ranged GETs of at most this much
@@ -194,11 +195,12 @@ def runs_of(d: storage.OpenedDataset, first_record: int = 0) -> list[Run]:
     if storage.is_url(d.root):
         from dsc.storage.bucket import Bucket  # the s3 client, imported only for a dataset in a bucket
 
-        bucket = Bucket(str(d.root))
-        fetch = {e.file: partial(bucket.get_range, e.file) for e in m.shards}
-        return [Run(None, lo, hi - lo, m.shards[shard].records, m.shards[shard].sha256, fetch[m.shards[shard].file],
-                    bucket.at(m.shards[shard].file))
-                for shard, lo, hi in fmt.shard_segments(first_record, m.count, m.records_per_shard)]
+        bucket, crcs = Bucket(str(d.root)), storage.record_checksums(d) if m.checksums is not None else None
+        per_shard = m.records_per_shard
+        return [Run(None, lo, hi - lo, m.shards[shard].records, m.shards[shard].sha256,
+                    partial(bucket.get_range, m.shards[shard].file), bucket.at(m.shards[shard].file),
+                    None if crcs is None else crcs[shard * per_shard:shard * per_shard + m.shards[shard].records])
+                for shard, lo, hi in fmt.shard_segments(first_record, m.count, per_shard)]
     paths = d.shard_paths()
     return [Run(paths[shard], lo, hi - lo, m.shards[shard].records, m.shards[shard].sha256)
             for shard, lo, hi in fmt.shard_segments(first_record, m.count, m.records_per_shard)]
@@ -243,7 +245,7 @@ def write_shards(root: Path, folder: str, first_shard: int, runs: Sequence[Run],
         try:
             at = 0
             for run, start, n in shard_pieces:
-                _copy_piece(run, start * record_bytes, n * record_bytes, fd, at)
+                _copy_piece(run, start, n, record_bytes, fd, at)
                 at += n * record_bytes
             os.fsync(fd)
         finally:
@@ -257,20 +259,27 @@ def write_shards(root: Path, folder: str, first_shard: int, runs: Sequence[Run],
     return entries, how
 
 
-def _copy_piece(run: Run, start: int, size: int, fd: int, at: int) -> None:
-    """Bytes [start, start + size) of a run's shard file into the open file `fd` at `at`: in the kernel from a
-    local file, by bounded ranged GETs from a bucket (never the whole shard in memory)."""
+def _copy_piece(run: Run, first: int, count: int, record_bytes: int, fd: int, at: int) -> None:
+    """Records [first, first + count) of a run's shard file into the open file `fd` at byte `at`: in the kernel
+    from a local file; from a bucket by bounded ranged GETs (never the whole shard in memory), each record
+    checked against its CRC-32 where the dataset has them."""
     if run.fetch is None:
         with open(run.path, "rb") as source:
-            local.copy_range(source.fileno(), fd, size, start, at)
+            local.copy_range(source.fileno(), fd, count * record_bytes, first * record_bytes, at)
         return
-    for offset in range(0, size, FETCH_BYTES):
-        want = min(size - offset, FETCH_BYTES)
-        data = run.fetch(start + offset, start + offset + want)
-        if len(data) != want:
-            raise CompileError(f"{run.url}: the bucket gave {len(data)} bytes where {want} were asked for at byte "
-                               f"{start + offset}; the object is shorter than its manifest says")
-        os.pwrite(fd, data, at + offset)
+    step = max(1, FETCH_BYTES // record_bytes)
+    for k in range(first, first + count, step):
+        n = min(step, first + count - k)
+        data = run.fetch(k * record_bytes, (k + n) * record_bytes)
+        if len(data) != n * record_bytes:
+            raise CompileError(f"{run.url}: the bucket gave {len(data)} bytes where {n * record_bytes} were asked for "
+                               f"at byte {k * record_bytes}; the object is shorter than its manifest says")
+        if run.crcs is not None:
+            wrong = np.flatnonzero(np.array(fmt.record_checksums(data, record_bytes)) != run.crcs[k:k + n])
+            if wrong.size:
+                raise CompileError(f"{run.url}: record {k + int(wrong[0])} of this shard does not match its CRC-32; "
+                                   "the object in the bucket is damaged, so nothing was written from it")
+        os.pwrite(fd, data, at + (k - first) * record_bytes)
 
 
 def write_index(root: Path, folder: str, joined: Joined) -> tuple[dict[str, fmt.FileEntry],
