@@ -234,6 +234,9 @@ def test_merge_with_differing_class_sets_into_and_out_of_a_bucket(server: S3Serv
     storage.verify_checksums(m2.path, m2.manifest)
     again = runner.invoke(app, ["merge", a_url, b_url, f"s3://{BUCKET}/{where}/M"])
     assert again.exit_code == 1 and "already holds objects" in again.output
+    inside = runner.invoke(app, ["merge", a_url, b_url, f"{a_url}/sub"])
+    assert inside.exit_code == 1 and "would lie one inside the other" in inside.output, inside.output
+    assert not Bucket(f"{a_url}/sub").list()
 
 
 def test_prune_in_a_bucket_deletes_only_objects_no_kept_version_lists(server: S3Server, env: Path, grown,

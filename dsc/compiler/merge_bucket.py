@@ -33,8 +33,12 @@ def merge_into_bucket(inputs: list[str | os.PathLike], out: str, force: bool, st
     if force:
         raise CompileError(f"{bucket.root}: --force cannot replace a dataset in a bucket; delete it first, or merge "
                            "into a new prefix")
-    if any(storage.is_url(p) and Bucket(os.fspath(p)).root == bucket.root for p in inputs):
-        raise CompileError(f"the output {bucket.root} is one of the datasets to merge; give OUT another name")
+    for given in (Bucket(os.fspath(p)).root for p in inputs if storage.is_url(p)):
+        if given == bucket.root:
+            raise CompileError(f"the output {bucket.root} is one of the datasets to merge; give OUT another name")
+        if given.startswith(f"{bucket.root}/") or bucket.root.startswith(f"{given}/"):
+            raise CompileError(f"the output {bucket.root} and the dataset {given} would lie one inside the other; "
+                               "give OUT a prefix of its own")
     if bucket.list():
         raise CompileError(f"{bucket.root}: already holds objects; a merge writes a new dataset into an empty prefix")
     datasets, joined, runs = joined_inputs(inputs)
