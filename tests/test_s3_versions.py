@@ -101,7 +101,11 @@ def sealed_doc(text: bytes, tag: str, other: str) -> dict:
     return doc
 
 
-def test_an_append_to_a_bucket_writes_the_objects_a_local_append_writes(server: S3Server, env: Path, grown) -> None:
+def test_an_append_to_a_bucket_writes_the_objects_a_local_append_writes(server: S3Server, env: Path, grown,
+                                                                        monkeypatch) -> None:
+    from dsc.compiler import append_bucket
+
+    monkeypatch.setattr(append_bucket, "SMALL_OBJECT_BYTES", 1024)  # the shards by multipart upload, the rest by PUT
     tmp, _, _, b = grown
     original = (tmp / "ds" / "manifest.json").read_bytes()
     url = server.upload(tmp / "ds", BUCKET, prefix())
