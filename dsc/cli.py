@@ -364,12 +364,13 @@ def _versioned_command(run: Callable[[], object], dataset: Path) -> object:
         _fail(str(e))
     except KeyboardInterrupt:
         _fail(f"interrupted; {dataset} was left at its previous version (what was written before its commit is "
-              "cleared by the next append or prune)", code=130)
+              "cleared by the next append or prune; in a bucket, by a prune a day later)", code=130)
 
 
 @app.command("append")
 def append_command(
-    dataset: Path = typer.Argument(..., metavar="DATASET", parser=_source, help="A compiled dsc dataset folder."),
+    dataset: Path = typer.Argument(..., metavar="DATASET", parser=_source,
+                                   help="A compiled dsc dataset folder, or an s3://bucket/prefix URL."),
     src: Path = typer.Argument(..., metavar="SRC", parser=_source, help="Image folder with the images to add."),
     labels: Path = typer.Option(None, "--labels", metavar="TABLE",
                                 help="Labels and fields of the new images from a label table, as for compile."),
@@ -429,7 +430,8 @@ def merge_command(
 
 @app.command("prune")
 def prune_command(
-    dataset: Path = typer.Argument(..., metavar="DATASET", parser=_source, help="A compiled dsc dataset folder."),
+    dataset: Path = typer.Argument(..., metavar="DATASET", parser=_source,
+                                   help="A compiled dsc dataset folder, or an s3://bucket/prefix URL."),
     keep: int = typer.Option(..., "--keep", min=1, metavar="N", help="How many of the newest versions to keep."),
 ) -> None:
     """Delete the old versions of a dataset and the files no kept version uses (only files dsc made)."""
@@ -445,10 +447,13 @@ def prune_command(
 def info_command(
     dataset: str = _dataset_argument(urls=True),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
+    version: int = typer.Option(None, "--version", min=1, metavar="N",
+                                help="Which version of a dataset grown by dsc append [default: the latest]."),
 ) -> None:
     """Summarise a dataset: records, shape, classes, skipped files, size, shards, compile options."""
     try:
-        s = inspect_summary(dataset, every_skip=as_json)  # the text shows SHOW_SKIPPED: no need to read them all
+        # the text shows SHOW_SKIPPED: no need to read them all
+        s = inspect_summary(dataset, every_skip=as_json, version=version)
     except DscError as e:
         _fail_dataset(dataset, e)
     if as_json:

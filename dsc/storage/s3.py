@@ -52,6 +52,7 @@ LOCK_SUFFIX = ".lock"
 _clients: dict[tuple, Any] = {}  # (process id, bucket, endpoint settings) -> obstore S3Store
 _runtime_pid: int | None = None  # the process that first called obstore (its runtime lives there)
 _opened_keys: dict[tuple[str, str], str] = {}  # (url, cache) -> cache key of the manifest read last
+_opened_versions: dict[tuple[str, str], dict[str, str]] = {}  # (url, cache) -> {versions/N.json: its cache key}
 
 
 def parse_url(url: str) -> tuple[str, str]:
@@ -237,8 +238,8 @@ class S3Dataset:
     def read(self, name: str, limit: int) -> bytes:
         """The manifest from the bucket (a forked child: its parent's cached copy); another file from
         the cache when it holds it, else from the bucket."""
-        if name == fmt.MANIFEST_FILE:
-            return self._read_manifest(limit)
+        if name == fmt.MANIFEST_FILE or _is_version_manifest(name):
+            return self._read_manifest(limit, name)
         fd = self._cached(name, None)
         if fd is not None:
             with os.fdopen(fd, "rb") as f:
@@ -249,7 +250,7 @@ class S3Dataset:
         """The cached copy's size where it has the size the manifest declares, else the object's (HEAD);
         a shard's declared size as it is (its ranges are fetched later, each checked for length and content)."""
         declared = fmt.declared_sizes(self._text or b"").get(name)
-        if declared is not None and name.startswith(f"{fmt.SHARD_DIR}/"):
+        if declared is not None and _is_shard(name):
             return declared
         fd = self._cached(name, declared) if declared is not None else None
         if fd is not None:
@@ -284,6 +285,16 @@ class S3Dataset:
                                "right after it was downloaded; is another program writing into the cache?")
         return fd
 
+    def list(self, folder: str) -> list[str]:
+        """(format 1.3) The names of the objects directly in `folder` (one LIST: strongly consistent on S3), what
+        finds a dataset's versions; a forked child, which cannot call the bucket, names the versions its parent read."""
+        if _forked():
+            read = _opened_versions.get((self.root, str(self.cache)), {})
+            return sorted(name.split("/")[-1] for name in read if name.rpartition("/")[0] == folder)
+        answer = self._call("LIST", f"{folder}/", lambda: _obstore().list_with_delimiter(
+            client(self.bucket), self._key_of(folder)), missing="missing")
+        return sorted(entry["path"].split("/")[-1] for entry in answer["objects"])
+
     def get_range(self, name: str, start: int, stop: int) -> bytes:
         """Bytes [start, stop) of a dataset file, from the bucket (retried as every request is)."""
         return self._get(name, start, stop, "GET")
@@ -310,20 +321,26 @@ class S3Dataset:
 
     # --------------------------------------------------------------------- the manifest
 
-    def _read_manifest(self, limit: int) -> bytes:
-        remembered = _opened_keys.get((self.root, str(self.cache)))
+    def _read_manifest(self, limit: int, name: str = fmt.MANIFEST_FILE) -> bytes:
+        """The bytes of a manifest (`manifest.json`, or a version's `versions/N.json`), which from here on name
+        the dataset this store reads; a forked child reads the copy its parent cached."""
+        versioned = name != fmt.MANIFEST_FILE
+        remembered = (_opened_versions.get((self.root, str(self.cache)), {}).get(name) if versioned
+                      else _opened_keys.get((self.root, str(self.cache))))
         if _forked():
             if remembered is None:
-                raise self._forked_error(fmt.MANIFEST_FILE)
+                raise self._forked_error(name)
             with open(self.cache / remembered / fmt.MANIFEST_FILE, "rb") as f:  # written by this node
                 text = f.read(limit)
             if hashlib.sha256(text).hexdigest() != remembered:
                 raise DatasetError(f"{self.cache / remembered / fmt.MANIFEST_FILE}: the cached manifest of "
                                    f"{self.root} was changed; it is not the one its name says")
         else:
-            text = self._get(fmt.MANIFEST_FILE, 0, min(limit, self.size(fmt.MANIFEST_FILE, "the manifest")), "GET")
+            text = self._get(name, 0, min(limit, self.size(name, "the manifest")), "GET")
         self._text, self._key, self._manifest = text, hashlib.sha256(text).hexdigest(), None
         _opened_keys[(self.root, str(self.cache))] = self._key
+        if versioned:
+            _opened_versions.setdefault((self.root, str(self.cache)), {})[name] = self._key
         return text
 
     def _parsed(self) -> fmt.Manifest:
@@ -510,6 +527,16 @@ class S3Dataset:
                             "bucket: it was forked from one that already used the S3 client (obstore), whose "
                             "runtime does not survive fork. Open the dataset before forking (its files are then "
                             "cached), or start workers with multiprocessing_context='spawn' or 'forkserver'")
+
+
+def _is_version_manifest(name: str) -> bool:
+    folder, _, base = name.rpartition("/")
+    return folder == fmt.VERSIONS_DIR and fmt.version_of(base) is not None
+
+
+def _is_shard(name: str) -> bool:
+    """Whether `name` is a shard's name (`shards/NNNNN.bin`, or an append's `appends/<tag>/shards/NNNNN.bin`)."""
+    return fmt.is_dataset_file_name(name) and name.split("/")[-2:-1] == [fmt.SHARD_DIR]
 
 
 def _obstore():
