@@ -5,12 +5,13 @@ record (format 1.3, checked by its CRC-32) or a whole shard (older formats, by i
 decides what to fetch and what to let go.
 
 The loader tells the cache the sequence of batches this process reads next (`follow`: its share of
-the epoch and the batch size); `fill` then makes one batch's units local and copies its records out.
+the epoch, then of the next epoch, whose order is known, and the batch size); `fill` then makes one
+batch's units local and copies its records out.
 Ahead of the batch being made it fetches the next `depth` batches' missing units, in order, with
 runs of neighbouring records in one shard coalesced into one ranged GET on a bounded pool of threads
 (neighbours read a little later join it where there is free room: block order reads a window in a
 random order). Room is made by evicting the unit needed furthest in the future (Belady's rule; a unit
-this pass never reads again goes first), never one needed before the unit being fetched: prefetching
+the followed sequence never reads again goes first), never one needed before the unit being fetched: prefetching
 stops there instead. The bytes the folder holds (the manifest and index files, the units, what is
 being fetched) never exceed `budget`. It deletes only units (`UnitFiles.remove`); anything else in
 the folder is never touched.
