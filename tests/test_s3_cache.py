@@ -208,6 +208,30 @@ def test_the_next_epochs_first_batch_is_fetched_before_the_epoch_ends(env: Path,
     assert landed == [True]
 
 
+@pytest.mark.parametrize("order", ["random", "block"])
+def test_at_an_epochs_end_the_cache_holds_what_the_next_epoch_reads_first(env: Path, url: str, local: MemmapDataset,
+                                                                         order: str) -> None:
+    """Belady's rule over the epoch's edge: what a full cache keeps when an epoch ends is what the next
+    epoch reads soonest (its order is known), so the next epoch's first reads hit, and it fetches the
+    optimum. A cache that sees only the epoch it serves keeps records the next epoch reads at random
+    (then, at 50%, ~9% more than the optimum in the second epoch of 150 KB records, batch 64)."""
+    capacity = COUNT // 2
+    remote = MemmapDataset(url, cache_dir=env, cache_bytes=index_bytes(local) + capacity * RECORD_BYTES)
+    loader = remote.loader(64, order=order, seed=2)
+    assert sum(len(b["index"]) for b in loader) == COUNT  # epoch 0; the producer goes on into epoch 1
+    loader.close()  # nothing more is asked for
+    remote.opened.records.close()  # and the fetches under way have ended
+    reference = local.loader(64, order=order, seed=2)
+    reference.set_epoch(1)
+    upcoming = np.concatenate([b["index"].numpy() for b in reference])  # epoch 1's reads, in order
+    files = remote.opened.records.files
+    held = np.array([files.present(int(r)) for r in upcoming])
+    assert held.sum() <= capacity
+    # all of epoch 1's first reads but the room of the batches the cache had to hold as epoch 0 ended
+    # (its last prefetch + 1 batches, read or being read) and of epoch 1's first prefetch batches made ahead
+    assert held[:capacity - (3 + 2) * 64].all()
+
+
 def test_a_record_is_checked_once_when_fetched_not_again_when_read_back(env: Path, url: str, local: MemmapDataset,
                                                                          monkeypatch) -> None:
     """A fetched record's CRC-32 is checked before it is placed; reading that same file back (same inode and
