@@ -203,8 +203,8 @@ def batch_maker(sink, opened, pool: ThreadPoolExecutor | None, num_threads: int,
                 order: str, seed: int, prefetch: int, following: Callable[[progress.Pass], np.ndarray] | None = None,
                 ) -> Callable[[progress.Pass, int, np.ndarray], tuple[Any, float]]:
     """make(pass, b, share): batch b of the pass into the sink, and the seconds its gather took (a dataset in
-    object storage: its cache follows the pass, `prefetch` batches ahead, and on into the pass `following(pass)`
-    gives the share of, the next epoch's, which the producer makes next)."""
+    object storage: its cache follows the pass, `prefetch` batches ahead, and on into the next epoch's pass,
+    which the producer makes next, whose share `following(pass)` gives)."""
     per_shard, records = opened.manifest.records_per_shard, opened.records
     followed = [None]  # the share the remote records' cache follows (`cache.RecordCache.follow`)
 

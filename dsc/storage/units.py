@@ -12,6 +12,7 @@ renamed into place. Something else than a regular file at a unit's name is refus
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import os
@@ -256,7 +257,8 @@ class UnitFiles:
                 st = os.fstat(f.fileno())
             os.replace(temp, path)
         except BaseException:
-            os.unlink(temp)  # ours (created exclusively above), not renamed into place
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temp)  # ours (created exclusively above), not renamed into place
             raise
         return st
 
