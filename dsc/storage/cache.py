@@ -5,12 +5,13 @@ record (format 1.3, checked by its CRC-32) or a whole shard (older formats, by i
 decides what to fetch and what to let go.
 
 The loader tells the cache the sequence of batches this process reads next (`follow`: its share of
-the epoch and the batch size); `fill` then makes one batch's units local and copies its records out.
+the epoch, then of the next epoch, whose order is known, and the batch size); `fill` then makes one
+batch's units local and copies its records out.
 Ahead of the batch being made it fetches the next `depth` batches' missing units, in order, with
 runs of neighbouring records in one shard coalesced into one ranged GET on a bounded pool of threads
 (neighbours read a little later join it where there is free room: block order reads a window in a
 random order). Room is made by evicting the unit needed furthest in the future (Belady's rule; a unit
-this pass never reads again goes first), never one needed before the unit being fetched: prefetching
+the followed sequence never reads again goes first), never one needed before the unit being fetched: prefetching
 stops there instead. The bytes the folder holds (the manifest and index files, the units, what is
 being fetched) never exceed `budget`. It deletes only units (`UnitFiles.remove`); anything else in
 the folder is never touched.
@@ -62,15 +63,20 @@ class NetworkStats:
 
 
 class Plan:
-    """When each unit is read next, from the units of a followed sequence cut into batches."""
+    """When each unit is read next, from the units of a followed sequence cut into batches: one or more
+    passes (this one, then the next epoch's), each cut into batches of its own, numbered on from the last."""
 
-    def __init__(self, units: np.ndarray, batch_size: int, n_units: int) -> None:
+    def __init__(self, passes: list[np.ndarray], batch_size: int, n_units: int) -> None:
         self.batch_size = batch_size
-        self._units = units
-        self.count = -(-len(units) // batch_size)
+        self._units = np.concatenate(passes) if passes else np.zeros(0, np.int64)
+        counts = [-(-len(units) // batch_size) for units in passes]
+        self.count = sum(counts)
         self._nb = max(self.count, 1)
-        batches = np.arange(len(units), dtype=np.int64) // batch_size
-        self._keys = np.unique(units.astype(np.int64) * self._nb + batches)  # by unit, then batch
+        batches = np.concatenate([first + np.arange(len(units), dtype=np.int64) // batch_size
+                                  for first, units in zip(np.cumsum([0, *counts[:-1]]), passes)] or
+                                 [np.zeros(0, np.int64)])
+        self._edges = np.searchsorted(batches, np.arange(self.count + 1))  # where each batch starts in `_units`
+        self._keys = np.unique(self._units.astype(np.int64) * self._nb + batches)  # by unit, then batch
         unit_of = self._keys // self._nb
         first = np.r_[True, unit_of[1:] != unit_of[:-1]] if len(unit_of) else np.zeros(0, bool)
         self.first_use = np.full(n_units, NEVER, dtype=np.int64)
@@ -78,7 +84,7 @@ class Plan:
 
     def batch(self, b: int) -> np.ndarray:
         """The distinct units batch `b` reads."""
-        return np.unique(self._units[b * self.batch_size:(b + 1) * self.batch_size])
+        return np.unique(self._units[self._edges[b]:self._edges[b + 1]])
 
     def after(self, units: np.ndarray, b: int) -> np.ndarray:
         """The next batch after `b` that reads each of `units` (all read by batch `b`), or NEVER."""
@@ -141,10 +147,17 @@ class RecordCache:
 
     # --------------------------------------------------------------------- the reader's seam
 
-    def follow(self, share: np.ndarray, batch_size: int, start: int = 0, depth: int = DEPTH) -> None:
+    def follow(self, share: np.ndarray, batch_size: int, start: int = 0, depth: int = DEPTH,
+               then: np.ndarray | None = None) -> None:
         """From now on this process reads batches `share[b * batch_size:(b + 1) * batch_size]` for b >= `start`,
-        in that order (`fill(..., batch=b)`); fetch `depth` batches ahead of the one being read."""
-        plan = Plan(self.files.of(share[start * batch_size:]), batch_size, self.files.count)
+        in that order (`fill(..., batch=b)`); fetch `depth` batches ahead of the one being read. `then`: the
+        share of the pass that comes next (the next epoch's: its order is known), read in batches after this
+        one's last: its first batches are fetched while this pass ends, and evictions see when it reads each
+        unit (until the next pass is followed itself)."""
+        passes = [self.files.of(share[start * batch_size:])]
+        if then is not None:
+            passes.append(self.files.of(then[:len(then)]))  # sliced: an `order.LazyShare` is computed then
+        plan = Plan(passes, batch_size, self.files.count)
         with self._lock:
             self._plan, self._start, self._depth = plan, start, depth
             self._next = plan.first_use.copy()  # batch numbers from `start`, like every plan-relative one
