@@ -11,9 +11,10 @@ The records (the shards) are not cached whole: `record_cache` hands the reader a
 for them, within `cache_bytes` (the manifest and index files, fetched whole here, count in it).
 
 The client is obstore's `S3Store`, imported only here and made lazily, once per process. obstore's
-runtime does not survive `fork` (a call in a child forked after the parent used it hangs), so a
-forked child never calls it: it reads the copies its parent cached (a `DataLoader` worker forked
-after the dataset was opened has everything it needs), and says so clearly when one is missing.
+runtime does not survive `fork` (a request in a child forked after the parent used it hangs, with
+the parent's client or a new one), so a forked child (a `DataLoader` worker started by fork) sends
+its requests to a helper process of its own (`dsc.storage.fetch_helper`); `head` and `get_range`
+pick the way.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import re
 import secrets
 import shutil
 import stat
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -35,7 +37,7 @@ import numpy as np
 
 from dsc import format as fmt
 from dsc.errors import DatasetError, StorageError
-from dsc.storage import aws_config
+from dsc.storage import aws_config, fetch_helper
 from dsc.storage.local import TEMP_SUFFIX, create_exclusive, open_lock
 
 EXTRA = "pip install 'dsc-images[s3]'"
@@ -49,8 +51,11 @@ FETCHES = 2  # downloads of a file whose bytes do not match the manifest, before
 DEFAULT_SHARE = 0.5  # cache_bytes by default: this share of the cache's free space at open, plus what it holds
 LOCK_SUFFIX = ".lock"
 
+HELPER_WAIT_S = 30.0  # how much longer than a request's own limit a forked child waits for its helper's answer
+
 _clients: dict[tuple, Any] = {}  # (process id, bucket, endpoint settings) -> obstore S3Store
 _runtime_pid: int | None = None  # the process that first called obstore (its runtime lives there)
+_inherited_runtime = False  # forked from a process that had imported obstore (whose runtime may run there)
 _opened_keys: dict[tuple[str, str], str] = {}  # (url, cache) -> cache key of the manifest read last
 
 
@@ -119,17 +124,35 @@ def _request_timeout() -> float:
     return seconds
 
 
+def _note_fork() -> None:
+    global _inherited_runtime
+    if "obstore" in sys.modules:  # the parent may have started obstore's runtime, which the child lacks
+        _inherited_runtime = True
+
+
+os.register_at_fork(after_in_child=_note_fork)
+
+
 def _forked() -> bool:
-    """Whether this process was forked from one that had started obstore's runtime (unusable here)."""
-    return _runtime_pid is not None and _runtime_pid != os.getpid()
+    """Whether this process was forked from one that may have started obstore's runtime (unusable here):
+    its requests then go through a helper process (`fetch_helper`)."""
+    return _inherited_runtime or (_runtime_pid is not None and _runtime_pid != os.getpid())
+
+
+def _settings() -> dict[str, Any]:
+    """obstore S3Store's keyword arguments for this process's environment (besides the bucket)."""
+    config, options = _client_options()
+    return {"config": config, "client_options": options,
+            "retry_config": {"max_retries": 0}}  # dsc retries itself, counting and naming each try
 
 
 def client(bucket: str) -> Any:
     """This process's obstore client for `bucket`, made on first use (never shared across processes)."""
     global _runtime_pid
-    config, options = _client_options()
+    settings = _settings()
     pid = os.getpid()
-    key = (pid, bucket, repr(sorted(config.items())), repr(sorted(options.items())))  # the environment may change
+    key = (pid, bucket, repr(sorted(settings["config"].items())),
+           repr(sorted(settings["client_options"].items())))  # the environment may change
     found = _clients.get(key)
     if found is not None:
         return found
@@ -137,12 +160,28 @@ def client(bucket: str) -> Any:
         from obstore.store import S3Store
     except ImportError as e:
         raise StorageError(f"reading s3:// datasets needs obstore, which is not installed: {EXTRA}") from e
-    made = S3Store(bucket, config=config, client_options=options,
-                   retry_config={"max_retries": 0})  # dsc retries itself, counting and naming each try
+    made = S3Store(bucket, **settings)
     _clients[key] = made
     if _runtime_pid is None:
         _runtime_pid = pid
     return made
+
+
+def head(bucket: str, key: str) -> dict[str, Any]:
+    """The object's metadata (obstore's `head`), asked by this process or, forked, by its helper."""
+    if _forked():
+        _obstore()  # installed, or the same message as unforked
+        return fetch_helper.call(("head", bucket, _settings(), key), _request_timeout() + HELPER_WAIT_S)
+    return _obstore().head(client(bucket), key)
+
+
+def get_range(bucket: str, key: str, start: int, end: int) -> bytes:
+    """Bytes [start, end) of the object, fetched by this process or, forked, by its helper."""
+    if _forked():
+        _obstore()  # installed, or the same message as unforked
+        return fetch_helper.call(("get_range", bucket, _settings(), key, start, end),
+                                 _request_timeout() + HELPER_WAIT_S)
+    return bytes(_obstore().get_range(client(bucket), key, start=start, end=end))
 
 
 def retried(what: str, where: str, request) -> Any:
@@ -256,9 +295,7 @@ class S3Dataset:
             os.close(fd)
             return declared
         if name not in self._sizes:
-            if _forked():
-                raise self._forked_error(name)
-            meta = self._call("HEAD", name, lambda: _obstore().head(client(self.bucket), self._key_of(name)),
+            meta = self._call("HEAD", name, lambda: head(self.bucket, self._key_of(name)),
                               missing=f"missing ({where} in the manifest)")
             self._sizes[name] = int(meta["size"])
         return self._sizes[name]
@@ -271,8 +308,6 @@ class S3Dataset:
         fd = self._cached(name, entry.bytes)
         if fd is not None:
             return fd
-        if _forked():
-            raise self._forked_error(name)
         self._check_budget()
         self._fetch(entry)
         for other in self._whole_files():  # the index, whole, once per node: a forked child finds it all
@@ -312,9 +347,7 @@ class S3Dataset:
 
     def _read_manifest(self, limit: int) -> bytes:
         remembered = _opened_keys.get((self.root, str(self.cache)))
-        if _forked():
-            if remembered is None:
-                raise self._forked_error(fmt.MANIFEST_FILE)
+        if _forked() and remembered is not None:  # the version its parent opened, from the node's cache
             with open(self.cache / remembered / fmt.MANIFEST_FILE, "rb") as f:  # written by this node
                 text = f.read(limit)
             if hashlib.sha256(text).hexdigest() != remembered:
@@ -490,13 +523,10 @@ class S3Dataset:
         return f"{self.root}/{name}"
 
     def _get(self, name: str, start: int, stop: int, what: str) -> bytes:
-        if _forked():
-            raise self._forked_error(name)
         if stop <= start:
             return b""
         key = self._key_of(name)
-        return bytes(self._call(what, name, lambda: _obstore().get_range(client(self.bucket), key, start=start,
-                                                                             end=stop), missing="missing"))
+        return self._call(what, name, lambda: get_range(self.bucket, key, start, stop), missing="missing")
 
     def _call(self, what: str, name: str, request, missing: str) -> Any:
         """`retried(request)`, naming this dataset's object; a missing one is `missing`."""
@@ -505,11 +535,6 @@ class S3Dataset:
         except FileNotFoundError as e:
             raise DatasetError(f"{self._at(name)}: {missing}") from e
 
-    def _forked_error(self, name: str) -> StorageError:
-        return StorageError(f"{self._at(name)}: not in the cache {self.cache}, and this process cannot reach the "
-                            "bucket: it was forked from one that already used the S3 client (obstore), whose "
-                            "runtime does not survive fork. Open the dataset before forking (its files are then "
-                            "cached), or start workers with multiprocessing_context='spawn' or 'forkserver'")
 
 
 def _obstore():
