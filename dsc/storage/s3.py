@@ -22,6 +22,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import ipaddress
+import logging
 import os
 import re
 import secrets
@@ -53,6 +54,9 @@ LOCK_SUFFIX = ".lock"
 
 HELPER_WAIT_S = 30.0  # how much longer than a request's own limit a forked child waits for its helper's answer
 
+ORIGIN_PREFIX = ".origin-"  # <cache>/<key>/.origin-<URL's hash>-<ETag's hash>: an empty file, made when it was fetched
+
+logger = logging.getLogger("dsc")
 _clients: dict[tuple, Any] = {}  # (process id, bucket, endpoint settings) -> obstore S3Store
 _runtime_pid: int | None = None  # the process that first called obstore (its runtime lives there)
 _inherited_runtime = False  # forked from a process that had imported obstore (whose runtime may run there)
@@ -184,6 +188,14 @@ def get_range(bucket: str, key: str, start: int, end: int) -> bytes:
     return bytes(_obstore().get_range(client(bucket), key, start=start, end=end))
 
 
+class EndpointUnreachable(StorageError):
+    """A request that failed every try in a way a retry could have fixed (no answer, 5xx): `reason` says how."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 def retried(what: str, where: str, request) -> Any:
     """`request()`, tried up to ATTEMPTS times with growing pauses while it fails in a way a retry can fix;
     a failure names `where`, the tries and the last error, on one line. FileNotFoundError (no such object)
@@ -200,8 +212,8 @@ def retried(what: str, where: str, request) -> Any:
             last = e
         if attempt < ATTEMPTS:
             time.sleep(BACKOFF_S * 2 ** (attempt - 1))
-    raise StorageError(f"{where}: {what} failed {ATTEMPTS} times in {time.monotonic() - began:.1f} s; "
-                       f"last: {_describe(last)}") from last
+    raise EndpointUnreachable(f"{where}: {what} failed {ATTEMPTS} times in {time.monotonic() - began:.1f} s; "
+                              f"last: {_describe(last)}", _describe(last)) from last
 
 
 def _first_line(e: BaseException) -> str:
@@ -348,16 +360,91 @@ class S3Dataset:
     def _read_manifest(self, limit: int) -> bytes:
         remembered = _opened_keys.get((self.root, str(self.cache)))
         if _forked() and remembered is not None:  # the version its parent opened, from the node's cache
-            with open(self.cache / remembered / fmt.MANIFEST_FILE, "rb") as f:  # written by this node
-                text = f.read(limit)
-            if hashlib.sha256(text).hexdigest() != remembered:
+            text = self._node_copy(remembered, limit)
+            if text is None:
                 raise DatasetError(f"{self.cache / remembered / fmt.MANIFEST_FILE}: the cached manifest of "
-                                   f"{self.root} was changed; it is not the one its name says")
+                                   f"{self.root} was changed or removed; it is not the one its name says")
         else:
-            text = self._get(fmt.MANIFEST_FILE, 0, min(limit, self.size(fmt.MANIFEST_FILE, "the manifest")), "GET")
+            text = self._current_manifest(limit)
         self._text, self._key, self._manifest = text, hashlib.sha256(text).hexdigest(), None
         _opened_keys[(self.root, str(self.cache))] = self._key
         return text
+
+    def _current_manifest(self, limit: int) -> bytes:
+        """The bucket's manifest: asked with one HEAD per process, its bytes fetched once per node (a copy
+        is used while the object has the ETag and size it was fetched with; the first process to miss
+        fetches it under a lock). An endpoint that does not answer: the node's latest copy, with a warning."""
+        try:
+            meta = self._call("HEAD", fmt.MANIFEST_FILE, lambda: head(self.bucket, self._key_of(fmt.MANIFEST_FILE)),
+                              missing="missing (the manifest)")
+        except EndpointUnreachable as e:
+            return self._offline_manifest(e, limit)
+        self._sizes[fmt.MANIFEST_FILE] = int(meta["size"])
+        stamp = f"{meta.get('e_tag')} {meta['size']}" if meta.get("e_tag") else None  # an object without: no copy
+        text = self._copy_of(stamp, limit) if stamp else None
+        if text is not None:
+            return text
+        self.cache.mkdir(parents=True, exist_ok=True)
+        lock = open_lock(self.cache / f"{self._origin(None)}{LOCK_SUFFIX}")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            text = self._copy_of(stamp, limit) if stamp else None  # another process fetched it meanwhile
+            if text is None:
+                text = self._get(fmt.MANIFEST_FILE, 0, min(limit, int(meta["size"])), "GET")
+                folder = self.cache / hashlib.sha256(text).hexdigest()
+                self._keep_text(folder, text)
+                if stamp:
+                    self._place(folder / self._origin(stamp), lambda f: None)
+        finally:
+            os.close(lock)
+        return text
+
+    def _offline_manifest(self, error: EndpointUnreachable, limit: int) -> bytes:
+        """The latest copy of the manifest this node fetched from this URL and endpoint, with a warning; none:
+        `error`, saying so."""
+        text = self._copy_of("*", limit)
+        if text is None:
+            raise StorageError(f"{error}; the cache {self.cache} holds no copy of this dataset's manifest to open "
+                               "it without the endpoint") from error
+        logger.warning("%s", f"{self.root}: the endpoint cannot be reached ({error.reason}); opened the copy of its "
+                             f"manifest cached in {self.cache}: only what the cache holds can be read")
+        return text
+
+    def _origin(self, stamp: str | None) -> str:
+        """The name of the empty file that says a cache folder holds this URL's manifest (at this endpoint) as
+        the object was when it had `stamp` (its ETag and size); `*`: any; None: the URL's part only. Empty, so
+        that it takes nothing from `cache_bytes`; its mtime is when the manifest was fetched."""
+        def short(text: str) -> str:
+            return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+        endpoint = _settings()["config"].get("endpoint", "")
+        name = f"{ORIGIN_PREFIX}{short(f'{endpoint} {self.root}')}"
+        return name if stamp is None else f"{name}-{stamp if stamp == '*' else short(stamp)}"
+
+    def _copy_of(self, stamp: str, limit: int) -> bytes | None:
+        """The node's copy of this URL's manifest fetched when the object had `stamp` (`*`: the latest copy),
+        checked against its folder's name; None when there is none."""
+        found = []
+        for path in self.cache.glob(f"*/{self._origin(stamp)}"):
+            try:
+                found.append((path.lstat().st_mtime_ns, path.parent.name))
+            except FileNotFoundError:
+                continue
+        for _, key in sorted(found, reverse=True):
+            text = self._node_copy(key, limit)
+            if text is not None:
+                return text
+        return None
+
+    def _node_copy(self, key: str, limit: int) -> bytes | None:
+        """The manifest cached in folder `key` if its SHA-256 is `key` (the folder's name); else None."""
+        try:
+            fd = os.open(self.cache / key / fmt.MANIFEST_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return None
+        with os.fdopen(fd, "rb") as f:
+            text = f.read(limit)
+        return text if hashlib.sha256(text).hexdigest() == key else None
 
     def _parsed(self) -> fmt.Manifest:
         if self._manifest is None:
@@ -374,12 +461,14 @@ class S3Dataset:
         raise DatasetError(f"{self._at(name)}: not a file of this dataset ({where})")
 
     def _keep_manifest(self) -> None:
-        """A copy of the manifest beside the cached files: the folder becomes a dataset of its own,
-        and a forked child (which cannot call the bucket) reads its parent's manifest from it."""
-        folder = self.local_folder()
+        """A copy of the manifest beside the cached files: the folder becomes a dataset of its own, the
+        node's other processes and a forked child (the version its parent opened) read it from there."""
+        self._keep_text(self.local_folder(), self._text)
+
+    def _keep_text(self, folder: Path, text: bytes) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         if not (folder / fmt.MANIFEST_FILE).exists():
-            self._place(folder / fmt.MANIFEST_FILE, lambda f: f.write(self._text))
+            self._place(folder / fmt.MANIFEST_FILE, lambda f: f.write(text))
 
     # --------------------------------------------------------------------- the cache
 
