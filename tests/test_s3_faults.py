@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -293,3 +296,36 @@ def test_offline_a_dataset_never_cached_is_one_clear_error_within_seconds(env: P
     result = CliRunner().invoke(app, ["info", url])
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert len(result.stderr.strip().splitlines()) == 1 and "holds no copy" in result.stderr, result.stderr
+
+
+# ----------------------------------------------------------------------------- fork during a fetch
+
+def test_a_child_forked_while_its_parent_fetches_fetches_for_itself(env: Path, url: str, local,
+                                                                     proxy: FaultProxy) -> None:
+    """The parent's fetch in flight at the fork never ends in the child (its thread is not there): the child
+    fetches what it needs itself (through its helper) instead of waiting for it forever."""
+    remote = MemmapDataset(url, cache_dir=env)
+    proxy.delay(3.0, 1, match=key(url, fmt.shard_file(1)))  # the parent's GET of record 5 answers late
+    parent = threading.Thread(target=remote.__getitems__, args=([5],))
+    parent.start()
+    deadline = time.monotonic() + QUICK_S
+    while not (proxy.count("GET", key(url, fmt.shard_file(1))) and remote.opened.records._pending) \
+            and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert remote.opened.records._pending  # in flight now, its answer 3 s away
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(60)  # a child that waits forever fails the test instead
+        try:
+            os.write(write, str(int(remote.__getitems__([5, 6]).images.sum())).encode())
+        except BaseException as e:
+            os.write(write, f"error: {e}".encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    answer = os.read(read, 4096).decode()
+    os.close(read)
+    parent.join(timeout=60)
+    assert status == 0 and answer == str(int(local.__getitems__([5, 6]).images.sum())), (status, answer)

@@ -19,7 +19,6 @@ pick the way.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import ipaddress
 import logging
@@ -39,7 +38,7 @@ import numpy as np
 from dsc import format as fmt
 from dsc.errors import DatasetError, StorageError
 from dsc.storage import aws_config, fetch_helper
-from dsc.storage.local import TEMP_SUFFIX, create_exclusive, open_lock
+from dsc.storage.local import TEMP_SUFFIX, create_exclusive, locked
 
 EXTRA = "pip install 'dsc-images[s3]'"
 ATTEMPTS = 4  # tries of one request before giving up (timeouts, 5xx, refused or reset connections)
@@ -385,9 +384,7 @@ class S3Dataset:
         if text is not None:
             return text
         self.cache.mkdir(parents=True, exist_ok=True)
-        lock = open_lock(self.cache / f"{self._origin(None)}{LOCK_SUFFIX}")
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with locked(self.cache / f"{self._origin(None)}{LOCK_SUFFIX}"):
             text = self._copy_of(stamp, limit) if stamp else None  # another process fetched it meanwhile
             if text is None:
                 text = self._get(fmt.MANIFEST_FILE, 0, min(limit, int(meta["size"])), "GET")
@@ -395,8 +392,6 @@ class S3Dataset:
                 self._keep_text(folder, text)
                 if stamp:
                     self._place(folder / self._origin(stamp), lambda f: None)
-        finally:
-            os.close(lock)
         return text
 
     def _offline_manifest(self, error: EndpointUnreachable, limit: int) -> bytes:
@@ -548,9 +543,7 @@ class S3Dataset:
         """Download `entry` into the cache once per node: under its lock, unless another process did."""
         path = self.local_path(entry.file)
         path.parent.mkdir(parents=True, exist_ok=True)
-        lock = open_lock(path.with_name(f".{path.name}{LOCK_SUFFIX}"))
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with locked(path.with_name(f".{path.name}{LOCK_SUFFIX}")):
             fd = self._cached(entry.file, entry.bytes)
             if fd is not None:  # another process of the node fetched it while this one waited
                 os.close(fd)
@@ -563,8 +556,6 @@ class S3Dataset:
                 problems.append(problem)
             raise DatasetError(f"{self._at(entry.file)}: downloaded {FETCHES} times, wrong each time "
                                f"({'; '.join(problems)}); the object in the bucket is damaged")
-        finally:
-            os.close(lock)
 
     def _place(self, path: Path, write, entry: fmt.FileEntry | None = None) -> str | None:
         """Write a file through `write(f)` to a new temporary name beside `path`, check it against
