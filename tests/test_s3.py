@@ -26,7 +26,7 @@ from dsc.errors import DatasetError
 from dsc.reader import order as orders
 from dsc.storage import open_dataset, s3
 
-from conftest import tiny_dataset
+from conftest import in_forked_child, tiny_dataset
 from s3server import S3Server, closed_port, serving  # skips this module when the server packages are missing
 
 BUCKET = "dsc-tests"
@@ -271,25 +271,15 @@ def test_a_forked_child_fetches_through_a_helper_that_is_replaced_when_killed_an
         env: Path, url: str, local: MemmapDataset) -> None:
     remote = MemmapDataset(url, cache_dir=env)
     remote.__getitems__([0])  # the parent has used the client
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            first = remote.__getitems__([1, 2]).images
-            helper = s3.fetch_helper.helper_pid()
-            os.kill(helper, signal.SIGKILL)  # a helper that dies: the next request starts another
-            second = remote.__getitems__([3, 17]).images
-            os.write(write, f"{helper} {s3.fetch_helper.helper_pid()} {int(first.sum())} "
-                            f"{int(second.sum())}".encode())
-        except BaseException as e:
-            os.write(write, f"error: {e}".encode())
-        finally:
-            os._exit(0)
-    os.close(write)
-    os.waitpid(pid, 0)
-    answer = os.read(read, 4096).decode()
-    os.close(read)
-    assert not answer.startswith("error"), answer
+    def work() -> str:
+        first = remote.__getitems__([1, 2]).images
+        helper = s3.fetch_helper.helper_pid()
+        os.kill(helper, signal.SIGKILL)  # a helper that dies: the next request starts another
+        second = remote.__getitems__([3, 17]).images
+        return f"{helper} {s3.fetch_helper.helper_pid()} {int(first.sum())} {int(second.sum())}"
+
+    status, answer = in_forked_child(work)
+    assert status == 0 and not answer.startswith("error"), answer
     killed, helper, first, second = map(int, answer.split())
     assert helper != killed and s3.fetch_helper.helper_pid() is None  # the child's own; none in this process
     assert first == int(local.__getitems__([1, 2]).images.sum())
@@ -302,20 +292,8 @@ def test_a_forked_child_fetches_through_a_helper_that_is_replaced_when_killed_an
 
 def test_a_forked_child_reopens_from_the_cache_without_the_bucket(env: Path, url: str) -> None:
     read_all(MemmapDataset(url, cache_dir=env))
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child opens it again (as a worker's copy would), from the cache only
-        try:
-            ds = MemmapDataset(url, cache_dir=env)
-            os.write(write, str(int(ds.__getitems__([0, 23]).images.sum())).encode())
-        except BaseException as e:
-            os.write(write, f"error: {e}".encode())
-        finally:
-            os._exit(0)
-    os.close(write)
-    _, status = os.waitpid(pid, 0)
-    answer = os.read(read, 4096).decode()
-    os.close(read)
+    status, answer = in_forked_child(  # the child opens it again (as a worker's copy would), from the cache only
+        lambda: str(int(MemmapDataset(url, cache_dir=env).__getitems__([0, 23]).images.sum())))
     assert status == 0 and answer.isdigit(), answer
 
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import os
-import signal
 import subprocess
 import sys
 import threading
@@ -28,7 +26,7 @@ from dsc.errors import StorageError
 from dsc.reader import order as orders
 from dsc.storage import s3
 
-from conftest import tiny_dataset
+from conftest import in_forked_child, tiny_dataset
 from s3server import S3Server, serving  # skips this module when the server packages are missing
 
 from faultproxy import FaultProxy  # isort: skip (after s3server, which may skip the module)
@@ -257,18 +255,26 @@ def test_a_changed_manifest_is_fetched_again(server: S3Server, env: Path, url: s
     assert torch.equal(second.__getitems__([0, 5]).images, other.__getitems__([0, 5]).images)
 
 
+@pytest.mark.parametrize("dead", ["refusing", "silent"])
 def test_offline_what_the_cache_holds_opens_with_one_warning_and_the_rest_is_a_quick_error(
-        env: Path, url: str, local, proxy: FaultProxy, caplog) -> None:
+        env: Path, url: str, local, proxy: FaultProxy, caplog, monkeypatch, dead: str) -> None:
     read = [0, 1, 2, 7, 23]
     MemmapDataset(url, cache_dir=env).__getitems__(read)
-    proxy.kill()  # the endpoint is unreachable from now on
+    if dead == "refusing":
+        proxy.kill()  # the endpoint is unreachable from now on
+        reason = "connection refused"
+    else:  # it takes connections and never answers within the limit per request
+        monkeypatch.setenv(s3.TIMEOUT_ENV, "0.5")
+        for method in ("HEAD", "GET"):
+            proxy.delay(2.0, 100, method=method)
+        reason = "no complete answer within 0.5 s"
     began = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="dsc"):
         remote = MemmapDataset(url, cache_dir=env)
     assert time.monotonic() - began < QUICK_S
     warned = [r.getMessage() for r in caplog.records if r.name == "dsc"]
     assert len(warned) == 1 and "\n" not in warned[0], warned
-    assert warned[0].startswith(f"{url}: the endpoint cannot be reached (connection refused"), warned
+    assert warned[0].startswith(f"{url}: the endpoint cannot be reached ({reason}"), warned
     assert torch.equal(remote.__getitems__(read).images, local.__getitems__(read).images)
     began = time.monotonic()
     with pytest.raises(StorageError) as raised:
@@ -313,19 +319,6 @@ def test_a_child_forked_while_its_parent_fetches_fetches_for_itself(env: Path, u
             and time.monotonic() < deadline:
         time.sleep(0.01)
     assert remote.opened.records._pending  # in flight now, its answer 3 s away
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        signal.alarm(60)  # a child that waits forever fails the test instead
-        try:
-            os.write(write, str(int(remote.__getitems__([5, 6]).images.sum())).encode())
-        except BaseException as e:
-            os.write(write, f"error: {e}".encode())
-        finally:
-            os._exit(0)
-    os.close(write)
-    _, status = os.waitpid(pid, 0)
-    answer = os.read(read, 4096).decode()
-    os.close(read)
+    status, answer = in_forked_child(lambda: str(int(remote.__getitems__([5, 6]).images.sum())))
     parent.join(timeout=60)
     assert status == 0 and answer == str(int(local.__getitems__([5, 6]).images.sum())), (status, answer)
