@@ -37,7 +37,7 @@ import numpy as np
 
 from dsc import format as fmt
 from dsc.errors import DatasetError, StorageError
-from dsc.storage import aws_config, fetch_helper
+from dsc.storage import aws_config, fetch_helper, manifest_copies
 from dsc.storage.local import TEMP_SUFFIX, create_exclusive, locked
 
 EXTRA = "pip install 'dsc-images[s3]'"
@@ -53,7 +53,6 @@ LOCK_SUFFIX = ".lock"
 
 HELPER_WAIT_S = 30.0  # how much longer than a request's own limit a forked child waits for its helper's answer
 
-ORIGIN_PREFIX = ".origin-"  # <cache>/<key>/.origin-<URL's hash>-<ETag's hash>: an empty file, made when it was fetched
 
 logger = logging.getLogger("dsc")
 _clients: dict[tuple, Any] = {}  # (process id, bucket, endpoint settings) -> obstore S3Store
@@ -359,7 +358,7 @@ class S3Dataset:
     def _read_manifest(self, limit: int) -> bytes:
         remembered = _opened_keys.get((self.root, str(self.cache)))
         if _forked() and remembered is not None:  # the version its parent opened, from the node's cache
-            text = self._node_copy(remembered, limit)
+            text = manifest_copies.read(self.cache, remembered, limit)
             if text is None:
                 raise DatasetError(f"{self.cache / remembered / fmt.MANIFEST_FILE}: the cached manifest of "
                                    f"{self.root} was changed or removed; it is not the one its name says")
@@ -380,12 +379,15 @@ class S3Dataset:
             return self._offline_manifest(e, limit)
         self._sizes[fmt.MANIFEST_FILE] = int(meta["size"])
         stamp = f"{meta.get('e_tag')} {meta['size']}" if meta.get("e_tag") else None  # an object without: no copy
-        text = self._copy_of(stamp, limit) if stamp else None
+        def node_copy() -> bytes | None:
+            return manifest_copies.find(self.cache, self._origin(stamp), limit) if stamp else None
+
+        text = node_copy()
         if text is not None:
             return text
         self.cache.mkdir(parents=True, exist_ok=True)
         with locked(self.cache / f"{self._origin(None)}{LOCK_SUFFIX}"):
-            text = self._copy_of(stamp, limit) if stamp else None  # another process fetched it meanwhile
+            text = node_copy()  # another process of the node fetched it while this one waited
             if text is None:
                 text = self._get(fmt.MANIFEST_FILE, 0, min(limit, int(meta["size"])), "GET")
                 folder = self.cache / hashlib.sha256(text).hexdigest()
@@ -397,7 +399,7 @@ class S3Dataset:
     def _offline_manifest(self, error: EndpointUnreachable, limit: int) -> bytes:
         """The latest copy of the manifest this node fetched from this URL and endpoint, with a warning; none:
         `error`, saying so."""
-        text = self._copy_of("*", limit)
+        text = manifest_copies.find(self.cache, self._origin(manifest_copies.ANY), limit)
         if text is None:
             raise StorageError(f"{error}; the cache {self.cache} holds no copy of this dataset's manifest to open "
                                "it without the endpoint") from error
@@ -406,40 +408,7 @@ class S3Dataset:
         return text
 
     def _origin(self, stamp: str | None) -> str:
-        """The name of the empty file that says a cache folder holds this URL's manifest (at this endpoint) as
-        the object was when it had `stamp` (its ETag and size); `*`: any; None: the URL's part only. Empty, so
-        that it takes nothing from `cache_bytes`; its mtime is when the manifest was fetched."""
-        def short(text: str) -> str:
-            return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-        endpoint = _settings()["config"].get("endpoint", "")
-        name = f"{ORIGIN_PREFIX}{short(f'{endpoint} {self.root}')}"
-        return name if stamp is None else f"{name}-{stamp if stamp == '*' else short(stamp)}"
-
-    def _copy_of(self, stamp: str, limit: int) -> bytes | None:
-        """The node's copy of this URL's manifest fetched when the object had `stamp` (`*`: the latest copy),
-        checked against its folder's name; None when there is none."""
-        found = []
-        for path in self.cache.glob(f"*/{self._origin(stamp)}"):
-            try:
-                found.append((path.lstat().st_mtime_ns, path.parent.name))
-            except FileNotFoundError:
-                continue
-        for _, key in sorted(found, reverse=True):
-            text = self._node_copy(key, limit)
-            if text is not None:
-                return text
-        return None
-
-    def _node_copy(self, key: str, limit: int) -> bytes | None:
-        """The manifest cached in folder `key` if its SHA-256 is `key` (the folder's name); else None."""
-        try:
-            fd = os.open(self.cache / key / fmt.MANIFEST_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            return None
-        with os.fdopen(fd, "rb") as f:
-            text = f.read(limit)
-        return text if hashlib.sha256(text).hexdigest() == key else None
+        return manifest_copies.origin(str(_settings()["config"].get("endpoint", "")), self.root, stamp)
 
     def _parsed(self) -> fmt.Manifest:
         if self._manifest is None:
