@@ -187,11 +187,14 @@ def test_a_cache_too_small_for_the_index_is_refused_at_open_naming_the_minimum(e
     MemmapDataset(url, cache_dir=env, cache_bytes=need)
 
 
-def test_the_default_cache_bytes_is_half_the_free_space(env: Path, url: str, local: MemmapDataset,
-                                                         monkeypatch) -> None:
+def test_the_default_cache_bytes_is_half_the_free_space_split_between_the_nodes_ranks(
+        env: Path, url: str, local: MemmapDataset, monkeypatch) -> None:
     monkeypatch.setattr(s3, "free_bytes", lambda path: 1000)  # a nearly full disk, without filling one
     held = len((Path(local.path) / fmt.MANIFEST_FILE).read_bytes())  # the manifest's copy, kept at open
     with pytest.raises(DatasetError, match=rf"cache_bytes={500 + held} cannot hold this dataset's index and one "):
+        MemmapDataset(url, cache_dir=env)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's: 4 ranks of this node share the cache and its disk
+    with pytest.raises(DatasetError, match=rf"cache_bytes={125 + held} cannot hold this dataset's index and one "):
         MemmapDataset(url, cache_dir=env)
 
 

@@ -49,6 +49,7 @@ TIMEOUT_ENV = "DSC_S3_TIMEOUT"
 PIECE_BYTES = 32 << 20  # a download is a run of ranged GETs of this size, each retried on its own
 FETCHES = 2  # downloads of a file whose bytes do not match the manifest, before it is an error
 DEFAULT_SHARE = 0.5  # cache_bytes by default: this share of the cache's free space at open, plus what it holds
+LOCAL_RANKS_ENV = "LOCAL_WORLD_SIZE"  # the ranks of this node (torchrun sets it): they split DEFAULT_SHARE
 LOCK_SUFFIX = ".lock"
 
 HELPER_WAIT_S = 30.0  # how much longer than a request's own limit a forked child waits for its helper's answer
@@ -133,6 +134,12 @@ def _note_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_note_fork)
+
+
+def _local_ranks() -> int:
+    """How many ranks of this node share its cache: $LOCAL_WORLD_SIZE (a positive integer), else 1."""
+    text = os.environ.get(LOCAL_RANKS_ENV, "").strip()
+    return int(text) if text.isdigit() and int(text) > 0 else 1
 
 
 def _forked() -> bool:
@@ -471,12 +478,12 @@ class S3Dataset:
         return len(self._text or b"") + sum(e.bytes for e in self._whole_files())
 
     def budget(self) -> int:
-        """`cache_bytes`, or by default DEFAULT_SHARE of the cache's free space at the first open plus what
-        this dataset's folder holds already."""
+        """`cache_bytes`, or by default DEFAULT_SHARE of the cache's free space at the first open, split between
+        the node's ranks (each counts what it holds: `cache`), plus what this dataset's folder holds already."""
         if self.cache_bytes is None:
             folder = self.local_folder()
             held = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
-            self.cache_bytes = int(free_bytes(folder) * DEFAULT_SHARE) + held
+            self.cache_bytes = int(free_bytes(folder) * DEFAULT_SHARE / _local_ranks()) + held
         return self.cache_bytes
 
     def _check_budget(self) -> None:
