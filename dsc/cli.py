@@ -16,6 +16,7 @@ import json
 import logging
 import signal
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -581,7 +582,8 @@ def bench_command(
     from dsc.tools.bench import run as run_bench
 
     try:
-        record_shape = parse_manifest(dataset).record_shape
+        with tempfile.TemporaryDirectory() as scratch:  # a URL: the bench's files go only in folders of its own
+            record_shape = parse_manifest(dataset, scratch if is_url(dataset) else None).record_shape
     except DscError as e:
         _fail_dataset(dataset, e)
     if (problem := batch_problem(batch_size, record_shape, memory_bytes())) is not None:

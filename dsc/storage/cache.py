@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -94,6 +95,17 @@ class Plan:
         return np.where(ok & (nxt // self._nb == units), nxt % self._nb, NEVER)
 
 
+_caches: weakref.WeakSet = weakref.WeakSet()  # every RecordCache of this process, for `_after_fork`
+
+
+def _after_fork() -> None:
+    for cache in list(_caches):
+        cache._forget_parents_fetches()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
 class RecordCache:
     """The records of a remote dataset, read through a bounded folder (module docstring).
 
@@ -118,6 +130,7 @@ class RecordCache:
         self._plan: Plan | None = None
         self._start = 0  # the batch number of the plan's first batch
         self._depth = DEPTH
+        _caches.add(self)
         found = self.files.scan()  # an earlier run's or another process's: held, and deletable
         self._held[list(found)] = True
         self.used = base_bytes + sum(found.values())
@@ -298,6 +311,17 @@ class RecordCache:
             if self._readers is None:
                 self._readers = ThreadPoolExecutor(READ_THREADS - 1, "dsc-read")
             return self._readers
+
+    def _forget_parents_fetches(self) -> None:
+        """In a child just forked: the parent's fetches in flight never end here (their threads are not here),
+        and one of them may have held the lock; so a new lock, and what they fetch is not held but fetched again
+        when needed (or found in place, `UnitFiles.fetch_run`)."""
+        self._lock = threading.RLock()
+        for unit in self._pending:
+            if self._held[unit]:
+                self._held[unit] = False
+                self.used -= self.files.size(unit)
+        self._pending = {}
 
     def _own_pools(self) -> None:
         """A forked child makes pools of its own (its parent's threads are not in it)."""

@@ -11,21 +11,23 @@ The records (the shards) are not cached whole: `record_cache` hands the reader a
 for them, within `cache_bytes` (the manifest and index files, fetched whole here, count in it).
 
 The client is obstore's `S3Store`, imported only here and made lazily, once per process. obstore's
-runtime does not survive `fork` (a call in a child forked after the parent used it hangs), so a
-forked child never calls it: it reads the copies its parent cached (a `DataLoader` worker forked
-after the dataset was opened has everything it needs), and says so clearly when one is missing.
+runtime does not survive `fork` (a request in a child forked after the parent used it hangs, with
+the parent's client or a new one), so a forked child (a `DataLoader` worker started by fork) sends
+its requests to a helper process of its own (`dsc.storage.fetch_helper`); `head` and `get_range`
+pick the way.
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import ipaddress
+import logging
 import os
 import re
 import secrets
 import shutil
 import stat
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -35,8 +37,8 @@ import numpy as np
 
 from dsc import format as fmt
 from dsc.errors import DatasetError, StorageError
-from dsc.storage import aws_config
-from dsc.storage.local import TEMP_SUFFIX, create_exclusive, open_lock
+from dsc.storage import aws_config, fetch_helper, manifest_copies
+from dsc.storage.local import TEMP_SUFFIX, create_exclusive, locked
 
 EXTRA = "pip install 'dsc-images[s3]'"
 ATTEMPTS = 4  # tries of one request before giving up (timeouts, 5xx, refused or reset connections)
@@ -47,10 +49,16 @@ TIMEOUT_ENV = "DSC_S3_TIMEOUT"
 PIECE_BYTES = 32 << 20  # a download is a run of ranged GETs of this size, each retried on its own
 FETCHES = 2  # downloads of a file whose bytes do not match the manifest, before it is an error
 DEFAULT_SHARE = 0.5  # cache_bytes by default: this share of the cache's free space at open, plus what it holds
+LOCAL_RANKS_ENV = "LOCAL_WORLD_SIZE"  # the ranks of this node (torchrun sets it): they split DEFAULT_SHARE
 LOCK_SUFFIX = ".lock"
 
+HELPER_WAIT_S = 30.0  # how much longer than a request's own limit a forked child waits for its helper's answer
+
+
+logger = logging.getLogger("dsc")
 _clients: dict[tuple, Any] = {}  # (process id, bucket, endpoint settings) -> obstore S3Store
 _runtime_pid: int | None = None  # the process that first called obstore (its runtime lives there)
+_inherited_runtime = False  # forked from a process that had imported obstore (whose runtime may run there)
 _opened_keys: dict[tuple[str, str], str] = {}  # (url, cache) -> cache key of the manifest read last
 _opened_versions: dict[tuple[str, str], dict[str, str]] = {}  # (url, cache) -> {versions/N.json: its cache key}
 
@@ -120,17 +128,41 @@ def _request_timeout() -> float:
     return seconds
 
 
+def _note_fork() -> None:
+    global _inherited_runtime
+    if "obstore" in sys.modules:  # the parent may have started obstore's runtime, which the child lacks
+        _inherited_runtime = True
+
+
+os.register_at_fork(after_in_child=_note_fork)
+
+
+def _local_ranks() -> int:
+    """How many ranks of this node share its cache: $LOCAL_WORLD_SIZE (a positive integer), else 1."""
+    text = os.environ.get(LOCAL_RANKS_ENV, "").strip()
+    return int(text) if text.isdigit() and int(text) > 0 else 1
+
+
 def _forked() -> bool:
-    """Whether this process was forked from one that had started obstore's runtime (unusable here)."""
-    return _runtime_pid is not None and _runtime_pid != os.getpid()
+    """Whether this process was forked from one that may have started obstore's runtime (unusable here):
+    its requests then go through a helper process (`fetch_helper`)."""
+    return _inherited_runtime or (_runtime_pid is not None and _runtime_pid != os.getpid())
+
+
+def _settings() -> dict[str, Any]:
+    """obstore S3Store's keyword arguments for this process's environment (besides the bucket)."""
+    config, options = _client_options()
+    return {"config": config, "client_options": options,
+            "retry_config": {"max_retries": 0}}  # dsc retries itself, counting and naming each try
 
 
 def client(bucket: str) -> Any:
     """This process's obstore client for `bucket`, made on first use (never shared across processes)."""
     global _runtime_pid
-    config, options = _client_options()
+    settings = _settings()
     pid = os.getpid()
-    key = (pid, bucket, repr(sorted(config.items())), repr(sorted(options.items())))  # the environment may change
+    key = (pid, bucket, repr(sorted(settings["config"].items())),
+           repr(sorted(settings["client_options"].items())))  # the environment may change
     found = _clients.get(key)
     if found is not None:
         return found
@@ -138,12 +170,37 @@ def client(bucket: str) -> Any:
         from obstore.store import S3Store
     except ImportError as e:
         raise StorageError(f"reading s3:// datasets needs obstore, which is not installed: {EXTRA}") from e
-    made = S3Store(bucket, config=config, client_options=options,
-                   retry_config={"max_retries": 0})  # dsc retries itself, counting and naming each try
+    made = S3Store(bucket, **settings)
     _clients[key] = made
     if _runtime_pid is None:
         _runtime_pid = pid
     return made
+
+
+def head(bucket: str, key: str) -> dict[str, Any]:
+    """The object's metadata (obstore's `head`), asked by this process or, forked, by its helper."""
+    if _forked():
+        _obstore()  # installed, or the same message as unforked
+        return fetch_helper.call(("head", bucket, _settings(), key), _request_timeout() + HELPER_WAIT_S)
+    return _obstore().head(client(bucket), key)
+
+
+def get_range(bucket: str, key: str, start: int, end: int) -> bytes | memoryview:
+    """Bytes [start, end) of the object, fetched by this process (the client's own buffer, not copied) or,
+    forked, by its helper."""
+    if _forked():
+        _obstore()  # installed, or the same message as unforked
+        return fetch_helper.call(("get_range", bucket, _settings(), key, start, end),
+                                 _request_timeout() + HELPER_WAIT_S)
+    return memoryview(_obstore().get_range(client(bucket), key, start=start, end=end))
+
+
+class EndpointUnreachable(StorageError):
+    """A request that failed every try in a way a retry could have fixed (no answer, 5xx): `reason` says how."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 def retried(what: str, where: str, request) -> Any:
@@ -162,8 +219,8 @@ def retried(what: str, where: str, request) -> Any:
             last = e
         if attempt < ATTEMPTS:
             time.sleep(BACKOFF_S * 2 ** (attempt - 1))
-    raise StorageError(f"{where}: {what} failed {ATTEMPTS} times in {time.monotonic() - began:.1f} s; "
-                       f"last: {_describe(last)}") from last
+    raise EndpointUnreachable(f"{where}: {what} failed {ATTEMPTS} times in {time.monotonic() - began:.1f} s; "
+                              f"last: {_describe(last)}", _describe(last)) from last
 
 
 def _first_line(e: BaseException) -> str:
@@ -257,9 +314,7 @@ class S3Dataset:
             os.close(fd)
             return declared
         if name not in self._sizes:
-            if _forked():
-                raise self._forked_error(name)
-            meta = self._call("HEAD", name, lambda: _obstore().head(client(self.bucket), self._key_of(name)),
+            meta = self._call("HEAD", name, lambda: head(self.bucket, self._key_of(name)),
                               missing=f"missing ({where} in the manifest)")
             self._sizes[name] = int(meta["size"])
         return self._sizes[name]
@@ -272,8 +327,6 @@ class S3Dataset:
         fd = self._cached(name, entry.bytes)
         if fd is not None:
             return fd
-        if _forked():
-            raise self._forked_error(name)
         self._check_budget()
         self._fetch(entry)
         for other in self._whole_files():  # the index, whole, once per node: a forked child finds it all
@@ -324,25 +377,65 @@ class S3Dataset:
 
     def _read_manifest(self, limit: int, name: str = fmt.MANIFEST_FILE) -> bytes:
         """The bytes of a manifest (`manifest.json`, or a version's `versions/N.json`), which from here on name
-        the dataset this store reads; a forked child reads the copy its parent cached."""
+        the dataset this store reads; a forked child reads the copy its parent opened, from the node's cache."""
         versioned = name != fmt.MANIFEST_FILE
         remembered = (_opened_versions.get((self.root, str(self.cache)), {}).get(name) if versioned
                       else _opened_keys.get((self.root, str(self.cache))))
-        if _forked():
-            if remembered is None:
-                raise self._forked_error(name)
-            with open(self.cache / remembered / fmt.MANIFEST_FILE, "rb") as f:  # written by this node
-                text = f.read(limit)
-            if hashlib.sha256(text).hexdigest() != remembered:
+        if _forked() and remembered is not None:
+            text = manifest_copies.read(self.cache, remembered, limit)
+            if text is None:
                 raise DatasetError(f"{self.cache / remembered / fmt.MANIFEST_FILE}: the cached manifest of "
-                                   f"{self.root} was changed; it is not the one its name says")
+                                   f"{self.root} was changed or removed; it is not the one its name says")
         else:
-            text = self._get(name, 0, min(limit, self.size(name, "the manifest")), "GET")
+            text = (self._get(name, 0, min(limit, self.size(name, "the manifest")), "GET") if versioned
+                    else self._current_manifest(limit))
         self._text, self._key, self._manifest = text, hashlib.sha256(text).hexdigest(), None
         _opened_keys[(self.root, str(self.cache))] = self._key
         if versioned:
             _opened_versions.setdefault((self.root, str(self.cache)), {})[name] = self._key
         return text
+
+    def _current_manifest(self, limit: int) -> bytes:
+        """The bucket's manifest: asked with one HEAD per process, its bytes fetched once per node (a copy
+        is used while the object has the ETag and size it was fetched with; the first process to miss
+        fetches it under a lock). An endpoint that does not answer: the node's latest copy, with a warning."""
+        try:
+            meta = self._call("HEAD", fmt.MANIFEST_FILE, lambda: head(self.bucket, self._key_of(fmt.MANIFEST_FILE)),
+                              missing="missing (the manifest)")
+        except EndpointUnreachable as e:
+            return self._offline_manifest(e, limit)
+        self._sizes[fmt.MANIFEST_FILE] = int(meta["size"])
+        stamp = f"{meta.get('e_tag')} {meta['size']}" if meta.get("e_tag") else None  # an object without: no copy
+        def node_copy() -> bytes | None:
+            return manifest_copies.find(self.cache, self._origin(stamp), limit) if stamp else None
+
+        text = node_copy()
+        if text is not None:
+            return text
+        self.cache.mkdir(parents=True, exist_ok=True)
+        with locked(self.cache / f"{self._origin(None)}{LOCK_SUFFIX}"):
+            text = node_copy()  # another process of the node fetched it while this one waited
+            if text is None:
+                text = self._get(fmt.MANIFEST_FILE, 0, min(limit, int(meta["size"])), "GET")
+                folder = self.cache / hashlib.sha256(text).hexdigest()
+                self._keep_text(folder, text)
+                if stamp:
+                    self._place(folder / self._origin(stamp), lambda f: None)
+        return text
+
+    def _offline_manifest(self, error: EndpointUnreachable, limit: int) -> bytes:
+        """The latest copy of the manifest this node fetched from this URL and endpoint, with a warning; none:
+        `error`, saying so."""
+        text = manifest_copies.find(self.cache, self._origin(manifest_copies.ANY), limit)
+        if text is None:
+            raise StorageError(f"{error}; the cache {self.cache} holds no copy of this dataset's manifest to open "
+                               "it without the endpoint") from error
+        logger.warning("%s", f"{self.root}: the endpoint cannot be reached ({error.reason}); opened the copy of its "
+                             f"manifest cached in {self.cache}: only what the cache holds can be read")
+        return text
+
+    def _origin(self, stamp: str | None) -> str:
+        return manifest_copies.origin(str(_settings()["config"].get("endpoint", "")), self.root, stamp)
 
     def _parsed(self) -> fmt.Manifest:
         if self._manifest is None:
@@ -359,12 +452,14 @@ class S3Dataset:
         raise DatasetError(f"{self._at(name)}: not a file of this dataset ({where})")
 
     def _keep_manifest(self) -> None:
-        """A copy of the manifest beside the cached files: the folder becomes a dataset of its own,
-        and a forked child (which cannot call the bucket) reads its parent's manifest from it."""
-        folder = self.local_folder()
+        """A copy of the manifest beside the cached files: the folder becomes a dataset of its own, the
+        node's other processes and a forked child (the version its parent opened) read it from there."""
+        self._keep_text(self.local_folder(), self._text)
+
+    def _keep_text(self, folder: Path, text: bytes) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         if not (folder / fmt.MANIFEST_FILE).exists():
-            self._place(folder / fmt.MANIFEST_FILE, lambda f: f.write(self._text))
+            self._place(folder / fmt.MANIFEST_FILE, lambda f: f.write(text))
 
     # --------------------------------------------------------------------- the cache
 
@@ -403,12 +498,12 @@ class S3Dataset:
         return len(self._text or b"") + sum(e.bytes for e in self._whole_files())
 
     def budget(self) -> int:
-        """`cache_bytes`, or by default DEFAULT_SHARE of the cache's free space at the first open plus what
-        this dataset's folder holds already."""
+        """`cache_bytes`, or by default DEFAULT_SHARE of the cache's free space at the first open, split between
+        the node's ranks (each counts what it holds: `cache`), plus what this dataset's folder holds already."""
         if self.cache_bytes is None:
             folder = self.local_folder()
             held = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
-            self.cache_bytes = int(free_bytes(folder) * DEFAULT_SHARE) + held
+            self.cache_bytes = int(free_bytes(folder) * DEFAULT_SHARE / _local_ranks()) + held
         return self.cache_bytes
 
     def _check_budget(self) -> None:
@@ -444,9 +539,7 @@ class S3Dataset:
         """Download `entry` into the cache once per node: under its lock, unless another process did."""
         path = self.local_path(entry.file)
         path.parent.mkdir(parents=True, exist_ok=True)
-        lock = open_lock(path.with_name(f".{path.name}{LOCK_SUFFIX}"))
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with locked(path.with_name(f".{path.name}{LOCK_SUFFIX}")):
             fd = self._cached(entry.file, entry.bytes)
             if fd is not None:  # another process of the node fetched it while this one waited
                 os.close(fd)
@@ -459,8 +552,6 @@ class S3Dataset:
                 problems.append(problem)
             raise DatasetError(f"{self._at(entry.file)}: downloaded {FETCHES} times, wrong each time "
                                f"({'; '.join(problems)}); the object in the bucket is damaged")
-        finally:
-            os.close(lock)
 
     def _place(self, path: Path, write, entry: fmt.FileEntry | None = None) -> str | None:
         """Write a file through `write(f)` to a new temporary name beside `path`, check it against
@@ -508,13 +599,10 @@ class S3Dataset:
         return f"{self.root}/{name}"
 
     def _get(self, name: str, start: int, stop: int, what: str, copy: bool = True) -> bytes | memoryview:
-        if _forked():
-            raise self._forked_error(name)
         if stop <= start:
             return b""
         key = self._key_of(name)
-        data = self._call(what, name, lambda: _obstore().get_range(client(self.bucket), key, start=start, end=stop),
-                          missing="missing")
+        data = self._call(what, name, lambda: get_range(self.bucket, key, start, stop), missing="missing")
         return bytes(data) if copy else memoryview(data)
 
     def _call(self, what: str, name: str, request, missing: str) -> Any:
@@ -524,11 +612,6 @@ class S3Dataset:
         except FileNotFoundError as e:
             raise DatasetError(f"{self._at(name)}: {missing}") from e
 
-    def _forked_error(self, name: str) -> StorageError:
-        return StorageError(f"{self._at(name)}: not in the cache {self.cache}, and this process cannot reach the "
-                            "bucket: it was forked from one that already used the S3 client (obstore), whose "
-                            "runtime does not survive fork. Open the dataset before forking (its files are then "
-                            "cached), or start workers with multiprocessing_context='spawn' or 'forkserver'")
 
 
 def _is_version_manifest(name: str) -> bool:

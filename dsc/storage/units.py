@@ -13,7 +13,6 @@ renamed into place. Something else than a regular file at a unit's name is refus
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import os
 import re
@@ -27,7 +26,7 @@ import numpy as np
 
 from dsc import format as fmt
 from dsc.errors import DatasetError
-from dsc.storage.local import TEMP_SUFFIX, create_exclusive, open_lock, sha256_fd
+from dsc.storage.local import TEMP_SUFFIX, create_exclusive, locked, sha256_fd
 
 RECORD_DIR = "records"
 GET_BYTES = 16 << 20  # a coalesced ranged GET covers at most this much (a lock chunk of a shard)
@@ -167,14 +166,10 @@ class UnitFiles:
         process placed meanwhile; each checked, placed by rename."""
         lock_path = self._lock_path(shard, first)
         lock_path.parent.mkdir(parents=True, exist_ok=True)
-        lock = open_lock(lock_path)
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with locked(lock_path):
             wanted = [u for u in range(first, last) if not self.present(u)]
             if wanted:
                 self.fetch_again(shard, wanted[0], wanted[-1] + 1)
-        finally:
-            os.close(lock)
 
     def fetch_again(self, shard: int, first: int, last: int) -> None:
         """Units [first, last) of `shard` fetched and put in place (a rename over what is there)."""
