@@ -296,7 +296,7 @@ def test_offline_a_dataset_never_cached_is_one_clear_error_within_seconds(env: P
         MemmapDataset(url, cache_dir=env)
     assert time.monotonic() - began < QUICK_S
     message = str(raised.value)
-    assert "\n" not in message and message.startswith(f"{url}/{fmt.MANIFEST_FILE}: HEAD failed {s3.ATTEMPTS} times")
+    assert "\n" not in message and message.startswith(f"{url}/{fmt.VERSIONS_DIR}/: LIST failed {s3.ATTEMPTS} times")
     assert message.endswith(f"the cache {env} holds no copy of this dataset's manifest to open it without the "
                             "endpoint"), message
     result = CliRunner().invoke(app, ["info", url])

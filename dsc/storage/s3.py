@@ -281,6 +281,7 @@ class S3Dataset:
         self._key: str | None = None  # their SHA-256: the cache sub-folder of this dataset
         self._manifest: fmt.Manifest | None = None
         self._sizes: dict[str, int] = {}  # HEAD answers, so validating twice asks once
+        self._unreachable: EndpointUnreachable | None = None  # set once the endpoint failed every try at open
         self.cache_bytes = cache_bytes  # None: DEFAULT_SHARE of the free space, fixed at the first open
 
     # --------------------------------------------------------------------- the store's verbs
@@ -344,8 +345,14 @@ class S3Dataset:
         if _forked():
             read = _opened_versions.get((self.root, str(self.cache)), {})
             return sorted(name.split("/")[-1] for name in read if name.rpartition("/")[0] == folder)
-        answer = self._call("LIST", f"{folder}/", lambda: _obstore().list_with_delimiter(
-            client(self.bucket), self._key_of(folder)), missing="missing")
+        if self._unreachable is not None:
+            return []
+        try:
+            answer = self._call("LIST", f"{folder}/", lambda: _obstore().list_with_delimiter(
+                client(self.bucket), self._key_of(folder)), missing="missing")
+        except EndpointUnreachable as e:  # offline: only manifest.json's cached copy, the latest version, opens
+            self._unreachable = e
+            return []
         return sorted(entry["path"].split("/")[-1] for entry in answer["objects"])
 
     def get_range(self, name: str, start: int, stop: int) -> bytes | memoryview:
@@ -399,10 +406,13 @@ class S3Dataset:
         """The bucket's manifest: asked with one HEAD per process, its bytes fetched once per node (a copy
         is used while the object has the ETag and size it was fetched with; the first process to miss
         fetches it under a lock). An endpoint that does not answer: the node's latest copy, with a warning."""
+        if self._unreachable is not None:  # asked once per open, not once per question
+            return self._offline_manifest(self._unreachable, limit)
         try:
             meta = self._call("HEAD", fmt.MANIFEST_FILE, lambda: head(self.bucket, self._key_of(fmt.MANIFEST_FILE)),
                               missing="missing (the manifest)")
         except EndpointUnreachable as e:
+            self._unreachable = e
             return self._offline_manifest(e, limit)
         self._sizes[fmt.MANIFEST_FILE] = int(meta["size"])
         stamp = f"{meta.get('e_tag')} {meta['size']}" if meta.get("e_tag") else None  # an object without: no copy
