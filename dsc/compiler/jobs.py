@@ -1,5 +1,5 @@
 """The units of decoding work, shared by the writer, both engines and the journal (a leaf: it
-imports no other compiler module).
+imports no other compiler module, but for `WriteJob.writer`, where the work runs).
 
 A compile is one `WriteJob` (where and how to write) and a list of `Chunk`s: runs of
 consecutive (slot, source) pairs. An `Engine` fills chunks wherever it runs them and hands
@@ -38,6 +38,13 @@ class WriteJob:
     @property
     def record_bytes(self) -> int:
         return self.target.height * self.target.width * CHANNELS
+
+    def writer(self):
+        """What fills this job's chunks where it runs (a job of another kind, e.g. a bucket build's shard
+        assembly, names its own): a `write.SlotWriter`, imported only there."""
+        from dsc.compiler.write import SlotWriter
+
+        return SlotWriter(self)
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,7 @@ logger = logging.getLogger("dsc")
 class CompileSummary:
     """What a compile did; also printed by `dsc compile`."""
 
-    out: Path
+    out: Path | str  # a folder, or an s3:// URL
     kept: int
     skipped: list[tuple[str, str]]
     classes: list[str]
@@ -103,7 +103,7 @@ def _check_paths(src: Path, out: Path) -> None:
 
 
 def _source(src: str | os.PathLike) -> Path | str:
-    """SRC as an absolute path, or as given when it is an `s3://` URL (archives in a bucket)."""
+    """SRC (or OUT) as an absolute path, or as given when it is an `s3://` URL (archives, a dataset in a bucket)."""
     text = os.fspath(src)
     return text if is_url(text) else Path(src).absolute()
 
@@ -112,7 +112,7 @@ class StrictFailure(CompileError):
     """A --strict compile met a source it could not decode: the build is discarded."""
 
 
-def _decode_all(job: WriteJob, plan: Plan, engine: Engine, strict: bool, done: dict[int, SlotResult],
+def decode_all(job: WriteJob, plan: Plan, engine: Engine, strict: bool, done: dict[int, SlotResult],
                 log: journal.Journal, on_skip: Callable[[str, str], None],
                 progress: Callable[[int], None] | None):
     """Fill every slot not `done` already; return (ok mask, upright sizes, skipped (source, reason) list,
@@ -144,14 +144,18 @@ def _decode_all(job: WriteJob, plan: Plan, engine: Engine, strict: bool, done: d
             progress(len(results))
 
     collect(list(done.values()))
-    tasks = [(slot, source) for slot, source in enumerate(sources) if slot not in done]
-    size = chunk_size(len(tasks), engine.workers)
-    if isinstance(plan.found, archives.ArchiveDiscovery):  # by the format's unit, each read in stored order
-        chunks = archives.chunks(plan.found, plan.order, [slot for slot, _ in tasks], size)
-    else:
-        chunks = split(tasks, size)
+    chunks = make_chunks(plan, [slot for slot in range(len(sources)) if slot not in done], engine.workers)
     engine.fill(job, chunks, lambda results: (log.append(results), collect(results)))
     return ok, sizes, failed, warned
+
+
+def make_chunks(plan: Plan, slots: list[int], workers: int):
+    """The chunks that fill `slots`: runs of consecutive ones, or for archives the format's units, each
+    read in stored order."""
+    size = chunk_size(len(slots), workers)
+    if isinstance(plan.found, archives.ArchiveDiscovery):
+        return archives.chunks(plan.found, plan.order, slots, size)
+    return split([(slot, plan.sources[slot]) for slot in slots], size)
 
 
 def _fields_digest(fields: list[tuple[fmt.FieldEntry, np.ndarray]]) -> str:
@@ -228,8 +232,8 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
                           if records_per_shard is None else records_per_shard, 1, fmt.MAX_RECORDS,
                           error=CompileError)
     max_pixels = check_int("max_pixels", max_pixels, 1, error=CompileError)
-    src, out = _source(src), Path(out).absolute()
-    if isinstance(src, Path):
+    src, out = _source(src), _source(out)
+    if isinstance(src, Path) and isinstance(out, Path):
         _check_paths(src, out)
     on_skip = on_skip or _log_skip
     if stall_seconds is not None and (isinstance(stall_seconds, bool) or not isinstance(stall_seconds, (int, float))
@@ -245,17 +249,26 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
                           alpha)
         plan = _plan(recipe, found, seed, shuffle, labels)
         runner.ready()  # a broken decoder install fails here, before any build exists
-        with publish.LocalTarget(out) as dest:
-            manifest, reused = _build_and_publish(dest, plan, runner, force, resume, strict, on_skip, progress)
-    size_on_disk = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    skipped = [(s["source"], s["reason"]) for s in storage.read_skipped(out, manifest)]
+        if isinstance(out, str):  # s3://bucket/prefix: built and committed there (`bucket_build`)
+            from dsc.compiler import bucket_build
+
+            manifest, reused, skipped = bucket_build.build_and_publish(out, plan, runner, force, resume, strict,
+                                                                       on_skip, progress)
+        else:
+            with publish.LocalTarget(out) as dest:
+                manifest, reused = _build_and_publish(dest, plan, runner, force, resume, strict, on_skip, progress)
+    if isinstance(out, str):
+        size_on_disk = sum(f.bytes for f in manifest.files) + len(manifest.to_json())
+    else:
+        size_on_disk = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+        skipped = [(s["source"], s["reason"]) for s in storage.read_skipped(out, manifest)]
     return CompileSummary(out, manifest.count, skipped,
                           list(manifest.classes), found.empty_classes, len(manifest.shards), size_on_disk,
                           time.perf_counter() - started, decoder_name(), manifest.record_shape, manifest.fields,
                           found.ignored, reused, len(plan.sources))
 
 
-def _discover(src: Path | str, out: Path, classes, skip_unknown_classes: bool, labels, columns,
+def _discover(src: Path | str, out: Path | str, classes, skip_unknown_classes: bool, labels, columns,
               archive_options: tuple[str | None, str | None], on_found: Callable[[int], None] | None) -> Discovery:
     """The sources to compile with their labels and fields: a label table's rows, the archives' samples
     (`archive_options`: their label key and image column), or the folder's images."""
@@ -279,7 +292,9 @@ def _discover(src: Path | str, out: Path, classes, skip_unknown_classes: bool, l
         found = discover(src, vocabulary, skip_unknown_classes, on_found)
     free = [(spec.name, spec.kind, spec.classes) for spec, _ in found.fields  # vocabularies no reference fixed
             if spec.classes and reference.get(spec.name, ("",))[0] != spec.kind]
-    for message in classes_module.sibling_class_mismatch(out, found.classes if vocabulary is None else None, free):
+    siblings = classes_module.sibling_class_mismatch(out, found.classes if vocabulary is None else None, free) \
+        if isinstance(out, Path) else []  # splits beside a dataset in a bucket are not looked for
+    for message in siblings:
         logger.warning("%s", message)
     return found
 
@@ -373,7 +388,7 @@ def _build(stage: Path, plan: Plan, runner: Engine, resumed: bool, strict: bool,
     done = journal.reusable(stage, job) if resumed else {}
     log = journal.Journal(stage)
     try:
-        ok, sizes, failed, warned = _decode_all(job, plan, runner, strict, done, log, on_skip, progress)
+        ok, sizes, failed, warned = decode_all(job, plan, runner, strict, done, log, on_skip, progress)
     finally:
         log.close()
     finish(stage, job, ok, sizes, plan.found.labels[plan.order], plan.sources, plan.found.classes,
