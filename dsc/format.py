@@ -16,12 +16,14 @@ names for the same things. In short::
       checksums.bin         (1.3, optional) uint32 LE [count]: CRC-32 of each record's bytes
       versions/00000002.json (1.3) the manifest of version 2 (an append), committed create-only
       appends/<16 hex>/...  (1.3) the files an append wrote (its shards, a new index), named by its versions
+      builds/<16 hex>/...   (1.3, object storage) the files a compile into a bucket wrote, same names
 
 Versions (1.3): version 1 is the compile; `dsc append` commits version N+1 by creating
 `versions/NNNNNNNN.json` (never replacing one), which lists every file of that version. Files
 are never rewritten, so a reader that opened version N keeps reading exactly N; the latest
 version is the highest-numbered manifest in `versions/`, else `manifest.json` (which dsc also
-refreshes to a copy of the latest, for readers that do not know versions).
+refreshes to a copy of the latest, for readers that do not know versions). A compile into a bucket
+commits its build (`builds/<tag>/`) the same way; with --force as version N+1, a replacement.
 
 The manifest (formats.md, "manifest.json") names every other file with its size and SHA-256,
 and (1.2) carries its own SHA-256, taken with that value as 64 '0's (`sealed`, `seal_problem`);

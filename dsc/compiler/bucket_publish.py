@@ -144,14 +144,14 @@ def delete_build(dataset: Bucket, objects: list[ObjectInfo], keep: set[str] = fr
 
 
 def tidy(dataset: Bucket, state: PrefixState) -> None:
-    """What a kill after a commit left: the committed builds' work objects, and a `manifest.json` behind the
-    latest version."""
+    """What a kill after a commit left: a `manifest.json` behind the latest version, then the committed builds'
+    work objects (their plans last: until then a resume knows its build was committed)."""
+    if state.versions:
+        refresh_manifest(dataset, state.versions[state.latest], state.latest)
     for tag in sorted(state.committed & set(state.builds)):
         work = [i for i in state.builds[tag] if i.name.startswith(f"{fmt.build_folder(tag)}/{WORK_DIR}/")]
         if work:
             delete_build(dataset, work)
-    if state.versions:
-        refresh_manifest(dataset, state.versions[state.latest], state.latest)
 
 
 def refresh_manifest(dataset: Bucket, text: bytes, version: int) -> None:
