@@ -27,6 +27,7 @@ from dsc.errors import CompileError, DatasetError
 from dsc.storage import open_dataset
 from dsc.storage.bucket import Bucket
 
+from archives import write_tar_shards
 from conftest import make_folder, save
 from s3server import S3Server, serving  # skips this module when the server packages are missing
 
@@ -296,14 +297,24 @@ def test_a_worker_killed_is_resumed_and_the_partial_build_named(src: Path, refer
     assert_same_as(reference, url)
 
 
-def test_the_ray_engine_compiles_into_the_bucket_with_no_local_output(src: Path, reference: Path, url: str,
-                                                                      tmp_path: Path, monkeypatch) -> None:
+def test_the_ray_engine_compiles_from_the_bucket_into_the_bucket_with_no_local_output(
+        src: Path, url: str, server: S3Server, tmp_path: Path, monkeypatch) -> None:
+    """SRC as tar shards in the bucket, OUT a prefix of it: Ray tasks read and write objects, nothing local."""
     ray = pytest.importorskip("ray")
-    monkeypatch.chdir(tmp_path)
+    pytest.importorskip("webdataset")
+    shards = tmp_path / "shards"
+    write_tar_shards(src, shards, per_shard=10)
+    for path in sorted(shards.iterdir()):
+        server.put(BUCKET, f"{url[len(f's3://{BUCKET}/'):]}-src/{path.name}", path.read_bytes())
+    source = f"{url}-src/train-{{000000..000002}}.tar"
+    compile_folder(source, tmp_path / "reference", workers=1, on_skip=lambda s, r: None, **OPTIONS)
+    work = tmp_path / "empty"
+    work.mkdir()
+    monkeypatch.chdir(work)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
     try:
-        compile_folder(src, url, engine="ray", on_skip=lambda s, r: None, **OPTIONS)
+        compile_folder(source, url, engine="ray", on_skip=lambda s, r: None, **OPTIONS)
     finally:
         ray.shutdown()
-    assert not (tmp_path / "s3:").exists()
-    assert_same_as(reference, url)
+    assert list(work.iterdir()) == []
+    assert_same_as(tmp_path / "reference", url)
