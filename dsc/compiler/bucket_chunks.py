@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ SHARD_MARKER_DIR = "shards"  # in the work folder: one small JSON per assembled 
 _CHUNK_NAME = re.compile(r"chunks/(\d{12})-([0-9a-f]{16})-(\d{1,9})\.bin")
 READ_THREADS = 8  # trailers and markers read at a time
 PIECE_BYTES = 8 << 20  # an assembly reads this much (whole records) of a chunk object at a time
+READ_AHEAD = 4  # ranged GETs of an assembly in flight: the next pieces arrive while one is uploaded
 
 
 def chunk_name(slots: list[int], trailer: bytes) -> str:
@@ -191,29 +193,39 @@ class ShardAssembler:
         def pieces() -> Iterator[bytes]:  # called again when the upload is retried
             digest.__init__()
             done = 0
-            for chunk, first, count in recipe.runs:
-                for data in self._records(chunk, first, count):
-                    crcs = fmt.record_checksums(data, self.job.record_bytes)
-                    k = len(crcs)
-                    if crcs != list(recipe.crcs[done:done + k]):
-                        raise DatasetError(f"{self.work.at(chunk)}: a record's CRC-32 is not the one its trailer "
-                                           "lists; the chunk object is damaged")
-                    done += k
-                    digest.update(data)
-                    yield data
+            for chunk, data in self._records(recipe.runs):
+                crcs = fmt.record_checksums(data, self.job.record_bytes)
+                k = len(crcs)
+                if crcs != list(recipe.crcs[done:done + k]):
+                    raise DatasetError(f"{self.work.at(chunk)}: a record's CRC-32 is not the one its trailer "
+                                       "lists; the chunk object is damaged")
+                done += k
+                digest.update(data)
+                yield data
         etag = self.build.upload(fmt.shard_file(recipe.shard), pieces)
         marker = {"etag": etag, "bytes": size, "sha256": digest.hexdigest(), "records": recipe.digest()}
         self.work.put(shard_marker(recipe.shard), json.dumps(marker).encode())
 
-    def _records(self, chunk: str, first: int, count: int) -> Iterator[bytes]:
+    def _records(self, runs: tuple[tuple[str, int, int], ...]) -> Iterator[tuple[str, bytes]]:
+        """(chunk object, a piece of its records) in the shard's order, READ_AHEAD pieces fetched at a time."""
         rb = self.job.record_bytes
         step = max(1, PIECE_BYTES // rb)
-        for k in range(first, first + count, step):
-            n = min(step, first + count - k)
+        pieces = [(chunk, k, min(step, first + count - k)) for chunk, first, count in runs
+                  for k in range(first, first + count, step)]
+
+        def fetch(piece: tuple[str, int, int]) -> tuple[str, bytes]:
+            chunk, k, n = piece
             data = self.work.get_range(chunk, k * rb, (k + n) * rb)
             if len(data) != n * rb:
                 raise DatasetError(f"{self.work.at(chunk)}: shorter than its trailer says")
-            yield data
+            return chunk, data
+        with ThreadPoolExecutor(READ_AHEAD) as pool:
+            ahead = deque(pool.submit(fetch, p) for p in pieces[:READ_AHEAD])
+            for piece in pieces[READ_AHEAD:] + [None] * len(ahead):
+                done = ahead.popleft().result()
+                if piece is not None:
+                    ahead.append(pool.submit(fetch, piece))
+                yield done
 
 
 def read_markers(work: Bucket, build: Bucket, wanted: list[ShardRecipe]) -> dict[int, dict]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from dsc import format as fmt
@@ -29,6 +30,7 @@ WORK_DIR = "work"
 PLAN_FILE = "plan.json"  # in the work folder: the plan's record and digest; written first, deleted last
 LISTING_FILE = "sources.jsonl"
 SHOWN = 3
+DELETE_THREADS = 8  # DELETEs in flight when a build's objects go
 
 logger = logging.getLogger("dsc")
 
@@ -139,7 +141,9 @@ def delete_build(dataset: Bucket, objects: list[ObjectInfo], keep: set[str] = fr
     """Delete a build's objects but `keep` (names relative to the prefix), its plan last: a deletion a kill cut
     short still looks like a build."""
     plan = [i.name for i in objects if i.name.endswith(f"/{WORK_DIR}/{PLAN_FILE}")]
-    for name in [i.name for i in objects if i.name not in keep and i.name not in plan] + plan:
+    with ThreadPoolExecutor(DELETE_THREADS) as pool:
+        list(pool.map(dataset.delete, [i.name for i in objects if i.name not in keep and i.name not in plan]))
+    for name in plan:
         dataset.delete(name)
 
 
