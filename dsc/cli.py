@@ -263,7 +263,8 @@ def compile_command(
     h, w, c = summary.record_shape
     typer.echo(f"wrote {out}: {_count(summary.kept, 'record')} of {h}x{w}x{c} uint8 in {summary.shards} shard(s), "
                f"{_count(len(summary.classes), 'class', 'classes')}, {len(summary.skipped)} skipped, "
-               f"{_human_bytes(summary.bytes_on_disk)} on disk, {summary.seconds:.1f} s "
+               f"{_human_bytes(summary.bytes_on_disk)} {'on disk' if isinstance(out, Path) else 'in the bucket'}, "
+               f"{summary.seconds:.1f} s "
                f"({summary.images_per_second:.0f} images/s)")
 
 
