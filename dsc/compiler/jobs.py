@@ -79,7 +79,8 @@ class Engine(Protocol):
         """Raise CompileError now, before any build exists, if its workers cannot decode."""
 
     def fill(self, job: WriteJob, chunks: Iterable[Chunk], on_results: OnResults) -> None:
-        """Fill every slot of `chunks`, calling `on_results` in the caller's thread once per chunk.
+        """Fill every slot of `chunks`, calling `on_results` in the caller's thread once per chunk. It may be
+        called again (a bucket build fills its chunks, then assembles its shards: `job.writer()` says how).
 
         `on_results` may raise (e.g. for --strict) to stop the remaining work at once."""
 

@@ -3,7 +3,8 @@
 `compile_folder` reads as the pipeline: check the options, find the sources (`discover`, `labels`
 for a label table, `sources` for archives), fix the plan (which source fills which slot, what a
 resume must find unchanged), then under OUT's lock stage the build (`publish.LocalTarget`), fill its slots
-(`write`, run by an engine from `engines`, recorded by `journal`), `finish` it and commit it.
+(`write`, run by an engine from `engines`, recorded by `journal`), `finish` it and commit it. An
+`s3://` OUT is built in the bucket instead (`bucket_build`), by the same plan and engine.
 """
 
 from __future__ import annotations
@@ -194,7 +195,8 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
                    on_found: Callable[[int], None] | None = None, on_total: Callable[[int], None] | None = None,
                    progress: Callable[[int], None] | None = None,
                    on_skip: Callable[[str, str], None] | None = None) -> CompileSummary:
-    """Compile an image folder into a dsc dataset at `out`; see `dsc compile --help` for the options.
+    """Compile an image folder into a dsc dataset at `out` (a folder, or `s3://bucket/prefix`: built and
+    committed in the bucket, nothing local; see `bucket_build`); see `dsc compile --help` for the options.
 
     `on_found(n)` is called as discovery finds n more images (a long walk's running count),
     `on_total(n)` once it is done, with the n sources to decode (for a progress bar's total),

@@ -2,10 +2,11 @@
 
 Record slot `i` belongs to source `order[i]`, fixed before any work starts, so the bytes
 do not depend on which engine runs the work, how many workers it has or which finishes first.
-A `SlotWriter` lives wherever the work runs (a local worker process, a Ray task) and writes
-each record into its shard file at its offset, so no pixel ever crosses a pipe: only
-(slot, size or reason, CRC) goes back. Slots of skipped sources are closed up later, when the
-build is finished (`finish.compact`).
+A `SlotWriter` lives wherever the work runs (a local worker process, a Ray task) and hands
+each record to the build's sink: in a folder build, its shard file at its offset (`ShardSlots`);
+in a bucket build, the chunk's object (`bucket_chunks.ChunkObjects`). No pixel ever crosses a
+pipe: only (slot, size or reason, CRC) goes back. Slots of skipped sources are closed up later,
+when the build is finished (`finish.compact`, or the bucket build's shard assembly).
 """
 
 from __future__ import annotations
