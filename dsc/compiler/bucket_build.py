@@ -100,11 +100,14 @@ def _stage(dataset: Bucket, state: bp.PrefixState, plan: Plan, force: bool, resu
         mine = [tag for tag, p in plans.items() if p and p.get("digest") == plan.digest]
         if mine:
             return mine[0]
+        for tag in [tag for tag in partial if plans[tag] is None]:  # no plan: nothing provable, as in a folder
+            bp.delete_build(dataset, state.builds[tag])
+        partial = [tag for tag in partial if plans[tag] is not None]
         if partial:
-            saved = plans[partial[0]] or {"record": {}}
+            saved = plans[partial[0]]
             differ = sorted(k for k in {*saved["record"], *plan.record} if saved["record"].get(k) != plan.record.get(k))
-            raise CompileError(f"cannot resume {dataset.at(fmt.build_folder(partial[0]))}/: it was made with other "
-                               f"settings or sources ({', '.join(differ) or 'no plan'}); run it with its own settings "
+            raise CompileError(f"cannot resume {dataset.at(fmt.build_folder(partial[0]))}/: made with other "
+                               f"settings or sources ({', '.join(differ)}); run it with its own settings "
                                "and --resume, or pass --force to start over")
         logger.warning("nothing to resume at %s: compiling from scratch", dataset.at(fmt.BUILDS_DIR))
         return None
