@@ -20,7 +20,7 @@ import pytest
 
 from dsc import compile_folder
 from dsc import format as fmt
-from dsc.compiler import pipeline, write
+from dsc.compiler import bucket_build, pipeline, write
 from dsc.compiler.engines.local import LocalEngine
 from dsc.compiler.jobs import WriteJob
 from dsc.errors import CompileError, DatasetError
@@ -127,10 +127,12 @@ class _TwiceEngine(LocalEngine):
 
     split, lose = False, False
     fills: list[int] = []
+    largest: list[int] = []  # the most sources in a chunk, per fill
 
     def fill(self, job, chunks, on_results) -> None:
         chunks = list(chunks)
         _TwiceEngine.fills.append(sum(len(getattr(c, "tasks", c)) for c in chunks))
+        _TwiceEngine.largest.append(max(len(getattr(c, "tasks", c)) for c in chunks))
         decoding = isinstance(job, WriteJob)
         for k, chunk in enumerate(chunks):
             if decoding and self.split and len(chunk) > 1:
@@ -152,12 +154,15 @@ def test_tasks_run_twice_split_or_lost_give_the_same_bytes(src: Path, reference:
     monkeypatch.setattr(_TwiceEngine, "split", split)
     monkeypatch.setattr(_TwiceEngine, "lose", lose)
     monkeypatch.setattr(_TwiceEngine, "fills", [])
+    monkeypatch.setattr(_TwiceEngine, "largest", [])
     monkeypatch.setattr(pipeline, "make_engine", lambda name, workers, address, stall: _TwiceEngine(1))
+    monkeypatch.setattr(bucket_build, "CHUNK_BYTES", 7 * 24 * 24 * 3 if split else bucket_build.CHUNK_BYTES)
     compile_folder(src, url, workers=1, on_skip=lambda s, r: None, **OPTIONS)
     assert_same_as(reference, url)
     shards = 6  # 26 records, 5 a shard: the last fill assembles them
     lost = 15  # the lost first chunk's 16 sources but the damaged one (slot 10 with seed 3): its skip is known
     assert _TwiceEngine.fills == ([27, lost, shards] if lose else [27, shards])
+    assert _TwiceEngine.largest[0] == (7 if split else 16)  # a worker holds at most CHUNK_BYTES of records
 
 
 @pytest.fixture(scope="module")

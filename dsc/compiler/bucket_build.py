@@ -32,6 +32,7 @@ from dsc.errors import CompileError, DatasetError, StorageError
 from dsc.storage.bucket import Bucket
 
 ROUNDS = 3  # decoding rounds for slots whose chunk object was never written (a stalled worker's)
+CHUNK_BYTES = 64 << 20  # a chunk's records at most: a worker holds them in memory until its chunk object's PUT
 logger = logging.getLogger("dsc")
 
 
@@ -125,7 +126,7 @@ def _build(dataset: Bucket, tag: str, plan: Plan, runner: Engine, resumed: bool,
            on_skip: Callable[[str, str], None], progress: Callable[[int], None] | None
            ) -> tuple[fmt.Manifest, int, list[tuple[str, str]]]:
     work, build = bp.work_bucket(dataset, tag), bp.build_bucket(dataset, tag)
-    job = replace(plan.job, stage=work.root)
+    job = replace(plan.job, stage=work.root, max_chunk=max(1, CHUNK_BYTES // plan.job.record_bytes))
     count, record_bytes = job.count, job.record_bytes
     placed = {s: p for s, p in chunks.read_chunks(work, record_bytes).items() if s < count} if resumed else {}
     done = {slot: where.result for slot, where in placed.items()}
@@ -135,7 +136,7 @@ def _build(dataset: Bucket, tag: str, plan: Plan, runner: Engine, resumed: bool,
         missing = [slot for slot in range(count) if ok[slot] and slot not in placed]
         if not missing:
             break
-        runner.fill(job, make_chunks(plan, missing, runner.workers), lambda results: None)
+        runner.fill(job, make_chunks(job, plan, missing, runner.workers), lambda results: None)
         placed = chunks.read_chunks(work, record_bytes)
     else:
         raise CompileError(f"{len(missing)} decoded records never reached {work.root}; run the same command with "

@@ -34,6 +34,7 @@ class WriteJob:
     max_pixels: int
     decode_mode: str = "faithful"  # format.DECODE_MODES
     alpha: str = "black"  # format.ALPHA
+    max_chunk: int | None = None  # sources per chunk at most (a bucket build's worker holds a chunk in memory)
 
     @property
     def record_bytes(self) -> int:

@@ -145,15 +145,17 @@ def decode_all(job: WriteJob, plan: Plan, engine: Engine, strict: bool, done: di
             progress(len(results))
 
     collect(list(done.values()))
-    chunks = make_chunks(plan, [slot for slot in range(len(sources)) if slot not in done], engine.workers)
+    chunks = make_chunks(job, plan, [slot for slot in range(len(sources)) if slot not in done], engine.workers)
     engine.fill(job, chunks, lambda results: (log.append(results), collect(results)))
     return ok, sizes, failed, warned
 
 
-def make_chunks(plan: Plan, slots: list[int], workers: int):
+def make_chunks(job: WriteJob, plan: Plan, slots: list[int], workers: int):
     """The chunks that fill `slots`: runs of consecutive ones, or for archives the format's units, each
-    read in stored order."""
+    read in stored order; at most `job.max_chunk` sources each."""
     size = chunk_size(len(slots), workers)
+    if job.max_chunk is not None:
+        size = min(size, job.max_chunk)
     if isinstance(plan.found, archives.ArchiveDiscovery):
         return archives.chunks(plan.found, plan.order, slots, size)
     return split([(slot, plan.sources[slot]) for slot in slots], size)
