@@ -261,6 +261,23 @@ def test_kill_9_of_the_driver_at_random_moments_and_inside_the_commit(src: Path,
     assert seen.count(None) and seen.count(0) and seen.count(1), seen  # each state was seen between kills
 
 
+def test_a_resume_after_the_commit_only_finishes_it_and_reports_its_skips(src: Path, reference: Path, url: str,
+                                                                          monkeypatch) -> None:
+    delete_build = bucket_build.bp.delete_build
+
+    def stopped(dataset, objects, keep=frozenset()):
+        if keep:  # the clean-up after the commit: stop as a kill would
+            raise KeyboardInterrupt
+        delete_build(dataset, objects, keep)
+    monkeypatch.setattr(bucket_build.bp, "delete_build", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        compile_folder(src, url, workers=1, on_skip=lambda s, r: None, **OPTIONS)
+    monkeypatch.setattr(bucket_build.bp, "delete_build", delete_build)
+    summary = compile_folder(src, url, workers=1, resume=True, **OPTIONS)
+    assert (summary.reused, summary.kept, [s for s, _ in summary.skipped]) == (27, 26, ["class_1/img_2.jpg"])
+    assert_same_as(reference, url)
+
+
 def test_force_commits_the_next_version_while_a_reader_keeps_reading_the_old_one(src: Path, url: str,
                                                                                  reference: Path) -> None:
     compile_folder(src, url, workers=1, on_skip=lambda s, r: None, **OPTIONS)

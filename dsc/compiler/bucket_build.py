@@ -52,7 +52,7 @@ def build_and_publish(url: str, plan: Plan, runner: Engine, force: bool, resume:
     finished = _finished_build(dataset, state, plan) if resume else None
     bp.tidy(dataset, state)
     if finished is not None:
-        return finished, len(plan.sources), []
+        return finished, len(plan.sources), _skips(dataset, finished)
     bp.check_target(dataset, state, force)
     tag = _stage(dataset, state, plan, force, resume)
     if tag is None:
@@ -82,6 +82,13 @@ def _finished_build(dataset: Bucket, state: bp.PrefixState, plan: Plan) -> fmt.M
         if tag and (bp.read_plan(dataset, tag) or {}).get("digest") == plan.digest:
             return fmt.parse_manifest(text, dataset.root, lambda name, where: _size(state, name))
     return None
+
+
+def _skips(dataset: Bucket, manifest: fmt.Manifest) -> list[tuple[str, str]]:
+    """The committed dataset's skip list, whole."""
+    entry = manifest.skipped_list
+    skipped = fmt.parse_skip_list(dataset.get(entry.file)[0], entry, dataset.root) if entry else manifest.skipped
+    return [(s["source"], s["reason"]) for s in skipped]
 
 
 def _size(state: bp.PrefixState, name: str) -> int:
