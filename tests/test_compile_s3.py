@@ -217,15 +217,17 @@ def test_kill_9_of_the_driver_at_random_moments_and_inside_the_commit(src: Path,
         if hold is not None:
             proxy.delay(HOLD_S, 1, match=hold[1], method=hold[0])
         child = children.Process(target=_compile_child, args=(child_env, str(src), url, {**options, "workers": 2}))
-        started = time.monotonic()
+        started, killed = time.monotonic(), False
         child.start()
         while kill_after is not None and child.is_alive() and time.monotonic() - started < RUN_S:
             if proxy.count(*hold) if hold else time.monotonic() - started >= kill_after:
                 child.kill()
+                killed = True
                 break
             time.sleep(0.002)
         child.join(RUN_S)
         time.sleep(HOLD_S + 0.2 if hold else 0)  # the held request lands now, as one in flight at a kill does
+        assert child.exitcode == 0 or killed, f"a compile failed on its own (exit code {child.exitcode})"
         return child.exitcode == 0
 
     def finished() -> bool:
@@ -243,13 +245,11 @@ def test_kill_9_of_the_driver_at_random_moments_and_inside_the_commit(src: Path,
         kills, seen = 0, []
         for stage, options in enumerate([{**OPTIONS, "resume": True}, {**OPTIONS, "seed": 4, "force": True,
                                                                        "resume": True}]):
-            done = False
             for k in range(3 * KILLS):  # a kill that came too late lets the compile finish: a --force one goes on
                 if kills >= KILLS * (stage + 1) // 2 or stage == 0 and finished():
                     break
                 hold = HOLDS[k] if k < len(HOLDS) else None
-                done = run(options, rng.uniform(0.05, 0.95) * whole_s, hold)
-                kills += not done
+                kills += not run(options, rng.uniform(0.05, 0.95) * whole_s, hold)
                 seen.append(_reader_sees(url, [old, new]))
                 assert seen[-1] in ((None, 0) if stage == 0 else (0, 1))
             assert (stage == 0 and finished()) or run(options)
