@@ -299,28 +299,28 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in found.split()]
 
 
-def _compile_and_kill_a_worker(children, env: dict[str, str], src: Path, url: str) -> int | None:
-    """A compile in a child whose first worker is killed (-9) once a chunk object is written; its exit code."""
-    child = children.Process(target=_compile_child, args=(env, str(src), url, {**OPTIONS, "workers": 2}))
-    child.start()
-    killed, deadline = False, time.monotonic() + RUN_S
-    while not killed and time.monotonic() < deadline and child.is_alive():
-        workers = [w for host in _children(child.pid) for w in _children(host)]  # the host's children
-        if workers and any("/work/chunks/" in i.name for i in Bucket(url).list(fmt.BUILDS_DIR)):
-            os.kill(workers[0], signal.SIGKILL)
-            killed = True
-        time.sleep(0.005)
-    child.join(RUN_S)
-    return child.exitcode if killed else None
-
-
-def test_a_worker_killed_is_resumed_and_the_partial_build_named(src: Path, reference: Path, env, children) -> None:
-    for _ in range(3):  # a kill that lands once the decoding is over (the worker idle) stops nothing: again
-        url = f"s3://{BUCKET}/sets/w{next(_prefixes)}"
-        if _compile_and_kill_a_worker(children, env, src, url) == 1:  # "a worker process died": stopped
-            break
-    else:
-        pytest.fail("no kill landed while a worker had work")
+def test_a_worker_killed_is_resumed_and_the_partial_build_named(src: Path, reference: Path, url: str, env,
+                                                                server: S3Server, children) -> None:
+    """A worker killed (-9) while its chunk object's PUT is held by the proxy (so it dies with work in hand):
+    the compile stops, the next compile names the partial build, --resume reuses what was written."""
+    proxy = FaultProxy(server.endpoint)
+    try:
+        proxy.delay(HOLD_S, 2, match="/work/chunks/", method="PUT")
+        child = children.Process(target=_compile_child, args=({**env, "AWS_ENDPOINT_URL": proxy.endpoint}, str(src),
+                                                              url, {**OPTIONS, "workers": 2}))
+        child.start()
+        killed, deadline = False, time.monotonic() + RUN_S
+        while not killed and time.monotonic() < deadline and child.is_alive():
+            workers = [w for host in _children(child.pid) for w in _children(host)]  # the host's children
+            if workers and proxy.count("PUT", "/work/chunks/"):
+                os.kill(workers[0], signal.SIGKILL)
+                killed = True
+            time.sleep(0.002)
+        child.join(RUN_S)
+        time.sleep(HOLD_S + 0.2)  # the held PUTs land
+    finally:
+        proxy.kill()
+    assert killed and child.exitcode == 1  # the driver said "a worker process died" and stopped
     with pytest.raises(CompileError, match=r"left a partial build at s3://.*/builds/[0-9a-f]{16}/: .*--resume"):
         compile_folder(src, url, workers=1, on_skip=lambda s, r: None, **OPTIONS)
     with pytest.raises(CompileError, match=r"cannot resume s3://.*: made with other settings .*\(seed, sources\)"):

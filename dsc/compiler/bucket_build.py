@@ -24,10 +24,10 @@ import numpy as np
 from dsc import format as fmt
 from dsc.compiler import bucket_chunks as chunks
 from dsc.compiler import bucket_publish as bp
+from dsc.compiler.decoding import Plan, StrictFailure, decode_all, make_chunks
 from dsc.compiler.discover import printable
 from dsc.compiler.finish import NothingDecoded, Unpublishable
 from dsc.compiler.jobs import Engine, SlotResult
-from dsc.compiler.pipeline import Plan, StrictFailure, decode_all, make_chunks
 from dsc.errors import CompileError, DatasetError, StorageError
 from dsc.storage.bucket import Bucket
 

@@ -1,5 +1,5 @@
 """The units of decoding work, shared by the writer, both engines and the journal (a leaf: it
-imports no other compiler module, but for `WriteJob.writer`, where the work runs).
+imports no other compiler module).
 
 A compile is one `WriteJob` (where and how to write) and a list of `Chunk`s: runs of
 consecutive (slot, source) pairs. An `Engine` fills chunks wherever it runs them and hands
@@ -40,13 +40,6 @@ class WriteJob:
     def record_bytes(self) -> int:
         return self.target.height * self.target.width * CHANNELS
 
-    def writer(self):
-        """What fills this job's chunks where it runs (a job of another kind, e.g. a bucket build's shard
-        assembly, names its own): a `write.SlotWriter`, imported only there."""
-        from dsc.compiler.write import SlotWriter
-
-        return SlotWriter(self)
-
 
 @dataclass(frozen=True)
 class SlotResult:
@@ -81,7 +74,7 @@ class Engine(Protocol):
 
     def fill(self, job: WriteJob, chunks: Iterable[Chunk], on_results: OnResults) -> None:
         """Fill every slot of `chunks`, calling `on_results` in the caller's thread once per chunk. It may be
-        called again (a bucket build fills its chunks, then assembles its shards: `job.writer()` says how).
+        called again (a bucket build fills its chunks, then assembles its shards: `write.writer_for(job)`).
 
         `on_results` may raise (e.g. for --strict) to stop the remaining work at once."""
 

@@ -28,11 +28,12 @@ from dsc.compiler import journal, output, publish
 from dsc.compiler import labels as labels_module
 from dsc.compiler import sources as archives
 from dsc.compiler.decode import DEFAULT_MAX_PIXELS, decoder_name
+from dsc.compiler.decoding import Plan, StrictFailure, decode_all
 from dsc.compiler.discover import Discovery, discover, printable
 from dsc.compiler.engines import check_workers, make_engine
 from dsc.compiler.engines.supervisor import MAX_STALL_S
 from dsc.compiler.finish import NothingDecoded, Unpublishable, check_shard_count, finish
-from dsc.compiler.jobs import Engine, SlotResult, WriteJob, chunk_size, split
+from dsc.compiler.jobs import Engine, WriteJob
 from dsc.compiler.target import INTERPOLATION, PAD_VALUE, Target, parse_size, resize_backend
 from dsc.errors import CompileError
 from dsc.storage.object_file import is_url
@@ -107,58 +108,6 @@ def _source(src: str | os.PathLike) -> Path | str:
     """SRC (or OUT) as an absolute path, or as given when it is an `s3://` URL (archives, a dataset in a bucket)."""
     text = os.fspath(src)
     return text if is_url(text) else Path(src).absolute()
-
-
-class StrictFailure(CompileError):
-    """A --strict compile met a source it could not decode: the build is discarded."""
-
-
-def decode_all(job: WriteJob, plan: Plan, engine: Engine, strict: bool, done: dict[int, SlotResult],
-                log: journal.Journal, on_skip: Callable[[str, str], None],
-                progress: Callable[[int], None] | None):
-    """Fill every slot not `done` already; return (ok mask, upright sizes, skipped (source, reason) list,
-    decoder warnings per slot)."""
-    sources = plan.sources
-    ok = np.zeros(len(sources), dtype=bool)
-    sizes = np.zeros((len(sources), 2), dtype=np.int64)
-    warned = np.zeros(len(sources), dtype=np.int64)
-    failed: list[tuple[str, str]] = []
-
-    def collect(results: list[SlotResult]) -> None:
-        for result in results:
-            if result.ok:
-                if result.warnings and strict:
-                    raise StrictFailure(f"{Path(job.src_root) / sources[result.slot]}: {result.warning} "
-                                        "(--strict refuses a source the decoder warned about: nothing written)")
-                if result.warning:
-                    logger.warning("%s: %s", sources[result.slot], result.warning)
-                warned[result.slot] = result.warnings
-                ok[result.slot] = True
-                sizes[result.slot] = (result.height, result.width)
-            elif strict:
-                raise StrictFailure(f"{Path(job.src_root) / sources[result.slot]}: {result.reason} "
-                                    "(--strict: nothing written)")
-            else:
-                failed.append((sources[result.slot], result.reason))
-                on_skip(sources[result.slot], result.reason)
-        if progress:
-            progress(len(results))
-
-    collect(list(done.values()))
-    chunks = make_chunks(job, plan, [slot for slot in range(len(sources)) if slot not in done], engine.workers)
-    engine.fill(job, chunks, lambda results: (log.append(results), collect(results)))
-    return ok, sizes, failed, warned
-
-
-def make_chunks(job: WriteJob, plan: Plan, slots: list[int], workers: int):
-    """The chunks that fill `slots`: runs of consecutive ones, or for archives the format's units, each
-    read in stored order; at most `job.max_chunk` sources each."""
-    size = chunk_size(len(slots), workers)
-    if job.max_chunk is not None:
-        size = min(size, job.max_chunk)
-    if isinstance(plan.found, archives.ArchiveDiscovery):
-        return archives.chunks(plan.found, plan.order, slots, size)
-    return split([(slot, plan.sources[slot]) for slot in slots], size)
 
 
 def _fields_digest(fields: list[tuple[fmt.FieldEntry, np.ndarray]]) -> str:
@@ -313,24 +262,6 @@ def _report(found: Discovery, strict: bool, on_skip: Callable[[str, str], None],
         on_skip(source, reason)
     if on_total:
         on_total(len(found.sources))
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What a build makes, fixed before any work: slot i holds `sources[i]`; `record` is what a resume
-    must find unchanged (`digest` is its SHA-256), `listing` names the sources with their stamps."""
-
-    job: WriteJob  # where and how slots are filled (its stage is set when the build folder is known)
-    found: Discovery
-    order: np.ndarray  # slot i holds found.sources[order[i]]
-    sources: list[str]
-    listing: list[str]
-    record: dict
-    digest: str
-    options: dict  # the manifest's "compile" section
-
-    def fields(self) -> list[tuple[fmt.FieldEntry, np.ndarray]]:
-        return [(spec, values[self.order]) for spec, values in self.found.fields]
 
 
 def _plan(recipe: WriteJob, found: Discovery, seed: int, shuffle: bool, label_table: str | os.PathLike | None) -> Plan:

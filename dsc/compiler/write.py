@@ -171,9 +171,16 @@ class SlotWriter:
         Image.MAX_IMAGE_PIXELS = self._pillow_limit
 
 
+def writer_for(job):
+    """What fills a job's chunks where it runs: a `SlotWriter` decodes sources; a job of another kind (a bucket
+    build's shard assembly, `bucket_chunks.AssembleJob`) makes its own with `job.writer()`."""
+    make = getattr(job, "writer", None)
+    return make() if make is not None else SlotWriter(job)
+
+
 def write_chunk(job: WriteJob, chunk: Chunk) -> list[SlotResult]:
     """Fill one chunk's slots with a writer of its own (a Ray task, a single-process compile)."""
-    writer = job.writer()
+    writer = writer_for(job)
     try:
         return writer.write(chunk)
     finally:

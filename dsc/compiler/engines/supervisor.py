@@ -200,7 +200,9 @@ def _send(conn: Connection, message: tuple) -> None:
 def _worker_main(conn: Connection, job: WriteJob, init: Callable[[], None]) -> None:
     """A worker: fill each chunk it is sent, reporting every slot as it is done."""
     init()
-    writer = job.writer()  # its modules were imported by the host already: shared, no cost here
+    from dsc.compiler.write import writer_for  # imported by the host already: shared, no cost here
+
+    writer = writer_for(job)
     try:
         while True:
             try:
