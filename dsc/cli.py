@@ -129,8 +129,9 @@ def compile_command(
                                "WebDataset tar shards (a file, a folder, a glob or a {000..099} pattern), "
                                "Parquet files (a file or a folder), a zip of an image folder; any of these "
                                "as s3:// URLs."),
-    out: Path = typer.Argument(..., metavar="OUT", parser=_path,
-                               help="Dataset folder to create (built aside, then renamed into place)."),
+    out: Path = typer.Argument(..., metavar="OUT", parser=_source,
+                               help="Dataset folder to create (built aside, then renamed into place), or an "
+                               "s3://bucket/prefix to compile into (committed there as a new version)."),
     size: str = typer.Option("224", "--size", callback=_size_option, metavar="N|HxW",
                              help="Record size: N for N x N, or HxW (height x width)."),
     fit: str = typer.Option("center-crop", "--fit", metavar="FIT", help=f"How to reach the size: {', '.join(FITS)}."),
@@ -241,7 +242,9 @@ def compile_command(
         _fail(str(e))
     except KeyboardInterrupt:
         bar.close()
-        _fail(_interrupted(out.absolute()), code=130)
+        _fail(_interrupted(out.absolute()) if isinstance(out, Path) else
+              f"interrupted; {out} holds what it held before or the new dataset, never a mix: add --resume "
+              "to continue", code=130)
     bar.close()
     if summary.reused:
         typer.echo(f"note: resumed: {summary.reused} of {summary.built} sources were done already", err=True)
@@ -261,7 +264,8 @@ def compile_command(
     h, w, c = summary.record_shape
     typer.echo(f"wrote {out}: {_count(summary.kept, 'record')} of {h}x{w}x{c} uint8 in {summary.shards} shard(s), "
                f"{_count(len(summary.classes), 'class', 'classes')}, {len(summary.skipped)} skipped, "
-               f"{_human_bytes(summary.bytes_on_disk)} on disk, {summary.seconds:.1f} s "
+               f"{_human_bytes(summary.bytes_on_disk)} {'on disk' if isinstance(out, Path) else 'in the bucket'}, "
+               f"{summary.seconds:.1f} s "
                f"({summary.images_per_second:.0f} images/s)")
 
 

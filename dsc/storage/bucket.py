@@ -92,11 +92,18 @@ class Bucket:
         return found is not None and found[0] == data  # a retry of our own write, or the same bytes
 
     def upload(self, name: str, pieces: Callable[[], Iterable[bytes]]) -> str:
-        """Write a large object from `pieces()` (called again for a retry) as one multipart upload: it
-        appears whole or not at all. Its ETag."""
-        result = self._request("multipart PUT", name, lambda c: s3._obstore().put(
-            c, self.key(name), iter(pieces()), chunk_size=UPLOAD_PART_BYTES, max_concurrency=UPLOAD_CONCURRENCY))
-        return result["e_tag"]
+        """Write a large object from `pieces()` (called again for a retry; it may make requests of its own) as
+        one multipart upload: it appears whole or not at all, an exception from `pieces` aborting it. Its ETag."""
+        def request(c: Any) -> None:
+            with s3._obstore().open_writer(c, self.key(name), buffer_size=UPLOAD_PART_BYTES,
+                                           max_concurrency=UPLOAD_CONCURRENCY) as writer:
+                for piece in pieces():
+                    writer.write(piece)
+        self._request("multipart PUT", name, request)
+        written = self.head(name)
+        if written is None:
+            raise StorageError(f"{self.at(name)}: missing right after its upload completed")
+        return written.etag
 
     def copy(self, source: str, name: str) -> None:
         """Copy object `source` to `name` inside the bucket (server-side: no bytes through this process)."""
