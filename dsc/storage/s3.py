@@ -27,7 +27,6 @@ import re
 import secrets
 import shutil
 import stat
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -58,7 +57,6 @@ HELPER_WAIT_S = 30.0  # how much longer than a request's own limit a forked chil
 logger = logging.getLogger("dsc")
 _clients: dict[tuple, Any] = {}  # (process id, bucket, endpoint settings) -> obstore S3Store
 _runtime_pid: int | None = None  # the process that first called obstore (its runtime lives there)
-_inherited_runtime = False  # forked from a process that had imported obstore (whose runtime may run there)
 _opened_keys: dict[tuple[str, str], str] = {}  # (url, cache) -> cache key of the manifest read last
 _opened_versions: dict[tuple[str, str], dict[str, str]] = {}  # (url, cache) -> {versions/N.json: its cache key}
 
@@ -128,13 +126,6 @@ def _request_timeout() -> float:
     return seconds
 
 
-def _note_fork() -> None:
-    global _inherited_runtime
-    if "obstore" in sys.modules:  # the parent may have started obstore's runtime, which the child lacks
-        _inherited_runtime = True
-
-
-os.register_at_fork(after_in_child=_note_fork)
 
 
 def _local_ranks() -> int:
@@ -144,9 +135,11 @@ def _local_ranks() -> int:
 
 
 def _forked() -> bool:
-    """Whether this process was forked from one that may have started obstore's runtime (unusable here):
-    its requests then go through a helper process (`fetch_helper`)."""
-    return _inherited_runtime or (_runtime_pid is not None and _runtime_pid != os.getpid())
+    """Whether this process was forked from one that made an obstore client (`client`), whose runtime it may
+    have started (unusable here): its requests then go through a helper process (`fetch_helper`). Importing
+    obstore starts nothing: a process forked from one that only imported it (the compile's spawned worker
+    host) makes its own client and requests."""
+    return _runtime_pid is not None and _runtime_pid != os.getpid()
 
 
 def _settings() -> dict[str, Any]:
