@@ -164,6 +164,9 @@ def _commit_on_latest(root: Path, new: storage.OpenedDataset, new_classes: bool,
                             skipped=tuple(joined.skipped[:fmt.SKIPPED_IN_MANIFEST]), compile=m.compile,
                             fields=fields, skipped_list=skip_list, warnings=warnings,
                             dataset_version=m.dataset_version + 1, parts=joined.parts, checksums=checksums)
+    table = f"{folder}/{fmt.SHARD_TABLE_FILE}"  # the new shards' digests; the kept ones stay in m's tables
+    manifest, payload = fmt.with_shard_table(manifest, table, base=m, kept=full)
+    local.write_durably(root / table, payload)
     storage.check_manifest_text(root, manifest.to_json().encode("ascii"))  # never commit what readers refuse
     versions.commit(root, manifest)
     return manifest, how, joined

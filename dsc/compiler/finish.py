@@ -97,7 +97,7 @@ def finish(stage: Path, job: WriteJob, ok: np.ndarray, sizes: np.ndarray, labels
                             compile=options, skipped=tuple(skip_list[:fmt.SKIPPED_IN_MANIFEST]),
                             skipped_list=output.write_skip_list(stage, skip_list), fields=written_fields,
                             warnings=warnings, checksums=output.write_checksums(stage, crcs))
-    output.write_manifest(stage, manifest)
+    manifest = output.write_manifest(stage, manifest)
     try:  # never publish what the reader would refuse
         storage.validate(stage)
     except DatasetError as e:

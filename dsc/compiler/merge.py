@@ -68,7 +68,7 @@ def merge(inputs: list[str | os.PathLike], out: str | os.PathLike, force: bool =
                                     index=index, skipped=tuple(joined.skipped[:fmt.SKIPPED_IN_MANIFEST]),
                                     compile=first.compile, fields=fields, skipped_list=skip_list, warnings=warnings,
                                     parts=joined.parts, checksums=checksums)
-            output.write_manifest(stage, manifest)
+            manifest = output.write_manifest(stage, manifest)
             try:
                 storage.validate(stage)
             except DatasetError as e:

@@ -125,6 +125,11 @@ def write_skip_list(root: Path, skipped: list[dict[str, str]]) -> fmt.SkipListEn
     return fmt.SkipListEntry(written.file, written.bytes, written.sha256, len(skipped))
 
 
-def write_manifest(root: Path, manifest: fmt.Manifest) -> None:
-    """Write manifest.json last: until it exists, the folder is not a dataset."""
+def write_manifest(root: Path, manifest: fmt.Manifest) -> fmt.Manifest:
+    """Write the shard table (format 1.4), then manifest.json last: until it exists, the folder is not a
+    dataset. Returns the manifest written."""
+    if not manifest.shard_tables and fmt.minor_version(manifest.version) >= 4:
+        manifest, payload = fmt.with_shard_table(manifest, fmt.SHARD_TABLE_FILE)
+        local.write_durably(root / fmt.SHARD_TABLE_FILE, payload)
     local.write_durably(root / fmt.MANIFEST_FILE, manifest.to_json().encode("ascii"))
+    return manifest

@@ -182,7 +182,7 @@ def read_manifest(store: DatasetStore, version: int | None = None) -> fmt.Manife
     except DatasetError as e:
         raise DatasetError(f"{store.root}: no {name}; not a dsc dataset, or its compile never "
                            "finished") from e
-    manifest = fmt.parse_manifest(text, store.root, store.size)
+    manifest = fmt.parse_manifest(text, store.root, store.size, store.read)
     if name != fmt.MANIFEST_FILE and manifest.dataset_version != fmt.version_of(name.split("/")[-1]):
         raise DatasetError(f"{store.root}/{name}: says it is version {manifest.dataset_version}; the dataset is "
                            "damaged")
@@ -256,7 +256,7 @@ def check_manifest_text(root: str | os.PathLike, text: bytes) -> fmt.Manifest:
     """Everything `validate` checks, of manifest bytes not yet committed, over the files of the folder `root`:
     what a writer of a new version runs before it commits it."""
     with _opened(root) as store:
-        manifest = fmt.parse_manifest(text, store.root, store.size)
+        manifest = fmt.parse_manifest(text, store.root, store.size, store.read)
         fmt.check_index(manifest, store.root, _values_of(store))
         return manifest
 
