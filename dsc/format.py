@@ -281,9 +281,10 @@ class Manifest:
         return hashlib.sha256(self.to_json().encode()).hexdigest()
 
     def to_json(self) -> str:
-        # A manifest whose shards' digests are in no table yet (`with_shard_table` puts them in one) lists
-        # them inline, as 1.3 does: what a writer that writes no table file still produces.
-        version = self.version if self.shard_tables or minor_version(self.version) < 4 else "1.3"
+        # Before 1.4, and while the shards' digests are in no table yet (`with_shard_table` puts them in one),
+        # the shards are listed inline, as 1.3 does: what a writer that writes no table file still produces.
+        tabled = bool(self.shard_tables) and minor_version(self.version) >= 4
+        version = self.version if tabled or minor_version(self.version) < 4 else "1.3"
         doc = {
             "format": FORMAT_NAME,
             "version": version,
@@ -292,7 +293,7 @@ class Manifest:
             "count": self.count,
             "records_per_shard": self.records_per_shard,
             "classes": list(self.classes),
-            **({"shard_tables": [asdict(t) for t in self.shard_tables]} if self.shard_tables else
+            **({"shard_tables": [asdict(t) for t in self.shard_tables]} if tabled else
                {"shards": [asdict(s) for s in self.shards]}),
             "index": {k: asdict(v) for k, v in self.index.items()},
             "skipped": [dict(s) for s in self.skipped],
@@ -536,7 +537,8 @@ def _is_skip(item: Any, extra_ok: bool) -> bool:
 
 ReadFile = Callable[[str, int], bytes]  # (file name, limit) -> at most `limit` bytes of the stored file
 SizeOf = Callable[[str, str], int]  # (file name, what names it) -> the stored file's size in bytes
-ValuesOf = Callable[[str, np.dtype, int], Iterable[np.ndarray]]  # the first n values, piece by piece
+ValuesOf = Callable[[str, np.dtype, int], Iterable[np.ndarray]]  # the first n values, piece by piece (each
+# piece valid until the next is asked for: the store may read them all into one buffer)
 
 
 _MANIFEST_KEYS_1_0 = {"format", "version", "record", "count", "records_per_shard", "classes",
