@@ -882,6 +882,11 @@ def _parse_shard_tables(stored: _Stored, doc: dict, count: int, per_shard: int, 
     if first != total:
         raise _fail(root, f"'shard_tables' cover {first} shard(s), but {count} records at {per_shard} per shard "
                           f"need {total}")
+    for name, entry in files.items():  # read whole below: at most one row beyond those used (a replaced shard's)
+        used = max(t.row + t.count for t in tables if t.file == name) * DIGEST_BYTES
+        if entry.bytes > used + DIGEST_BYTES:
+            raise _fail(root, f"shard table {name!r} has {entry.bytes} bytes, but its entries use {used} (at most "
+                              f"{DIGEST_BYTES} more may be unused)")
     if read is None:
         raise ValueError("a 1.4 manifest is parsed with a reader of its shard tables")
     rows = {}

@@ -227,7 +227,7 @@ def set_key(*keys_and_value):
     (set_key("count", -1), DatasetError, r"'count' = -1 is outside"),
     (set_key("count", "5"), DatasetError, "'count' must be int, found str"),
     (set_key("count", True), DatasetError, "'count' must be int, found bool"),
-    (set_key("records_per_shard", 5), DatasetError, r"'shard_tables' has 1 table\(s\) for 1 shard\(s\)|count"),
+    (set_key("records_per_shard", 5), DatasetError, r"shard_tables\[0\]: 'count' = 3 is outside \[1, 1\]"),
     (set_key("record", "shape", [2, 3, 4]), DatasetError, r"'shape' must be \[H, W, 3\]"),
     (set_key("record", "shape", [2, 1 << 40, 3]), DatasetError, r"'shape' must be"),
     (set_key("record", "dtype", "float32"), DatasetError, "'dtype' must be 'uint8'"),
@@ -249,7 +249,7 @@ def set_key(*keys_and_value):
     (set_key("classes", ["a", "a"]), DatasetError, "distinct"),
     (set_key("skipped", ["x"]), DatasetError, "'skipped' must be a list of"),
     (set_key("compile", []), DatasetError, "'compile' must be dict"),
-    (set_key("count", 2**33), DatasetError, r"'count' = 3, outside|cover 3 shard\(s\), but 8589934592 records"),
+    (set_key("count", 2**33), DatasetError, r"'shard_tables' cover 3 shard\(s\), but 8589934592 records"),
     (set_key("records_per_shard", 2**40 + 1), DatasetError, "'records_per_shard' = .* is outside"),
     (set_key("skipped", [{"source": "x", "reason": "y", "extra": 1}]), DatasetError, "'skipped' must be"),
     (set_key("skipped_list", "count", 2), DatasetError,  # found by test_fuzz_dataset: info refused, the reader not
@@ -278,6 +278,20 @@ def test_a_lying_1_3_shard_list_is_refused_before_mapping(tmp_path: Path, change
     edit_manifest(tmp_path / "old", change)
     with pytest.raises(DatasetError, match=match):
         storage.open_dataset(tmp_path / "old")
+
+
+@pytest.mark.parametrize(("extra_rows", "refused"), [(1, False), (2, True)])
+def test_a_shard_table_holds_at_most_one_row_beyond_those_used(tiny: Path, extra_rows: int, refused: bool) -> None:
+    """One unused row is a replaced last shard's (an append); more would be bytes read at every open for nothing."""
+    table = tiny / fmt.SHARD_TABLE_FILE
+    table.write_bytes(table.read_bytes() + bytes(32 * extra_rows))
+    edit_manifest(tiny, lambda d: d["shard_tables"][0].update(bytes=table.stat().st_size,
+                                                             sha256=hashlib.sha256(table.read_bytes()).hexdigest()))
+    if refused:
+        with pytest.raises(DatasetError, match=r"'shard_table.bin' has 160 bytes, but its entries use 96 \(at most 32"):
+            storage.open_dataset(tiny)
+    else:
+        assert [s.records for s in storage.open_dataset(tiny).manifest.shards] == [2, 2, 1]
 
 
 def test_a_newer_minor_version_may_add_keys(tiny: Path) -> None:
