@@ -1,4 +1,4 @@
-"""The dsc dataset format, version 1.3: the only module that knows the on-disk layout.
+"""The dsc dataset format, version 1.4: the only module that knows the on-disk layout.
 
 The contract is ``formats.md`` at the repository root; this module uses the same
 names for the same things. In short::
@@ -14,6 +14,7 @@ names for the same things. In short::
       fields/NAME.bin       (1.1) one typed per-record value per field: [count, *shape], little-endian
       warnings.bin          (1.2, only when a record has one) uint16 LE [count] decoder warnings per record
       checksums.bin         (1.3, optional) uint32 LE [count]: CRC-32 of each record's bytes
+      shard_table.bin       (1.4) each shard's SHA-256, 32 raw bytes a shard (`with_shard_table`, `ShardList`)
       versions/00000002.json (1.3) the manifest of version 2 (an append), committed create-only
       appends/<16 hex>/...  (1.3) the files an append wrote (its shards, a new index), named by its versions
 
@@ -22,6 +23,10 @@ Versions (1.3): version 1 is the compile; `dsc append` commits version N+1 by cr
 are never rewritten, so a reader that opened version N keeps reading exactly N; the latest
 version is the highest-numbered manifest in `versions/`, else `manifest.json` (which dsc also
 refreshes to a copy of the latest, for readers that do not know versions).
+
+Shard tables (1.4): the manifest no longer lists the shards (~150 bytes each: 60 MB at 400k
+shards, parsed by every process); its `shard_tables` say which folder holds each run of shards and
+which rows of a table file hold their SHA-256s, and `ShardList` makes a shard's entry when asked.
 
 The manifest (formats.md, "manifest.json") names every other file with its size and SHA-256,
 and (1.2) carries its own SHA-256, taken with that value as 64 '0's (`sealed`, `seal_problem`);
@@ -817,7 +822,7 @@ def parse_manifest(text: bytes, root: Any, size_of: SizeOf, read: ReadFile | Non
         raise _fail(root, "'skipped' must be a list of {\"source\": str, \"reason\": str} objects")
     fields = _parse_fields(stored, doc.get("fields", []), count, newer)
     return Manifest(height=height, width=width, count=count, records_per_shard=per_shard,
-                    classes=tuple(classes), shards=tuple(shards), index=index,
+                    classes=tuple(classes), shards=shards, index=index,
                     skipped=tuple({"source": s["source"], "reason": s["reason"]} for s in skipped),
                     compile=_expect(root, doc, "compile", dict), fields=fields,
                     version=doc["version"], skipped_list=_skip_list_entry(stored, doc, newer),
@@ -868,7 +873,10 @@ def _parse_shard_tables(stored: _Stored, doc: dict, count: int, per_shard: int, 
         problem = file_name_problem(folder)
         if problem:
             raise _fail(root, f"{where}: 'folder' {problem}")
-        if t.get("file") in files:  # one file backing several tables: the same entry each time
+        problem = file_name_problem(t["file"])
+        if problem:
+            raise _fail(root, f"{where} {problem}")
+        if t["file"] in files:  # one file backing several tables: the same entry each time
             if (t["bytes"], t["sha256"]) != (files[t["file"]].bytes, files[t["file"]].sha256):
                 raise _fail(root, f"{where}: file {t['file']!r} is listed with another size or SHA-256 before")
         else:
