@@ -107,7 +107,8 @@ def build(root: Path, count: int, side: int, records_per_shard: int | None,
         size = n * record_bytes
         with open(root / fmt.shard_file(i), "wb") as f:
             f.truncate(size)  # sparse: sized, never written
-        digests.setdefault(size, zeros_sha256(size))
+        if size not in digests:  # hashed once per size (setdefault hashed 1 GiB of zeros for every shard)
+            digests[size] = zeros_sha256(size)
         shards.append(fmt.ShardEntry(fmt.shard_file(i), size, digests[size], n))
     rng = np.random.default_rng(0)
     files = {key: open(root / name, "wb") for key, name in fmt.INDEX_FILES.items()}
