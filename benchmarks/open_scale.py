@@ -1,14 +1,18 @@
 """What opening a large dataset costs: time and memory of `MemmapDataset(path)`, its first batch, and `dsc info`.
 
     python benchmarks/open_scale.py [--counts 1000000 10000000] [--side 32] [--records-per-shard N] [--dir DIR]
+                                    [--versions 1.3 1.4]
 
 For each record count, a dataset is built with the format's own writer (`dsc.format` payloads through
 `dsc.compiler.output`), nothing decoded: shard files are sparse (sized, never written; their SHA-256 is
 that of zeros), index files real (random labels over 1,000 classes, names like `c123/000000042.jpg`),
-1,000 skipped sources. Each figure is measured in a fresh process, page cache warm (the build just
-wrote the index):
+1,000 skipped sources. With more shards than vm.max_map_count allows maps, only the manifest is
+measured (the reader maps every shard: such a dataset cannot be opened; '-' in the other columns).
+Each figure is measured in a fresh process, page cache warm (the build just wrote the index):
 
-  manifest       the manifest's size (it grows with the number of shards: one entry of ~150 bytes each)
+  manifest       the manifest's size (format 1.4: a few KB whatever the shards; 1.3 listed ~150 bytes a shard)
+  parse s, MB    `storage.parse_manifest(path)` alone, and the anonymous memory it adds: what the manifest
+                 costs every process that opens the dataset (1.3 lists every shard in it: --versions 1.3 1.4)
   open s         `MemmapDataset(path)`: manifest parsed, every index file's values checked, files mapped
   batch s        then `ds.loader(256, order="block", seed=0)` and its first batch: includes the epoch
                  order (its permutation of every record is another piece of work, issue 27 point 7)
@@ -17,8 +21,9 @@ wrote the index):
   info s, MB     `dsc info PATH` as a user runs it, wall time and peak RSS of the whole process
 
 Targets (issue 27): at 10^8 records, open + first batch <= 1 s and <= 256 MB beyond the maps, info <= 1 s.
-Building needs about 100 bytes of memory per record (the writer holds the names as Python strings):
-10^8 records need ~10 GB and several GB of disk; pass --counts 100000000 where there is room.
+The build makes and writes the index 2^20 records at a time (its memory does not grow with the count);
+10^8 records need ~4.2 GB of disk for the index (and the shards' sizes, sparse): pass
+--counts 100000000 where there is room.
 """
 
 from __future__ import annotations
@@ -57,6 +62,18 @@ first = time.perf_counter() - t
 print(json.dumps({"open": opened, "batch": first, "anon": anon() - base}))
 """
 
+MEASURE_PARSE = """
+import json, sys, time
+def anon():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+from dsc import storage
+base = anon()
+t = time.perf_counter()
+manifest = storage.parse_manifest(sys.argv[1])
+print(json.dumps({"parse": time.perf_counter() - t, "parse_anon": anon() - base}))
+"""
+
 MEASURE_INFO = """
 import resource, subprocess, sys, time
 t = time.perf_counter()
@@ -73,8 +90,14 @@ def zeros_sha256(size: int) -> str:
     return digest.hexdigest()
 
 
-def build(root: Path, count: int, side: int, records_per_shard: int | None) -> fmt.Manifest:
-    """A valid dataset of `count` records with sparse shards, through the format's own writer."""
+BUILD_CHUNK = 1 << 20  # records made and written at a time: the build's memory does not grow with the count
+
+
+def build(root: Path, count: int, side: int, records_per_shard: int | None,
+          version: str = fmt.FORMAT_VERSION) -> fmt.Manifest:
+    """A valid dataset of `count` records with sparse shards, through the format's own writer: the index
+    payloads (`fmt.encode_sources`, `fmt.encoded_index_payloads`) made a chunk of records at a time and
+    appended to their files, so that building 10^8 records needs no more memory than building 10^6."""
     record_bytes = side * side * fmt.CHANNELS
     per_shard = records_per_shard or max(1, (1 << 30) // record_bytes)
     (root / fmt.SHARD_DIR).mkdir(parents=True)
@@ -84,30 +107,60 @@ def build(root: Path, count: int, side: int, records_per_shard: int | None) -> f
         size = n * record_bytes
         with open(root / fmt.shard_file(i), "wb") as f:
             f.truncate(size)  # sparse: sized, never written
-        digests.setdefault(size, zeros_sha256(size))
+        if size not in digests:  # hashed once per size (setdefault hashed 1 GiB of zeros for every shard)
+            digests[size] = zeros_sha256(size)
         shards.append(fmt.ShardEntry(fmt.shard_file(i), size, digests[size], n))
     rng = np.random.default_rng(0)
-    labels = rng.integers(0, CLASSES, count)
-    sizes = np.full((count, 2), side, np.int64)
-    sources = [f"c{label}/{i:09d}.jpg" for i, label in enumerate(labels.tolist())]
-    index = output.write_index(root, labels, sizes, sources)
-    del sources
+    files = {key: open(root / name, "wb") for key, name in fmt.INDEX_FILES.items()}
+    hashes = {key: hashlib.sha256() for key in files}
+    end = 0
+    try:
+        for first in range(0, count, BUILD_CHUNK):
+            labels = rng.integers(0, CLASSES, min(BUILD_CHUNK, count - first))
+            sizes = np.full((len(labels), 2), side, np.int64)
+            names = [f"c{label}/{i:09d}.jpg" for i, label in enumerate(labels.tolist(), first)]
+            offsets, blob = fmt.encode_sources(names)
+            offsets = offsets if first == 0 else offsets[1:]  # one offsets file: each chunk's after the previous end
+            payloads = fmt.encoded_index_payloads(labels, sizes, offsets + np.uint64(end), blob)
+            for key, (_, payload) in payloads.items():
+                files[key].write(payload)
+                hashes[key].update(payload)
+            end += len(blob)
+    finally:
+        for f in files.values():
+            f.close()
+    index = {key: fmt.FileEntry(name, (root / name).stat().st_size, hashes[key].hexdigest())
+             for key, name in fmt.INDEX_FILES.items()}
     skips = [{"source": f"bad/{i:06d}.jpg", "reason": "not a recognised image file"} for i in range(SKIPS)]
     manifest = fmt.Manifest(height=side, width=side, count=count, records_per_shard=per_shard,
                             classes=tuple(f"c{k}" for k in range(CLASSES)), shards=tuple(shards), index=index,
                             compile={"size": [side, side], "fit": "center-crop", "source_root": "/nonexistent"},
                             skipped=tuple(skips[:fmt.SKIPPED_IN_MANIFEST]),
-                            skipped_list=output.write_skip_list(root, skips))
-    output.write_manifest(root, manifest)
-    return manifest
+                            skipped_list=output.write_skip_list(root, skips), version=version)
+    return output.write_manifest(root, manifest)
 
 
-def measure(path: Path) -> dict:
-    opened = json.loads(subprocess.run([sys.executable, "-c", MEASURE_OPEN, str(path)], capture_output=True,
-                                       text=True, check=True).stdout)
-    info_s, info_rss = subprocess.run([sys.executable, "-c", MEASURE_INFO, str(path)], capture_output=True,
-                                      text=True, check=True).stdout.split()
-    return {**opened, "info": float(info_s), "info_rss": int(info_rss)}
+def max_maps() -> int:
+    """How many memory maps a process may have (vm.max_map_count): a reader maps every shard."""
+    try:
+        return int(Path("/proc/sys/vm/max_map_count").read_text())
+    except (OSError, ValueError):
+        return 1 << 62
+
+
+def measure(path: Path, shards: int) -> dict:
+    def run(script: str) -> str:
+        return subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True,
+                              check=True).stdout
+    parsed = json.loads(run(MEASURE_PARSE))
+    if shards + 1000 > max_maps():  # the open would fail mapping them: the manifest's part only
+        return {**parsed, "open": None, "batch": None, "anon": None, "info": None, "info_rss": None}
+    info_s, info_rss = run(MEASURE_INFO).split()
+    return {**parsed, **json.loads(run(MEASURE_OPEN)), "info": float(info_s), "info_rss": int(info_rss)}
+
+
+def _cell(value: float | None, scale: float, width: int, digits: int) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value / scale:>{width}.{digits}f}"
 
 
 def main() -> None:
@@ -116,21 +169,26 @@ def main() -> None:
     p.add_argument("--side", type=int, default=32)
     p.add_argument("--records-per-shard", type=int, default=None)
     p.add_argument("--dir", type=Path, default=None, help="where to build [default: a temporary folder]")
+    p.add_argument("--versions", nargs="+", default=[fmt.FORMAT_VERSION], choices=["1.3", fmt.FORMAT_VERSION],
+                   help="format versions to write, side by side (1.3: every shard listed in the manifest)")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="open_scale_", dir=args.dir))
-    print(f"{'records':>12} {'shards':>7} {'manifest':>9} {'open s':>7} {'batch s':>8} {'anon MB':>8} "
-          f"{'info s':>7} {'info MB':>8} {'build s':>8}")
+    print(f"{'records':>12} {'shards':>7} {'format':>6} {'manifest':>9} {'parse s':>7} {'parse MB':>8} {'open s':>7} "
+          f"{'batch s':>8} {'anon MB':>8} {'info s':>7} {'info MB':>8} {'build s':>8}")
     try:
         for count in args.counts:
-            root = work / f"ds_{count}"
-            t = time.perf_counter()
-            manifest = build(root, count, args.side, args.records_per_shard)
-            built = time.perf_counter() - t
-            m = measure(root)
-            print(f"{count:>12,} {len(manifest.shards):>7,} {(root / fmt.MANIFEST_FILE).stat().st_size / 1e6:>7.2f}MB "
-                  f"{m['open']:>7.2f} {m['batch']:>8.2f} {m['anon'] / 1e6:>8.0f} {m['info']:>7.2f} "
-                  f"{m['info_rss'] / 1e6:>8.0f} {built:>8.1f}", flush=True)
-            shutil.rmtree(root)
+            for version in args.versions:
+                root = work / f"ds_{count}_{version}"
+                t = time.perf_counter()
+                manifest = build(root, count, args.side, args.records_per_shard, version)
+                built = time.perf_counter() - t
+                m = measure(root, len(manifest.shards))
+                print(f"{count:>12,} {len(manifest.shards):>7,} {version:>6} "
+                      f"{(root / fmt.MANIFEST_FILE).stat().st_size / 1e6:>7.2f}MB {m['parse']:>7.2f} "
+                      f"{m['parse_anon'] / 1e6:>8.0f} {_cell(m['open'], 1, 7, 2)} {_cell(m['batch'], 1, 8, 2)} "
+                      f"{_cell(m['anon'], 1e6, 8, 0)} {_cell(m['info'], 1, 7, 2)} {_cell(m['info_rss'], 1e6, 8, 0)} "
+                      f"{built:>8.1f}", flush=True)
+                shutil.rmtree(root)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -163,7 +163,7 @@ def measure(src: Path, out: Path, engine: str, workers: int) -> dict:
             "driver MB": memory.driver / 1e6, "worker MB": memory.worker / 1e6, "tree MB": memory.tree / 1e6,
             "index B/rec": sum((out / n).stat().st_size for n in INDEX_FILES) / count,
             "manifest KB": ((out / "manifest.json").stat().st_size + extra) / 1e3, "open ms": open_ms(out),
-            "digest": {k: manifest[k] for k in ("shards", "index", "count")}}
+            "digest": {k: manifest[k] for k in ("shard_tables", "index", "count")}}
 
 
 COLUMNS = ("s", "img/s", "driver MB", "worker MB", "tree MB", "index B/rec", "manifest KB", "open ms")
@@ -219,7 +219,8 @@ def kill_and_resume(src: Path, out: Path, engine: str, workers: int, files: int)
     resumed_s, memory = run_compile(compile_command(src, out, engine, workers, resume=True))
     manifest = json.loads((out / "manifest.json").read_text())
     return {"killed after s": killed_s, "journalled": at, "resume s": resumed_s,
-            "resume driver MB": memory.driver / 1e6, "digest": {k: manifest[k] for k in ("shards", "index", "count")}}
+            "resume driver MB": memory.driver / 1e6,
+            "digest": {k: manifest[k] for k in ("shard_tables", "index", "count")}}
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""The dsc dataset format, version 1.3: the only module that knows the on-disk layout.
+"""The dsc dataset format, version 1.4: the only module that knows the on-disk layout.
 
 The contract is ``formats.md`` at the repository root; this module uses the same
 names for the same things. In short::
@@ -14,6 +14,7 @@ names for the same things. In short::
       fields/NAME.bin       (1.1) one typed per-record value per field: [count, *shape], little-endian
       warnings.bin          (1.2, only when a record has one) uint16 LE [count] decoder warnings per record
       checksums.bin         (1.3, optional) uint32 LE [count]: CRC-32 of each record's bytes
+      shard_table.bin       (1.4) each shard's SHA-256, 32 raw bytes a shard (`with_shard_table`, `ShardList`)
       versions/00000002.json (1.3) the manifest of version 2 (an append), committed create-only
       appends/<16 hex>/...  (1.3) the files an append wrote (its shards, a new index), named by its versions
       builds/<16 hex>/...   (1.3, object storage) the files a compile into a bucket wrote, same names
@@ -24,6 +25,10 @@ are never rewritten, so a reader that opened version N keeps reading exactly N; 
 version is the highest-numbered manifest in `versions/`, else `manifest.json` (which dsc also
 refreshes to a copy of the latest, for readers that do not know versions). A compile into a bucket
 commits its build (`builds/<tag>/`) the same way; with --force as version N+1, a replacement.
+
+Shard tables (1.4): the manifest no longer lists the shards (~150 bytes each: 60 MB at 400k
+shards, parsed by every process); its `shard_tables` say which folder holds each run of shards and
+which rows of a table file hold their SHA-256s, and `ShardList` makes a shard's entry when asked.
 
 The manifest (formats.md, "manifest.json") names every other file with its size and SHA-256,
 and (1.2) carries its own SHA-256, taken with that value as 64 '0's (`sealed`, `seal_problem`);
@@ -39,12 +44,15 @@ the payloads it builds here (`index_payloads`, `field_payload`, `skip_list_paylo
 
 from __future__ import annotations
 
+import bisect
+import functools
 import hashlib
 import json
+import operator
 import os
 import zlib
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -53,7 +61,7 @@ import numpy as np
 from dsc.errors import DatasetError, UnsupportedVersionError
 
 FORMAT_NAME = "dsc"
-FORMAT_VERSION = "1.3"  # MAJOR.MINOR: a reader refuses another MAJOR; MINOR only adds keys.
+FORMAT_VERSION = "1.4"  # MAJOR.MINOR: a reader refuses another MAJOR; MINOR only adds keys.
 MANIFEST_FILE = "manifest.json"
 SHARD_DIR = "shards"
 LABELS_FILE = "labels.bin"
@@ -65,6 +73,8 @@ SEAL_KEY = "manifest_sha256"  # 1.2: the manifest's own SHA-256, computed with t
 _SEAL_PLACEHOLDER = "0" * 64
 WARNINGS_FILE = "warnings.bin"  # 1.2: decoder warnings per record (a kept but damaged source)
 CHECKSUMS_FILE = "checksums.bin"  # 1.3: CRC-32 per record, so a fetched byte range can be checked on its own
+SHARD_TABLE_FILE = "shard_table.bin"  # 1.4: each shard's SHA-256, 32 raw bytes a shard: the manifest stays small
+DIGEST_BYTES = 32  # a raw SHA-256
 SKIPPED_IN_MANIFEST = 100  # 1.1: the manifest's "skipped" holds only the first ones (it must stay small)
 INDEX_FILES = {"labels": LABELS_FILE, "sizes": SIZES_FILE,
                "source_offsets": SOURCE_OFFSETS_FILE, "sources": SOURCES_FILE}
@@ -128,6 +138,52 @@ class ShardEntry(FileEntry):
 
 
 @dataclass(frozen=True)
+class ShardTable(FileEntry):
+    """(1.4) Shards [first, first + count) are the files `folder/NNNNN.bin` (NNNNN: the shard's number,
+    as `shard_file` writes it); their SHA-256s are rows row .. row + count - 1 of this file, 32 raw bytes
+    each (one file may back several tables, and hold rows a later version no longer uses)."""
+
+    first: int = 0
+    count: int = 0
+    row: int = 0
+    folder: str = SHARD_DIR
+
+    def file_of(self, shard: int) -> str:
+        return f"{self.folder}/{shard_file(shard).rsplit('/', 1)[1]}"
+
+
+class ShardList(Sequence):
+    """(1.4) The shards' entries, made when asked for from the record arithmetic and the shard tables'
+    digests (32 bytes a shard), instead of one object per shard parsed out of the manifest."""
+
+    def __init__(self, count: int, records_per_shard: int, record_bytes: int, tables: tuple[ShardTable, ...],
+                 digests: bytes) -> None:
+        self.count, self.per_shard, self.record_bytes = count, records_per_shard, record_bytes
+        self.tables, self.digests = tables, digests
+        self._firsts = [t.first for t in tables]
+
+    def __len__(self) -> int:
+        return shard_count(self.count, self.per_shard)
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return tuple(self[i] for i in range(*k.indices(len(self))))
+        k = operator.index(k)
+        k = k + len(self) if k < 0 else k
+        if not 0 <= k < len(self):
+            raise IndexError(f"shard {k} of {len(self)}")
+        table = self.tables[bisect.bisect_right(self._firsts, k) - 1]
+        records = min(self.per_shard, self.count - k * self.per_shard)
+        digest = self.digests[k * DIGEST_BYTES:(k + 1) * DIGEST_BYTES].hex()
+        return ShardEntry(table.file_of(k), records * self.record_bytes, digest, records)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None
+
+
+@dataclass(frozen=True)
 class FieldEntry(FileEntry):
     """A per-record field file (1.1): `[count, *shape]` values of its kind's dtype, no header."""
 
@@ -186,7 +242,7 @@ class Manifest:
     count: int
     records_per_shard: int
     classes: tuple[str, ...]
-    shards: tuple[ShardEntry, ...]
+    shards: Sequence[ShardEntry]  # a tuple, or (1.4, as parsed) a ShardList made from the shard tables
     index: dict[str, FileEntry]
     skipped: tuple[dict[str, str], ...] = ()  # all of them, or with `skipped_list` the first SKIPPED_IN_MANIFEST
     compile: dict[str, Any] = field(default_factory=dict)
@@ -197,6 +253,7 @@ class Manifest:
     dataset_version: int = 1  # 1.3: which version of the dataset this manifest describes
     parts: tuple[Part, ...] = ()  # 1.3: how each run of records was made; () = one part, `compile`
     checksums: FileEntry | None = None  # 1.3: CRC-32 per record (optional: older datasets have none)
+    shard_tables: tuple[ShardTable, ...] = ()  # 1.4: where the shards' SHA-256s are (`with_shard_table`)
 
     @property
     def record_parts(self) -> tuple[Part, ...]:
@@ -222,7 +279,8 @@ class Manifest:
     @property
     def files(self) -> list[FileEntry]:
         """Every file the manifest names, with its size and SHA-256."""
-        return [*self.shards, *self.index.values(), *self.fields,
+        tables = list({t.file: FileEntry(t.file, t.bytes, t.sha256) for t in self.shard_tables}.values())
+        return [*self.shards, *tables, *self.index.values(), *self.fields,
                 *filter(None, [self.skipped_list, self.warnings, self.checksums])]
 
     @property
@@ -231,20 +289,25 @@ class Manifest:
         return hashlib.sha256(self.to_json().encode()).hexdigest()
 
     def to_json(self) -> str:
+        # Before 1.4, and while the shards' digests are in no table yet (`with_shard_table` puts them in one),
+        # the shards are listed inline, as 1.3 does: what a writer that writes no table file still produces.
+        tabled = bool(self.shard_tables) and minor_version(self.version) >= 4
+        version = self.version if tabled or minor_version(self.version) < 4 else "1.3"
         doc = {
             "format": FORMAT_NAME,
-            "version": self.version,
+            "version": version,
             "record": {"shape": list(self.record_shape), "dtype": "uint8", "layout": "HWC",
                        "color": "RGB", "bytes": self.record_bytes},
             "count": self.count,
             "records_per_shard": self.records_per_shard,
             "classes": list(self.classes),
-            "shards": [asdict(s) for s in self.shards],
+            **({"shard_tables": [asdict(t) for t in self.shard_tables]} if tabled else
+               {"shards": [asdict(s) for s in self.shards]}),
             "index": {k: asdict(v) for k, v in self.index.items()},
             "skipped": [dict(s) for s in self.skipped],
             "compile": self.compile,
         }
-        if self.version != "1.0":
+        if version != "1.0":
             doc["fields"] = [f.to_dict() for f in self.fields]
         if self.skipped_list is not None:
             doc["skipped_list"] = asdict(self.skipped_list)
@@ -256,7 +319,7 @@ class Manifest:
             doc["dataset_version"] = self.dataset_version
         if self.parts:
             doc["parts"] = [asdict(p) for p in self.parts]
-        if minor_version(self.version) >= 2:
+        if minor_version(version) >= 2:
             doc[SEAL_KEY] = _SEAL_PLACEHOLDER
             return sealed(json.dumps(doc, indent=1, ensure_ascii=True) + "\n")
         return json.dumps(doc, indent=1, ensure_ascii=True) + "\n"
@@ -413,6 +476,28 @@ def record_checksums(data, record_bytes: int) -> list[int]:
     return [zlib.crc32(view[at:at + record_bytes]) for at in range(0, len(view) - record_bytes + 1, record_bytes)]
 
 
+def with_shard_table(manifest: Manifest, name: str, base: Manifest | None = None,
+                     kept: int = 0) -> tuple[Manifest, bytes]:
+    """(1.4) `manifest` with its shards' SHA-256s in shard tables instead of inline, and the bytes of the
+    new table file `name` (to write before the manifest). Shards [0, kept) keep the rows `base` (the
+    version an append grows) has for them in its tables; the others get rows of the new file, in order."""
+    kept = kept if base is not None and base.shard_tables else 0
+    tables = [replace(t, count=min(t.count, kept - t.first)) for t in (base.shard_tables if kept else ())
+              if t.first < kept]
+    rows = manifest.shards[kept:]
+    payload = b"".join(bytes.fromhex(s.sha256) for s in rows)
+    entry = file_entry(name, payload)
+    for k, shard in enumerate(rows, kept):
+        folder, _, base_name = shard.file.rpartition("/")
+        if base_name != shard_file(k).rsplit("/", 1)[1]:
+            raise ValueError(f"shard {k} is written as {shard.file!r}, not by the name dsc gives it")
+        if tables and tables[-1].folder == folder and tables[-1].file == name:
+            tables[-1] = replace(tables[-1], count=tables[-1].count + 1)
+        else:
+            tables.append(ShardTable(name, entry.bytes, entry.sha256, k, 1, k - kept, folder))
+    return replace(manifest, shard_tables=tuple(tables)), payload
+
+
 def checksums_payload(crcs: np.ndarray) -> tuple[str, bytes]:
     """The checksums file's (file name, bytes) (1.3): each record's CRC-32, in record order."""
     return CHECKSUMS_FILE, np.ascontiguousarray(crcs, CHECKSUM_DTYPE).tobytes()
@@ -463,8 +548,10 @@ def _is_skip(item: Any, extra_ok: bool) -> bool:
 # Validation reads nothing itself: the store that holds the dataset (`dsc.storage`) hands in the
 # manifest's bytes, each named file's size (`SizeOf`) and an index file's values (`ValuesOf`).
 
+ReadFile = Callable[[str, int], bytes]  # (file name, limit) -> at most `limit` bytes of the stored file
 SizeOf = Callable[[str, str], int]  # (file name, what names it) -> the stored file's size in bytes
-ValuesOf = Callable[[str, np.dtype, int], Iterable[np.ndarray]]  # the first n values, piece by piece
+ValuesOf = Callable[[str, np.dtype, int], Iterable[np.ndarray]]  # the first n values, piece by piece (each
+# piece valid until the next is asked for: the store may read them all into one buffer)
 
 
 _MANIFEST_KEYS_1_0 = {"format", "version", "record", "count", "records_per_shard", "classes",
@@ -472,9 +559,12 @@ _MANIFEST_KEYS_1_0 = {"format", "version", "record", "count", "records_per_shard
 _MANIFEST_KEYS = {0: _MANIFEST_KEYS_1_0, 1: _MANIFEST_KEYS_1_0 | {"fields"},  # required, by MINOR version
                   2: _MANIFEST_KEYS_1_0 | {"fields", SEAL_KEY}}
 _MANIFEST_KEYS[3] = _MANIFEST_KEYS[2]
+_MANIFEST_KEYS[4] = _MANIFEST_KEYS[3] - {"shards"} | {"shard_tables"}  # 1.4: the shards' digests in table files
 _OPTIONAL_KEYS = {0: frozenset(), 1: frozenset({"skipped_list"}),  # optional, by MINOR version
                   2: frozenset({"skipped_list", "warnings"}),
                   3: frozenset({"skipped_list", "warnings", "dataset_version", "parts", "checksums"})}
+_OPTIONAL_KEYS[4] = _OPTIONAL_KEYS[3]
+_TABLE_KEYS = {"file", "bytes", "sha256", "first", "count", "row", "folder"}
 _PART_KEYS = {"first", "count", "compile"}
 _RECORD_KEYS = {"shape", "dtype", "layout", "color", "bytes"}
 _FILE_KEYS = {"file", "bytes", "sha256"}
@@ -564,7 +654,7 @@ def is_dataset_file_name(name: str) -> bool:
     """Whether dsc gives a dataset's file this '/'-path: the manifest, an index file, the skip list,
     the decoder warnings, the record checksums, a shard or a field (what a build of dsc may hold, before its
     manifest lists it)."""
-    if name in (MANIFEST_FILE, SKIP_LIST_FILE, WARNINGS_FILE, CHECKSUMS_FILE, *INDEX_FILES.values()):
+    if name in (MANIFEST_FILE, SKIP_LIST_FILE, WARNINGS_FILE, CHECKSUMS_FILE, SHARD_TABLE_FILE, *INDEX_FILES.values()):
         return True
     folder, _, base = name.partition("/")
     if folder == VERSIONS_DIR:
@@ -597,13 +687,32 @@ def listed_files(text: bytes) -> set[str]:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         return set()
 
-    def items(value: Any) -> list:
-        return list(value.values()) if isinstance(value, dict) else value if isinstance(value, list) else []
-    entries = [*items(doc.get("shards")), *items(doc.get("index")), *items(doc.get("fields")), doc.get("skipped_list"),
-               doc.get("warnings"), doc.get("checksums")]
-    return {e["file"] for e in entries if isinstance(e, dict) and file_name_problem(e.get("file")) is None}
+    entries = [*_items(doc.get("shards")), *_items(doc.get("shard_tables")), *_items(doc.get("index")),
+               *_items(doc.get("fields")), doc.get("skipped_list"), doc.get("warnings"), doc.get("checksums")]
+    return {e["file"] for e in entries if isinstance(e, dict) and file_name_problem(e.get("file")) is None} \
+        | set(_declared_shards(doc))
 
 
+def _items(value: Any) -> list:
+    return list(value.values()) if isinstance(value, dict) else value if isinstance(value, list) else []
+
+
+def _declared_shards(doc: dict) -> dict[str, int]:
+    """(1.4) Each shard file the shard tables of manifest JSON name, with the size its record count gives,
+    unchecked (see `listed_files`)."""
+    try:
+        count, per_shard, record_bytes = doc["count"], doc["records_per_shard"], doc["record"]["bytes"]
+        sizes = {}
+        for t in _items(doc.get("shard_tables")):
+            table = ShardTable(t["file"], 0, "", int(t["first"]), int(t["count"]), 0, t["folder"])
+            for k in range(table.first, min(table.first + table.count, shard_count(int(count), int(per_shard)))):
+                sizes[table.file_of(k)] = min(int(per_shard), int(count) - k * int(per_shard)) * int(record_bytes)
+        return {name: size for name, size in sizes.items() if file_name_problem(name) is None}
+    except (KeyError, TypeError, ValueError, ZeroDivisionError, OverflowError):
+        return {}
+
+
+@functools.lru_cache(maxsize=4)  # asked once per file of a dataset: parse its manifest once
 def declared_sizes(text: bytes) -> dict[str, int]:
     """Each listed file's size as manifest bytes declare it, unchecked: what lets a cache answer a
     size without asking the bucket, before `parse_manifest` has validated anything (a wrong answer
@@ -615,18 +724,18 @@ def declared_sizes(text: bytes) -> dict[str, int]:
     if not isinstance(doc, dict):
         return {}
 
-    def items(value: Any) -> list:
-        return list(value.values()) if isinstance(value, dict) else value if isinstance(value, list) else []
-    entries = [*items(doc.get("shards")), *items(doc.get("index")), *items(doc.get("fields")),
-               doc.get("skipped_list"), doc.get("warnings"), doc.get("checksums")]
-    return {e["file"]: e["bytes"] for e in entries if isinstance(e, dict) and file_name_problem(e.get("file")) is None
-            and isinstance(e.get("bytes"), int) and not isinstance(e.get("bytes"), bool)}
+    entries = [*_items(doc.get("shards")), *_items(doc.get("shard_tables")), *_items(doc.get("index")),
+               *_items(doc.get("fields")), doc.get("skipped_list"), doc.get("warnings"), doc.get("checksums")]
+    return {**_declared_shards(doc), **{
+        e["file"]: e["bytes"] for e in entries if isinstance(e, dict) and file_name_problem(e.get("file")) is None
+        and isinstance(e.get("bytes"), int) and not isinstance(e.get("bytes"), bool)}}
 
 
 class _Stored(NamedTuple):
     root: Any  # names the dataset in messages
     size_of: SizeOf
     seen: dict[str, str]  # file name -> the entry that listed it: each file of a dataset has one entry
+    is_shard: Callable[[str], bool] = lambda name: False  # (1.4) whether a shard table names this file
 
 
 def _file_entry(stored: _Stored, doc: Any, where: str, expected_bytes: int | None, extra_ok: bool,
@@ -644,6 +753,8 @@ def _file_entry(stored: _Stored, doc: Any, where: str, expected_bytes: int | Non
     if actual != size:
         raise DatasetError(f"{_at(root, doc['file'])}: file is {actual} bytes, the manifest says {size} "
                            f"({'truncated' if actual < size else 'extended'}); the dataset is damaged")
+    if stored.is_shard(doc["file"]):
+        raise _fail(root, f"{where}: file {doc['file']!r} is also a shard file of the shard tables")
     if doc["file"] in stored.seen:
         raise _fail(root, f"{where}: file {doc['file']!r} is listed twice: also used elsewhere, by "
                           f"{stored.seen[doc['file']]}")
@@ -667,9 +778,10 @@ def _read_manifest(text: bytes, root: Any) -> dict:
     return doc
 
 
-def parse_manifest(text: bytes, root: Any, size_of: SizeOf) -> Manifest:
+def parse_manifest(text: bytes, root: Any, size_of: SizeOf, read: ReadFile | None = None) -> Manifest:
     """Validate manifest.json's bytes (at most MAX_MANIFEST_BYTES + 1 of them, read by the store)
-    and the size of every file it names (`size_of`); `root` names the dataset in messages."""
+    and the size of every file it names (`size_of`); `root` names the dataset in messages. A 1.4
+    manifest's shard tables are read (`read`) and checked against their SHA-256 before any row is used."""
     doc, stored = _read_manifest(text, root), _Stored(root, size_of, {})
     minor = _check_version(root, doc)
     newer = minor > max(_MANIFEST_KEYS)
@@ -697,18 +809,10 @@ def parse_manifest(text: bytes, root: Any, size_of: SizeOf) -> Manifest:
     if not all(isinstance(c, str) and c for c in classes) or len(set(classes)) != len(classes):
         raise _fail(root, "'classes' must be a list of distinct, non-empty strings")
 
-    shards_doc = _expect(root, doc, "shards", list)
-    if len(shards_doc) != shard_count(count, per_shard):  # compared before any per-shard list is built
-        raise _fail(root, f"'shards' lists {len(shards_doc)} shard(s), but {count} records at "
-                          f"{per_shard} per shard need {shard_count(count, per_shard)}")
-    expected_records = shard_records(count, per_shard)
-    shards = []
-    for i, (entry, records) in enumerate(zip(shards_doc, expected_records)):
-        where = f"shards[{i}]"
-        _file_entry(stored, entry, where, records * record_bytes, newer, _FILE_KEYS | {"records"})
-        if _expect_int(root, entry, "records", 1, MAX_RECORDS, f"{where}: ") != records:
-            raise _fail(root, f"{where}: 'records' = {entry['records']}, expected {records}")
-        shards.append(ShardEntry(entry["file"], entry["bytes"], entry["sha256"], records))
+    if minor >= 4:
+        shards, stored = _parse_shard_tables(stored, doc, count, per_shard, record_bytes, newer, read)
+    else:
+        shards = _parse_shards(stored, doc, count, per_shard, record_bytes, newer)
 
     index_doc = doc["index"]
     _expect_keys(root, index_doc, set(INDEX_FILES), "index: ", newer)
@@ -726,7 +830,7 @@ def parse_manifest(text: bytes, root: Any, size_of: SizeOf) -> Manifest:
         raise _fail(root, "'skipped' must be a list of {\"source\": str, \"reason\": str} objects")
     fields = _parse_fields(stored, doc.get("fields", []), count, newer)
     return Manifest(height=height, width=width, count=count, records_per_shard=per_shard,
-                    classes=tuple(classes), shards=tuple(shards), index=index,
+                    classes=tuple(classes), shards=shards, index=index,
                     skipped=tuple({"source": s["source"], "reason": s["reason"]} for s in skipped),
                     compile=_expect(root, doc, "compile", dict), fields=fields,
                     version=doc["version"], skipped_list=_skip_list_entry(stored, doc, newer),
@@ -734,7 +838,102 @@ def parse_manifest(text: bytes, root: Any, size_of: SizeOf) -> Manifest:
                     dataset_version=_expect_int(root, doc, "dataset_version", 1, MAX_DATASET_VERSION)
                     if "dataset_version" in doc else 1,
                     parts=_parse_parts(root, doc.get("parts", []), count, newer),
-                    checksums=_checksums_entry(stored, doc, count, newer))
+                    checksums=_checksums_entry(stored, doc, count, newer),
+                    shard_tables=shards.tables if isinstance(shards, ShardList) else ())
+
+
+def _parse_shards(stored: _Stored, doc: dict, count: int, per_shard: int, record_bytes: int,
+                  newer: bool) -> tuple[ShardEntry, ...]:
+    """1.0-1.3: every shard listed in the manifest, with its size, SHA-256 and record count."""
+    root = stored.root
+    shards_doc = _expect(root, doc, "shards", list)
+    if len(shards_doc) != shard_count(count, per_shard):  # compared before any per-shard list is built
+        raise _fail(root, f"'shards' lists {len(shards_doc)} shard(s), but {count} records at "
+                          f"{per_shard} per shard need {shard_count(count, per_shard)}")
+    shards = []
+    for i, (entry, records) in enumerate(zip(shards_doc, shard_records(count, per_shard))):
+        where = f"shards[{i}]"
+        _file_entry(stored, entry, where, records * record_bytes, newer, _FILE_KEYS | {"records"})
+        if _expect_int(root, entry, "records", 1, MAX_RECORDS, f"{where}: ") != records:
+            raise _fail(root, f"{where}: 'records' = {entry['records']}, expected {records}")
+        shards.append(ShardEntry(entry["file"], entry["bytes"], entry["sha256"], records))
+    return tuple(shards)
+
+
+def _parse_shard_tables(stored: _Stored, doc: dict, count: int, per_shard: int, record_bytes: int, newer: bool,
+                        read: ReadFile | None) -> tuple[ShardList, _Stored]:
+    """1.4: the shard tables, in shard order, covering every shard exactly; each table file's size and
+    SHA-256 (the manifest's seal covers them) checked before its rows are trusted; every shard file's size.
+    Returns the shards and a `_Stored` that refuses another entry naming a shard file."""
+    root, total = stored.root, shard_count(count, per_shard)
+    tables_doc = _expect(root, doc, "shard_tables", list)
+    if not tables_doc or len(tables_doc) > total:
+        raise _fail(root, f"'shard_tables' has {len(tables_doc)} table(s) for {total} shard(s)")
+    tables, files, first = [], {}, 0
+    for i, t in enumerate(tables_doc):
+        where = f"shard_tables[{i}]"
+        _expect_keys(root, t, _TABLE_KEYS, f"{where}: ", newer)
+        if _expect_int(root, t, "first", 0, MAX_RECORDS, f"{where}: ") != first:
+            raise _fail(root, f"{where}: 'first' = {t['first']}, expected {first} (tables follow each other)")
+        n = _expect_int(root, t, "count", 1, total - first, f"{where}: ")
+        row = _expect_int(root, t, "row", 0, MAX_RECORDS, f"{where}: ")
+        folder = _expect(root, t, "folder", str, f"{where}: ")
+        problem = file_name_problem(folder)
+        if problem:
+            raise _fail(root, f"{where}: 'folder' {problem}")
+        problem = file_name_problem(t["file"])
+        if problem:
+            raise _fail(root, f"{where} {problem}")
+        if t["file"] in files:  # one file backing several tables: the same entry each time
+            if (t["bytes"], t["sha256"]) != (files[t["file"]].bytes, files[t["file"]].sha256):
+                raise _fail(root, f"{where}: file {t['file']!r} is listed with another size or SHA-256 before")
+        else:
+            _file_entry(stored, t, where, None, newer, _TABLE_KEYS)
+            files[t["file"]] = FileEntry(t["file"], t["bytes"], t["sha256"])
+        if t["bytes"] % DIGEST_BYTES or (row + n) * DIGEST_BYTES > t["bytes"]:
+            raise _fail(root, f"{where}: rows {row} .. {row + n - 1} of {DIGEST_BYTES} bytes do not fit its "
+                              f"{t['bytes']} bytes")
+        tables.append(ShardTable(t["file"], t["bytes"], t["sha256"], first, n, row, folder))
+        first += n
+    if first != total:
+        raise _fail(root, f"'shard_tables' cover {first} shard(s), but {count} records at {per_shard} per shard "
+                          f"need {total}")
+    for name, entry in files.items():  # read whole below: at most one row beyond those used (a replaced shard's)
+        used = max(t.row + t.count for t in tables if t.file == name) * DIGEST_BYTES
+        if entry.bytes > used + DIGEST_BYTES:
+            raise _fail(root, f"shard table {name!r} has {entry.bytes} bytes, but its entries use {used} (at most "
+                              f"{DIGEST_BYTES} more may be unused)")
+    if read is None:
+        raise ValueError("a 1.4 manifest is parsed with a reader of its shard tables")
+    rows = {}
+    for name, entry in files.items():
+        data = read(name, entry.bytes + 1)
+        if len(data) != entry.bytes or hashlib.sha256(data).hexdigest() != entry.sha256:
+            raise DatasetError(f"{_at(root, name)}: the shard table does not match its size and SHA-256 in "
+                               f"{MANIFEST_FILE}; the dataset is damaged")
+        rows[name] = data
+    shards = ShardList(count, per_shard, record_bytes, tuple(tables),
+                       b"".join(rows[t.file][t.row * DIGEST_BYTES:(t.row + t.count) * DIGEST_BYTES] for t in tables))
+    for k in range(total):
+        name, size = tables[bisect.bisect_right(shards._firsts, k) - 1].file_of(k), \
+            min(per_shard, count - k * per_shard) * record_bytes
+        actual = stored.size_of(name, f"shard {k}")
+        if actual != size:
+            raise DatasetError(f"{_at(root, name)}: file is {actual} bytes, the manifest says {size} "
+                               f"({'truncated' if actual < size else 'extended'}); the dataset is damaged")
+    folders = {t.folder for t in tables}
+
+    def is_shard(name: str) -> bool:
+        folder, _, base = name.rpartition("/")
+        stem = base.removesuffix(".bin")
+        if not stem.isdigit() or not stem.isascii() or folder not in folders:
+            return False
+        k = int(stem)
+        return any(t.first <= k < t.first + t.count and t.file_of(k) == name for t in tables if t.folder == folder)
+    for name in files:
+        if is_shard(name):
+            raise _fail(root, f"shard table {name!r} is also a shard file of the shard tables")
+    return shards, stored._replace(is_shard=is_shard)
 
 
 def _checksums_entry(stored: _Stored, doc: dict, count: int, newer: bool) -> FileEntry | None:

@@ -73,6 +73,18 @@ def ref_box(draws: torch.Tensor, height: int, width: int, scale, ratio) -> tuple
     return (height - h) // 2, (width - w) // 2, h, w
 
 
+def listed_shards_doc(root: Path) -> dict:
+    """The dataset's manifest as format 1.3 wrote it, every shard listed in it (1.4 keeps their digests in a
+    shard table): what a test that edits a shard's entry starts from; dsc still reads 1.3."""
+    import dataclasses
+
+    from dsc import storage
+
+    doc = json.loads((root / fmt.MANIFEST_FILE).read_text())
+    doc.pop("shard_tables", None)
+    return {**doc, "version": "1.3", "shards": [dataclasses.asdict(s) for s in storage.parse_manifest(root).shards]}
+
+
 def rewrite_manifest(root: Path, doc: dict) -> None:
     """Write `doc` as the dataset's manifest with its own checksum made to agree, as a careful
     forger would: only the checks beyond that checksum can then catch what was changed."""

@@ -22,7 +22,7 @@ from dsc.storage import local
 from dsc.tools.bench import BenchReport, Rate, diagnose, evict, resident_fraction
 from dsc.tools.sheet import CAPTION_HEIGHT, pick_records
 
-from conftest import make_folder, rewrite_manifest
+from conftest import listed_shards_doc, make_folder, rewrite_manifest
 
 runner = CliRunner(env={"COLUMNS": "250", "TERMINAL_WIDTH": "250", "NO_COLOR": "1"})
 
@@ -90,7 +90,7 @@ def test_verify_decode_catches_an_altered_record(copy: Path, compiled) -> None:
     records.flush()
     result = invoke("verify", copy, "--decode", "15", "--seed", "1")  # checksums fail first...
     assert result.exit_code == 1 and "00000.bin: SHA-256" in result.stderr
-    manifest = json.loads((copy / "manifest.json").read_text())  # ...so make them agree with the damage
+    manifest = listed_shards_doc(copy)  # ...so make them agree with the damage
     manifest["shards"][0]["sha256"] = local.sha256_file(copy / fmt.shard_file(0))
     crcs = [c for s in manifest["shards"]  # and the records' CRC-32s (format 1.3)
             for c in fmt.record_checksums((copy / s["file"]).read_bytes(), manifest["record"]["bytes"])]

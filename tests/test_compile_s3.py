@@ -74,7 +74,8 @@ def assert_same_as(reference: Path, url: str) -> fmt.Manifest:
     """Every file of the folder compile (but its manifest) is an object of identical bytes under the build's
     folder; the manifests differ only there; nothing else is left in the prefix."""
     bucket = Bucket(url)
-    manifest = fmt.parse_manifest(bucket.get(fmt.MANIFEST_FILE)[0], url, lambda n, w: bucket.head(n).size)
+    manifest = fmt.parse_manifest(bucket.get(fmt.MANIFEST_FILE)[0], url, lambda n, w: bucket.head(n).size,
+                                  lambda n, limit: bucket.get(n)[0][:limit])
     tag = manifest.shards[0].file.split("/")[1]
     base = f"{fmt.build_folder(tag)}/"
     files = {p.relative_to(reference).as_posix(): p.read_bytes() for p in reference.rglob("*") if p.is_file()}

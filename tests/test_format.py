@@ -62,7 +62,8 @@ GOLDEN = {
     "fields/box.bin": "10fdafd06acfb09568faa775cb9d6cd3eecb7bfaa125203ea1abaafe0cb46a0a",
     "fields/tags.bin": "3d8948cc9de9c6b7d11fc57d32d1dd6e14a8728c218628fefe407ac23cf19869",
     "labels.bin": "e767c3048cadc9f414dfb85f7706ab1f32ecc03c54f37168b4f708590881ae72",
-    "manifest.json": "2377333884749a733c811d67badf92ebcafefe08a7a2b68968c23e36e10b5af7",
+    "manifest.json": "2c85afd367fea819d3881172a82762070a2c6cebc97a2774637902cf0e1ef726",
+    "shard_table.bin": "444fe98c90a3dbf1602386f6918ef0ecfc8aaa7c6f30258deeaf7a367846d560",
     "shards/00000.bin": "5d7e2d9b1dcbc85e7c890036a2cf2f9fe7b66554f2df08cec6aa9c0a25c99c21",
     "shards/00001.bin": "b6bda3532894fe14e260b28b68309d9947fee600de07ed4353412be70dc13b21",
     "shards/00002.bin": "c24577e1b2548f2402de01e22fc3465503b21a5cf00b6b1b76525776b206d81a",
@@ -72,6 +73,7 @@ GOLDEN = {
     "sources.bin": "9194c5e233d3775ab5854e88eac9c23da5133244e6470ce8c13ff5b49de11ec0",
 }
 GOLDEN_1_0_MANIFEST = "4a1301d9fa462a874250d998dd46f94cfde2d0c05381dabdefbced8ce0ea34ff"  # as dsc wrote 1.0
+GOLDEN_1_3_MANIFEST = "2377333884749a733c811d67badf92ebcafefe08a7a2b68968c23e36e10b5af7"  # as dsc wrote 1.3
 GOLDEN_1_2_MANIFEST = "cc701e24f860ea2f1be8af9834791c91441c07040926da91c1990577bd3c151a"  # as dsc wrote 1.2
 GOLDEN_1_1_MANIFEST = "17e2969a271c3792800dc88190ea746d3414938f237b440a925304f2c18c647f"  # as dsc wrote 1.1
 
@@ -108,6 +110,22 @@ def test_golden_bytes(tiny: Path) -> None:
     assert (tiny / "checksums.bin").read_bytes() == b"".join(
         zlib.crc32(pixels[18 * i:18 * (i + 1)]).to_bytes(4, "little") for i in range(5))
     assert manifest["checksums"] == {"file": "checksums.bin", "bytes": 20, "sha256": GOLDEN["checksums.bin"]}
+    # 1.4: no shard in the manifest; each shard's raw SHA-256 in the shard table, in shard order
+    assert "shards" not in manifest and manifest["shard_tables"] == [
+        {"file": "shard_table.bin", "bytes": 96, "sha256": GOLDEN["shard_table.bin"], "first": 0, "count": 3,
+         "row": 0, "folder": "shards"}]
+    assert (tiny / "shard_table.bin").read_bytes() == b"".join(
+        bytes.fromhex(GOLDEN[f"shards/0000{k}.bin"]) for k in range(3))
+
+
+def test_a_1_3_dataset_opens_as_written_with_its_shards_in_the_manifest(tmp_path: Path) -> None:
+    write_tiny(tmp_path / "old", version="1.3")
+    assert digests(tmp_path / "old")["manifest.json"] == GOLDEN_1_3_MANIFEST
+    assert "shard_table.bin" not in digests(tmp_path / "old")
+    opened = storage.open_dataset(tmp_path / "old")
+    assert opened.manifest.shard_tables == () and [s.sha256 for s in opened.manifest.shards] == [
+        GOLDEN[f"shards/0000{k}.bin"] for k in range(3)]
+    storage.verify_checksums(tmp_path / "old", opened.manifest)
 
 
 def test_a_1_2_dataset_opens_as_written_without_record_checksums(tmp_path: Path) -> None:
@@ -205,27 +223,33 @@ def set_key(*keys_and_value):
     (set_key("format", "ffcv"), DatasetError, "'format' must be 'dsc'"),
     (set_key("extra", 1), DatasetError, r"unknown key\(s\) \['extra'\]"),
     (lambda d: d.pop("classes"), DatasetError, r"missing key\(s\) \['classes'\]"),
-    (set_key("count", 6), DatasetError, r"shards\[2\]: declares 18 bytes, but its record count needs 36"),
+    (set_key("count", 6), DatasetError, r"shards/00002.bin: file is 18 bytes, the manifest says 36"),
     (set_key("count", -1), DatasetError, r"'count' = -1 is outside"),
     (set_key("count", "5"), DatasetError, "'count' must be int, found str"),
     (set_key("count", True), DatasetError, "'count' must be int, found bool"),
-    (set_key("records_per_shard", 5), DatasetError, "lists 3 shard"),
+    (set_key("records_per_shard", 5), DatasetError, r"shard_tables\[0\]: 'count' = 3 is outside \[1, 1\]"),
     (set_key("record", "shape", [2, 3, 4]), DatasetError, r"'shape' must be \[H, W, 3\]"),
     (set_key("record", "shape", [2, 1 << 40, 3]), DatasetError, r"'shape' must be"),
     (set_key("record", "dtype", "float32"), DatasetError, "'dtype' must be 'uint8'"),
     (set_key("record", "bytes", 17), DatasetError, "'bytes' = 17 but shape"),
-    (set_key("shards", 0, "file", "../tiny/shards/00000.bin"), DatasetError, "without '.' or '..'"),
-    (set_key("shards", 0, "file", "/etc/passwd"), DatasetError, "invalid file name"),
-    (set_key("shards", 1, "file", "shards/00000.bin"), DatasetError, "listed twice"),
-    (set_key("shards", 0, "file", "shards/missing.bin"), DatasetError, "missing"),
-    (set_key("shards", 0, "records", 1), DatasetError, "declares 18 bytes|'records' = 1"),
-    (set_key("shards", 0, "sha256", "xyz"), DatasetError, "64 lowercase hex"),
+    (set_key("shard_tables", 0, "folder", "../tiny/shards"), DatasetError, "without '.' or '..'"),
+    (set_key("shard_tables", 0, "folder", "/etc"), DatasetError, "invalid file name"),
+    (set_key("shard_tables", 0, "folder", "elsewhere"), DatasetError, "elsewhere/00000.bin"),
+    (set_key("shard_tables", 0, "count", 2), DatasetError, r"'shard_tables' cover 2 shard\(s\)"),
+    (set_key("shard_tables", 0, "row", 1), DatasetError, r"rows 1 .. 3 of 32 bytes do not fit its 96 bytes"),
+    (set_key("shard_tables", 0, "first", 1), DatasetError, "'first' = 1, expected 0"),
+    (set_key("shard_tables", 0, "sha256", "0" * 64), DatasetError, "shard table does not match its size and SHA-256"),
+    (set_key("shard_tables", 0, "sha256", "xyz"), DatasetError, "64 lowercase hex"),
+    (set_key("shard_tables", 0, "file", "shards/00001.bin"), DatasetError, "file is 36 bytes, the manifest says 96"),
+    (lambda d: d["index"]["sources"].update(file="shards/00002.bin", bytes=18), DatasetError,
+     "index.sources: file 'shards/00002.bin' is also a shard file"),
+    (set_key("shard_tables", []), DatasetError, r"'shard_tables' has 0 table\(s\) for 3 shard\(s\)"),
     (set_key("index", "labels", "bytes", 8), DatasetError, "declares 8 bytes"),
     (set_key("index", "sizes", "file", "labels.bin"), DatasetError, "declares 40 bytes|also used"),
     (set_key("classes", ["a", "a"]), DatasetError, "distinct"),
     (set_key("skipped", ["x"]), DatasetError, "'skipped' must be a list of"),
     (set_key("compile", []), DatasetError, "'compile' must be dict"),
-    (set_key("count", 2**33), DatasetError, r"'shards' lists 3 shard\(s\), but 8589934592 records"),
+    (set_key("count", 2**33), DatasetError, r"'shard_tables' cover 3 shard\(s\), but 8589934592 records"),
     (set_key("records_per_shard", 2**40 + 1), DatasetError, "'records_per_shard' = .* is outside"),
     (set_key("skipped", [{"source": "x", "reason": "y", "extra": 1}]), DatasetError, "'skipped' must be"),
     (set_key("skipped_list", "count", 2), DatasetError,  # found by test_fuzz_dataset: info refused, the reader not
@@ -236,6 +260,38 @@ def test_a_lying_manifest_is_refused_before_mapping(tiny: Path, change, error, m
     edit_manifest(tiny, change)
     with pytest.raises(error, match=match):
         storage.open_dataset(tiny)
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    (set_key("count", 6), r"shards\[2\]: declares 18 bytes, but its record count needs 36"),
+    (set_key("records_per_shard", 5), "lists 3 shard"),
+    (set_key("count", 2**33), r"'shards' lists 3 shard\(s\), but 8589934592 records"),
+    (set_key("shards", 0, "file", "../tiny/shards/00000.bin"), "without '.' or '..'"),
+    (set_key("shards", 0, "file", "/etc/passwd"), "invalid file name"),
+    (set_key("shards", 1, "file", "shards/00000.bin"), "listed twice"),
+    (set_key("shards", 0, "file", "shards/missing.bin"), "missing"),
+    (set_key("shards", 0, "records", 1), "declares 18 bytes|'records' = 1"),
+    (set_key("shards", 0, "sha256", "xyz"), "64 lowercase hex"),
+])
+def test_a_lying_1_3_shard_list_is_refused_before_mapping(tmp_path: Path, change, match) -> None:
+    write_tiny(tmp_path / "old", version="1.3")
+    edit_manifest(tmp_path / "old", change)
+    with pytest.raises(DatasetError, match=match):
+        storage.open_dataset(tmp_path / "old")
+
+
+@pytest.mark.parametrize(("extra_rows", "refused"), [(1, False), (2, True)])
+def test_a_shard_table_holds_at_most_one_row_beyond_those_used(tiny: Path, extra_rows: int, refused: bool) -> None:
+    """One unused row is a replaced last shard's (an append); more would be bytes read at every open for nothing."""
+    table = tiny / fmt.SHARD_TABLE_FILE
+    table.write_bytes(table.read_bytes() + bytes(32 * extra_rows))
+    edit_manifest(tiny, lambda d: d["shard_tables"][0].update(bytes=table.stat().st_size,
+                                                             sha256=hashlib.sha256(table.read_bytes()).hexdigest()))
+    if refused:
+        with pytest.raises(DatasetError, match=r"'shard_table.bin' has 160 bytes, but its entries use 96 \(at most 32"):
+            storage.open_dataset(tiny)
+    else:
+        assert [s.records for s in storage.open_dataset(tiny).manifest.shards] == [2, 2, 1]
 
 
 def test_a_newer_minor_version_may_add_keys(tiny: Path) -> None:

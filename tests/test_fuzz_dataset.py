@@ -52,8 +52,9 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # ----------------------------------------------------------------------------- a fresh copy to attack
 
 def data_files(doc: dict) -> list[str]:
-    """The relative names of every file the base manifest lists (shards, then index files)."""
-    return [s["file"] for s in doc["shards"]] + [e["file"] for e in doc["index"].values()]
+    """The relative names of every file the base manifest lists (shards, the shard table, then index files)."""
+    shards = sorted(n for n in fmt.listed_files(json.dumps(doc).encode()) if n.startswith(f"{fmt.SHARD_DIR}/"))
+    return shards + [t["file"] for t in doc["shard_tables"]] + [e["file"] for e in doc["index"].values()]
 
 
 def fresh_copy(base: Path, tmp: Path) -> Path:
@@ -213,17 +214,21 @@ def two(data: st.DataObject, n: int) -> list[int]:
 def mutate_structure(data: st.DataObject, doc: dict) -> None:
     """One mutation that keeps the document well-typed but makes its parts disagree: what a
     buggy writer or a hand edit would produce, and only cross-checks can catch."""
-    shards, index = doc["shards"], doc["index"]
-    files = [*shards, *index.values()]
-    op = data.draw(st.sampled_from(["swap shards", "swap shard files", "share a file", "reshape, same bytes",
-                                    "reshape", "count", "records_per_shard", "classes"]), label="structure op")
+    tables, index = doc["shard_tables"], doc["index"]  # format 1.4: shards named by their tables
+    files = [*tables, *index.values()]
+    op = data.draw(st.sampled_from(["split a shard table", "shift a table's rows", "move a table's folder",
+                                    "share a file", "reshape, same bytes", "reshape", "count", "records_per_shard",
+                                    "classes"]), label="structure op")
     tally(f"structure op: {op}")
-    if op == "swap shards":  # whole entries: every size still matches, except the short last shard
-        i, j = two(data, len(shards))
-        shards[i], shards[j] = shards[j], shards[i]
-    elif op == "swap shard files":
-        i, j = two(data, len(shards))
-        shards[i]["file"], shards[j]["file"] = shards[j]["file"], shards[i]["file"]
+    if op == "split a shard table":  # two entries over one file's rows: the same dataset, told another way
+        t = tables[-1]
+        k = data.draw(st.integers(1, t["count"] - 1), label="split at")
+        tables[-1:] = [{**t, "count": k}, {**t, "first": t["first"] + k, "count": t["count"] - k, "row": t["row"] + k}]
+    elif op == "shift a table's rows":
+        tables[-1]["row"] += data.draw(st.sampled_from([-1, 1]), label="shift")
+    elif op == "move a table's folder":
+        tables[-1]["folder"] = data.draw(st.sampled_from(["fields", "a_dir", "link_dir", "shards/00000.bin"]),
+                                         label="folder")
     elif op == "share a file":  # two entries name one file (with its true size and checksum)
         i, j = two(data, len(files))
         files[j].update(file=files[i]["file"], bytes=files[i]["bytes"], sha256=files[i]["sha256"])
@@ -362,9 +367,20 @@ def write_at(path: Path, offset: int, payload: bytes) -> None:
 
 def resync(root: Path, doc: dict, name: str) -> None:
     """Make the manifest agree with the file `name` as it now is (size and SHA-256), so the
-    attack gets past the size check and reaches the checks behind it."""
-    for entry in [*doc["shards"], *doc["index"].values()]:
-        if entry["file"] == name and (root / name).is_file():
+    attack gets past the size check and reaches the checks behind it. (Format 1.4: a shard's SHA-256 is a
+    row of its shard table, whose own entry is then made to agree; a shard's size follows from the count.)"""
+    if not (root / name).is_file():
+        return
+    folder, _, base = name.rpartition("/")
+    for t in doc["shard_tables"]:
+        shard = int(base[:-4]) if base.endswith(".bin") and base[:-4].isdigit() else -1
+        table = root / t["file"]
+        if folder == t["folder"] and t["first"] <= shard < t["first"] + t["count"] and table.is_file() \
+                and not table.is_symlink():
+            write_at(table, 32 * (t["row"] + shard - t["first"]), bytes.fromhex(local.sha256_file(root / name)))
+            resync(root, doc, t["file"])
+    for entry in [*doc["shard_tables"], *doc["index"].values()]:
+        if entry["file"] == name:
             entry["bytes"] = (root / name).stat().st_size
             entry["sha256"] = local.sha256_file(root / name)
 
@@ -391,7 +407,8 @@ def mutate_file(data: st.DataObject, root: Path, doc: dict) -> None:
         elif op == "extend":
             text += data.draw(st.sampled_from([b" ", b"\n", b"x", b"{}", b"\x00", b"\xff", b" " * 100]), label="tail")
         else:  # a second value for a key, which the parser takes over the first
-            key = data.draw(st.sampled_from(["count", "records_per_shard", "record", "shards", "classes"]), label="key")
+            key = data.draw(st.sampled_from(["count", "records_per_shard", "record", "shard_tables", "classes"]),
+                            label="key")
             value = data.draw(st.sampled_from(["1", "11", "0", "-1", "1e999", "NaN", "null", "[]", "{}", '"x"',
                                                "true", "[8, 8, 3]"]), label="value")
             text = b"\xef\xbb\xbf" + text[:-1] + f', "{key}": {value}}}'.encode()
@@ -506,7 +523,7 @@ def test_a_fifo_is_refused_without_blocking(base: Path, where: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = fresh_copy(base, Path(tmp))
         if where == "named by the manifest":
-            root = mutated_copy(base, tmp + "/again", ((("shards", 0, "file"), "fifo")))
+            root = mutated_copy(base, tmp + "/again", ((("shard_tables", 0, "file"), "fifo")))
         else:
             name = {"in place of a shard": fmt.shard_file(1), "in place of labels.bin": fmt.LABELS_FILE,
                     "in place of manifest.json": fmt.MANIFEST_FILE}[where]
@@ -518,7 +535,7 @@ def test_a_fifo_is_refused_without_blocking(base: Path, where: str) -> None:
 
 
 @pytest.mark.parametrize(("keys", "value"), [
-    (("shards", 0, "file"), "shards/\ud800.bin"), (("index", "sources", "file"), "\ud800"),
+    (("shard_tables", 0, "folder"), "shards/\ud800"), (("index", "sources", "file"), "\ud800"),
     (("classes", 0), "bad\ud800name"), (("skipped",), [{"source": "\ud800", "reason": "x"}]),
     (("compile", "fit"), "\ud800"), (("compile", "dsc_version"), "\udcff"),
 ])
@@ -527,10 +544,10 @@ def test_lone_surrogates_are_refused_or_printed_escaped(base: Path, keys: tuple,
         check_folder(mutated_copy(base, tmp, (keys, value)))
 
 
-@pytest.mark.parametrize("name", ["shards/00000.bin\n", "shards/00000.bin\rerror: fine"])
+@pytest.mark.parametrize("name", ["shards\n", "shards\rerror: fine"])
 def test_a_line_break_in_a_file_name_stays_on_one_error_line(base: Path, name: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        check_folder(mutated_copy(base, tmp, (("shards", 0, "file"), name)))
+        check_folder(mutated_copy(base, tmp, (("shard_tables", 0, "folder"), name)))
 
 
 @pytest.mark.parametrize(("key", "value"), [("size", "x"), ("size", [8]), ("size", None), ("size", [0, 0]),

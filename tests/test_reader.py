@@ -21,6 +21,8 @@ from dsc.compiler import output
 from dsc.errors import DatasetError, UnsupportedVersionError
 from dsc.reader import GatheredBatch, MemmapDataset
 
+from conftest import listed_shards_doc
+
 SIZE = (16, 20)
 
 
@@ -285,6 +287,13 @@ def _rewrite(path: Path, edit) -> None:
     (path / fmt.MANIFEST_FILE).write_text(json.dumps(doc))
 
 
+def _rewrite_listed(path: Path, edit) -> None:
+    """`_rewrite` of the manifest as 1.3 wrote it, every shard listed (1.4 lists none: formats.md "Shard tables")."""
+    doc = listed_shards_doc(path)
+    edit(doc)
+    (path / fmt.MANIFEST_FILE).write_text(json.dumps(doc))
+
+
 def _resize(path: Path, delta: int) -> None:
     os.truncate(path, path.stat().st_size + delta)
 
@@ -309,17 +318,17 @@ DAMAGE = {
     "missing shard": (lambda p: (p / "shards/00003.bin").unlink(), DatasetError, r"00003\.bin: missing"),
     "unknown major version": (lambda p: _rewrite(p, lambda d: d.update(version="2.0")),
                               UnsupportedVersionError, r"version 2\.0 is not supported"),
-    "dotdot path": (lambda p: _rewrite(p, lambda d: d["shards"][1].update(file="../x")), DatasetError,
+    "dotdot path": (lambda p: _rewrite_listed(p, lambda d: d["shards"][1].update(file="../x")), DatasetError,
                     r"'\.\./x' must be a plain relative path"),
-    "absolute path": (lambda p: _rewrite(p, lambda d: d["shards"][1].update(file="/etc/passwd")), DatasetError,
+    "absolute path": (lambda p: _rewrite_listed(p, lambda d: d["shards"][1].update(file="/etc/passwd")), DatasetError,
                       "invalid file name"),
-    "duplicated shard": (lambda p: _rewrite(p, lambda d: d["shards"][1].update(file=d["shards"][0]["file"])),
+    "duplicated shard": (lambda p: _rewrite_listed(p, lambda d: d["shards"][1].update(file=d["shards"][0]["file"])),
                          DatasetError, "listed twice"),
     "count lies": (lambda p: _rewrite(p, lambda d: d.update(count=40)), DatasetError,
-                   r"lists 5 shard\(s\), but 40 records"),
-    "shard bytes lie": (lambda p: _rewrite(p, lambda d: d["shards"][0].update(bytes=1)), DatasetError,
+                   r"cover 5 shard\(s\), but 40 records"),
+    "shard bytes lie": (lambda p: _rewrite_listed(p, lambda d: d["shards"][0].update(bytes=1)), DatasetError,
                         "declares 1 bytes"),
-    "shard records lie": (lambda p: _rewrite(p, lambda d: d["shards"][0].update(records=4)), DatasetError,
+    "shard records lie": (lambda p: _rewrite_listed(p, lambda d: d["shards"][0].update(records=4)), DatasetError,
                           r"'records' = 4, expected 5"),
     "record shape lies": (lambda p: _rewrite(p, lambda d: d["record"].update(shape=[16, 21, 3])), DatasetError,
                           "'bytes' = 960"),

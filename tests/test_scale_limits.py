@@ -252,3 +252,23 @@ def test_reserving_a_shard_writes_nothing_where_the_file_system_cannot_allocate(
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=True)
     assert st.st_size == 64 << 20 and st.st_blocks * 512 < 1 << 20, f"{st.st_blocks * 512} bytes written"
+
+
+def test_more_shards_than_a_process_may_map_compile_with_a_warning(tmp_path: Path, monkeypatch, caplog) -> None:
+    """Format 1.4: the manifest does not grow with the shards, so their number is no reason to refuse a compile
+    (1.3 refused what would pass 64 MiB of manifest); a reader maps every shard, so more of them than
+    vm.max_map_count allows is said up front, with the way out."""
+    from dsc.compiler import finish
+
+    limit = tmp_path / "max_map_count"
+    limit.write_text("70\n")
+    monkeypatch.setattr(finish, "MAX_MAP_COUNT", limit)
+    src = tmp_path / "src"
+    for i in range(8):
+        save(src / f"{i}.png", pattern(8, 8, seed=i), "PNG")
+    with caplog.at_level("WARNING", logger="dsc"):
+        compile_folder(src, tmp_path / "out", size=4, records_per_shard=1, workers=1)
+    assert [r.getMessage() for r in caplog.records if "max_map_count" in r.getMessage()] == [
+        "reading this dataset maps each of its 8 shard files, more memory maps than a process may hold here "
+        "(vm.max_map_count = 70): raise it where you read it, or compile with a larger --records-per-shard"]
+    finish.check_shard_count(1 << 20)  # a million shards: no longer refused for the manifest's size

@@ -4,6 +4,8 @@ Real compiles of real JPEGs and PNGs (conftest.make_folder), real processes for 
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import pickle
 import shutil
@@ -250,8 +252,11 @@ def test_append_upgrades_a_1_2_dataset_in_place_and_its_readers_see_no_change(tm
     make_folder(tmp_path / "b", classes=2, per_class=2, seed=3)
     compile_folder(tmp_path / "a", tmp_path / "ds", size=SIZE, workers=1)
     doc = json.loads((tmp_path / "ds" / fmt.MANIFEST_FILE).read_text())
-    rewrite_manifest(tmp_path / "ds", {**{k: v for k, v in doc.items() if k != "checksums"}, "version": "1.2"})
+    shards = [dataclasses.asdict(s) for s in storage.parse_manifest(tmp_path / "ds").shards]  # listed, as 1.2 did
+    rewrite_manifest(tmp_path / "ds", {**{k: v for k, v in doc.items() if k not in ("checksums", "shard_tables")},
+                                       "version": "1.2", "shards": shards})
     (tmp_path / "ds" / fmt.CHECKSUMS_FILE).unlink()  # as 1.2 wrote it: no per-record checksums (1.3's)
+    (tmp_path / "ds" / fmt.SHARD_TABLE_FILE).unlink()  # nor a shard table (1.4's)
     old_bytes = (tmp_path / "ds" / fmt.MANIFEST_FILE).read_bytes()
     reader = MemmapDataset(tmp_path / "ds")
     pixels = [reader[i].image.numpy().copy() for i in range(len(reader))]
@@ -492,3 +497,39 @@ def test_a_local_append_that_loses_its_version_to_a_writer_without_the_lock_buil
     listed = versions.listed_by_versions(tmp / "ds")
     assert all(p.relative_to(tmp / "ds").as_posix() in listed for p in (tmp / "ds" / fmt.APPENDS_DIR).rglob("*.bin"))
     storage.verify_checksums(tmp / "ds", ds.manifest)
+def test_the_manifest_does_not_grow_with_the_shards(tmp_path: Path) -> None:
+    """Format 1.4: one shard a record or one shard in all, the manifest is as long but for a few digits; the
+    shards' digests are in the shard table, 32 bytes each (1.3 listed ~150 bytes a shard in the manifest)."""
+    make_folder(tmp_path / "src", classes=2, per_class=6)
+    sizes = {}
+    for per_shard in (1, 12):
+        out = tmp_path / f"ds{per_shard}"
+        compile_folder(tmp_path / "src", out, size=SIZE, workers=1, records_per_shard=per_shard)
+        sizes[per_shard] = len((out / fmt.MANIFEST_FILE).read_bytes())
+        assert (out / fmt.SHARD_TABLE_FILE).stat().st_size == 32 * (12 // per_shard)
+        manifest = storage.parse_manifest(out)
+        assert [s.file for s in manifest.shards] == [fmt.shard_file(k) for k in range(12 // per_shard)]
+        assert [bytes.fromhex(s.sha256) for s in manifest.shards] == [
+            hashlib.sha256((out / fmt.shard_file(k)).read_bytes()).digest() for k in range(12 // per_shard)]
+    assert abs(sizes[1] - sizes[12]) < 10
+
+
+def test_an_append_writes_the_digests_of_its_own_shards_only(grown) -> None:
+    """The append's shard table holds the rows of the shards it wrote (the partial last one written again, and
+    the new ones); the version it grows keeps its table file unchanged, and its row of the replaced shard."""
+    tmp, _, _, b = grown
+    root = tmp / "ds"
+    before = storage.parse_manifest(root)
+    table_bytes = (root / fmt.SHARD_TABLE_FILE).read_bytes()
+    append(root, b, workers=1)
+    after = storage.parse_manifest(root)
+    full = before.count // before.records_per_shard
+    assert (root / fmt.SHARD_TABLE_FILE).read_bytes() == table_bytes
+    first, second = after.shard_tables
+    assert (first.file, first.first, first.count, first.row) == (fmt.SHARD_TABLE_FILE, 0, full, 0)
+    assert (second.first, second.count, second.row) == (full, len(after.shards) - full, 0)
+    assert second.file.startswith(f"{fmt.APPENDS_DIR}/") and second.folder == second.file.rsplit("/", 1)[0] + "/shards"
+    assert (root / second.file).stat().st_size == 32 * (len(after.shards) - full)
+    assert list(after.shards[:full]) == list(before.shards[:full])
+    storage.verify_checksums(root, after)
+    storage.verify_checksums(root, storage.parse_manifest(root, version=1))  # its replaced shard's row still used

@@ -1,13 +1,14 @@
 """Append to a dataset in a bucket (`dsc append s3://bucket/prefix SRC`): `append` does it in a folder.
 
 SRC is compiled on this machine, in a private temporary folder, the way the dataset's records were made;
-nothing of the dataset is downloaded but its manifest, its index and, when partial, its last shard (whose
-records go into a new shard with the first new ones). Version N + 1's new files are written locally under
-`appends/<random tag>/` exactly as a local append writes them, then uploaded under the same names (a new tag:
-no object already there is ever written), and the version is committed by a create-only PUT
-(`bucket_versions.commit`). Where another writer committed N + 1 first, this append deletes its own uploads
-and builds the next version again on the new latest one, up to `append.COMMIT_ATTEMPTS` times: two racing
-appends both land, one after the other; neither is lost.
+nothing of the dataset is downloaded but its manifest, its index, its shard tables (format 1.4) and, when
+partial, its last shard (whose records go into a new shard with the first new ones). Version N + 1's new
+files are written locally under `appends/<random tag>/` exactly as a local append writes them (its shard
+table of its new shards included), then uploaded under the same names (a new tag: no object already there
+is ever written), and the version is committed by a create-only PUT (`bucket_versions.commit`). Where
+another writer committed N + 1 first, this append deletes its own uploads and builds the next version
+again on the new latest one, up to `append.COMMIT_ATTEMPTS` times: two racing appends both land, one after
+the other; neither is lost.
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ def _commit_on_latest(bucket: Bucket, new: storage.OpenedDataset, new_classes: b
     stage.mkdir()
     manifest, how = grow.next_version(stage, folder, base, new, joined)
     kept = {e.file: e.bytes for e in base.manifest.files}
+    for table in {t.file for t in base.manifest.shard_tables}:  # (1.4) rows it keeps: read where it validates
+        (stage / table).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(base.local_root / table, stage / table)  # fetched into the cache whole, as the index
     storage.check_manifest_text(stage, manifest.to_json().encode("ascii"), kept)  # never commit what readers refuse
     names = sorted(p.relative_to(stage).as_posix() for p in (stage / folder).rglob("*") if p.is_file())
     try:

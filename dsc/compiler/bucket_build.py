@@ -80,7 +80,8 @@ def _finished_build(dataset: Bucket, state: bp.PrefixState, plan: Plan) -> fmt.M
     tags = {bp._tag_of(name) for name in fmt.listed_files(text)} if text else set()
     for tag in tags & set(state.builds):
         if tag and (bp.read_plan(dataset, tag) or {}).get("digest") == plan.digest:
-            return fmt.parse_manifest(text, dataset.root, lambda name, where: _size(state, name))
+            return fmt.parse_manifest(text, dataset.root, lambda name, where: _size(state, name),
+                                      lambda name, limit: dataset.get(name)[0][:limit])
     return None
 
 
@@ -184,8 +185,8 @@ def _assemble(build: Bucket, work: Bucket, wanted: list[chunks.ShardRecipe], run
 
 def _write_index(build: Bucket, dataset: Bucket, tag: str, plan: Plan, results: list[SlotResult],
                  shards: list[fmt.ShardEntry], skipped: list[tuple[str, str]]) -> fmt.Manifest:
-    """Upload the index, fields, decoder warnings, checksums and skip list; the manifest naming them all under
-    `builds/<tag>/`, checked as a reader will check it (not yet committed)."""
+    """Upload the index, fields, decoder warnings, checksums, skip list and (1.4) shard table; the manifest
+    naming them all under `builds/<tag>/`, checked as a reader will check it (not yet committed)."""
     ok = np.array([r.ok for r in results])
     kept = [r for r in results if r.ok]
     sizes = np.array([(r.height, r.width) for r in kept], dtype=np.int64).reshape(-1, 2)
@@ -216,6 +217,8 @@ def _write_index(build: Bucket, dataset: Bucket, tag: str, plan: Plan, results: 
         skipped_list=fmt.SkipListEntry(listed.file, listed.bytes, listed.sha256, len(skip_list)),
         fields=tuple(fields), warnings=put(*fmt.warnings_payload(warned)) if warned.any() else None,
         checksums=put(*fmt.checksums_payload(crcs)))
+    manifest, table = fmt.with_shard_table(manifest, f"{fmt.build_folder(tag)}/{fmt.SHARD_TABLE_FILE}")
+    put(fmt.SHARD_TABLE_FILE, table)  # (1.4) the shards' SHA-256s, uploaded before the manifest is committed
     _check(manifest, dataset, tag, payloads)
     return manifest
 
@@ -229,7 +232,8 @@ def _check(manifest: fmt.Manifest, dataset: Bucket, tag: str, payloads: dict[str
         yield np.frombuffer(payloads[name.removeprefix(base)], dtype)[:count]
     try:
         parsed = fmt.parse_manifest(manifest.to_json().encode("ascii"), dataset.root,
-                                    lambda name, where: sizes[name] if name in sizes else -1)
+                                    lambda name, where: sizes[name] if name in sizes else -1,
+                                    lambda name, limit: payloads.get(name.removeprefix(base), b"")[:limit])
         fmt.check_index(parsed, dataset.root, values)
     except DatasetError as e:
         raise Unpublishable(f"the finished build would not open as a dataset, so it was not published: {e}") from e

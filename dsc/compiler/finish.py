@@ -25,7 +25,7 @@ from dsc.compiler.shard_io import ShardFiles
 from dsc.errors import CompileError, DatasetError
 from dsc.storage.local import fsync_dir, fsync_files
 
-MANIFEST_BYTES_PER_SHARD = 200  # a shard's entry in manifest.json, with room to spare
+MAX_MAP_COUNT = Path("/proc/sys/vm/max_map_count")  # how many memory maps a process may hold (Linux)
 READER_SPARE_DESCRIPTORS = 64  # what a reading process needs besides one descriptor per shard
 
 logger = logging.getLogger("dsc")  # what a compile finds is reported here (see dsc.compiler)
@@ -40,11 +40,17 @@ class Unpublishable(CompileError):
 
 
 def check_shard_count(shards: int) -> None:
-    """Before any work: refuse a dataset whose manifest the reader would refuse for its size, and
-    warn when reading it will need more descriptors (one per mapped shard) than this process may open."""
-    if shards * MANIFEST_BYTES_PER_SHARD > fmt.MAX_MANIFEST_BYTES:
-        raise CompileError(f"{shards} shards would make a manifest larger than the {fmt.MAX_MANIFEST_BYTES >> 20} "
-                           "MiB readers accept; use a larger --records-per-shard")
+    """Before any work: warn when reading the dataset will need more descriptors or memory maps (one each
+    per mapped shard) than this process may have. (Format 1.4's manifest does not grow with the shards,
+    so their number no longer has a limit of its own: 1.3 refused what passed 64 MiB of manifest.)"""
+    try:
+        maps = int(MAX_MAP_COUNT.read_text())
+    except (OSError, ValueError):
+        maps = None
+    if maps is not None and shards + READER_SPARE_DESCRIPTORS > maps:
+        logger.warning("reading this dataset maps each of its %d shard files, more memory maps than a process may "
+                       "hold here (vm.max_map_count = %d): raise it where you read it, or compile with a larger "
+                       "--records-per-shard", shards, maps)
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and shards + READER_SPARE_DESCRIPTORS > soft:
         logger.warning("reading this dataset will need about %d open files (a descriptor for each of up to %d shard "
@@ -97,7 +103,7 @@ def finish(stage: Path, job: WriteJob, ok: np.ndarray, sizes: np.ndarray, labels
                             compile=options, skipped=tuple(skip_list[:fmt.SKIPPED_IN_MANIFEST]),
                             skipped_list=output.write_skip_list(stage, skip_list), fields=written_fields,
                             warnings=warnings, checksums=output.write_checksums(stage, crcs))
-    output.write_manifest(stage, manifest)
+    manifest = output.write_manifest(stage, manifest)
     try:  # never publish what the reader would refuse
         storage.validate(stage)
     except DatasetError as e:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from dsc import format as fmt
 from dsc import storage
-from dsc.compiler import combine
+from dsc.compiler import combine, output
 from dsc.compiler.pipeline import compile_folder
 from dsc.errors import CompileError
 
@@ -91,7 +91,8 @@ def next_version(root: Path, folder: str, base: storage.OpenedDataset, new: stor
                  joined: combine.Joined) -> tuple[fmt.Manifest, list[str]]:
     """Write the files version N + 1 adds (`base` being version N) into `root`/`folder`: its shards from
     version N's last full one on (a partial last shard is copied with the first new records), its whole
-    index; return its manifest and how each new shard file was made."""
+    index, (1.4) the shard table of those shards (the kept ones keep their rows in N's tables); return its
+    manifest and how each new shard file was made."""
     m = base.manifest
     full = m.count // m.records_per_shard  # shards kept as they are; a partial last one is copied
     runs = combine.runs_of(base, full * m.records_per_shard) + combine.runs_of(new)
@@ -105,4 +106,4 @@ def next_version(root: Path, folder: str, base: storage.OpenedDataset, new: stor
                             skipped=tuple(joined.skipped[:fmt.SKIPPED_IN_MANIFEST]), compile=m.compile,
                             fields=fields, skipped_list=skip_list, warnings=warnings,
                             dataset_version=m.dataset_version + 1, parts=joined.parts, checksums=checksums)
-    return manifest, how
+    return output.write_shard_table(root, folder, manifest, base=m, kept=full), how

@@ -49,11 +49,9 @@ def merge(inputs: list[str | os.PathLike], out: str | os.PathLike, force: bool =
         target.stage(force, resume=False)
         stage = target.stage_dir
         try:
-            shards, how = write_shards(stage, fmt.SHARD_DIR, 0, runs, first.records_per_shard,
-                                               first.record_bytes)
+            shards, how = write_shards(stage, fmt.SHARD_DIR, 0, runs, first.records_per_shard, first.record_bytes)
             local.fsync_dir(stage / fmt.SHARD_DIR)
-            manifest = merged_manifest(stage, first, joined, shards)
-            output.write_manifest(stage, manifest)
+            manifest = output.write_manifest(stage, merged_manifest(stage, first, joined, shards))
             try:
                 storage.validate(stage)
             except DatasetError as e:

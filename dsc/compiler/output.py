@@ -125,6 +125,22 @@ def write_skip_list(root: Path, skipped: list[dict[str, str]]) -> fmt.SkipListEn
     return fmt.SkipListEntry(written.file, written.bytes, written.sha256, len(skipped))
 
 
-def write_manifest(root: Path, manifest: fmt.Manifest) -> None:
-    """Write manifest.json last: until it exists, the folder is not a dataset."""
+def write_manifest(root: Path, manifest: fmt.Manifest) -> fmt.Manifest:
+    """Write the shard table (format 1.4), then manifest.json last: until it exists, the folder is not a
+    dataset. Returns the manifest written."""
+    if not manifest.shard_tables:
+        manifest = write_shard_table(root, "", manifest)
     local.write_durably(root / fmt.MANIFEST_FILE, manifest.to_json().encode("ascii"))
+    return manifest
+
+
+def write_shard_table(root: Path, folder: str, manifest: fmt.Manifest, base: fmt.Manifest | None = None,
+                      kept: int = 0) -> fmt.Manifest:
+    """(1.4) Write `folder`/shard_table.bin, the SHA-256s of the shards from `kept` on (the first `kept` keep
+    their rows in `base`'s tables: `fmt.with_shard_table`); `manifest` naming it. Before the manifest."""
+    if fmt.minor_version(manifest.version) < 4:
+        return manifest
+    name = f"{folder}/{fmt.SHARD_TABLE_FILE}" if folder else fmt.SHARD_TABLE_FILE
+    manifest, payload = fmt.with_shard_table(manifest, name, base=base, kept=kept)
+    local.write_durably(root / name, payload)
+    return manifest

@@ -74,26 +74,26 @@ class LocalFolder:
         parts = name.split("/")
         if name.startswith("/") or "\0" in name or any(part in ("", ".", "..") for part in parts):
             raise DatasetError(f"{self.root}: refusing to open {name!r:.80} ({where}): not a plain relative path")
-        path, dirs = self.root / name, []
+        dirs = []  # (the path is joined only for a message: joining it for every shard took a third of an open)
         try:
             for part in parts[:-1]:
                 dirs.append(os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=(dirs or [self.fd])[-1]))
             # O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused just below
             fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=(dirs or [self.fd])[-1])
         except FileNotFoundError as e:
-            raise DatasetError(f"{path}: missing ({where} in the manifest)") from e
+            raise DatasetError(f"{self.root / name}: missing ({where} in the manifest)") from e
         except OSError as e:
             if e.errno in (errno.EMFILE, errno.ENFILE):  # every mapped shard holds a descriptor
-                raise DatasetError(f"{path}: too many open files; raise the limit (ulimit -n) above the "
+                raise DatasetError(f"{self.root / name}: too many open files; raise the limit (ulimit -n) above the "
                                    "number of shards") from e
-            raise DatasetError(f"{path}: {where} must be a regular file inside the dataset folder, "
+            raise DatasetError(f"{self.root / name}: {where} must be a regular file inside the dataset folder, "
                                f"not a symbolic link or special file ({e.strerror})") from e
         finally:
             for d in dirs:
                 os.close(d)
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
-            raise DatasetError(f"{path}: {where} must be a regular file inside the dataset folder")
+            raise DatasetError(f"{self.root / name}: {where} must be a regular file inside the dataset folder")
         return fd
 
     def list(self, folder: str) -> list[str]:
@@ -108,6 +108,24 @@ class LocalFolder:
             return os.listdir(fd)
         finally:
             os.close(fd)
+
+    def listed_sizes(self, folder: str) -> dict[str, int]:
+        """The size of every regular file in the sub-folder `folder` ('' for the folder itself, '/'-separated),
+        keyed by its name from the dataset's folder, from one listing, never through a link: 10^5 shards'
+        sizes without 10^5 opens. A name not here is asked for with `size`, which says what is wrong."""
+        dirs = []
+        try:
+            for part in folder.split("/") if folder else []:
+                dirs.append(os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=(dirs or [self.fd])[-1]))
+            with os.scandir(os.dup((dirs or [self.fd])[-1])) as entries:
+                stats = {e.name: e.stat(follow_symlinks=False) for e in entries}
+        except OSError:
+            return {}
+        finally:
+            for d in dirs:
+                os.close(d)
+        prefix = f"{folder}/" if folder else ""
+        return {prefix + name: st.st_size for name, st in stats.items() if stat.S_ISREG(st.st_mode)}
 
     def size(self, name: str, where: str) -> int:
         fd = self.open(name, where)
@@ -134,8 +152,11 @@ def map_file(fd: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
 def scan_values(fd: int, dtype: np.dtype, count: int, piece: int) -> Iterator[np.ndarray]:
     """The first `count` values of an open file in pieces of at most `piece` values; a hole of a
     sparse file comes as one zero (a run of zeros has the same minimum, maximum and order as one
-    zero), so the cost follows the bytes really stored, not the file's size."""
+    zero), so the cost follows the bytes really stored, not the file's size. The pieces are read
+    into one buffer (a fresh one each piece cost page faults: a third of the scan at 10^8 records),
+    so a piece is valid until the next one is asked for."""
     size, item = count * dtype.itemsize, dtype.itemsize
+    buffer = np.empty(min(piece, count) * item, np.uint8)
     position = 0
     while position < size:
         found = _seek(fd, position, "SEEK_DATA", size)
@@ -144,8 +165,19 @@ def scan_values(fd: int, dtype: np.dtype, count: int, piece: int) -> Iterator[np
             yield np.zeros(1, dtype)
         hole = -(-_seek(fd, found, "SEEK_HOLE", size) // item) * item
         for start in range(data, hole, piece * item):
-            yield np.frombuffer(pread_exact(fd, min(piece * item, hole - start), start), dtype)
+            yield _pread_into(fd, buffer[:min(piece * item, hole - start)], start).view(dtype)
         position = hole
+
+
+def _pread_into(fd: int, out: np.ndarray, offset: int) -> np.ndarray:
+    """`out` filled with the bytes at `offset`; a file that ends before is an error (it changed while read)."""
+    view, done = memoryview(out), 0
+    while done < len(out):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise DatasetError(f"file ended early at byte {offset + done} (it changed while being read?)")
+        done += n
+    return out
 
 
 def _seek(fd: int, position: int, whence: str, size: int) -> int:

@@ -444,7 +444,7 @@ class S3Dataset:
         if self._manifest is None:
             if self._text is None:
                 self._read_manifest(fmt.MAX_MANIFEST_BYTES + 1)
-            self._manifest = fmt.parse_manifest(self._text, self.root, self.size)
+            self._manifest = fmt.parse_manifest(self._text, self.root, self.size, self.read)
             self._keep_manifest()
         return self._manifest
 

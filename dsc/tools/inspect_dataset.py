@@ -50,15 +50,12 @@ def summary(path: str | os.PathLike, every_skip: bool = True, version: int | Non
 def _label_counts(labels: np.ndarray, classes: int) -> tuple[np.ndarray, int]:
     """Records per class and records without a label (-1), counted a piece of the mapped labels at a
     time: memory stays bounded however many records there are (a mask and a copy of all of them took
-    9 bytes a record)."""
-    counts, unlabeled = np.zeros(classes, np.int64), 0
+    9 bytes a record). Labels are checked at open to lie in [-1, classes - 1], so label + 1 counts the
+    unlabeled in bin 0 in the same pass (a mask and its copy per piece took twice as long)."""
+    counts = np.zeros(classes + 1, np.int64)
     for start in range(0, len(labels), COUNT_PIECE):
-        piece = np.asarray(labels[start:start + COUNT_PIECE])
-        labeled = piece[piece >= 0]
-        unlabeled += len(piece) - len(labeled)
-        if classes:
-            counts += np.bincount(labeled, minlength=classes)[:classes]
-    return counts, unlabeled
+        counts += np.bincount(np.asarray(labels[start:start + COUNT_PIECE]) + 1, minlength=classes + 1)
+    return counts[1:], int(counts[0])
 
 
 def _warned(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
