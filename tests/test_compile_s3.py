@@ -5,6 +5,7 @@ one, whole), a worker killed, tasks run twice, --force while a reader keeps read
 
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing
 import os
@@ -277,6 +278,24 @@ def test_a_resume_after_the_commit_only_finishes_it_and_reports_its_skips(src: P
     summary = compile_folder(src, url, workers=1, resume=True, **OPTIONS)
     assert (summary.reused, summary.kept, [s for s, _ in summary.skipped]) == (27, 26, ["class_1/img_2.jpg"])
     assert_same_as(reference, url)
+
+
+def test_a_compile_into_a_bucket_writes_format_1_4_with_its_shard_table(src: Path, reference: Path, url: str,
+                                                                        tmp_path: Path) -> None:
+    """The manifest names a shard table (no shard listed in it), uploaded before the commit, whose rows are the
+    SHA-256s of the shard objects; a fresh cache opens it and reads the records of the folder compile."""
+    compile_folder(src, url, workers=1, on_skip=lambda s, r: None, **OPTIONS)
+    bucket = Bucket(url)
+    doc = json.loads(bucket.get(fmt.MANIFEST_FILE)[0])
+    assert doc["version"] == "1.4" and "shards" not in doc and len(doc["shard_tables"]) == 1
+    table = doc["shard_tables"][0]
+    assert table["file"].endswith(f"/{fmt.SHARD_TABLE_FILE}") and table["count"] == 6  # 26 records, 5 a shard
+    shards = sorted(i.name for i in bucket.list(table["folder"]))
+    assert len(shards) == 6
+    assert bucket.get(table["file"])[0] == b"".join(hashlib.sha256(bucket.get(n)[0]).digest() for n in shards)
+    opened = open_dataset(url, cache_dir=tmp_path / "fresh")
+    assert opened.manifest.shard_tables and len(opened.manifest.shards) == 6
+    assert np.array_equal(opened.read_records(range(26)), open_dataset(reference).read_records(range(26)))
 
 
 def test_force_commits_the_next_version_while_a_reader_keeps_reading_the_old_one(src: Path, url: str,

@@ -4,6 +4,7 @@ two processes, an append while a reader iterates. Real compiles of real JPEGs an
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -278,6 +279,41 @@ def test_prune_in_a_bucket_deletes_only_objects_no_kept_version_lists(server: S3
     refused = CliRunner().invoke(app, ["prune", url, "--keep", "1"])
     assert refused.exit_code == 1 and "versions/00000002.json: not a readable dsc manifest" in refused.output
     assert {o.name for o in Bucket(url).list()} == names  # nothing deleted
+
+
+def test_appends_to_a_1_4_dataset_in_a_bucket_upload_their_shard_tables_and_prune_keeps_every_used_one(
+        server: S3Server, env: Path, grown, tmp_path: Path) -> None:
+    """Format 1.4 in a bucket: each append keeps the rows of the shards it keeps in the earlier tables (read from
+    the cache, where the open fetched them), uploads a table of its own new shards, and commits a 1.4 manifest;
+    prune keeps every table a kept version names (each still backs shards of version 3)."""
+    tmp, _, _, b = grown
+    c = renamed_copy(b, tmp / "c")
+    url = server.upload(tmp / "ds", BUCKET, prefix())
+    bucket = Bucket(url)
+    assert json.loads(bucket.get("manifest.json")[0])["version"] == "1.4"
+    append(url, b, workers=1)
+    append(url, c, workers=1)
+    for v in (2, 3):
+        doc = json.loads(bucket.get(f"versions/0000000{v}.json")[0])
+        assert doc["version"] == "1.4" and "shards" not in doc
+    v2, v3 = storage.parse_manifest(url, version=2), storage.parse_manifest(url)
+    tables = [(t.file, t.first, t.count, t.row) for t in v3.shard_tables]  # 30 records, 5 a shard
+    assert tables == [("shard_table.bin", 0, 2, 0), (f"appends/{tag_of(v2)}/shard_table.bin", 2, 2, 0),
+                      (f"appends/{tag_of(v3)}/shard_table.bin", 4, 2, 0)]
+    for name, first, count, _ in tables:  # each table's rows are the SHA-256s of the shard objects it names
+        rows = bucket.get(name)[0]
+        assert rows[:32 * count] == b"".join(hashlib.sha256(bucket.get(v3.shards[k].file)[0]).digest()
+                                             for k in range(first, first + count))
+    result = CliRunner().invoke(app, ["prune", url, "--keep", "1"])
+    assert result.exit_code == 0, result.output
+    names = {o.name for o in Bucket(url).list()}
+    assert {name for name, *_ in tables} <= names and "shards/00002.bin" not in names  # v1's partial shard: gone
+    assert storage.dataset_versions(url) == [3]
+    ds = MemmapDataset(url, cache_dir=tmp_path / "fresh")
+    append(tmp / "ds", b, workers=1)
+    append(tmp / "ds", c, workers=1)
+    assert len(ds) == 30 and np.array_equal(pixels(ds), pixels(MemmapDataset(tmp / "ds")))
+    storage.verify_checksums(url, ds.manifest)
 
 
 def test_an_append_refuses_a_damaged_shard_object_it_would_copy(server: S3Server, env: Path, grown) -> None:

@@ -245,6 +245,11 @@ def test_prune_keeps_what_kept_versions_need(grown) -> None:
         storage.verify_checksums(tmp / "ds", ds.manifest)
     with pytest.raises(DatasetError, match="has no version 1 .*versions 2 to 3"):
         MemmapDataset(tmp / "ds", version=1)
+    tables = {t.file for t in storage.parse_manifest(tmp / "ds").shard_tables}
+    assert len(tables) == 3  # (1.4) version 1's (its first two shards), version 2's, version 3's
+    versions.prune(tmp / "ds", 1)  # every table still backs shards of version 3: kept
+    assert all((tmp / "ds" / name).exists() for name in tables)
+    storage.verify_checksums(tmp / "ds", MemmapDataset(tmp / "ds").manifest)
 
 
 def test_append_upgrades_a_1_2_dataset_in_place_and_its_readers_see_no_change(tmp_path: Path) -> None:
