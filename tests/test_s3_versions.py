@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import DataLoader
 from typer.testing import CliRunner
 
+from dsc import format as fmt
 from dsc import storage
 from dsc.cli import app
 from dsc.compiler.append import append
@@ -223,6 +224,7 @@ def test_merge_with_differing_class_sets_into_and_out_of_a_bucket(server: S3Serv
     assert "5 shard(s) (5 reused by server-side copy/upload, 0 copied)" in into.stdout, into.stdout
     merged, here = MemmapDataset(f"s3://{BUCKET}/{where}/M"), MemmapDataset(tmp_path / "M")
     assert merged.classes == here.classes == ["class_0", "class_1", "eel"] and len(merged) == 14
+    assert [(t.file, t.count) for t in merged.manifest.shard_tables] == [(fmt.SHARD_TABLE_FILE, 5)]  # format 1.4
     assert np.array_equal(pixels(merged), pixels(here)) and merged.labels.tolist() == here.labels.tolist()
     bucket = Bucket(f"s3://{BUCKET}/{where}/M")
     for entry in here.manifest.files:  # object bytes = the local merge's file bytes
