@@ -693,19 +693,6 @@ def listed_files(text: bytes) -> set[str]:
         | set(_declared_shards(doc))
 
 
-def declared_shard_tables(text: bytes) -> dict[str, FileEntry]:
-    """(1.4) Each shard table file manifest bytes name, with its declared size and SHA-256, unchecked: what
-    lets a cache fetch it once (checked against them) while `parse_manifest` asks for its rows."""
-    try:
-        doc = json.loads(text)
-    except (ValueError, RecursionError):
-        return {}
-    tables = _items(doc.get("shard_tables")) if isinstance(doc, dict) else []
-    return {t["file"]: FileEntry(t["file"], t["bytes"], t["sha256"]) for t in tables
-            if isinstance(t, dict) and file_name_problem(t.get("file")) is None and isinstance(t.get("bytes"), int)
-            and not isinstance(t.get("bytes"), bool) and isinstance(t.get("sha256"), str)}
-
-
 def _items(value: Any) -> list:
     return list(value.values()) if isinstance(value, dict) else value if isinstance(value, list) else []
 

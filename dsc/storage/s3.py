@@ -292,10 +292,6 @@ class S3Dataset:
         if name == fmt.MANIFEST_FILE or _is_version_manifest(name):
             return self._read_manifest(limit, name)
         fd = self._cached(name, None)
-        table = fmt.declared_shard_tables(self._text or b"").get(name) if fd is None else None
-        if table is not None:  # (1.4) a shard table, read while the manifest is parsed: fetched once per node
-            self._fetch(table)
-            fd = self._cached(name, None)
         if fd is not None:
             with os.fdopen(fd, "rb") as f:
                 return f.read(limit)
