@@ -108,6 +108,14 @@ class SlotWriter:
         """Fill these slots (consecutive ones, or an archive unit's), closing the shard file after; `on_result`
         hears of each slot as it is done (a worker's sign of progress)."""
         results = []
+        for result in self.each(tasks):
+            results.append(result)
+            if on_result is not None:
+                on_result(result)
+        return results
+
+    def each(self, tasks: Chunk) -> Iterator[SlotResult]:
+        """Fill these slots one by one, yielding each one's result as it is done (a Ray task's progress)."""
         try:
             for slot, source in self._inputs(tasks):
                 try:
@@ -116,15 +124,13 @@ class SlotWriter:
                         h, w = self._compile(source)
                     self._store(slot)
                     notes = [str(c.message) for c in caught if issubclass(c.category, DecoderWarning)]
-                    results.append(SlotResult(slot, h, w, crc=zlib.crc32(self.buffer), warning="; ".join(notes),
-                                              warnings=len(notes)))
+                    result = SlotResult(slot, h, w, crc=zlib.crc32(self.buffer), warning="; ".join(notes),
+                                        warnings=len(notes))
                 except ImageError as e:
-                    results.append(SlotResult(slot, reason=str(e)))
-                if on_result is not None:
-                    on_result(results[-1])
+                    result = SlotResult(slot, reason=str(e))
+                yield result
         finally:
             self._close_files()
-        return results
 
     def _inputs(self, tasks: Chunk | sources.ArchiveChunk) -> Iterator[tuple[int, str | bytes | ImageError]]:
         """(slot, a file's path) for a folder's chunk; (slot, bytes or why not) streamed from an archive's."""
