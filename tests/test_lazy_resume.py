@@ -154,3 +154,35 @@ def test_a_random_order_resume_holds_no_array_of_the_epoch() -> None:
     share = progress.remaining_share(epoch, [saved], progress.Split(3, 192, False), 2)
     assert isinstance(share, orders.LazyShare)
     assert len(share) == -(-(N - 8 * 1000 * 256) // 3)  # the rest split over 3, padded (drop_last=False)
+
+
+def test_resuming_on_the_saved_split_replays_nothing(tmp_path, monkeypatch) -> None:
+    """A state loaded on the world and batch size that saved it goes on with its own round: nothing to replay,
+    and nothing a consumer bounded by len(loader) skips, so load_state_dict computes no rank's share. Before,
+    its check for Lightning users built every rank's share of the epoch (under locality="shard", one block
+    order per shard group: minutes at 2^16 ranks)."""
+    import dsc
+    from dsc.reader import MemmapDataset
+
+    from conftest import make_folder
+
+    make_folder(tmp_path / "src", classes=2, per_class=12, sides=(16, 24))
+    dsc.compile_folder(tmp_path / "src", tmp_path / "ds", size=8, records_per_shard=3, workers=1)
+    ds = MemmapDataset(tmp_path / "ds")
+    for options in ({"order": "random"}, {"order": "block", "locality": "shard"}):
+        loader = ds.loader(2, seed=3, world_size=2, rank=1, **options)
+        batches = iter(loader)
+        next(batches), next(batches)
+        state = loader.state_dict()
+        rest = [b["index"].tolist() for b in batches]
+
+        def replayed(*args, **kwargs):
+            raise AssertionError("replayed the epoch to resume it on its own split")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(progress, "replay", replayed)
+            patch.setattr(progress.Epoch, "shard_round", replayed, raising=False)
+            patch.setattr(progress.Epoch, "first_round", replayed, raising=False)  # its name before
+            resumed = ds.loader(2, seed=3, world_size=2, rank=1, **options)
+            resumed.load_state_dict(state)
+            assert [b["index"].tolist() for b in resumed] == rest
