@@ -24,9 +24,10 @@ pytest.importorskip("ray")
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for the worker processes")
 
 STALL_S = 4  # the compile's stall limit here (the default is 300)
-IMAGES = 8  # one chunk (at most MIN_CHUNK): with one CPU, one task at a time works on it
-SIDE = 4000  # a noise PNG this large takes 1-2 s to decode here: a task is stopped in the middle of one image
-SETTLE_S = 0.5  # a task is stopped this long after it shows up: it has said it started, its image is not done
+IMAGES = 6  # one chunk (at most MIN_CHUNK): with one CPU, one task at a time works on it
+SIDE = 5000  # a noise PNG this large takes ~3 s to decode here: a task is stopped in the middle of one image
+SETTLE_S = 1.0  # a task is stopped this long after it shows up: it has said it started (under load that took
+# over 0.2 s: unheard, the task counts as not started and no image is blamed), its image is not done
 TIMEOUT_S = 240
 
 
@@ -119,15 +120,38 @@ def test_a_stopped_ray_task_is_cancelled_and_its_work_redone(slow_folder: Path, 
     assert all(np.array_equal(ds[i].image, first) for i in range(IMAGES))  # every record written in full
 
 
-def test_an_image_two_ray_tasks_stall_on_is_skipped(slow_folder: Path, tmp_path: Path) -> None:
-    done, stopped = _compile_stopping(slow_folder, tmp_path / "out", tasks_to_stop=2)
-    reason = f"decode did not finish in {STALL_S} s (2 workers stalled on it)"
-    [line] = [line for line in done.stderr.splitlines() if line.startswith("skipped ")]
-    assert line.endswith(f": {reason}")
-    source = line.removeprefix("skipped ").removesuffix(f": {reason}")
-    assert f"in worker {stopped[1]} on " in done.stderr
-    assert f"made no progress for {STALL_S} s on {source}: cancelled; the source is skipped" in done.stderr
-    from dsc import storage
-    manifest = storage.open_dataset(tmp_path / "out").manifest
-    assert manifest.count == IMAGES - 1
-    assert [(s["source"], s["reason"]) for s in manifest.skipped] == [(source, reason)]
+def test_an_image_two_tasks_stall_on_is_skipped_by_the_book() -> None:
+    """The skip rule on the driver's own book of tasks (`ray_tasks.TaskBook`), driven as `fill` drives it.
+    (A second SIGSTOP timed to land in the same image as the first proved flaky on this shared machine: the
+    test's stop raced the worker's decode or its first word, so the rule is held here, without Ray.)"""
+    from dsc.compiler.engines.ray_tasks import Started, TaskBook
+    from dsc.compiler.engines.supervisor import stall_reason
+    from dsc.compiler.jobs import SlotResult
+
+    submitted, cancelled, notes = [], [], []
+
+    def submit(chunk):
+        submitted.append(chunk)
+        return len(submitted)  # a handle
+
+    stall_s = 0.2
+    book = TaskBook(iter([[(0, "a.png"), (1, "b.png"), (2, "c.png")]]), submit, cancelled.append, notes.append,
+                    stall_s)
+    assert book.top_up(2)
+    book.item(1, Started(101, "node"))
+    book.item(1, SlotResult(0, 8, 8))
+    time.sleep(stall_s)  # stalled on b.png
+    assert book.look_for_stalls() == [] and cancelled == [1]
+    assert book.top_up(2) and submitted[-1] == [(1, "b.png"), (2, "c.png")]
+    book.item(2, Started(102, "node"))
+    time.sleep(stall_s)  # stalled on b.png again: skipped
+    assert book.look_for_stalls() == [] and cancelled == [1, 2]
+    assert book.top_up(2) and submitted[-1] == [(2, "c.png")]
+    book.item(3, Started(103, "node"))
+    book.item(3, SlotResult(2, 8, 8))
+    results = book.ended(3)
+    assert [r.slot for r in results] == [0, 1, 2]
+    assert results[1].reason == stall_reason(stall_s) and results[0].ok and results[2].ok
+    assert notes[-1] == "Ray task in worker 102 on node made no progress for 0.2 s on b.png: cancelled; the source " \
+        "is skipped"
+    assert not book.top_up(2)

@@ -10,8 +10,9 @@ slot it was on is counted: a source that STALLS_TO_SKIP tasks stalled on is reco
 with the local engine's workers (`supervisor`). Half-way to the limit, the driver is told which task
 waits on which source.
 
-A task that has not said it started may be waiting for a CPU behind others, so it is timed only
-while no task at all makes progress: a worker stopped before its first word, or a cluster whose
+A task that has not said it started may be waiting for a CPU behind others, or for a new worker
+process to start, so it is timed only while no task at all makes progress, and given at least
+START_S: a worker stopped before its first word, or a cluster whose
 workers never start, is cancelled too and its chunk handed out again, blaming no source; a chunk
 whose tasks fail to start STARTS_TO_FAIL times ends the compile with a message, the work kept.
 """
@@ -31,6 +32,8 @@ from dsc.compiler.jobs import Chunk, SlotResult, chunk_tasks, source_name, with_
 from dsc.errors import CompileError
 
 STARTS_TO_FAIL = 4  # a chunk handed out this many times without a task starting on it ends the compile
+START_S = 120.0  # a task not started is given at least this long: a new worker process starts, registers (Ray
+# kills one that has not in 60 s) and imports the decoders (~10 s under load here) before it can say a word
 NEVER_STARTED = ("no Ray task started on {source} in {stall_s:g} s, {tries} times in a row (is the cluster busy, or "
                  "are its workers unable to start?); the work so far is kept beside OUT: run the same dsc compile "
                  "command with --resume to continue")
@@ -126,7 +129,7 @@ class TaskBook:
                            f"it is cancelled at {self.stall_s:g} s and its work given to another")
                 task.told = True
         for handle, task in [(h, t) for h, t in self.running.items() if t.worker is None]:
-            if time.monotonic() - max(task.last, self._moved) >= self.stall_s:
+            if time.monotonic() - max(task.last, self._moved) >= max(self.stall_s, START_S):
                 self._hand_out_again(handle, task)
         return finished
 
@@ -168,9 +171,10 @@ class TaskBook:
         chunk.unstarted += 1
         first = source_name(chunk_tasks(task.chunk)[0][1])
         if chunk.unstarted >= STARTS_TO_FAIL:
-            raise CompileError(NEVER_STARTED.format(source=first, stall_s=self.stall_s, tries=chunk.unstarted))
-        self._note(f"the Ray task for {first} and on did not start in {self.stall_s:g} s: cancelled and submitted "
-                   "again")
+            raise CompileError(NEVER_STARTED.format(source=first, stall_s=max(self.stall_s, START_S),
+                                                    tries=chunk.unstarted))
+        self._note(f"the Ray task for {first} and on did not start in {max(self.stall_s, START_S):g} s: cancelled "
+                   "and submitted again")
         self._retries.append((task.chunk_id, task.chunk))
 
     def _task_over(self, chunk_id: int) -> list[SlotResult] | None:
