@@ -16,6 +16,7 @@ import json
 import logging
 import signal
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -128,8 +129,9 @@ def compile_command(
                                "WebDataset tar shards (a file, a folder, a glob or a {000..099} pattern), "
                                "Parquet files (a file or a folder), a zip of an image folder; any of these "
                                "as s3:// URLs."),
-    out: Path = typer.Argument(..., metavar="OUT", parser=_path,
-                               help="Dataset folder to create (built aside, then renamed into place)."),
+    out: Path = typer.Argument(..., metavar="OUT", parser=_source,
+                               help="Dataset folder to create (built aside, then renamed into place), or an "
+                               "s3://bucket/prefix to compile into (committed there as a new version)."),
     size: str = typer.Option("224", "--size", callback=_size_option, metavar="N|HxW",
                              help="Record size: N for N x N, or HxW (height x width)."),
     fit: str = typer.Option("center-crop", "--fit", metavar="FIT", help=f"How to reach the size: {', '.join(FITS)}."),
@@ -237,7 +239,9 @@ def compile_command(
         _fail(str(e))
     except KeyboardInterrupt:
         bar.close()
-        _fail(_interrupted(out.absolute()), code=130)
+        _fail(_interrupted(out.absolute()) if isinstance(out, Path) else
+              f"interrupted; {out} holds what it held before or the new dataset, never a mix: add --resume "
+              "to continue", code=130)
     bar.close()
     if summary.reused:
         typer.echo(f"note: resumed: {summary.reused} of {summary.built} sources were done already", err=True)
@@ -257,7 +261,8 @@ def compile_command(
     h, w, c = summary.record_shape
     typer.echo(f"wrote {out}: {_count(summary.kept, 'record')} of {h}x{w}x{c} uint8 in {summary.shards} shard(s), "
                f"{_count(len(summary.classes), 'class', 'classes')}, {len(summary.skipped)} skipped, "
-               f"{_human_bytes(summary.bytes_on_disk)} on disk, {summary.seconds:.1f} s "
+               f"{_human_bytes(summary.bytes_on_disk)} {'on disk' if isinstance(out, Path) else 'in the bucket'}, "
+               f"{summary.seconds:.1f} s "
                f"({summary.images_per_second:.0f} images/s)")
 
 
@@ -361,12 +366,13 @@ def _versioned_command(run: Callable[[], object], dataset: Path) -> object:
         _fail(str(e))
     except KeyboardInterrupt:
         _fail(f"interrupted; {dataset} was left at its previous version (what was written before its commit is "
-              "cleared by the next append or prune)", code=130)
+              "cleared by the next append or prune; in a bucket, by a prune a day later)", code=130)
 
 
 @app.command("append")
 def append_command(
-    dataset: Path = typer.Argument(..., metavar="DATASET", parser=_source, help="A compiled dsc dataset folder."),
+    dataset: Path = typer.Argument(..., metavar="DATASET", parser=_source,
+                                   help="A compiled dsc dataset folder, or an s3://bucket/prefix URL."),
     src: Path = typer.Argument(..., metavar="SRC", parser=_source, help="Image folder with the images to add."),
     labels: Path = typer.Option(None, "--labels", metavar="TABLE",
                                 help="Labels and fields of the new images from a label table, as for compile."),
@@ -426,7 +432,8 @@ def merge_command(
 
 @app.command("prune")
 def prune_command(
-    dataset: Path = typer.Argument(..., metavar="DATASET", parser=_source, help="A compiled dsc dataset folder."),
+    dataset: Path = typer.Argument(..., metavar="DATASET", parser=_source,
+                                   help="A compiled dsc dataset folder, or an s3://bucket/prefix URL."),
     keep: int = typer.Option(..., "--keep", min=1, metavar="N", help="How many of the newest versions to keep."),
 ) -> None:
     """Delete the old versions of a dataset and the files no kept version uses (only files dsc made)."""
@@ -442,10 +449,13 @@ def prune_command(
 def info_command(
     dataset: str = _dataset_argument(urls=True),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
+    version: int = typer.Option(None, "--version", min=1, metavar="N",
+                                help="Which version of a dataset grown by dsc append [default: the latest]."),
 ) -> None:
     """Summarise a dataset: records, shape, classes, skipped files, size, shards, compile options."""
     try:
-        s = inspect_summary(dataset, every_skip=as_json)  # the text shows SHOW_SKIPPED: no need to read them all
+        # the text shows SHOW_SKIPPED: no need to read them all
+        s = inspect_summary(dataset, every_skip=as_json, version=version)
     except DscError as e:
         _fail_dataset(dataset, e)
     if as_json:
@@ -573,7 +583,8 @@ def bench_command(
     from dsc.tools.bench import run as run_bench
 
     try:
-        record_shape = parse_manifest(dataset).record_shape
+        with tempfile.TemporaryDirectory() as scratch:  # a URL: the bench's files go only in folders of its own
+            record_shape = parse_manifest(dataset, scratch if is_url(dataset) else None).record_shape
     except DscError as e:
         _fail_dataset(dataset, e)
     if (problem := batch_problem(batch_size, record_shape, memory_bytes())) is not None:

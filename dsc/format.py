@@ -16,12 +16,14 @@ names for the same things. In short::
       checksums.bin         (1.3, optional) uint32 LE [count]: CRC-32 of each record's bytes
       versions/00000002.json (1.3) the manifest of version 2 (an append), committed create-only
       appends/<16 hex>/...  (1.3) the files an append wrote (its shards, a new index), named by its versions
+      builds/<16 hex>/...   (1.3, object storage) the files a compile into a bucket wrote, same names
 
 Versions (1.3): version 1 is the compile; `dsc append` commits version N+1 by creating
 `versions/NNNNNNNN.json` (never replacing one), which lists every file of that version. Files
 are never rewritten, so a reader that opened version N keeps reading exactly N; the latest
 version is the highest-numbered manifest in `versions/`, else `manifest.json` (which dsc also
-refreshes to a copy of the latest, for readers that do not know versions).
+refreshes to a copy of the latest, for readers that do not know versions). A compile into a bucket
+commits its build (`builds/<tag>/`) the same way; with --force as version N+1, a replacement.
 
 The manifest (formats.md, "manifest.json") names every other file with its size and SHA-256,
 and (1.2) carries its own SHA-256, taken with that value as 64 '0's (`sealed`, `seal_problem`);
@@ -73,6 +75,7 @@ VERSION_DIGITS = 8
 MAX_DATASET_VERSION = 10 ** VERSION_DIGITS - 1
 APPENDS_DIR = "appends"  # 1.3: appends/<APPEND_TAG_HEX hex digits>/<a dataset file name>: an append's files
 APPEND_TAG_HEX = 16
+BUILDS_DIR = "builds"  # 1.3, object storage: builds/<tag as an append's>/<a dataset file name>: a compile's files
 
 CHANNELS = 3  # records are RGB
 RECORD_DTYPE = np.dtype(np.uint8)
@@ -310,6 +313,11 @@ def version_of(name: str) -> int | None:
 def append_folder(tag: str) -> str:
     """(1.3) The folder an append writes its files in: `appends/<tag>`, `tag` APPEND_TAG_HEX hex digits."""
     return f"{APPENDS_DIR}/{tag}"
+
+
+def build_folder(tag: str) -> str:
+    """(1.3) The folder a compile into object storage writes its files in: `builds/<tag>`, `tag` as an append's."""
+    return f"{BUILDS_DIR}/{tag}"
 
 
 def _is_append_tag(tag: str) -> bool:
@@ -561,7 +569,7 @@ def is_dataset_file_name(name: str) -> bool:
     folder, _, base = name.partition("/")
     if folder == VERSIONS_DIR:
         return version_of(base) is not None
-    if folder == APPENDS_DIR:  # an append's own files: appends/<tag>/<what a build holds, but a manifest>
+    if folder in (APPENDS_DIR, BUILDS_DIR):  # an append's, a bucket compile's: <folder>/<tag>/<a build's, no manifest>
         tag, _, rest = base.partition("/")
         return _is_append_tag(tag) and rest != MANIFEST_FILE and is_dataset_file_name(rest)
     stem = base.removesuffix(".bin")
@@ -572,11 +580,11 @@ def is_dataset_file_name(name: str) -> bool:
 
 def is_dataset_folder_name(path: str) -> bool:
     """Whether dsc gives a dataset's folder this '/'-path: `shards`, `fields`, (1.3) `versions`, `appends`,
-    an append's `appends/<tag>` and the `shards` and `fields` inside it."""
+    an append's `appends/<tag>` (a bucket compile's `builds/<tag>`) and the `shards` and `fields` inside it."""
     parts = path.split("/")
-    if parts[0] == APPENDS_DIR and len(parts) > 1:
+    if parts[0] in (APPENDS_DIR, BUILDS_DIR) and len(parts) > 1:
         return _is_append_tag(parts[1]) and len(parts) <= 3 and (len(parts) == 2 or parts[2] in (SHARD_DIR, FIELD_DIR))
-    return path in (SHARD_DIR, FIELD_DIR, VERSIONS_DIR, APPENDS_DIR)
+    return path in (SHARD_DIR, FIELD_DIR, VERSIONS_DIR, APPENDS_DIR, BUILDS_DIR)
 
 
 def listed_files(text: bytes) -> set[str]:

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -75,3 +78,22 @@ def rewrite_manifest(root: Path, doc: dict) -> None:
     forger would: only the checks beyond that checksum can then catch what was changed."""
     doc = {**doc, fmt.SEAL_KEY: "0" * 64}
     (root / fmt.MANIFEST_FILE).write_text(fmt.sealed(json.dumps(doc, ensure_ascii=True)))
+
+
+def in_forked_child(work: Callable[[], str], limit_s: int = 60) -> tuple[int, str]:
+    """(wait status, what `work()` returned or "error: ...") of `work` run in a child forked now, which
+    SIGALRM ends after `limit_s` (a child that would wait forever fails the test instead)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(limit_s)
+        try:
+            os.write(write, work().encode())
+        except BaseException as e:
+            os.write(write, f"error: {e}".encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    with os.fdopen(read, "rb") as f:
+        return status, f.read().decode()

@@ -39,6 +39,7 @@ TINY = {
     "benchmarks/partner_rates.py": ["--records", "300", "--records-per-shard", "100", "--batch", "16", "--epochs", "2"],
     "benchmarks/s3_read_bench.py": ["--records", "48", "--size", "16", "--records-per-shard", "16", "--batch", "8",
                                     "--fetch-batch", "4", "--server", "moto", "--repeat", "1", "--peers"],
+    "benchmarks/compile_s3_bench.py": ["--images", "12", "--size", "16", "--workers", "1", "--server", "moto"],
     "benchmarks/peer_bench.py": ["--images", "12", "--size", "32", "--epochs", "2", "--repeat", "1", "--peers"],
     "examples/train.py": ["--steps", "2", "--data", "{tmp}/train_ds"],
     "examples/imagenet_recipe.py": ["--steps", "2", "--size", "40", "--crop", "32", "--batch-size", "8",

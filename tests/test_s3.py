@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -25,7 +26,7 @@ from dsc.errors import DatasetError
 from dsc.reader import order as orders
 from dsc.storage import open_dataset, s3
 
-from conftest import tiny_dataset
+from conftest import in_forked_child, tiny_dataset
 from s3server import S3Server, closed_port, serving  # skips this module when the server packages are missing
 
 BUCKET = "dsc-tests"
@@ -164,7 +165,7 @@ def test_no_dataset_at_the_prefix_is_a_clear_error(env: Path, server: S3Server) 
 def test_a_dead_endpoint_is_a_clear_error_within_seconds(env: Path, monkeypatch) -> None:
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{closed_port()}")
     began = time.monotonic()
-    with pytest.raises(DatasetError, match=rf"s3://{BUCKET}/x/manifest.json: HEAD failed {s3.ATTEMPTS} times in "):
+    with pytest.raises(DatasetError, match=rf"s3://{BUCKET}/x/versions/: LIST failed {s3.ATTEMPTS} times in "):
         MemmapDataset(f"s3://{BUCKET}/x", cache_dir=env)
     assert time.monotonic() - began < 10
 
@@ -186,11 +187,14 @@ def test_a_cache_too_small_for_the_index_is_refused_at_open_naming_the_minimum(e
     MemmapDataset(url, cache_dir=env, cache_bytes=need)
 
 
-def test_the_default_cache_bytes_is_half_the_free_space(env: Path, url: str, local: MemmapDataset,
-                                                         monkeypatch) -> None:
+def test_the_default_cache_bytes_is_half_the_free_space_split_between_the_nodes_ranks(
+        env: Path, url: str, local: MemmapDataset, monkeypatch) -> None:
     monkeypatch.setattr(s3, "free_bytes", lambda path: 1000)  # a nearly full disk, without filling one
     held = len((Path(local.path) / fmt.MANIFEST_FILE).read_bytes())  # the manifest's copy, kept at open
     with pytest.raises(DatasetError, match=rf"cache_bytes={500 + held} cannot hold this dataset's index and one "):
+        MemmapDataset(url, cache_dir=env)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's: 4 ranks of this node share the cache and its disk
+    with pytest.raises(DatasetError, match=rf"cache_bytes={125 + held} cannot hold this dataset's index and one "):
         MemmapDataset(url, cache_dir=env)
 
 
@@ -243,44 +247,56 @@ def test_an_unknown_scheme_is_refused(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------- workers
 
 @pytest.mark.parametrize("context", ["fork", "spawn"])
-def test_dataloader_workers_read_an_s3_dataset(env: Path, url: str, local: MemmapDataset, context: str) -> None:
-    """Spawned workers open the dataset again (its manifest from the bucket, the rest from the cache) and
-    fetch what they read; forked ones, which cannot use the parent's S3 client, read what the node cached."""
+def test_dataloader_workers_fetch_records_not_cached(env: Path, url: str, local: MemmapDataset, context: str) -> None:
+    """Workers fetch what they read, none of it cached before: spawned ones with a client of their own,
+    forked ones (whose parent started obstore's runtime, which fork does not carry) through a helper process."""
     remote = MemmapDataset(url, cache_dir=env)
-    if context == "fork":
-        read_all(remote)
+    assert s3._runtime_pid == os.getpid()  # this process has used the client: a forked child cannot
+    assert not list(env.rglob("records/*/*.bin"))  # no record cached yet
     order = torch.randperm(24, generator=torch.Generator().manual_seed(3)).tolist() * 2
     loader = DataLoader(remote, batch_size=4, sampler=order, num_workers=2, multiprocessing_context=context,
                         timeout=JOIN_S)
     images = torch.cat([b[0] for b in loader])
     assert torch.equal(images, local.__getitems__(order).images)
+    assert remote.opened.records.stats.fetched_bytes == 0  # the workers fetched every record, not this process
+    assert len(list(env.rglob("records/*/*.bin"))) == 24
 
 
-def test_a_forked_worker_missing_a_record_says_to_spawn(env: Path, url: str) -> None:
+def _process_gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # exited, not yet reaped
+    except FileNotFoundError:
+        return True
+
+
+def test_a_forked_child_fetches_through_a_helper_that_is_replaced_when_killed_and_exits_with_it(
+        env: Path, url: str, local: MemmapDataset) -> None:
     remote = MemmapDataset(url, cache_dir=env)
-    remote.__getitems__([0])  # the parent has used the client: a forked child cannot
-    loader = DataLoader(remote, batch_size=4, sampler=[1, 2], num_workers=1, multiprocessing_context="fork",
-                        timeout=30)
-    with pytest.raises(Exception, match="was forked from one that already used the S3 client.*'spawn'"):
-        next(iter(loader))
+    remote.__getitems__([0])  # the parent has used the client
+    def work() -> str:
+        first = remote.__getitems__([1, 2]).images
+        helper = s3.fetch_helper.helper_pid()
+        os.kill(helper, signal.SIGKILL)  # a helper that dies: the next request starts another
+        second = remote.__getitems__([3, 17]).images
+        return f"{helper} {s3.fetch_helper.helper_pid()} {int(first.sum())} {int(second.sum())}"
+
+    status, answer = in_forked_child(work)
+    assert status == 0 and not answer.startswith("error"), answer
+    killed, helper, first, second = map(int, answer.split())
+    assert helper != killed and s3.fetch_helper.helper_pid() is None  # the child's own; none in this process
+    assert first == int(local.__getitems__([1, 2]).images.sum())
+    assert second == int(local.__getitems__([3, 17]).images.sum())
+    deadline = time.monotonic() + 30
+    while not _process_gone(helper) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _process_gone(helper)  # its child exited: the pipe closed, and it followed
 
 
 def test_a_forked_child_reopens_from_the_cache_without_the_bucket(env: Path, url: str) -> None:
     read_all(MemmapDataset(url, cache_dir=env))
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child opens it again (as a worker's copy would), from the cache only
-        try:
-            ds = MemmapDataset(url, cache_dir=env)
-            os.write(write, str(int(ds.__getitems__([0, 23]).images.sum())).encode())
-        except BaseException as e:
-            os.write(write, f"error: {e}".encode())
-        finally:
-            os._exit(0)
-    os.close(write)
-    _, status = os.waitpid(pid, 0)
-    answer = os.read(read, 4096).decode()
-    os.close(read)
+    status, answer = in_forked_child(  # the child opens it again (as a worker's copy would), from the cache only
+        lambda: str(int(MemmapDataset(url, cache_dir=env).__getitems__([0, 23]).images.sum())))
     assert status == 0 and answer.isdigit(), answer
 
 
@@ -320,7 +336,7 @@ def test_a_dead_endpoint_on_the_command_line_is_one_line(env: Path, monkeypatch)
     result = CliRunner().invoke(app, ["info", f"s3://{BUCKET}/x"])
     assert result.exit_code == 1
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"error: s3://{BUCKET}/x/manifest.json: HEAD failed"), lines
+    assert len(lines) == 1 and lines[0].startswith(f"error: s3://{BUCKET}/x/versions/: LIST failed"), lines
 
 
 def test_records_are_byte_identical_through_the_cache(env: Path, url: str, local: MemmapDataset) -> None:
@@ -401,8 +417,8 @@ def test_a_grown_dataset_uploaded_reads_as_its_latest_version(server: S3Server, 
     assert all(torch.equal(ds[i].image, latest[i].image) and ds[i].label == latest[i].label for i in range(30))
     url = server.upload(grown.path, BUCKET, "sets/grown-old")
     assert MemmapDataset(url, version=2).version == 2  # the latest, asked for by number
-    for old in (1, 99):  # was: the latest served and verified "ok" whatever version was asked for
-        with pytest.raises(DatasetError, match=f"version {old} asked for, but this store reads only its latest"):
-            MemmapDataset(url, version=old)
+    assert (MemmapDataset(url, version=1).version, len(MemmapDataset(url, version=1))) == (1, 24)  # by LIST
+    with pytest.raises(DatasetError, match="has no version 99 .*versions 1 to 2"):  # was: the latest served
+        MemmapDataset(url, version=99)
     result = CliRunner().invoke(app, ["verify", url, "--version", "1"])
-    assert result.exit_code == 1 and "version 1 asked for" in result.output, result.output
+    assert result.exit_code == 0 and "ok: manifest of version 1," in result.output, result.output

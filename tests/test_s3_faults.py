@@ -7,19 +7,26 @@ proxy (what the server side saw), not by dsc's word."""
 
 from __future__ import annotations
 
+import logging
+import multiprocessing
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from dsc import MemmapDataset
 from dsc import format as fmt
+from dsc.cli import app
 from dsc.errors import StorageError
 from dsc.reader import order as orders
 from dsc.storage import s3
 
-from conftest import tiny_dataset
+from conftest import in_forked_child, tiny_dataset
 from s3server import S3Server, serving  # skips this module when the server packages are missing
 
 from faultproxy import FaultProxy  # isort: skip (after s3server, which may skip the module)
@@ -181,7 +188,7 @@ def test_a_server_killed_mid_download_leaves_nothing_partial_and_a_later_open_co
     assert proxy.count("GET", key(url, shard)) == 1  # the server saw one try; the others found no server
     assert proxy.server is None
     assert not list(env.rglob(f"records/{shard[7:12]}/*.bin")) and leftovers(env) == []  # nothing partial in place
-    folder = next(env.iterdir())
+    folder = next(p for p in env.iterdir() if p.is_dir())  # the dataset's (beside the manifest's lock)
     placed = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and not p.name.startswith(".")}
 
     proxy.restart()  # the server is back, on the same port
@@ -203,3 +210,115 @@ def test_a_server_killed_after_open_does_not_disturb_the_epoch(env: Path, url: s
     read_all(remote)
     proxy.kill()  # mid-epoch: everything this process reads is in the node's cache already
     same_batches(remote, local)
+
+
+# ----------------------------------------------------------------------------- once per node, and offline
+
+def _open_and_read(url: str, cache: str, start, answers) -> None:
+    """A rank of the node: waits for the others, opens the dataset on the shared cache, reads two records."""
+    start.wait(timeout=60)
+    remote = MemmapDataset(url, cache_dir=cache)
+    answers.put(int(remote.__getitems__([0, 23]).images.sum()))
+
+
+def test_ranks_of_a_node_fetch_the_manifest_and_index_once(env: Path, url: str, local, proxy: FaultProxy) -> None:
+    """Two ranks opening at once (spawned: each its own client) GET the manifest and each index file once
+    between them, counted at the server side; each asks one HEAD of the manifest (is it still the one cached?)."""
+    context = multiprocessing.get_context("spawn")
+    start, answers = context.Barrier(2), context.Queue()
+    ranks = [context.Process(target=_open_and_read, args=(url, str(env), start, answers)) for _ in range(2)]
+    for rank in ranks:
+        rank.start()
+    got = [answers.get(timeout=120) for _ in ranks]
+    for rank in ranks:
+        rank.join(timeout=60)
+        assert rank.exitcode == 0
+    assert got == [int(local.__getitems__([0, 23]).images.sum())] * 2
+    assert proxy.count("GET", key(url, fmt.MANIFEST_FILE)) == 1
+    assert proxy.count("HEAD", key(url, fmt.MANIFEST_FILE)) == 2
+    index = {e.file: min(1, e.bytes) for e in local.manifest.files if not e.file.startswith(f"{fmt.SHARD_DIR}/")}
+    assert sum(index.values()) >= 4  # an empty file (no skips) is not fetched at all
+    assert {n: proxy.count("GET", key(url, n)) for n in index} == index
+    MemmapDataset(url, cache_dir=env)  # a later open: its HEAD, nothing fetched
+    assert proxy.count("GET", key(url, fmt.MANIFEST_FILE)) == 1
+    assert proxy.count("HEAD", key(url, fmt.MANIFEST_FILE)) == 3
+
+
+def test_a_changed_manifest_is_fetched_again(server: S3Server, env: Path, url: str, local, proxy: FaultProxy,
+                                             tmp_path: Path) -> None:
+    first = MemmapDataset(url, cache_dir=env)
+    other = tiny_dataset(tmp_path / "other", seed=9, records_per_shard=5)  # other records under the same URL
+    server.upload(other.path, BUCKET, url.removeprefix(f"s3://{BUCKET}/"))
+    second = MemmapDataset(url, cache_dir=env)
+    assert proxy.count("GET", key(url, fmt.MANIFEST_FILE)) == 2
+    assert first.opened.local_root != second.opened.local_root
+    assert torch.equal(second.__getitems__([0, 5]).images, other.__getitems__([0, 5]).images)
+
+
+@pytest.mark.parametrize("dead", ["refusing", "silent"])
+def test_offline_what_the_cache_holds_opens_with_one_warning_and_the_rest_is_a_quick_error(
+        env: Path, url: str, local, proxy: FaultProxy, caplog, monkeypatch, dead: str) -> None:
+    read = [0, 1, 2, 7, 23]
+    MemmapDataset(url, cache_dir=env).__getitems__(read)
+    if dead == "refusing":
+        proxy.kill()  # the endpoint is unreachable from now on
+        reason = "connection refused"
+    else:  # it takes connections and never answers within the limit per request
+        monkeypatch.setenv(s3.TIMEOUT_ENV, "0.5")
+        for method in ("HEAD", "GET"):
+            proxy.delay(2.0, 100, method=method)
+        reason = "no complete answer within 0.5 s"
+    began = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="dsc"):
+        remote = MemmapDataset(url, cache_dir=env)
+    assert time.monotonic() - began < QUICK_S
+    warned = [r.getMessage() for r in caplog.records if r.name == "dsc"]
+    assert len(warned) == 1 and "\n" not in warned[0], warned
+    assert warned[0].startswith(f"{url}: the endpoint cannot be reached ({reason}"), warned
+    assert torch.equal(remote.__getitems__(read).images, local.__getitems__(read).images)
+    began = time.monotonic()
+    with pytest.raises(StorageError) as raised:
+        remote.__getitems__([12])  # not in the cache
+    assert time.monotonic() - began < QUICK_S
+    message = str(raised.value)
+    assert "\n" not in message and message.startswith(f"{url}/{fmt.shard_file(2)}: GET failed {s3.ATTEMPTS} times")
+
+    info = subprocess.run([sys.executable, "-m", "dsc", "info", url], capture_output=True, text=True, timeout=120)
+    assert info.returncode == 0 and info.stdout.startswith(f"{url}: dsc format"), info.stderr
+    assert info.stderr.splitlines() == [warned[0]], info.stderr  # the warning, one line, and nothing else
+
+
+def test_offline_a_dataset_never_cached_is_one_clear_error_within_seconds(env: Path, url: str,
+                                                                          proxy: FaultProxy) -> None:
+    proxy.kill()
+    began = time.monotonic()
+    with pytest.raises(StorageError) as raised:
+        MemmapDataset(url, cache_dir=env)
+    assert time.monotonic() - began < QUICK_S
+    message = str(raised.value)
+    assert "\n" not in message and message.startswith(f"{url}/{fmt.VERSIONS_DIR}/: LIST failed {s3.ATTEMPTS} times")
+    assert message.endswith(f"the cache {env} holds no copy of this dataset's manifest to open it without the "
+                            "endpoint"), message
+    result = CliRunner().invoke(app, ["info", url])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert len(result.stderr.strip().splitlines()) == 1 and "holds no copy" in result.stderr, result.stderr
+
+
+# ----------------------------------------------------------------------------- fork during a fetch
+
+def test_a_child_forked_while_its_parent_fetches_fetches_for_itself(env: Path, url: str, local,
+                                                                     proxy: FaultProxy) -> None:
+    """The parent's fetch in flight at the fork never ends in the child (its thread is not there): the child
+    fetches what it needs itself (through its helper) instead of waiting for it forever."""
+    remote = MemmapDataset(url, cache_dir=env)
+    proxy.delay(3.0, 1, match=key(url, fmt.shard_file(1)))  # the parent's GET of record 5 answers late
+    parent = threading.Thread(target=remote.__getitems__, args=([5],))
+    parent.start()
+    deadline = time.monotonic() + QUICK_S
+    while not (proxy.count("GET", key(url, fmt.shard_file(1))) and remote.opened.records._pending) \
+            and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert remote.opened.records._pending  # in flight now, its answer 3 s away
+    status, answer = in_forked_child(lambda: str(int(remote.__getitems__([5, 6]).images.sum())))
+    parent.join(timeout=60)
+    assert status == 0 and answer == str(int(local.__getitems__([5, 6]).images.sum())), (status, answer)

@@ -6,8 +6,10 @@ dataset's lock and on its latest version (another append may have landed meanwhi
 are joined after the dataset's (`combine`): the dataset's full shards stay as they are, its last
 shard, when partial, is copied with the first new records into a new file (record i stays in shard
 i // R), and the index is written again for the joined records, into `appends/<random>/`. The new
-version's manifest is committed create-only (`versions.commit`). A kill at any moment leaves the
-dataset at its previous version, whole; what the killed append wrote is cleared by the next writer.
+version's manifest is committed create-only (`versions.commit`); where a writer that takes no lock of
+this machine committed that version first, the append builds the next one again on it (`grow`). A kill
+at any moment leaves the dataset at its previous version, whole; what the killed append wrote is cleared
+by the next writer. A dataset in a bucket is appended to by `append_bucket`.
 """
 
 from __future__ import annotations
@@ -19,31 +21,23 @@ import shutil
 import stat
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from dsc import format as fmt
 from dsc import storage
 from dsc.compiler import combine, versions
-from dsc.compiler.pipeline import compile_folder
+from dsc.compiler.grow import (
+    COMMIT_ATTEMPTS,
+    AppendSummary,
+    compile_new,
+    lost_every_race,
+    next_version,
+    summary,
+)
 from dsc.errors import CompileError
 from dsc.storage import local
 
 SCRATCH_LOCK = "owner.lock"  # held by the append that made a scratch folder, for as long as it lives
-
-
-@dataclass
-class AppendSummary:
-    """What an append did; also printed by `dsc append`."""
-
-    dataset: Path
-    version: int
-    added: int
-    count: int
-    skipped: int
-    new_classes: list[str]
-    shard_files: list[str]  # how each new shard file was made: "copy", "link", "reflink"
-    seconds: float
 
 
 def scratch_prefix(root: Path) -> str:
@@ -90,44 +84,26 @@ class _Scratch:
         os.close(self._fd)
 
 
-def compile_options(manifest: fmt.Manifest, root: Path) -> dict:
-    """`compile_folder`'s options that make records the way the dataset's were made (its first part)."""
-    c = manifest.compile
-    alpha = {text: name for name, text in fmt.ALPHA.items()}.get(c.get("alpha", fmt.ALPHA["black"]))
-    missing = [k for k in ("size", "fit", "seed", "shuffle", "max_pixels") if k not in c] + \
-        ([] if alpha else ["alpha"])
-    if missing:
-        raise CompileError(f"{root}: its manifest does not record how its records were made ({', '.join(missing)} "
-                           "missing from 'compile'), so new records could not be made the same way")
-    return {"size": tuple(c["size"]), "fit": c["fit"], "seed": c["seed"], "shuffle": c["shuffle"],
-            "max_pixels": c["max_pixels"], "alpha": alpha,
-            "fast_decode": c.get("decode", fmt.DECODE_MODE_UNRECORDED) == "fast",
-            "records_per_shard": manifest.records_per_shard}
-
-
 def append(dataset: str | os.PathLike, src: str | os.PathLike, *, labels: str | os.PathLike | None = None,
            columns: dict[str, str] | None = None, new_classes: bool = False, workers: int | None = None,
            strict: bool = False, on_total: Callable[[int], None] | None = None,
            progress: Callable[[int], None] | None = None,
            on_skip: Callable[[str, str], None] | None = None) -> AppendSummary:
-    """Add the images of `src` (or the rows of the label table `labels`) to the dataset folder `dataset` as
-    its next version; see `dsc append --help`. Raises CompileError; the dataset is then unchanged."""
+    """Add the images of `src` (or the rows of the label table `labels`) to the dataset `dataset` (a folder, or
+    an s3:// URL: `append_bucket`) as its next version; see `dsc append --help`. Raises CompileError; the
+    dataset is then unchanged."""
     started = time.perf_counter()
-    root = Path(dataset).absolute()
+    compiling = {"labels": labels, "columns": columns, "workers": workers, "strict": strict, "on_total": on_total,
+                 "progress": progress, "on_skip": on_skip}
     if storage.is_url(dataset):
-        raise CompileError(f"{dataset}: dsc append grows dataset folders; datasets in object storage come later")
+        from dsc.compiler.append_bucket import append_to_bucket
+
+        return append_to_bucket(os.fspath(dataset), src, new_classes, compiling, started)
+    root = Path(dataset).absolute()
     base = storage.parse_manifest(root)
-    options = compile_options(base, root)
-    kinds = {f.name: f.kind for f in base.fields}
-    if labels is not None and not base.labeled:
-        kinds.setdefault("label", "none")
     scratch = _Scratch(root)
     try:
-        table_kinds = ({**kinds, **(columns or {})} or None) if labels is not None else columns
-        compile_folder(src, scratch.path / "new", **options, workers=workers, strict=strict, labels=labels,
-                       columns=table_kinds,
-                       on_total=on_total, progress=progress, on_skip=on_skip)
-        new = storage.open_dataset(scratch.path / "new")
+        new = compile_new(base, root, src, scratch.path / "new", **compiling)
         with versions.writing(root):
             try:
                 version, how, joined = _commit_on_latest(root, new, new_classes, src)
@@ -136,34 +112,27 @@ def append(dataset: str | os.PathLike, src: str | os.PathLike, *, labels: str | 
                                    "version, and what was written is cleared by the next append or prune") from e
     finally:
         scratch.close()
-    before = set(base.classes)
-    return AppendSummary(root, version.dataset_version, new.manifest.count, version.count,
-                         new.manifest.skipped_count, [c for c in joined.classes if c not in before], how,
-                         time.perf_counter() - started)
+    return summary(root, base, new, version, joined, how, started)
 
 
 def _commit_on_latest(root: Path, new: storage.OpenedDataset, new_classes: bool, src) -> tuple:
-    """Under the lock: join the compiled records after the latest version's, write them, commit."""
-    base = storage.open_dataset(root)
-    m = base.manifest
-    joined = combine.join_index([base, new], new_classes, [str(root), str(src)])
-    folder = fmt.append_folder(secrets.token_hex(fmt.APPEND_TAG_HEX // 2))
-    full = m.count // m.records_per_shard  # shards kept as they are; a partial last one is copied
-    runs = combine.runs_of(base, full * m.records_per_shard) + combine.runs_of(new)
-    shards, how = combine.write_shards(root, f"{folder}/{fmt.SHARD_DIR}", full, runs, m.records_per_shard,
-                                       m.record_bytes)
-    index, fields, warnings, skip_list = combine.write_index(root, folder, joined)
-    checksums = combine.write_checksums(root, folder, joined)
-    local.fsync_dir(root / folder / fmt.SHARD_DIR)
-    local.fsync_dir(root / folder)
-    local.fsync_dir(root / fmt.APPENDS_DIR)
-    local.fsync_dir(root)
-    manifest = fmt.Manifest(height=m.height, width=m.width, count=len(joined.labels),
-                            records_per_shard=m.records_per_shard, classes=tuple(joined.classes),
-                            shards=(*m.shards[:full], *shards), index=index,
-                            skipped=tuple(joined.skipped[:fmt.SKIPPED_IN_MANIFEST]), compile=m.compile,
-                            fields=fields, skipped_list=skip_list, warnings=warnings,
-                            dataset_version=m.dataset_version + 1, parts=joined.parts, checksums=checksums)
-    storage.check_manifest_text(root, manifest.to_json().encode("ascii"))  # never commit what readers refuse
-    versions.commit(root, manifest)
-    return manifest, how, joined
+    """Under the lock: join the compiled records after the latest version's, write them, commit; where a
+    writer that bypasses the lock committed that version first, start again on the new latest one."""
+    for attempt in range(1, COMMIT_ATTEMPTS + 1):
+        base = storage.open_dataset(root)
+        joined = combine.join_index([base, new], new_classes, [str(root), str(src)])
+        folder = fmt.append_folder(secrets.token_hex(fmt.APPEND_TAG_HEX // 2))
+        manifest, how = next_version(root, folder, base, new, joined)
+        local.fsync_dir(root / folder / fmt.SHARD_DIR)
+        local.fsync_dir(root / folder)
+        local.fsync_dir(root / fmt.APPENDS_DIR)
+        local.fsync_dir(root)
+        storage.check_manifest_text(root, manifest.to_json().encode("ascii"))  # never commit what readers refuse
+        try:
+            versions.commit(root, manifest)
+            return manifest, how, joined
+        except versions.VersionTaken as e:
+            if attempt == COMMIT_ATTEMPTS:
+                raise lost_every_race(root, e) from e
+            versions.clear_abandoned(root)  # this attempt's files: no version lists them
+    raise AssertionError("unreachable")  # the loop returns or raises

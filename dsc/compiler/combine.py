@@ -6,14 +6,16 @@ never change, later names go at the end), fields matched by name and kind, each 
 and field values remapped onto them, source paths re-expressed from the first dataset's source
 folder, and the shards laid out again so that record i is in shard i // R (`write_shards`): a shard
 that is a whole input file is reused (reflink, hard link or copy, `local.reuse_file`), any other is
-copied in the kernel, records a run at a time.
+copied in the kernel, records a run at a time; a shard in a bucket is read by bounded ranged GETs. Also
+what `dsc merge` does into a folder and into a bucket alike (`joined_inputs`, `merged_manifest`).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -170,20 +172,59 @@ def _joined_field(pieces, vocabulary: Vocabulary | None) -> tuple[fmt.FieldEntry
 
 @dataclass(frozen=True)
 class Run:
-    """Records [first, first + count) of the shard file at `path`, which holds `records` records."""
+    """Records [first, first + count) of the shard file at `path`, which holds `records` records; a shard in
+    object storage has no local path but `fetch(start, stop)`, its bytes [start, stop) from the bucket."""
 
-    path: Path
+    path: Path | None
     first: int
     count: int
     records: int
     sha256: str
+    fetch: Callable[[int, int], bytes] | None = None
+    url: str = ""  # the shard object's s3://bucket/key, for a shard in a bucket
+    crcs: np.ndarray | None = None  # a shard in a bucket: its records' CRC-32s, each fetched record checked
+
+
+FETCH_BYTES = 32 << 20  # a shard in object storage is copied by ranged GETs of at most this much
 
 
 def runs_of(d: storage.OpenedDataset, first_record: int = 0) -> list[Run]:
-    """A dataset's records from `first_record` on, as runs of its shard files."""
-    paths, m = d.shard_paths(), d.manifest
+    """A dataset's records from `first_record` on, as runs of its shard files (fetched from the bucket when the
+    dataset is in object storage)."""
+    m = d.manifest
+    if storage.is_url(d.root):
+        from dsc.storage.bucket import Bucket  # the s3 client, imported only for a dataset in a bucket
+
+        bucket, crcs = Bucket(str(d.root)), storage.record_checksums(d) if m.checksums is not None else None
+        per_shard = m.records_per_shard
+        return [Run(None, lo, hi - lo, m.shards[shard].records, m.shards[shard].sha256,
+                    partial(bucket.get_range, m.shards[shard].file), bucket.at(m.shards[shard].file),
+                    None if crcs is None else crcs[shard * per_shard:shard * per_shard + m.shards[shard].records])
+                for shard, lo, hi in fmt.shard_segments(first_record, m.count, per_shard)]
+    paths = d.shard_paths()
     return [Run(paths[shard], lo, hi - lo, m.shards[shard].records, m.shards[shard].sha256)
             for shard, lo, hi in fmt.shard_segments(first_record, m.count, m.records_per_shard)]
+
+
+Piece = tuple[Run, int, int]  # (a run, its first record within its shard file, how many records)
+
+
+def layout(runs: Sequence[Run], records_per_shard: int) -> list[list[Piece]]:
+    """`runs` one after the other laid out as shards of R records (the last the rest): each shard's pieces."""
+    total = sum(r.count for r in runs)
+    pieces: list[list[Piece]] = [[] for _ in fmt.shard_records(total, records_per_shard)]
+    position = 0
+    for run in runs:
+        for shard, lo, hi in fmt.shard_segments(position, position + run.count, records_per_shard):
+            pieces[shard].append((run, run.first + shard * records_per_shard + lo - position, hi - lo))
+        position += run.count
+    return pieces
+
+
+def whole_file(pieces: Sequence[Piece]) -> Run | None:
+    """The run whose whole shard file these pieces are (a shard reused as it is), or None."""
+    (run, start, n) = pieces[0]
+    return run if len(pieces) == 1 and start == 0 and n == run.records else None
 
 
 def write_shards(root: Path, folder: str, first_shard: int, runs: Sequence[Run], records_per_shard: int,
@@ -191,35 +232,54 @@ def write_shards(root: Path, folder: str, first_shard: int, runs: Sequence[Run],
     """Lay `runs` out as shards `first_shard`, `first_shard + 1`, ... (R records each, the last the rest) in
     `root`/`folder`; return their entries (file names relative to `root`) and how each was made."""
     (root / folder).mkdir(mode=0o755, parents=True, exist_ok=True)
-    total = sum(r.count for r in runs)
-    pieces: list[list[tuple[Run, int, int]]] = [[] for _ in fmt.shard_records(total, records_per_shard)]
-    position = 0
-    for run in runs:
-        for shard, lo, hi in fmt.shard_segments(position, position + run.count, records_per_shard):
-            pieces[shard].append((run, run.first + shard * records_per_shard + lo - position, hi - lo))
-        position += run.count
     entries, how = [], []
-    for k, shard_pieces in enumerate(pieces):
+    for k, shard_pieces in enumerate(layout(runs, records_per_shard)):
         name = f"{folder}/{os.path.basename(fmt.shard_file(first_shard + k))}"
         records = sum(n for _, _, n in shard_pieces)
-        (run, start, n), whole = shard_pieces[0], len(shard_pieces) == 1
-        if whole and start == 0 and n == run.records:
-            how.append(local.reuse_file(run.path, root / name))
-            entries.append(fmt.ShardEntry(name, records * record_bytes, run.sha256, records))
+        whole = whole_file(shard_pieces)
+        if whole is not None and whole.path is not None:
+            how.append(local.reuse_file(whole.path, root / name))
+            entries.append(fmt.ShardEntry(name, records * record_bytes, whole.sha256, records))
             continue
         fd = local.create_exclusive(root / name)
         try:
             at = 0
             for run, start, n in shard_pieces:
-                with open(run.path, "rb") as source:
-                    local.copy_range(source.fileno(), fd, n * record_bytes, start * record_bytes, at)
+                _copy_piece(run, start, n, record_bytes, fd, at)
                 at += n * record_bytes
             os.fsync(fd)
         finally:
             os.close(fd)
-        how.append("copy")
-        entries.append(fmt.ShardEntry(name, records * record_bytes, local.sha256_file(root / name), records))
+        digest = local.sha256_file(root / name)
+        if whole is not None and digest != whole.sha256:
+            raise CompileError(f"{whole.url}: downloaded, its SHA-256 is {digest}, its manifest says {whole.sha256}; "
+                               "the object in the bucket is damaged")
+        how.append("copy" if whole is None else "download")
+        entries.append(fmt.ShardEntry(name, records * record_bytes, digest, records))
     return entries, how
+
+
+def _copy_piece(run: Run, first: int, count: int, record_bytes: int, fd: int, at: int) -> None:
+    """Records [first, first + count) of a run's shard file into the open file `fd` at byte `at`: in the kernel
+    from a local file; from a bucket by bounded ranged GETs (never the whole shard in memory), each record
+    checked against its CRC-32 where the dataset has them."""
+    if run.fetch is None:
+        with open(run.path, "rb") as source:
+            local.copy_range(source.fileno(), fd, count * record_bytes, first * record_bytes, at)
+        return
+    step = max(1, FETCH_BYTES // record_bytes)
+    for k in range(first, first + count, step):
+        n = min(step, first + count - k)
+        data = run.fetch(k * record_bytes, (k + n) * record_bytes)
+        if len(data) != n * record_bytes:
+            raise CompileError(f"{run.url}: the bucket gave {len(data)} bytes where {n * record_bytes} were asked for "
+                               f"at byte {k * record_bytes}; the object is shorter than its manifest says")
+        if run.crcs is not None:
+            wrong = np.flatnonzero(np.array(fmt.record_checksums(data, record_bytes)) != run.crcs[k:k + n])
+            if wrong.size:
+                raise CompileError(f"{run.url}: record {k + int(wrong[0])} of this shard does not match its CRC-32; "
+                                   "the object in the bucket is damaged, so nothing was written from it")
+        os.pwrite(fd, data, at + (k - first) * record_bytes)
 
 
 def write_index(root: Path, folder: str, joined: Joined) -> tuple[dict[str, fmt.FileEntry],
@@ -245,3 +305,32 @@ def write_checksums(root: Path, folder: str, joined: Joined) -> fmt.FileEntry:
     """Write the joined records' CRC-32s (format 1.3) into `root`/`folder` (its name relative to `root`)."""
     written = output.write_checksums(root / folder if folder else root, joined.checksums)
     return replace(written, file=f"{folder}/{written.file}") if folder else written
+
+
+@dataclass
+class MergeSummary:
+    """What a merge did; also printed by `dsc merge`."""
+
+    out: Path | str
+    count: int
+    classes: list[str]
+    shard_files: list[str]  # how each was made: reflink, link, copy, download, server-side copy, upload
+    seconds: float
+
+
+def joined_inputs(inputs: list[str | os.PathLike]) -> tuple[list[storage.OpenedDataset], Joined, list[Run]]:
+    """The datasets to merge, opened; their joined index; their records as runs of their shard files."""
+    datasets = [storage.open_dataset(p) for p in inputs]
+    joined = join_index(datasets, True, [os.fspath(p) for p in inputs])
+    return datasets, joined, [run for d in datasets for run in runs_of(d)]
+
+
+def merged_manifest(stage: Path, first: fmt.Manifest, joined: Joined, shards: list[fmt.ShardEntry]) -> fmt.Manifest:
+    """Write the joined index into `stage`; the merged dataset's manifest (records shaped as `first`'s)."""
+    index, fields, warnings, skip_list = write_index(stage, "", joined)
+    checksums = write_checksums(stage, "", joined)
+    return fmt.Manifest(height=first.height, width=first.width, count=len(joined.labels),
+                        records_per_shard=first.records_per_shard, classes=tuple(joined.classes), shards=tuple(shards),
+                        index=index, skipped=tuple(joined.skipped[:fmt.SKIPPED_IN_MANIFEST]),
+                        compile=first.compile, fields=fields, skipped_list=skip_list, warnings=warnings,
+                        parts=joined.parts, checksums=checksums)

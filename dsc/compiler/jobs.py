@@ -34,6 +34,7 @@ class WriteJob:
     max_pixels: int
     decode_mode: str = "faithful"  # format.DECODE_MODES
     alpha: str = "black"  # format.ALPHA
+    max_chunk: int | None = None  # sources per chunk at most (a bucket build's worker holds a chunk in memory)
 
     @property
     def record_bytes(self) -> int:
@@ -72,7 +73,8 @@ class Engine(Protocol):
         """Raise CompileError now, before any build exists, if its workers cannot decode."""
 
     def fill(self, job: WriteJob, chunks: Iterable[Chunk], on_results: OnResults) -> None:
-        """Fill every slot of `chunks`, calling `on_results` in the caller's thread once per chunk.
+        """Fill every slot of `chunks`, calling `on_results` in the caller's thread once per chunk. It may be
+        called again (a bucket build fills its chunks, then assembles its shards: `write.writer_for(job)`).
 
         `on_results` may raise (e.g. for --strict) to stop the remaining work at once."""
 

@@ -3,7 +3,8 @@
 `compile_folder` reads as the pipeline: check the options, find the sources (`discover`, `labels`
 for a label table, `sources` for archives), fix the plan (which source fills which slot, what a
 resume must find unchanged), then under OUT's lock stage the build (`publish.LocalTarget`), fill its slots
-(`write`, run by an engine from `engines`, recorded by `journal`), `finish` it and commit it.
+(`write`, run by an engine from `engines`, recorded by `journal`), `finish` it and commit it. An
+`s3://` OUT is built in the bucket instead (`bucket_build`), by the same plan and engine.
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ from dsc.compiler import journal, output, publish
 from dsc.compiler import labels as labels_module
 from dsc.compiler import sources as archives
 from dsc.compiler.decode import DEFAULT_MAX_PIXELS, decoder_name
+from dsc.compiler.decoding import Plan, StrictFailure, decode_all
 from dsc.compiler.discover import Discovery, discover, printable
 from dsc.compiler.engines import check_workers, make_engine
 from dsc.compiler.engines.supervisor import MAX_STALL_S
 from dsc.compiler.finish import NothingDecoded, Unpublishable, check_shard_count, finish
-from dsc.compiler.jobs import Engine, SlotResult, WriteJob, chunk_size, split
+from dsc.compiler.jobs import Engine, WriteJob
 from dsc.compiler.target import INTERPOLATION, PAD_VALUE, Target, parse_size, resize_backend
 from dsc.errors import CompileError
 from dsc.storage.object_file import is_url
@@ -51,7 +53,7 @@ logger = logging.getLogger("dsc")
 class CompileSummary:
     """What a compile did; also printed by `dsc compile`."""
 
-    out: Path
+    out: Path | str  # a folder, or an s3:// URL
     kept: int
     skipped: list[tuple[str, str]]
     classes: list[str]
@@ -103,55 +105,9 @@ def _check_paths(src: Path, out: Path) -> None:
 
 
 def _source(src: str | os.PathLike) -> Path | str:
-    """SRC as an absolute path, or as given when it is an `s3://` URL (archives in a bucket)."""
+    """SRC (or OUT) as an absolute path, or as given when it is an `s3://` URL (archives, a dataset in a bucket)."""
     text = os.fspath(src)
     return text if is_url(text) else Path(src).absolute()
-
-
-class StrictFailure(CompileError):
-    """A --strict compile met a source it could not decode: the build is discarded."""
-
-
-def _decode_all(job: WriteJob, plan: Plan, engine: Engine, strict: bool, done: dict[int, SlotResult],
-                log: journal.Journal, on_skip: Callable[[str, str], None],
-                progress: Callable[[int], None] | None):
-    """Fill every slot not `done` already; return (ok mask, upright sizes, skipped (source, reason) list,
-    decoder warnings per slot)."""
-    sources = plan.sources
-    ok = np.zeros(len(sources), dtype=bool)
-    sizes = np.zeros((len(sources), 2), dtype=np.int64)
-    warned = np.zeros(len(sources), dtype=np.int64)
-    failed: list[tuple[str, str]] = []
-
-    def collect(results: list[SlotResult]) -> None:
-        for result in results:
-            if result.ok:
-                if result.warnings and strict:
-                    raise StrictFailure(f"{Path(job.src_root) / sources[result.slot]}: {result.warning} "
-                                        "(--strict refuses a source the decoder warned about: nothing written)")
-                if result.warning:
-                    logger.warning("%s: %s", sources[result.slot], result.warning)
-                warned[result.slot] = result.warnings
-                ok[result.slot] = True
-                sizes[result.slot] = (result.height, result.width)
-            elif strict:
-                raise StrictFailure(f"{Path(job.src_root) / sources[result.slot]}: {result.reason} "
-                                    "(--strict: nothing written)")
-            else:
-                failed.append((sources[result.slot], result.reason))
-                on_skip(sources[result.slot], result.reason)
-        if progress:
-            progress(len(results))
-
-    collect(list(done.values()))
-    tasks = [(slot, source) for slot, source in enumerate(sources) if slot not in done]
-    size = chunk_size(len(tasks), engine.workers)
-    if isinstance(plan.found, archives.ArchiveDiscovery):  # by the format's unit, each read in stored order
-        chunks = archives.chunks(plan.found, plan.order, [slot for slot, _ in tasks], size)
-    else:
-        chunks = split(tasks, size)
-    engine.fill(job, chunks, lambda results: (log.append(results), collect(results)))
-    return ok, sizes, failed, warned
 
 
 def _fields_digest(fields: list[tuple[fmt.FieldEntry, np.ndarray]]) -> str:
@@ -190,7 +146,8 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
                    on_found: Callable[[int], None] | None = None, on_total: Callable[[int], None] | None = None,
                    progress: Callable[[int], None] | None = None,
                    on_skip: Callable[[str, str], None] | None = None) -> CompileSummary:
-    """Compile an image folder into a dsc dataset at `out`; see `dsc compile --help` for the options.
+    """Compile an image folder into a dsc dataset at `out` (a folder, or `s3://bucket/prefix`: built and
+    committed in the bucket, nothing local; see `bucket_build`); see `dsc compile --help` for the options.
 
     `on_found(n)` is called as discovery finds n more images (a long walk's running count),
     `on_total(n)` once it is done, with the n sources to decode (for a progress bar's total),
@@ -228,8 +185,8 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
                           if records_per_shard is None else records_per_shard, 1, fmt.MAX_RECORDS,
                           error=CompileError)
     max_pixels = check_int("max_pixels", max_pixels, 1, error=CompileError)
-    src, out = _source(src), Path(out).absolute()
-    if isinstance(src, Path):
+    src, out = _source(src), _source(out)
+    if isinstance(src, Path) and isinstance(out, Path):
         _check_paths(src, out)
     on_skip = on_skip or _log_skip
     if stall_seconds is not None and (isinstance(stall_seconds, bool) or not isinstance(stall_seconds, (int, float))
@@ -245,17 +202,26 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
                           alpha)
         plan = _plan(recipe, found, seed, shuffle, labels)
         runner.ready()  # a broken decoder install fails here, before any build exists
-        with publish.LocalTarget(out) as dest:
-            manifest, reused = _build_and_publish(dest, plan, runner, force, resume, strict, on_skip, progress)
-    size_on_disk = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    skipped = [(s["source"], s["reason"]) for s in storage.read_skipped(out, manifest)]
+        if isinstance(out, str):  # s3://bucket/prefix: built and committed there (`bucket_build`)
+            from dsc.compiler import bucket_build
+
+            manifest, reused, skipped = bucket_build.build_and_publish(out, plan, runner, force, resume, strict,
+                                                                       on_skip, progress)
+        else:
+            with publish.LocalTarget(out) as dest:
+                manifest, reused = _build_and_publish(dest, plan, runner, force, resume, strict, on_skip, progress)
+    if isinstance(out, str):
+        size_on_disk = sum(f.bytes for f in manifest.files) + len(manifest.to_json())
+    else:
+        size_on_disk = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+        skipped = [(s["source"], s["reason"]) for s in storage.read_skipped(out, manifest)]
     return CompileSummary(out, manifest.count, skipped,
                           list(manifest.classes), found.empty_classes, len(manifest.shards), size_on_disk,
                           time.perf_counter() - started, decoder_name(), manifest.record_shape, manifest.fields,
                           found.ignored, reused, len(plan.sources))
 
 
-def _discover(src: Path | str, out: Path, classes, skip_unknown_classes: bool, labels, columns,
+def _discover(src: Path | str, out: Path | str, classes, skip_unknown_classes: bool, labels, columns,
               archive_options: tuple[str | None, str | None], on_found: Callable[[int], None] | None) -> Discovery:
     """The sources to compile with their labels and fields: a label table's rows, the archives' samples
     (`archive_options`: their label key and image column), or the folder's images."""
@@ -279,7 +245,9 @@ def _discover(src: Path | str, out: Path, classes, skip_unknown_classes: bool, l
         found = discover(src, vocabulary, skip_unknown_classes, on_found)
     free = [(spec.name, spec.kind, spec.classes) for spec, _ in found.fields  # vocabularies no reference fixed
             if spec.classes and reference.get(spec.name, ("",))[0] != spec.kind]
-    for message in classes_module.sibling_class_mismatch(out, found.classes if vocabulary is None else None, free):
+    siblings = classes_module.sibling_class_mismatch(out, found.classes if vocabulary is None else None, free) \
+        if isinstance(out, Path) else []  # splits beside a dataset in a bucket are not looked for
+    for message in siblings:
         logger.warning("%s", message)
     return found
 
@@ -294,24 +262,6 @@ def _report(found: Discovery, strict: bool, on_skip: Callable[[str, str], None],
         on_skip(source, reason)
     if on_total:
         on_total(len(found.sources))
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What a build makes, fixed before any work: slot i holds `sources[i]`; `record` is what a resume
-    must find unchanged (`digest` is its SHA-256), `listing` names the sources with their stamps."""
-
-    job: WriteJob  # where and how slots are filled (its stage is set when the build folder is known)
-    found: Discovery
-    order: np.ndarray  # slot i holds found.sources[order[i]]
-    sources: list[str]
-    listing: list[str]
-    record: dict
-    digest: str
-    options: dict  # the manifest's "compile" section
-
-    def fields(self) -> list[tuple[fmt.FieldEntry, np.ndarray]]:
-        return [(spec, values[self.order]) for spec, values in self.found.fields]
 
 
 def _plan(recipe: WriteJob, found: Discovery, seed: int, shuffle: bool, label_table: str | os.PathLike | None) -> Plan:
@@ -373,7 +323,7 @@ def _build(stage: Path, plan: Plan, runner: Engine, resumed: bool, strict: bool,
     done = journal.reusable(stage, job) if resumed else {}
     log = journal.Journal(stage)
     try:
-        ok, sizes, failed, warned = _decode_all(job, plan, runner, strict, done, log, on_skip, progress)
+        ok, sizes, failed, warned = decode_all(job, plan, runner, strict, done, log, on_skip, progress)
     finally:
         log.close()
     finish(stage, job, ok, sizes, plan.found.labels[plan.order], plan.sources, plan.found.classes,

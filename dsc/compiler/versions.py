@@ -21,20 +21,16 @@ import os
 import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 from dsc import format as fmt
 from dsc import storage
 from dsc.compiler import publish
+from dsc.compiler.grow import Pruned, VersionTaken
 from dsc.errors import CompileError
 from dsc.storage import local
 
 WRITER_WAIT_S = 600.0  # how long an append or a prune waits for the dataset's lock (another append's commit)
-
-
-class VersionTaken(CompileError):
-    """Another writer committed the version this one built: nothing was added."""
 
 
 @contextmanager
@@ -118,21 +114,14 @@ def _digest(path: Path) -> bytes | None:
         return None
 
 
-@dataclass
-class Pruned:
-    """What `prune` did."""
-
-    kept: list[int]
-    removed_versions: list[int]
-    removed_files: list[str]
-    bytes_freed: int
-
-
 def prune(root: str | os.PathLike, keep: int) -> Pruned:
     """Keep the `keep` newest versions; delete the other versions' manifests, then every file of the
-    dataset that no kept version lists (only names dsc gives, never anything else)."""
+    dataset that no kept version lists (only names dsc gives, never anything else). An s3:// URL: see
+    `bucket_versions.prune`."""
     if storage.is_url(root):
-        raise CompileError(f"{root}: dsc prune trims dataset folders; datasets in object storage come later")
+        from dsc.compiler import bucket_versions
+
+        return bucket_versions.prune(os.fspath(root), keep)
     root = Path(root).absolute()
     if keep < 1:
         raise CompileError(f"--keep must be at least 1 (the latest version), got {keep}")

@@ -2,10 +2,11 @@
 
 Record slot `i` belongs to source `order[i]`, fixed before any work starts, so the bytes
 do not depend on which engine runs the work, how many workers it has or which finishes first.
-A `SlotWriter` lives wherever the work runs (a local worker process, a Ray task) and writes
-each record into its shard file at its offset, so no pixel ever crosses a pipe: only
-(slot, size or reason, CRC) goes back. Slots of skipped sources are closed up later, when the
-build is finished (`finish.compact`).
+A `SlotWriter` lives wherever the work runs (a local worker process, a Ray task) and hands
+each record to the build's sink: in a folder build, its shard file at its offset (`ShardSlots`);
+in a bucket build, the chunk's object (`bucket_chunks.ChunkObjects`). No pixel ever crosses a
+pipe: only (slot, size or reason, CRC) goes back. Slots of skipped sources are closed up later,
+when the build is finished (`finish.compact`, or the bucket build's shard assembly).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dsc.compiler.resize import resize_into
 from dsc.compiler.target import Target, needed_size
 from dsc.errors import ImageError
 from dsc.files import RefusedFile, TooLarge, read_regular
+from dsc.storage.object_file import is_url
 
 # Errors that belong to a source file itself, so it is skipped. Any other OSError (too many open
 # files, an I/O error) stops the compile instead, to be resumed: never a good image lost.
@@ -75,13 +77,47 @@ def max_file_bytes(max_pixels: int) -> int:
     return max_pixels * 8 + (16 << 20)
 
 
-class SlotWriter:
-    """Fills slots of one staging folder; one per worker process.
+class ShardSlots:
+    """Where a folder build's records go: each straight into its slot of the shard files, with one
+    `pwrite` (measured here, writing through a map of a freshly allocated shard costs 0.3-0.5 ms of page
+    faults per 150 KB record, `pwrite` 0.07 ms)."""
 
-    Each record is resized into one reused buffer and written to its slot with one `pwrite`:
-    measured here, writing through a map of a freshly allocated shard costs 0.3-0.5 ms of page
-    faults per 150 KB record, `pwrite` 0.07 ms.
-    """
+    def __init__(self, job: WriteJob) -> None:
+        self.job = job
+        self.files: dict[int, int] = {}
+
+    def store(self, slot: int, record: memoryview) -> None:
+        shard, offset = fmt.record_offset(slot, self.job.records_per_shard, len(record))
+        if shard not in self.files:
+            self.release()  # a folder chunk's slots are consecutive: one shard file open at a time
+            self.files[shard] = os.open(Path(self.job.stage) / fmt.shard_file(shard), os.O_WRONLY)
+        while record:
+            written = os.pwrite(self.files[shard], record, offset)
+            record, offset = record[written:], offset + written
+
+    def done(self, results: list[SlotResult]) -> None:
+        """The chunk is filled: every record is in place already."""
+
+    def release(self) -> None:
+        for fd in self.files.values():
+            os.close(fd)
+        self.files.clear()
+
+
+def sink_for(job: WriteJob):
+    """Where this job's records go: shard files of a folder build, or chunk objects of a bucket build
+    (`dsc.compiler.bucket_chunks`, imported only for an s3:// build)."""
+    if is_url(job.stage):
+        from dsc.compiler.bucket_chunks import ChunkObjects
+
+        return ChunkObjects(job)
+    return ShardSlots(job)
+
+
+class SlotWriter:
+    """Fills slots of one build; one per worker process.
+
+    Each record is resized into one reused buffer and handed to the build's sink (`sink_for`)."""
 
     def __init__(self, job: WriteJob):
         import torch
@@ -89,48 +125,33 @@ class SlotWriter:
         torch.set_num_threads(1)  # parallelism comes from the workers, not from inside a resize
         self.job = job
         self.buffer = np.empty((job.target.height, job.target.width, fmt.CHANNELS), np.uint8)
-        self.files: dict[int, int] = {}
+        self.sink = sink_for(job)
         # probe() refuses images over --max-pixels from the header; Pillow's own, lower limit
         # would otherwise overrule a larger --max-pixels. Restored by close().
         self._pillow_limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
-
-    def _store(self, slot: int) -> None:
-        shard, offset = fmt.record_offset(slot, self.job.records_per_shard, self.buffer.nbytes)
-        if shard not in self.files:
-            self._close_files()  # a folder chunk's slots are consecutive: one shard file open at a time
-            self.files[shard] = os.open(Path(self.job.stage) / fmt.shard_file(shard), os.O_WRONLY)
-        data = memoryview(self.buffer).cast("B")
-        while data:
-            written = os.pwrite(self.files[shard], data, offset)
-            data, offset = data[written:], offset + written
 
     def write(self, tasks: Chunk, on_result: Callable[[SlotResult], None] | None = None) -> list[SlotResult]:
         """Fill these slots (consecutive ones, or an archive unit's), closing the shard file after; `on_result`
         hears of each slot as it is done (a worker's sign of progress)."""
         results = []
-        for result in self.each(tasks):
-            results.append(result)
-            if on_result is not None:
-                on_result(result)
-        return results
-
-    def each(self, tasks: Chunk) -> Iterator[SlotResult]:
-        """Fill these slots one by one, yielding each one's result as it is done (a Ray task's progress)."""
         try:
             for slot, source in self._inputs(tasks):
                 try:
                     with warnings.catch_warnings(record=True) as caught:  # they travel back in the result
                         warnings.simplefilter("always", DecoderWarning)
                         h, w = self._compile(source)
-                    self._store(slot)
+                    self.sink.store(slot, memoryview(self.buffer).cast("B"))
                     notes = [str(c.message) for c in caught if issubclass(c.category, DecoderWarning)]
-                    result = SlotResult(slot, h, w, crc=zlib.crc32(self.buffer), warning="; ".join(notes),
-                                        warnings=len(notes))
+                    results.append(SlotResult(slot, h, w, crc=zlib.crc32(self.buffer), warning="; ".join(notes),
+                                              warnings=len(notes)))
                 except ImageError as e:
-                    result = SlotResult(slot, reason=str(e))
-                yield result
+                    results.append(SlotResult(slot, reason=str(e)))
+                if on_result is not None:
+                    on_result(results[-1])
+            self.sink.done(results)
         finally:
-            self._close_files()
+            self.sink.release()
+        return results
 
     def _inputs(self, tasks: Chunk | sources.ArchiveChunk) -> Iterator[tuple[int, str | bytes | ImageError]]:
         """(slot, a file's path) for a folder's chunk; (slot, bytes or why not) streamed from an archive's."""
@@ -145,19 +166,21 @@ class SlotWriter:
         compile_source = compile_data if isinstance(source, bytes) else compile_image
         return compile_source(source, job.target, self.buffer, job.max_pixels, job.decode_mode, job.alpha)
 
-    def _close_files(self) -> None:
-        for fd in self.files.values():
-            os.close(fd)
-        self.files.clear()
-
     def close(self) -> None:
-        self._close_files()
+        self.sink.release()
         Image.MAX_IMAGE_PIXELS = self._pillow_limit
+
+
+def writer_for(job):
+    """What fills a job's chunks where it runs: a `SlotWriter` decodes sources; a job of another kind (a bucket
+    build's shard assembly, `bucket_chunks.AssembleJob`) makes its own with `job.writer()`."""
+    make = getattr(job, "writer", None)
+    return make() if make is not None else SlotWriter(job)
 
 
 def write_chunk(job: WriteJob, chunk: Chunk) -> list[SlotResult]:
     """Fill one chunk's slots with a writer of its own (a Ray task, a single-process compile)."""
-    writer = SlotWriter(job)
+    writer = writer_for(job)
     try:
         return writer.write(chunk)
     finally:

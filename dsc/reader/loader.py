@@ -423,7 +423,8 @@ class Loader:
         p, share = planner.plan(epoch, done, split, start)
         if p.count > start:  # a pass with nothing to serve needs no producer
             make = batch_maker(sink, self.dataset.opened, threads.pool, self.num_threads, self.batch_size,
-                               self.order, self.seed, self.prefetch)
+                               self.order, self.seed, self.prefetch,
+                               following=lambda q: planner.plan(q.epoch + 1, [], q.split, 0)[1])  # as `jobs` goes on
             threads.producer = Producer(make, planner.jobs(p, share), self.prefetch, sink.prepare_thread)
         return p, threads.producer
 

@@ -200,9 +200,11 @@ def field_specs(opened) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
 
 
 def batch_maker(sink, opened, pool: ThreadPoolExecutor | None, num_threads: int, batch_size: int,
-                 order: str, seed: int, prefetch: int) -> Callable[[progress.Pass, int, np.ndarray], tuple[Any, float]]:
+                order: str, seed: int, prefetch: int, following: Callable[[progress.Pass], np.ndarray] | None = None,
+                ) -> Callable[[progress.Pass, int, np.ndarray], tuple[Any, float]]:
     """make(pass, b, share): batch b of the pass into the sink, and the seconds its gather took (a dataset in
-    object storage: its cache follows the pass, `prefetch` batches ahead)."""
+    object storage: its cache follows the pass, `prefetch` batches ahead, and on into the next epoch's pass,
+    which the producer makes next, whose share `following(pass)` gives)."""
     per_shard, records = opened.manifest.records_per_shard, opened.records
     followed = [None]  # the share the remote records' cache follows (`cache.RecordCache.follow`)
 
@@ -210,7 +212,7 @@ def batch_maker(sink, opened, pool: ThreadPoolExecutor | None, num_threads: int,
         idx = orders.batch_indices(share, b, batch_size, order, seed, p.epoch, per_shard)
         took = [0.0]
         if records is not None and followed[0] is not share:  # a new pass: tell the cache what comes, in order
-            records.follow(share, batch_size, b, prefetch)
+            records.follow(share, batch_size, b, prefetch, then=following(p) if following is not None else None)
             followed[0] = share
 
         def gather(host: np.ndarray) -> None:

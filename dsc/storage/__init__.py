@@ -4,7 +4,8 @@
 machine and the operating-system plumbing the compiler writes with; `s3` a dataset in an
 S3-compatible bucket (imported only for an s3:// URL), its index cached whole and its records read
 through `cache`, a bounded node-local cache that follows the epoch's order, whose files are `units`;
-`aws_config` reads the AWS profile files.
+`manifest_copies` the node's copies of its manifests; `fetch_helper` makes the requests of a process
+forked after obstore started; `aws_config` reads the AWS profile files.
 """
 
 from dsc.storage.store import (

@@ -5,12 +5,13 @@ record (format 1.3, checked by its CRC-32) or a whole shard (older formats, by i
 decides what to fetch and what to let go.
 
 The loader tells the cache the sequence of batches this process reads next (`follow`: its share of
-the epoch and the batch size); `fill` then makes one batch's units local and copies its records out.
+the epoch, then of the next epoch, whose order is known, and the batch size); `fill` then makes one
+batch's units local and copies its records out.
 Ahead of the batch being made it fetches the next `depth` batches' missing units, in order, with
 runs of neighbouring records in one shard coalesced into one ranged GET on a bounded pool of threads
 (neighbours read a little later join it where there is free room: block order reads a window in a
 random order). Room is made by evicting the unit needed furthest in the future (Belady's rule; a unit
-this pass never reads again goes first), never one needed before the unit being fetched: prefetching
+the followed sequence never reads again goes first), never one needed before the unit being fetched: prefetching
 stops there instead. The bytes the folder holds (the manifest and index files, the units, what is
 being fetched) never exceed `budget`. It deletes only units (`UnitFiles.remove`); anything else in
 the folder is never touched.
@@ -30,6 +31,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -62,15 +64,20 @@ class NetworkStats:
 
 
 class Plan:
-    """When each unit is read next, from the units of a followed sequence cut into batches."""
+    """When each unit is read next, from the units of a followed sequence cut into batches: one or more
+    passes (this one, then the next epoch's), each cut into batches of its own, numbered on from the last."""
 
-    def __init__(self, units: np.ndarray, batch_size: int, n_units: int) -> None:
+    def __init__(self, passes: list[np.ndarray], batch_size: int, n_units: int) -> None:
         self.batch_size = batch_size
-        self._units = units
-        self.count = -(-len(units) // batch_size)
+        self._units = np.concatenate(passes) if passes else np.zeros(0, np.int64)
+        counts = [-(-len(units) // batch_size) for units in passes]
+        self.count = sum(counts)
         self._nb = max(self.count, 1)
-        batches = np.arange(len(units), dtype=np.int64) // batch_size
-        self._keys = np.unique(units.astype(np.int64) * self._nb + batches)  # by unit, then batch
+        batches = np.concatenate([first + np.arange(len(units), dtype=np.int64) // batch_size
+                                  for first, units in zip(np.cumsum([0, *counts[:-1]]), passes)] or
+                                 [np.zeros(0, np.int64)])
+        self._edges = np.searchsorted(batches, np.arange(self.count + 1))  # where each batch starts in `_units`
+        self._keys = np.unique(self._units.astype(np.int64) * self._nb + batches)  # by unit, then batch
         unit_of = self._keys // self._nb
         first = np.r_[True, unit_of[1:] != unit_of[:-1]] if len(unit_of) else np.zeros(0, bool)
         self.first_use = np.full(n_units, NEVER, dtype=np.int64)
@@ -78,7 +85,7 @@ class Plan:
 
     def batch(self, b: int) -> np.ndarray:
         """The distinct units batch `b` reads."""
-        return np.unique(self._units[b * self.batch_size:(b + 1) * self.batch_size])
+        return np.unique(self._units[self._edges[b]:self._edges[b + 1]])
 
     def after(self, units: np.ndarray, b: int) -> np.ndarray:
         """The next batch after `b` that reads each of `units` (all read by batch `b`), or NEVER."""
@@ -86,6 +93,17 @@ class Plan:
         ok = at < len(self._keys)
         nxt = self._keys[np.minimum(at, len(self._keys) - 1)]
         return np.where(ok & (nxt // self._nb == units), nxt % self._nb, NEVER)
+
+
+_caches: weakref.WeakSet = weakref.WeakSet()  # every RecordCache of this process, for `_after_fork`
+
+
+def _after_fork() -> None:
+    for cache in list(_caches):
+        cache._forget_parents_fetches()
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 class RecordCache:
@@ -112,6 +130,7 @@ class RecordCache:
         self._plan: Plan | None = None
         self._start = 0  # the batch number of the plan's first batch
         self._depth = DEPTH
+        _caches.add(self)
         found = self.files.scan()  # an earlier run's or another process's: held, and deletable
         self._held[list(found)] = True
         self.used = base_bytes + sum(found.values())
@@ -141,10 +160,17 @@ class RecordCache:
 
     # --------------------------------------------------------------------- the reader's seam
 
-    def follow(self, share: np.ndarray, batch_size: int, start: int = 0, depth: int = DEPTH) -> None:
+    def follow(self, share: np.ndarray, batch_size: int, start: int = 0, depth: int = DEPTH,
+               then: np.ndarray | None = None) -> None:
         """From now on this process reads batches `share[b * batch_size:(b + 1) * batch_size]` for b >= `start`,
-        in that order (`fill(..., batch=b)`); fetch `depth` batches ahead of the one being read."""
-        plan = Plan(self.files.of(share[start * batch_size:]), batch_size, self.files.count)
+        in that order (`fill(..., batch=b)`); fetch `depth` batches ahead of the one being read. `then`: the
+        share of the pass that comes next (the next epoch's: its order is known), read in batches after this
+        one's last: its first batches are fetched while this pass ends, and evictions see when it reads each
+        unit (until the next pass is followed itself)."""
+        passes = [self.files.of(share[start * batch_size:])]
+        if then is not None:
+            passes.append(self.files.of(then[:len(then)]))  # sliced: an `order.LazyShare` is computed then
+        plan = Plan(passes, batch_size, self.files.count)
         with self._lock:
             self._plan, self._start, self._depth = plan, start, depth
             self._next = plan.first_use.copy()  # batch numbers from `start`, like every plan-relative one
@@ -285,6 +311,17 @@ class RecordCache:
             if self._readers is None:
                 self._readers = ThreadPoolExecutor(READ_THREADS - 1, "dsc-read")
             return self._readers
+
+    def _forget_parents_fetches(self) -> None:
+        """In a child just forked: the parent's fetches in flight never end here (their threads are not here),
+        and one of them may have held the lock; so a new lock, and what they fetch is not held but fetched again
+        when needed (or found in place, `UnitFiles.fetch_run`)."""
+        self._lock = threading.RLock()
+        for unit in self._pending:
+            if self._held[unit]:
+                self._held[unit] = False
+                self.used -= self.files.size(unit)
+        self._pending = {}
 
     def _own_pools(self) -> None:
         """A forked child makes pools of its own (its parent's threads are not in it)."""

@@ -21,7 +21,9 @@ import hashlib
 import os
 import secrets
 import stat
+import threading
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -237,6 +239,38 @@ def open_lock(path: Path) -> int:
     """A descriptor to `flock` on the lock file `path`, made if missing: read-only, never through a
     link (ELOOP), never truncated, a FIFO never waited on; the caller checks what it opened."""
     return os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+
+
+_held_locks: set[int] = set()  # descriptors of the lock files `locked` holds in this process now
+_held_guard = threading.Lock()  # held while one is opened or closed, and across a fork
+
+
+@contextmanager
+def locked(path: Path) -> Iterator[int]:
+    """Hold an exclusive `flock` on the lock file `path` (`open_lock`) for the `with` block. A `flock` belongs
+    to the open file, which a child forked meanwhile shares through its copy of the descriptor: that copy
+    would keep the file locked after this process let it go, until the child exited, and the child itself
+    would wait on it forever. So a forked child closes its copies first (`_after_fork`)."""
+    with _held_guard:
+        fd = open_lock(path)
+        _held_locks.add(fd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield fd
+    finally:
+        with _held_guard:
+            _held_locks.discard(fd)
+            os.close(fd)
+
+
+def _after_fork() -> None:
+    for fd in _held_locks:
+        os.close(fd)
+    _held_locks.clear()
+    _held_guard.release()
+
+
+os.register_at_fork(before=_held_guard.acquire, after_in_parent=_held_guard.release, after_in_child=_after_fork)
 
 
 def read_no_follow(path: Path, limit: int) -> bytes:

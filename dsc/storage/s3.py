@@ -11,16 +11,17 @@ The records (the shards) are not cached whole: `record_cache` hands the reader a
 for them, within `cache_bytes` (the manifest and index files, fetched whole here, count in it).
 
 The client is obstore's `S3Store`, imported only here and made lazily, once per process. obstore's
-runtime does not survive `fork` (a call in a child forked after the parent used it hangs), so a
-forked child never calls it: it reads the copies its parent cached (a `DataLoader` worker forked
-after the dataset was opened has everything it needs), and says so clearly when one is missing.
+runtime does not survive `fork` (a request in a child forked after the parent used it hangs, with
+the parent's client or a new one), so a forked child (a `DataLoader` worker started by fork) sends
+its requests to a helper process of its own (`dsc.storage.fetch_helper`); `head` and `get_range`
+pick the way.
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import ipaddress
+import logging
 import os
 import re
 import secrets
@@ -35,8 +36,8 @@ import numpy as np
 
 from dsc import format as fmt
 from dsc.errors import DatasetError, StorageError
-from dsc.storage import aws_config
-from dsc.storage.local import TEMP_SUFFIX, create_exclusive, open_lock
+from dsc.storage import aws_config, fetch_helper, manifest_copies
+from dsc.storage.local import TEMP_SUFFIX, create_exclusive, locked
 
 EXTRA = "pip install 'dsc-images[s3]'"
 ATTEMPTS = 4  # tries of one request before giving up (timeouts, 5xx, refused or reset connections)
@@ -47,11 +48,17 @@ TIMEOUT_ENV = "DSC_S3_TIMEOUT"
 PIECE_BYTES = 32 << 20  # a download is a run of ranged GETs of this size, each retried on its own
 FETCHES = 2  # downloads of a file whose bytes do not match the manifest, before it is an error
 DEFAULT_SHARE = 0.5  # cache_bytes by default: this share of the cache's free space at open, plus what it holds
+LOCAL_RANKS_ENV = "LOCAL_WORLD_SIZE"  # the ranks of this node (torchrun sets it): they split DEFAULT_SHARE
 LOCK_SUFFIX = ".lock"
 
+HELPER_WAIT_S = 30.0  # how much longer than a request's own limit a forked child waits for its helper's answer
+
+
+logger = logging.getLogger("dsc")
 _clients: dict[tuple, Any] = {}  # (process id, bucket, endpoint settings) -> obstore S3Store
 _runtime_pid: int | None = None  # the process that first called obstore (its runtime lives there)
 _opened_keys: dict[tuple[str, str], str] = {}  # (url, cache) -> cache key of the manifest read last
+_opened_versions: dict[tuple[str, str], dict[str, str]] = {}  # (url, cache) -> {versions/N.json: its cache key}
 
 
 def parse_url(url: str) -> tuple[str, str]:
@@ -119,17 +126,36 @@ def _request_timeout() -> float:
     return seconds
 
 
+
+
+def _local_ranks() -> int:
+    """How many ranks of this node share its cache: $LOCAL_WORLD_SIZE (a positive integer), else 1."""
+    text = os.environ.get(LOCAL_RANKS_ENV, "").strip()
+    return int(text) if text.isdigit() and int(text) > 0 else 1
+
+
 def _forked() -> bool:
-    """Whether this process was forked from one that had started obstore's runtime (unusable here)."""
+    """Whether this process was forked from one that made an obstore client (`client`), whose runtime it may
+    have started (unusable here): its requests then go through a helper process (`fetch_helper`). Importing
+    obstore starts nothing: a process forked from one that only imported it (the compile's spawned worker
+    host) makes its own client and requests."""
     return _runtime_pid is not None and _runtime_pid != os.getpid()
+
+
+def _settings() -> dict[str, Any]:
+    """obstore S3Store's keyword arguments for this process's environment (besides the bucket)."""
+    config, options = _client_options()
+    return {"config": config, "client_options": options,
+            "retry_config": {"max_retries": 0}}  # dsc retries itself, counting and naming each try
 
 
 def client(bucket: str) -> Any:
     """This process's obstore client for `bucket`, made on first use (never shared across processes)."""
     global _runtime_pid
-    config, options = _client_options()
+    settings = _settings()
     pid = os.getpid()
-    key = (pid, bucket, repr(sorted(config.items())), repr(sorted(options.items())))  # the environment may change
+    key = (pid, bucket, repr(sorted(settings["config"].items())),
+           repr(sorted(settings["client_options"].items())))  # the environment may change
     found = _clients.get(key)
     if found is not None:
         return found
@@ -137,12 +163,37 @@ def client(bucket: str) -> Any:
         from obstore.store import S3Store
     except ImportError as e:
         raise StorageError(f"reading s3:// datasets needs obstore, which is not installed: {EXTRA}") from e
-    made = S3Store(bucket, config=config, client_options=options,
-                   retry_config={"max_retries": 0})  # dsc retries itself, counting and naming each try
+    made = S3Store(bucket, **settings)
     _clients[key] = made
     if _runtime_pid is None:
         _runtime_pid = pid
     return made
+
+
+def head(bucket: str, key: str) -> dict[str, Any]:
+    """The object's metadata (obstore's `head`), asked by this process or, forked, by its helper."""
+    if _forked():
+        _obstore()  # installed, or the same message as unforked
+        return fetch_helper.call(("head", bucket, _settings(), key), _request_timeout() + HELPER_WAIT_S)
+    return _obstore().head(client(bucket), key)
+
+
+def get_range(bucket: str, key: str, start: int, end: int) -> bytes | memoryview:
+    """Bytes [start, end) of the object, fetched by this process (the client's own buffer, not copied) or,
+    forked, by its helper."""
+    if _forked():
+        _obstore()  # installed, or the same message as unforked
+        return fetch_helper.call(("get_range", bucket, _settings(), key, start, end),
+                                 _request_timeout() + HELPER_WAIT_S)
+    return memoryview(_obstore().get_range(client(bucket), key, start=start, end=end))
+
+
+class EndpointUnreachable(StorageError):
+    """A request that failed every try in a way a retry could have fixed (no answer, 5xx): `reason` says how."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 def retried(what: str, where: str, request) -> Any:
@@ -161,8 +212,8 @@ def retried(what: str, where: str, request) -> Any:
             last = e
         if attempt < ATTEMPTS:
             time.sleep(BACKOFF_S * 2 ** (attempt - 1))
-    raise StorageError(f"{where}: {what} failed {ATTEMPTS} times in {time.monotonic() - began:.1f} s; "
-                       f"last: {_describe(last)}") from last
+    raise EndpointUnreachable(f"{where}: {what} failed {ATTEMPTS} times in {time.monotonic() - began:.1f} s; "
+                              f"last: {_describe(last)}", _describe(last)) from last
 
 
 def _first_line(e: BaseException) -> str:
@@ -223,6 +274,7 @@ class S3Dataset:
         self._key: str | None = None  # their SHA-256: the cache sub-folder of this dataset
         self._manifest: fmt.Manifest | None = None
         self._sizes: dict[str, int] = {}  # HEAD answers, so validating twice asks once
+        self._unreachable: EndpointUnreachable | None = None  # set once the endpoint failed every try at open
         self.cache_bytes = cache_bytes  # None: DEFAULT_SHARE of the free space, fixed at the first open
 
     # --------------------------------------------------------------------- the store's verbs
@@ -237,8 +289,8 @@ class S3Dataset:
     def read(self, name: str, limit: int) -> bytes:
         """The manifest from the bucket (a forked child: its parent's cached copy); another file from
         the cache when it holds it, else from the bucket."""
-        if name == fmt.MANIFEST_FILE:
-            return self._read_manifest(limit)
+        if name == fmt.MANIFEST_FILE or _is_version_manifest(name):
+            return self._read_manifest(limit, name)
         fd = self._cached(name, None)
         if fd is not None:
             with os.fdopen(fd, "rb") as f:
@@ -249,16 +301,14 @@ class S3Dataset:
         """The cached copy's size where it has the size the manifest declares, else the object's (HEAD);
         a shard's declared size as it is (its ranges are fetched later, each checked for length and content)."""
         declared = fmt.declared_sizes(self._text or b"").get(name)
-        if declared is not None and name.startswith(f"{fmt.SHARD_DIR}/"):
+        if declared is not None and _is_shard(name):
             return declared
         fd = self._cached(name, declared) if declared is not None else None
         if fd is not None:
             os.close(fd)
             return declared
         if name not in self._sizes:
-            if _forked():
-                raise self._forked_error(name)
-            meta = self._call("HEAD", name, lambda: _obstore().head(client(self.bucket), self._key_of(name)),
+            meta = self._call("HEAD", name, lambda: head(self.bucket, self._key_of(name)),
                               missing=f"missing ({where} in the manifest)")
             self._sizes[name] = int(meta["size"])
         return self._sizes[name]
@@ -271,8 +321,6 @@ class S3Dataset:
         fd = self._cached(name, entry.bytes)
         if fd is not None:
             return fd
-        if _forked():
-            raise self._forked_error(name)
         self._check_budget()
         self._fetch(entry)
         for other in self._whole_files():  # the index, whole, once per node: a forked child finds it all
@@ -284,9 +332,26 @@ class S3Dataset:
                                "right after it was downloaded; is another program writing into the cache?")
         return fd
 
-    def get_range(self, name: str, start: int, stop: int) -> bytes:
-        """Bytes [start, stop) of a dataset file, from the bucket (retried as every request is)."""
-        return self._get(name, start, stop, "GET")
+    def list(self, folder: str) -> list[str]:
+        """(format 1.3) The names of the objects directly in `folder` (one LIST: strongly consistent on S3), what
+        finds a dataset's versions; a forked child, which cannot call the bucket, names the versions its parent read."""
+        if _forked():
+            read = _opened_versions.get((self.root, str(self.cache)), {})
+            return sorted(name.split("/")[-1] for name in read if name.rpartition("/")[0] == folder)
+        if self._unreachable is not None:
+            return []
+        try:
+            answer = self._call("LIST", f"{folder}/", lambda: _obstore().list_with_delimiter(
+                client(self.bucket), self._key_of(folder)), missing="missing")
+        except EndpointUnreachable as e:  # offline: only manifest.json's cached copy, the latest version, opens
+            self._unreachable = e
+            return []
+        return sorted(entry["path"].split("/")[-1] for entry in answer["objects"])
+
+    def get_range(self, name: str, start: int, stop: int) -> bytes | memoryview:
+        """Bytes [start, stop) of a dataset file, from the bucket (retried as every request is), as the client's
+        own buffer: not copied (the record cache checks, places and serves records straight out of it)."""
+        return self._get(name, start, stop, "GET", copy=False)
 
     def pieces(self, name: str, size: int, step: int):
         """The object's bytes by ranged GETs of `step`, as the bucket holds them (nothing cached): what
@@ -310,21 +375,70 @@ class S3Dataset:
 
     # --------------------------------------------------------------------- the manifest
 
-    def _read_manifest(self, limit: int) -> bytes:
-        remembered = _opened_keys.get((self.root, str(self.cache)))
-        if _forked():
-            if remembered is None:
-                raise self._forked_error(fmt.MANIFEST_FILE)
-            with open(self.cache / remembered / fmt.MANIFEST_FILE, "rb") as f:  # written by this node
-                text = f.read(limit)
-            if hashlib.sha256(text).hexdigest() != remembered:
+    def _read_manifest(self, limit: int, name: str = fmt.MANIFEST_FILE) -> bytes:
+        """The bytes of a manifest (`manifest.json`, or a version's `versions/N.json`), which from here on name
+        the dataset this store reads; a forked child reads the copy its parent opened, from the node's cache."""
+        versioned = name != fmt.MANIFEST_FILE
+        remembered = (_opened_versions.get((self.root, str(self.cache)), {}).get(name) if versioned
+                      else _opened_keys.get((self.root, str(self.cache))))
+        if _forked() and remembered is not None:
+            text = manifest_copies.read(self.cache, remembered, limit)
+            if text is None:
                 raise DatasetError(f"{self.cache / remembered / fmt.MANIFEST_FILE}: the cached manifest of "
-                                   f"{self.root} was changed; it is not the one its name says")
+                                   f"{self.root} was changed or removed; it is not the one its name says")
         else:
-            text = self._get(fmt.MANIFEST_FILE, 0, min(limit, self.size(fmt.MANIFEST_FILE, "the manifest")), "GET")
+            text = (self._get(name, 0, min(limit, self.size(name, "the manifest")), "GET") if versioned
+                    else self._current_manifest(limit))
         self._text, self._key, self._manifest = text, hashlib.sha256(text).hexdigest(), None
         _opened_keys[(self.root, str(self.cache))] = self._key
+        if versioned:
+            _opened_versions.setdefault((self.root, str(self.cache)), {})[name] = self._key
         return text
+
+    def _current_manifest(self, limit: int) -> bytes:
+        """The bucket's manifest: asked with one HEAD per process, its bytes fetched once per node (a copy
+        is used while the object has the ETag and size it was fetched with; the first process to miss
+        fetches it under a lock). An endpoint that does not answer: the node's latest copy, with a warning."""
+        if self._unreachable is not None:  # asked once per open, not once per question
+            return self._offline_manifest(self._unreachable, limit)
+        try:
+            meta = self._call("HEAD", fmt.MANIFEST_FILE, lambda: head(self.bucket, self._key_of(fmt.MANIFEST_FILE)),
+                              missing="missing (the manifest)")
+        except EndpointUnreachable as e:
+            self._unreachable = e
+            return self._offline_manifest(e, limit)
+        self._sizes[fmt.MANIFEST_FILE] = int(meta["size"])
+        stamp = f"{meta.get('e_tag')} {meta['size']}" if meta.get("e_tag") else None  # an object without: no copy
+        def node_copy() -> bytes | None:
+            return manifest_copies.find(self.cache, self._origin(stamp), limit) if stamp else None
+
+        text = node_copy()
+        if text is not None:
+            return text
+        self.cache.mkdir(parents=True, exist_ok=True)
+        with locked(self.cache / f"{self._origin(None)}{LOCK_SUFFIX}"):
+            text = node_copy()  # another process of the node fetched it while this one waited
+            if text is None:
+                text = self._get(fmt.MANIFEST_FILE, 0, min(limit, int(meta["size"])), "GET")
+                folder = self.cache / hashlib.sha256(text).hexdigest()
+                self._keep_text(folder, text)
+                if stamp:
+                    self._place(folder / self._origin(stamp), lambda f: None)
+        return text
+
+    def _offline_manifest(self, error: EndpointUnreachable, limit: int) -> bytes:
+        """The latest copy of the manifest this node fetched from this URL and endpoint, with a warning; none:
+        `error`, saying so."""
+        text = manifest_copies.find(self.cache, self._origin(manifest_copies.ANY), limit)
+        if text is None:
+            raise StorageError(f"{error}; the cache {self.cache} holds no copy of this dataset's manifest to open "
+                               "it without the endpoint") from error
+        logger.warning("%s", f"{self.root}: the endpoint cannot be reached ({error.reason}); opened the copy of its "
+                             f"manifest cached in {self.cache}: only what the cache holds can be read")
+        return text
+
+    def _origin(self, stamp: str | None) -> str:
+        return manifest_copies.origin(str(_settings()["config"].get("endpoint", "")), self.root, stamp)
 
     def _parsed(self) -> fmt.Manifest:
         if self._manifest is None:
@@ -341,12 +455,14 @@ class S3Dataset:
         raise DatasetError(f"{self._at(name)}: not a file of this dataset ({where})")
 
     def _keep_manifest(self) -> None:
-        """A copy of the manifest beside the cached files: the folder becomes a dataset of its own,
-        and a forked child (which cannot call the bucket) reads its parent's manifest from it."""
-        folder = self.local_folder()
+        """A copy of the manifest beside the cached files: the folder becomes a dataset of its own, the
+        node's other processes and a forked child (the version its parent opened) read it from there."""
+        self._keep_text(self.local_folder(), self._text)
+
+    def _keep_text(self, folder: Path, text: bytes) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         if not (folder / fmt.MANIFEST_FILE).exists():
-            self._place(folder / fmt.MANIFEST_FILE, lambda f: f.write(self._text))
+            self._place(folder / fmt.MANIFEST_FILE, lambda f: f.write(text))
 
     # --------------------------------------------------------------------- the cache
 
@@ -385,12 +501,12 @@ class S3Dataset:
         return len(self._text or b"") + sum(e.bytes for e in self._whole_files())
 
     def budget(self) -> int:
-        """`cache_bytes`, or by default DEFAULT_SHARE of the cache's free space at the first open plus what
-        this dataset's folder holds already."""
+        """`cache_bytes`, or by default DEFAULT_SHARE of the cache's free space at the first open, split between
+        the node's ranks (each counts what it holds: `cache`), plus what this dataset's folder holds already."""
         if self.cache_bytes is None:
             folder = self.local_folder()
             held = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
-            self.cache_bytes = int(free_bytes(folder) * DEFAULT_SHARE) + held
+            self.cache_bytes = int(free_bytes(folder) * DEFAULT_SHARE / _local_ranks()) + held
         return self.cache_bytes
 
     def _check_budget(self) -> None:
@@ -426,9 +542,7 @@ class S3Dataset:
         """Download `entry` into the cache once per node: under its lock, unless another process did."""
         path = self.local_path(entry.file)
         path.parent.mkdir(parents=True, exist_ok=True)
-        lock = open_lock(path.with_name(f".{path.name}{LOCK_SUFFIX}"))
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with locked(path.with_name(f".{path.name}{LOCK_SUFFIX}")):
             fd = self._cached(entry.file, entry.bytes)
             if fd is not None:  # another process of the node fetched it while this one waited
                 os.close(fd)
@@ -441,8 +555,6 @@ class S3Dataset:
                 problems.append(problem)
             raise DatasetError(f"{self._at(entry.file)}: downloaded {FETCHES} times, wrong each time "
                                f"({'; '.join(problems)}); the object in the bucket is damaged")
-        finally:
-            os.close(lock)
 
     def _place(self, path: Path, write, entry: fmt.FileEntry | None = None) -> str | None:
         """Write a file through `write(f)` to a new temporary name beside `path`, check it against
@@ -489,14 +601,12 @@ class S3Dataset:
     def _at(self, name: str) -> str:
         return f"{self.root}/{name}"
 
-    def _get(self, name: str, start: int, stop: int, what: str) -> bytes:
-        if _forked():
-            raise self._forked_error(name)
+    def _get(self, name: str, start: int, stop: int, what: str, copy: bool = True) -> bytes | memoryview:
         if stop <= start:
             return b""
         key = self._key_of(name)
-        return bytes(self._call(what, name, lambda: _obstore().get_range(client(self.bucket), key, start=start,
-                                                                             end=stop), missing="missing"))
+        data = self._call(what, name, lambda: get_range(self.bucket, key, start, stop), missing="missing")
+        return bytes(data) if copy else memoryview(data)
 
     def _call(self, what: str, name: str, request, missing: str) -> Any:
         """`retried(request)`, naming this dataset's object; a missing one is `missing`."""
@@ -505,11 +615,16 @@ class S3Dataset:
         except FileNotFoundError as e:
             raise DatasetError(f"{self._at(name)}: {missing}") from e
 
-    def _forked_error(self, name: str) -> StorageError:
-        return StorageError(f"{self._at(name)}: not in the cache {self.cache}, and this process cannot reach the "
-                            "bucket: it was forked from one that already used the S3 client (obstore), whose "
-                            "runtime does not survive fork. Open the dataset before forking (its files are then "
-                            "cached), or start workers with multiprocessing_context='spawn' or 'forkserver'")
+
+
+def _is_version_manifest(name: str) -> bool:
+    folder, _, base = name.rpartition("/")
+    return folder == fmt.VERSIONS_DIR and fmt.version_of(base) is not None
+
+
+def _is_shard(name: str) -> bool:
+    """Whether `name` is a shard's name (`shards/NNNNN.bin`, or an append's `appends/<tag>/shards/NNNNN.bin`)."""
+    return fmt.is_dataset_file_name(name) and name.split("/")[-2:-1] == [fmt.SHARD_DIR]
 
 
 def _obstore():

@@ -150,8 +150,8 @@ class OpenedDataset:
 
 def versions(store: DatasetStore) -> list[int]:
     """(format 1.3) The dataset's committed versions, oldest first: the manifests in `versions/`;
-    [] when it has none (version 1 is then `manifest.json`). A store that cannot list (an object
-    store, for now) answers [] and reads `manifest.json`, the copy of the latest version."""
+    [] when it has none (version 1 is then `manifest.json`). A store that cannot list answers [] and
+    reads `manifest.json`, the copy of the latest version (an object store lists `versions/`)."""
     listing = getattr(store, "list", None)
     return sorted(v for v in map(fmt.version_of, listing(fmt.VERSIONS_DIR) if listing else []) if v is not None)
 
@@ -188,8 +188,8 @@ def read_manifest(store: DatasetStore, version: int | None = None) -> fmt.Manife
                            "damaged")
     if version is not None and manifest.dataset_version != version:  # a store that cannot list: manifest.json
         raise DatasetError(f"{store.root}: version {version} asked for, but this store reads only its latest "
-                           f"version ({manifest.dataset_version}, its {fmt.MANIFEST_FILE}); older versions of a "
-                           "dataset in object storage cannot be opened yet: copy the dataset to a folder")
+                           f"version ({manifest.dataset_version}, its {fmt.MANIFEST_FILE}): it cannot list "
+                           f"{fmt.VERSIONS_DIR}/; copy the dataset to a folder")
     return manifest
 
 
@@ -252,11 +252,14 @@ def parse_manifest(root: Location, cache_dir: str | os.PathLike | None = None,
         return read_manifest(store, version)
 
 
-def check_manifest_text(root: str | os.PathLike, text: bytes) -> fmt.Manifest:
+def check_manifest_text(root: str | os.PathLike, text: bytes, kept: dict[str, int] | None = None) -> fmt.Manifest:
     """Everything `validate` checks, of manifest bytes not yet committed, over the files of the folder `root`:
-    what a writer of a new version runs before it commits it."""
+    what a writer of a new version runs before it commits it. `kept`: the sizes of files it keeps from an
+    earlier, validated version that are not in `root` (the shards of a dataset in a bucket)."""
     with _opened(root) as store:
-        manifest = fmt.parse_manifest(text, store.root, store.size)
+        def size(name: str, where: str) -> int:
+            return kept[name] if kept and name in kept else store.size(name, where)
+        manifest = fmt.parse_manifest(text, store.root, size)
         fmt.check_index(manifest, store.root, _values_of(store))
         return manifest
 
@@ -322,6 +325,10 @@ def record_checksums(dataset: OpenedDataset) -> np.ndarray:
     """Each record's CRC-32: the dataset's checksums.bin (format 1.3), or computed from its mapped records
     where it has none (what a writer that joins datasets needs for the joined one)."""
     m, entry = dataset.manifest, dataset.manifest.checksums
+    if entry is None and dataset.records is not None:  # in object storage: its records a bounded piece at a time
+        step = max(1, VERIFY_PIECE_BYTES // m.record_bytes)
+        return np.array([c for first in range(0, m.count, step) for c in fmt.record_checksums(
+            dataset.read_records(range(first, min(m.count, first + step))), m.record_bytes)], fmt.CHECKSUM_DTYPE)
     if entry is None:
         return np.fromiter((c for shard in dataset.shards for c in fmt.record_checksums(shard, m.record_bytes)),
                            fmt.CHECKSUM_DTYPE, m.count)

@@ -12,7 +12,7 @@ renamed into place. Something else than a regular file at a unit's name is refus
 
 from __future__ import annotations
 
-import fcntl
+import contextlib
 import hashlib
 import os
 import re
@@ -26,7 +26,7 @@ import numpy as np
 
 from dsc import format as fmt
 from dsc.errors import DatasetError
-from dsc.storage.local import TEMP_SUFFIX, create_exclusive, open_lock, sha256_fd
+from dsc.storage.local import TEMP_SUFFIX, create_exclusive, locked, sha256_fd
 
 RECORD_DIR = "records"
 GET_BYTES = 16 << 20  # a coalesced ranged GET covers at most this much (a lock chunk of a shard)
@@ -52,6 +52,7 @@ class UnitFiles:
         self._checked_ino = np.zeros(self.count, dtype=np.int64)
         self._checked_mtime = np.zeros(self.count, dtype=np.int64)
         self._root = os.fspath(folder)  # paths as strings: a Path per record read costs more than the read
+        self._made: set[Path] = set()  # folders of unit files this process made (or found) already
 
     # --------------------------------------------------------------------- sizes and names
 
@@ -165,14 +166,10 @@ class UnitFiles:
         process placed meanwhile; each checked, placed by rename."""
         lock_path = self._lock_path(shard, first)
         lock_path.parent.mkdir(parents=True, exist_ok=True)
-        lock = open_lock(lock_path)
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with locked(lock_path):
             wanted = [u for u in range(first, last) if not self.present(u)]
             if wanted:
                 self.fetch_again(shard, wanted[0], wanted[-1] + 1)
-        finally:
-            os.close(lock)
 
     def fetch_again(self, shard: int, first: int, last: int) -> None:
         """Units [first, last) of `shard` fetched and put in place (a rename over what is there)."""
@@ -197,7 +194,7 @@ class UnitFiles:
             piece = data[(unit - first) * rb:(unit - first + 1) * rb]
             if zlib.crc32(piece) != int(self.crcs[unit]):
                 piece = self._refetch(unit)
-            self._place(self.path(unit), piece)
+            self._placed(unit, self._place(self.path(unit), piece))
 
     def _refetch(self, unit: int) -> memoryview:
         """Record `unit` fetched again on its own; still not matching its CRC-32: an error naming it."""
@@ -218,7 +215,7 @@ class UnitFiles:
             data = self._ranged(entry.file, 0, entry.bytes)
             digest = hashlib.sha256(data).hexdigest()
             if digest == entry.sha256:
-                self._place(self.path(shard), data)
+                self._placed(shard, self._place(self.path(shard), data))
                 return
             problems.append(f"SHA-256 {digest}, the manifest says {entry.sha256}")
         raise DatasetError(f"{self._at(entry.file)}: fetched {FETCHES} times, wrong each time ({'; '.join(problems)}); "
@@ -237,20 +234,32 @@ class UnitFiles:
             parts.append(data)
         return memoryview(parts[0] if len(parts) == 1 else b"".join(parts))
 
-    def _place(self, path: Path, data) -> None:
-        """Write `data` to a new temporary name beside `path`, then rename it into place."""
-        path.parent.mkdir(parents=True, exist_ok=True)
+    def _place(self, path: Path, data) -> os.stat_result:
+        """Write `data` to a new temporary name beside `path`, then rename it into place; the file's status."""
+        if path.parent not in self._made:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._made.add(path.parent)
         temp = path.with_name(f".{path.name}.{secrets.token_hex(8)}{TEMP_SUFFIX}")
-        fd = create_exclusive(temp)
+        try:
+            fd = create_exclusive(temp)
+        except FileNotFoundError:  # its folder went (the cache folder emptied by hand): made again
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = create_exclusive(temp)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
+                f.flush()
+                st = os.fstat(f.fileno())
             os.replace(temp, path)
-        finally:
-            try:
-                os.unlink(temp)  # ours (created exclusively above); gone already once renamed
-            except FileNotFoundError:
-                pass
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temp)  # ours (created exclusively above), not renamed into place
+            raise
+        return st
+
+    def _placed(self, unit: int, st: os.stat_result) -> None:
+        """A unit this process checked before placing it needs no check when it reads the same file back."""
+        self._checked_ino[unit], self._checked_mtime[unit] = st.st_ino, st.st_mtime_ns
 
     # --------------------------------------------------------------------- reading
 
@@ -258,7 +267,8 @@ class UnitFiles:
         """Record `record` from its unit's file into `row`, checked: None, or what was wrong ("gone", a
         checksum); something else than a regular file at the unit's name is refused. A unit is checked the
         first time this process reads its file, and again whenever the file changed since (another inode: a
-        copy renamed over it; another mtime: written in place); a copy dsc places is checked before."""
+        copy renamed over it; another mtime: written in place); a copy this process placed was checked before it
+        was placed, and is not checked again while its file is the same (`_placed`)."""
         unit = record // self.per_unit
         path = self._where(unit)
         try:

@@ -18,11 +18,12 @@ from dsc import storage
 COUNT_PIECE = 1 << 22  # labels counted at a time (32 MiB of int64)
 
 
-def summary(path: str | os.PathLike, every_skip: bool = True) -> dict[str, Any]:
+def summary(path: str | os.PathLike, every_skip: bool = True, version: int | None = None) -> dict[str, Any]:
     """Everything `dsc info` shows, as plain JSON-able values. `every_skip=False` lists only the skipped
     sources the manifest holds (the first SKIPPED_IN_MANIFEST), without reading the skip list file,
-    whose size grows with the skips; "skipped_count" counts them all either way."""
-    d = storage.open_dataset(path)
+    whose size grows with the skips; "skipped_count" counts them all either way. `version`: which version
+    of a grown dataset (format 1.3) [default: the latest]."""
+    d = storage.open_dataset(path, version=version)
     m = d.manifest
     counts, unlabeled = _label_counts(d.labels, len(m.classes))
     return {
@@ -39,8 +40,8 @@ def summary(path: str | os.PathLike, every_skip: bool = True) -> dict[str, Any]:
         "bytes_on_disk": sum(f.bytes for f in m.files) + (d.local_root / fmt.MANIFEST_FILE).stat().st_size,
         "jpeg_decoder": m.compile.get("jpeg_decoder"), "compile": m.compile,
         "fields": [field_summary(f, d.fields[f.name]) for f in m.fields],
-        "version": m.dataset_version,  # format 1.3: the version shown (the latest), and every one kept
-        "versions": [1] if storage.is_url(path) else storage.dataset_versions(path),
+        "version": m.dataset_version,  # format 1.3: the version shown, and every one kept
+        "versions": storage.dataset_versions(path),
         "parts": [{"first": p.first, "count": p.count, "source_root": p.compile.get("source_root")}
                   for p in m.record_parts],
     }

@@ -193,10 +193,13 @@ def _host_main(conn) -> None:
         return
     conn.send(("ready", None))
     try:
-        kind, *args = conn.recv()
-        if kind == "start":  # else "end": no chunks came
-            job, workers, stall_s = args
-            Supervisor(conn, multiprocessing.get_context(START_METHOD), job, workers, stall_s, _init_worker).run()
+        message = conn.recv()
+        while message[0] == "start":  # else "end": no (more) chunks come
+            job, workers, stall_s = message[1:]
+            supervisor = Supervisor(conn, multiprocessing.get_context(START_METHOD), job, workers, stall_s,
+                                    _init_worker)
+            supervisor.run()
+            message = supervisor.ended_by  # a bucket build fills twice: its chunks, then its shards
     except EOFError:  # the driver went away: stop at once
         os._exit(1)
     except Failed as e:

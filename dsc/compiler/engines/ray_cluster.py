@@ -15,7 +15,9 @@ harmless and redoes one chunk at most.
 from __future__ import annotations
 
 import logging
+import queue
 import socket
+import threading
 from collections.abc import Iterable, Iterator
 
 from dsc.compiler.engines.ray_tasks import Started, TaskBook
@@ -83,15 +85,35 @@ class RayEngine:
 
 def write_chunk(job: WriteJob, chunk: Chunk) -> Iterator:
     """One task (`ray::write_chunk`): fill one chunk's slots on a Ray worker, saying first where it
-    runs and then each slot as it is done (its sign of progress); the driver never imports the decoders."""
+    runs and then each slot as it is done (its sign of progress); the driver never imports the decoders.
+    The writer runs in a thread of the task, which yields what it reports; the task ends once the writer
+    has returned (a bucket build's chunk object written), so a chunk counts as done only then."""
     yield Started.here()
     from dsc.compiler import write  # imported as the worker started (`import_decoders`): no cost here
 
-    writer = write.SlotWriter(job)
+    writer = write.writer_for(job)
+    reported: queue.SimpleQueue = queue.SimpleQueue()
+    failed: list[BaseException] = []
+
+    def fill() -> None:
+        try:
+            writer.write(chunk, on_result=reported.put)
+        except BaseException as e:  # raised in the task below, as a Ray task error
+            failed.append(e)
+        finally:
+            reported.put(None)
+
+    thread = threading.Thread(target=fill, name="dsc-write-chunk", daemon=True)
+    thread.start()
     try:
-        yield from writer.each(chunk)
+        while (result := reported.get()) is not None:
+            yield result
+        thread.join()
+        if failed:
+            raise failed[0]
     finally:
-        writer.close()
+        if not thread.is_alive():
+            writer.close()
 
 
 def import_decoders() -> None:

@@ -158,6 +158,10 @@ class TaskBook:
             then = "the source is skipped" if skipped else "another task tries it again"
             self._note(f"{task.worker} made no progress for {self.stall_s:g} s on {source_name(source)}: "
                        f"cancelled; {then}")
+        elif task.chunk:  # it stalled after its last slot, before it ended (a bucket build's chunk object):
+            left = chunk_tasks(task.chunk)  # its whole part again, blaming none (a slot rewritten is the same)
+            self._note(f"{task.worker} made no progress for {self.stall_s:g} s after its last source: cancelled; "
+                       "another task does its part again")
         if left:
             self._retries.append((task.chunk_id, with_tasks(task.chunk, left)))
             chunk.tasks += 1

@@ -70,6 +70,7 @@ class Supervisor:
         self.stalls: Counter[int] = Counter()
         self.workers = [self._start_worker() for _ in range(workers)]
         self._next = 0
+        self.ended_by: tuple = ("end",)  # the driver's message that ended `run`: "end", or the next fill's "start"
 
     def run(self) -> None:
         """Serve the driver until it says "end" (return) or goes away (EOFError); Failed when a worker fails."""
@@ -89,7 +90,8 @@ class Supervisor:
 
     def _from_driver(self) -> bool:
         kind, *args = self.conn.recv()
-        if kind != "chunk":  # "end"
+        if kind != "chunk":  # "end", or "start" of the driver's next fill
+            self.ended_by = (kind, *args)
             return False
         self.chunks[self._next] = _Chunk(args[0])
         self.queue.append((self._next, args[0]))
@@ -186,9 +188,9 @@ def _send(conn: Connection, message: tuple) -> None:
 def _worker_main(conn: Connection, job: WriteJob, init: Callable[[], None]) -> None:
     """A worker: fill each chunk it is sent, reporting every slot as it is done."""
     init()
-    from dsc.compiler.write import SlotWriter  # imported by the host already: shared, no cost here
+    from dsc.compiler.write import writer_for  # imported by the host already: shared, no cost here
 
-    writer = SlotWriter(job)
+    writer = writer_for(job)
     try:
         while True:
             try:

@@ -1,0 +1,249 @@
+"""A bucket build's worker side: each chunk's records as one object, and the shards assembled from them.
+
+A build in object storage (`dsc compile SRC s3://...`, driven by `bucket_build`) has no shard files to
+write records into at their offsets. Instead, the worker that fills a chunk writes one **chunk object**
+into the build's work folder: the chunk's kept records back to back, then a trailer (JSON) saying which
+slot each record is, with its size, CRC-32 and decoder warnings, and why each other slot was skipped.
+Its name holds the chunk's first slot, a digest of its slots and the trailer's length
+(`chunks/000000000256-<16 hex>-<bytes>.bin`), so one LIST finds them all and one ranged GET reads a
+trailer. A PUT is atomic: a chunk object is whole or absent, and a task run twice writes the same bytes
+under the same name (decoding is deterministic) — never two versions, never half of one.
+
+Once every slot is done, the driver knows where each kept record is (`read_chunks`) and which records
+each shard holds after skipped sources are closed up: `ShardAssembler`, run by the engine's workers like
+a chunk, streams one shard's records out of the chunk objects (ranged GETs, each record's CRC checked)
+into the shard's object (one multipart upload) and records its SHA-256 beside it (`shard_marker`). No
+record passes through the driver.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from dsc import format as fmt
+from dsc.compiler.jobs import SlotResult
+from dsc.errors import DatasetError
+from dsc.storage.bucket import Bucket, ObjectInfo
+
+CHUNK_DIR = "chunks"
+SHARD_MARKER_DIR = "shards"  # in the work folder: one small JSON per assembled shard
+_CHUNK_NAME = re.compile(r"chunks/(\d{12})-([0-9a-f]{16})-(\d{1,9})\.bin")
+READ_THREADS = 8  # trailers and markers read at a time
+PIECE_BYTES = 8 << 20  # an assembly reads this much (whole records) of a chunk object at a time
+READ_AHEAD = 4  # ranged GETs of an assembly in flight: the next pieces arrive while one is uploaded
+
+
+def chunk_name(slots: list[int], trailer: bytes) -> str:
+    digest = hashlib.sha256(json.dumps(slots).encode()).hexdigest()[:16]
+    return f"{CHUNK_DIR}/{min(slots):012d}-{digest}-{len(trailer)}.bin"
+
+
+def _entry(result: SlotResult) -> list:
+    if not result.ok:
+        return [result.slot, result.reason]
+    return [result.slot, result.height, result.width, result.crc, result.warnings, result.warning]
+
+
+def _result(entry: list) -> SlotResult:
+    if len(entry) == 2:
+        return SlotResult(int(entry[0]), reason=str(entry[1]))
+    slot, h, w, crc, count, warning = entry
+    return SlotResult(int(slot), int(h), int(w), warning=str(warning), warnings=int(count), crc=int(crc))
+
+
+class ChunkObjects:
+    """A `write.SlotWriter`'s sink in a bucket build: a chunk's records, buffered, written as one object."""
+
+    def __init__(self, job) -> None:
+        self.work = Bucket(job.stage)
+        self.records: list[bytes] = []
+
+    def store(self, slot: int, record: memoryview) -> None:
+        self.records.append(bytes(record))
+
+    def done(self, results: list[SlotResult]) -> None:
+        if not results:
+            return
+        trailer = json.dumps([_entry(r) for r in results], ensure_ascii=True).encode()
+        self.work.put(chunk_name([r.slot for r in results], trailer), b"".join(self.records) + trailer)
+
+    def release(self) -> None:
+        self.records.clear()
+
+
+@dataclass(frozen=True)
+class Placed:
+    """Where a slot's outcome is: its result, and for a kept record its chunk object and position there."""
+
+    result: SlotResult
+    chunk: str = ""
+    position: int = 0
+
+
+def read_chunks(work: Bucket, record_bytes: int) -> dict[int, Placed]:
+    """Every slot some chunk object in the work folder accounts for (the first object by name, when a task
+    that ran twice made two); an object whose trailer does not parse, or whose size is not its kept records',
+    is ignored (its slots are done again)."""
+    found = [(info, _CHUNK_NAME.fullmatch(info.name)) for info in work.list(CHUNK_DIR)]
+    found = [(info, int(m.group(3))) for info, m in found if m and 0 < int(m.group(3)) <= info.size]
+
+    def trailer(item: tuple[ObjectInfo, int]) -> list | None:
+        info, length = item
+        try:
+            entries = json.loads(work.get_range(info.name, info.size - length, info.size))
+            results = [_result(e) for e in entries]
+        except (ValueError, TypeError, DatasetError):
+            return None
+        return results if info.size - length == sum(r.ok for r in results) * record_bytes else None
+
+    with ThreadPoolExecutor(READ_THREADS) as pool:
+        trailers = list(pool.map(trailer, found))
+    placed: dict[int, Placed] = {}
+    for (info, _), results in zip(found, trailers):
+        position = 0
+        for result in results or ():
+            if result.slot not in placed:
+                placed[result.slot] = Placed(result, info.name, position) if result.ok else Placed(result)
+            position += result.ok
+    return placed
+
+
+@dataclass(frozen=True)
+class ShardRecipe:
+    """Which records make shard `shard`: runs (chunk object, first position, count), and each record's CRC."""
+
+    shard: int
+    runs: tuple[tuple[str, int, int], ...]
+    crcs: tuple[int, ...]
+
+    @property
+    def name(self) -> str:  # how a stalled worker's message names what it was on
+        return f"shard {self.shard}"
+
+    def digest(self) -> str:
+        return hashlib.sha256(np.asarray(self.crcs, fmt.CHECKSUM_DTYPE).tobytes()).hexdigest()
+
+
+def recipes(placed: dict[int, Placed], kept_slots: list[int], records_per_shard: int) -> list[ShardRecipe]:
+    """The shards of the finished build: record k is kept slot `kept_slots[k]`, in shard k // R."""
+    made = []
+    for shard, start in enumerate(range(0, len(kept_slots), records_per_shard)):
+        runs: list[list] = []
+        for slot in kept_slots[start:start + records_per_shard]:
+            where = placed[slot]
+            if runs and runs[-1][0] == where.chunk and runs[-1][1] + runs[-1][2] == where.position:
+                runs[-1][2] += 1
+            else:
+                runs.append([where.chunk, where.position, 1])
+        crcs = tuple(placed[s].result.crc for s in kept_slots[start:start + records_per_shard])
+        made.append(ShardRecipe(shard, tuple(map(tuple, runs)), crcs))
+    return made
+
+
+def shard_marker(shard: int) -> str:
+    return f"{SHARD_MARKER_DIR}/{shard:05d}.json"
+
+
+@dataclass(frozen=True)
+class AssembleJob:
+    """Assemble shards of the build at `build` (its URL) from its work folder's chunk objects."""
+
+    build: str
+    work: str
+    record_bytes: int
+
+    def writer(self) -> ShardAssembler:
+        return ShardAssembler(self)
+
+
+class ShardAssembler:
+    """Writes shard objects from chunk objects (an engine's worker runs it as it runs a `SlotWriter`)."""
+
+    def __init__(self, job: AssembleJob) -> None:
+        self.job, self.build, self.work = job, Bucket(job.build), Bucket(job.work)
+
+    def write(self, tasks: list[tuple[int, ShardRecipe]],
+              on_result: Callable[[SlotResult], None] | None = None) -> list[SlotResult]:
+        results = []
+        for shard, recipe in tasks:
+            try:
+                self.assemble(recipe)
+                results.append(SlotResult(shard))
+            except DatasetError as e:  # a chunk object damaged or gone: the driver says so
+                results.append(SlotResult(shard, reason=str(e)))
+            if on_result is not None:
+                on_result(results[-1])
+        return results
+
+    def close(self) -> None:
+        """Nothing held between shards."""
+
+    def assemble(self, recipe: ShardRecipe) -> None:
+        size = len(recipe.crcs) * self.job.record_bytes
+        digest = hashlib.sha256()
+
+        def pieces() -> Iterator[bytes]:  # called again when the upload is retried
+            digest.__init__()
+            done = 0
+            for chunk, data in self._records(recipe.runs):
+                crcs = fmt.record_checksums(data, self.job.record_bytes)
+                k = len(crcs)
+                if crcs != list(recipe.crcs[done:done + k]):
+                    raise DatasetError(f"{self.work.at(chunk)}: a record's CRC-32 is not the one its trailer "
+                                       "lists; the chunk object is damaged")
+                done += k
+                digest.update(data)
+                yield data
+        etag = self.build.upload(fmt.shard_file(recipe.shard), pieces)
+        marker = {"etag": etag, "bytes": size, "sha256": digest.hexdigest(), "records": recipe.digest()}
+        self.work.put(shard_marker(recipe.shard), json.dumps(marker).encode())
+
+    def _records(self, runs: tuple[tuple[str, int, int], ...]) -> Iterator[tuple[str, bytes]]:
+        """(chunk object, a piece of its records) in the shard's order, READ_AHEAD pieces fetched at a time."""
+        rb = self.job.record_bytes
+        step = max(1, PIECE_BYTES // rb)
+        pieces = [(chunk, k, min(step, first + count - k)) for chunk, first, count in runs
+                  for k in range(first, first + count, step)]
+
+        def fetch(piece: tuple[str, int, int]) -> tuple[str, bytes]:
+            chunk, k, n = piece
+            data = self.work.get_range(chunk, k * rb, (k + n) * rb)
+            if len(data) != n * rb:
+                raise DatasetError(f"{self.work.at(chunk)}: shorter than its trailer says")
+            return chunk, data
+        with ThreadPoolExecutor(READ_AHEAD) as pool:
+            ahead = deque(pool.submit(fetch, p) for p in pieces[:READ_AHEAD])
+            for piece in pieces[READ_AHEAD:] + [None] * len(ahead):
+                done = ahead.popleft().result()
+                if piece is not None:
+                    ahead.append(pool.submit(fetch, piece))
+                yield done
+
+
+def read_markers(work: Bucket, build: Bucket, wanted: list[ShardRecipe]) -> dict[int, dict]:
+    """The assembled shards whose marker matches the recipe and whose object is the one the marker names."""
+    objects = {info.name: info for info in build.list(fmt.SHARD_DIR)}
+    markers = {info.name for info in work.list(SHARD_MARKER_DIR)}
+
+    def check(recipe: ShardRecipe) -> tuple[int, dict] | None:
+        if shard_marker(recipe.shard) not in markers:
+            return None
+        try:
+            marker = json.loads(work.get(shard_marker(recipe.shard))[0])
+        except (ValueError, DatasetError):
+            return None
+        held = objects.get(fmt.shard_file(recipe.shard))
+        if not isinstance(marker, dict) or held is None or marker.get("records") != recipe.digest() \
+                or marker.get("etag") != held.etag or marker.get("bytes") != held.size:
+            return None
+        return recipe.shard, marker
+    with ThreadPoolExecutor(READ_THREADS) as pool:
+        return dict(filter(None, pool.map(check, wanted)))

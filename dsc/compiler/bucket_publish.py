@@ -1,0 +1,197 @@
+"""Publish into object storage: what a bucket prefix holds, and the commit of a compile's build there.
+
+A compile into `s3://bucket/prefix` writes every file of the new dataset under `builds/<tag>/` (16 random
+hex digits: a new name, so nothing an opened version lists is ever overwritten) and its work objects
+under `builds/<tag>/work/` (`plan.json` first, then chunk objects and shard markers). The commit is one
+small object written last, create-only: `versions/NNNNNNNN.json` with `If-None-Match: *`, then
+`manifest.json` refreshed with `If-Match` (formats.md, "Versions", "In object storage"). A reader opens
+`manifest.json` (or lists `versions/`), so it sees the previous dataset or the new one, whole — never a
+build in progress. `--force` commits the new dataset as the next version; the replaced version's objects
+stay for its readers until `dsc prune`.
+
+A build no version lists is partial: the next compile names it, `--resume` continues the one of its own
+plan, `--force` deletes it. What a committed build left in `work/` (a kill between the commit and the
+clean-up) is deleted by the next compile, which also refreshes a `manifest.json` that lags.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+
+from dsc import format as fmt
+from dsc.errors import CompileError, DatasetError, NotReplaceableError
+from dsc.storage.bucket import Bucket, ObjectInfo
+
+WORK_DIR = "work"
+PLAN_FILE = "plan.json"  # in the work folder: the plan's record and digest; written first, deleted last
+LISTING_FILE = "sources.jsonl"
+SHOWN = 3
+DELETE_THREADS = 8  # DELETEs in flight when a build's objects go
+
+logger = logging.getLogger("dsc")
+
+
+def _tag_of(name: str) -> str | None:
+    """The build tag of an object name under `builds/<tag>/`, else None."""
+    parts = name.split("/")
+    if len(parts) > 2 and parts[0] == fmt.BUILDS_DIR and fmt.is_dataset_folder_name("/".join(parts[:2])):
+        return parts[1]
+    return None
+
+
+@dataclass
+class PrefixState:
+    """What a prefix holds: its versions' manifests (number -> bytes), `manifest.json` (bytes and ETag),
+    the builds (tag -> their objects) and which of them some version lists."""
+
+    versions: dict[int, bytes] = field(default_factory=dict)
+    manifest: tuple[bytes, str] | None = None
+    builds: dict[str, list[ObjectInfo]] = field(default_factory=dict)
+    committed: set[str] = field(default_factory=set)
+    foreign: list[str] = field(default_factory=list)
+
+    @property
+    def latest(self) -> int:
+        """The latest committed version's number; 0 when the prefix holds no dataset."""
+        if self.versions:
+            return max(self.versions)
+        return _version_of_manifest(self.manifest[0]) if self.manifest else 0
+
+    @property
+    def partial(self) -> list[str]:
+        return sorted(tag for tag in self.builds if tag not in self.committed)
+
+
+def _version_of_manifest(text: bytes) -> int:
+    try:
+        value = json.loads(text).get("dataset_version", 1)
+    except (ValueError, AttributeError):
+        return 1
+    return value if isinstance(value, int) and value >= 1 else 1
+
+
+def survey(dataset: Bucket) -> PrefixState:
+    """List the prefix once and read every manifest in it (they are small)."""
+    state = PrefixState()
+    listed: set[str] = set()
+    objects = dataset.list()
+    for info in objects:
+        folder, _, base = info.name.partition("/")
+        if folder == fmt.VERSIONS_DIR and fmt.version_of(base) is not None:
+            state.versions[fmt.version_of(base)] = dataset.get(info.name)[0]
+        elif info.name == fmt.MANIFEST_FILE:
+            state.manifest = dataset.get(info.name)
+    for text in [*state.versions.values(), *([state.manifest[0]] if state.manifest else [])]:
+        listed |= fmt.listed_files(text)
+    state.committed = {tag for tag in map(_tag_of, listed) if tag}
+    for info in objects:
+        tag = _tag_of(info.name)
+        if tag is not None:
+            state.builds.setdefault(tag, []).append(info)
+        elif not (info.name in listed or info.name == fmt.MANIFEST_FILE or fmt.is_dataset_file_name(info.name)
+                  and info.name.startswith(f"{fmt.VERSIONS_DIR}/")):
+            state.foreign.append(info.name)
+    return state
+
+
+def check_target(dataset: Bucket, state: PrefixState, force: bool) -> None:
+    """Refuse a prefix holding what is not a dsc dataset's, and an existing dataset without --force."""
+    if state.foreign:
+        more = len(state.foreign) - SHOWN
+        names = ", ".join(state.foreign[:SHOWN]) + (f" and {more} more" if more > 0 else "")
+        raise NotReplaceableError(f"output {dataset.root} holds objects that are not a dsc dataset's ({names}); dsc "
+                                  "writes only under a prefix that is empty or holds a dsc dataset (even with "
+                                  "--force): give another prefix")
+    if state.latest and not force:
+        raise CompileError(f"output {dataset.root} already exists; pass --force to replace it (readers that opened it "
+                           "keep reading it)")
+
+
+def build_bucket(dataset: Bucket, tag: str) -> Bucket:
+    return Bucket(dataset.at(fmt.build_folder(tag)))
+
+
+def work_bucket(dataset: Bucket, tag: str) -> Bucket:
+    return Bucket(dataset.at(f"{fmt.build_folder(tag)}/{WORK_DIR}"))
+
+
+def read_plan(dataset: Bucket, tag: str) -> dict | None:
+    """The plan a build was made from ({"record", "digest"}), or None when it has no whole one."""
+    try:
+        plan = json.loads(work_bucket(dataset, tag).get(PLAN_FILE)[0])
+    except (ValueError, DatasetError):
+        return None
+    return plan if isinstance(plan, dict) and isinstance(plan.get("record"), dict) else None
+
+
+def new_build(dataset: Bucket, record: dict, digest: str, listing: list[str]) -> str:
+    """Start a build: its listing, then its plan (whose presence marks it); its tag."""
+    tag = secrets.token_hex(fmt.APPEND_TAG_HEX // 2)
+    work = work_bucket(dataset, tag)
+    work.put(LISTING_FILE, ("\n".join(listing) + "\n").encode())
+    work.put(PLAN_FILE, json.dumps({"record": record, "digest": digest}, indent=1, sort_keys=True).encode())
+    return tag
+
+
+def delete_build(dataset: Bucket, objects: list[ObjectInfo], keep: set[str] = frozenset()) -> None:
+    """Delete a build's objects but `keep` (names relative to the prefix), its plan last: a deletion a kill cut
+    short still looks like a build."""
+    plan = [i.name for i in objects if i.name.endswith(f"/{WORK_DIR}/{PLAN_FILE}")]
+    with ThreadPoolExecutor(DELETE_THREADS) as pool:
+        list(pool.map(dataset.delete, [i.name for i in objects if i.name not in keep and i.name not in plan]))
+    for name in plan:
+        dataset.delete(name)
+
+
+def tidy(dataset: Bucket, state: PrefixState) -> None:
+    """What a kill after a commit left: a `manifest.json` behind the latest version, then the committed builds'
+    work objects (their plans last: until then a resume knows its build was committed)."""
+    if state.versions:
+        refresh_manifest(dataset, state.versions[state.latest], state.latest)
+    for tag in sorted(state.committed & set(state.builds)):
+        work = [i for i in state.builds[tag] if i.name.startswith(f"{fmt.build_folder(tag)}/{WORK_DIR}/")]
+        if work:
+            delete_build(dataset, work)
+
+
+def refresh_manifest(dataset: Bucket, text: bytes, version: int) -> None:
+    """Make `manifest.json` the copy of version `version`: created if missing, else replaced only if it is
+    still the copy read (If-Match) and of an older version (never regressing it)."""
+    for _ in range(3):
+        held = dataset.head(fmt.MANIFEST_FILE)
+        if held is None:
+            if dataset.create(fmt.MANIFEST_FILE, text):
+                return
+            continue
+        current, etag = dataset.get(fmt.MANIFEST_FILE)
+        if current == text or _version_of_manifest(current) > version:
+            return
+        if dataset.replace(fmt.MANIFEST_FILE, text, etag):
+            return
+    raise CompileError(f"{dataset.at(fmt.MANIFEST_FILE)}: other writers kept changing it; version {version} is "
+                       "committed, and the next compile or append refreshes it")
+
+
+def commit(dataset: Bucket, manifest: fmt.Manifest, force: bool) -> fmt.Manifest:
+    """Commit `manifest` as the next version (version 1 of an empty prefix): create-only, then refresh
+    `manifest.json`. Another writer's commit of the same number meanwhile fails this one, adding nothing."""
+    state = survey(dataset)
+    if state.latest and not force:
+        raise CompileError(f"{dataset.root} appeared while the dataset was compiled; it was left untouched, and the "
+                           "finished build waits: pass --force --resume to make it the next version")
+    if state.manifest and not state.versions:  # a dataset made before versions: it keeps its version 1
+        dataset.create(fmt.version_file(state.latest), state.manifest[0])
+    number = state.latest + 1
+    if number > fmt.MAX_DATASET_VERSION:
+        raise CompileError(f"{dataset.root} has {state.latest} versions already; prune it or give another prefix")
+    made = replace(manifest, dataset_version=number)
+    text = made.to_json().encode("ascii")
+    if not dataset.create(fmt.version_file(number), text):
+        raise CompileError(f"another writer committed version {number} of {dataset.root} first; nothing of this "
+                           "compile was published: run it again with --resume --force to commit it after that one")
+    refresh_manifest(dataset, text, number)
+    return made

@@ -1,0 +1,113 @@
+"""Versions of a dataset in a bucket (format 1.3, formats.md "Versions", "In object storage"): commit a new
+one, refresh `manifest.json`, prune old ones (`dsc.compiler.versions` does the same in a dataset folder).
+
+No lock can be held on a bucket, so the commit is the create-only PUT of `versions/NNNNNNNN.json`
+(`If-None-Match: *`): of two writers that built version N + 1, exactly one creates it; the other learns so
+(`VersionTaken`) and adds nothing. `manifest.json`, the copy of the latest version for readers that do not
+list, is then replaced only by compare-and-swap (`If-Match` on the ETag read just before), never by an
+older version than it holds.
+
+An object no version lists may be an upload of an append that has not committed yet (it has no lock to
+show): prune deletes such an object only once it is ABANDONED_AFTER_S old; an object only pruned versions
+list is deleted at once.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from dsc import format as fmt
+from dsc.compiler.grow import Pruned, VersionTaken
+from dsc.errors import CompileError, DatasetError
+from dsc.storage import parse_manifest
+from dsc.storage.bucket import Bucket
+
+REFRESH_ATTEMPTS = 8  # compare-and-swaps of manifest.json lost to other writers before leaving it to the next one
+ABANDONED_AFTER_S = 24 * 3600.0  # an object no version lists is left this long to the append that uploads it
+
+
+def versions(bucket: Bucket) -> list[int]:
+    """The committed versions, oldest first (one LIST of versions/); [] when there are none."""
+    found = (fmt.version_of(o.name.removeprefix(f"{fmt.VERSIONS_DIR}/")) for o in bucket.list(fmt.VERSIONS_DIR))
+    return sorted(v for v in found if v is not None)
+
+
+def commit(bucket: Bucket, manifest: fmt.Manifest, first: bytes) -> None:
+    """Make `manifest` (version N, whose objects are all uploaded) the latest version: create
+    `versions/NNNNNNNN.json`, never replacing one; VersionTaken when another writer made it. `first` is the
+    bytes of `manifest.json` the writer read version 1 from, saved as `versions/00000001.json` when N is 2."""
+    if manifest.dataset_version == 2 and not bucket.create(fmt.version_file(1), first):
+        raise VersionTaken(f"{bucket.root}: its version 1 was saved by another writer with other bytes than the "
+                           f"{fmt.MANIFEST_FILE} this one read (was it replaced meanwhile?); nothing was added")
+    if not bucket.create(fmt.version_file(manifest.dataset_version), manifest.to_json().encode("ascii")):
+        raise VersionTaken(f"{bucket.root}: version {manifest.dataset_version} was committed by another writer "
+                           "meanwhile; nothing was added")
+    refresh_copy(bucket)
+
+
+def _version_in(text: bytes) -> int:
+    """The `dataset_version` manifest bytes state (1 when absent; 0 when they cannot be read)."""
+    try:
+        found = json.loads(text).get("dataset_version", 1)
+    except (ValueError, AttributeError, RecursionError):
+        return 0
+    return found if isinstance(found, int) and not isinstance(found, bool) else 0
+
+
+def refresh_copy(bucket: Bucket) -> None:
+    """`manifest.json` := the latest version's manifest, by compare-and-swap on its ETag; never an older
+    version than it holds. Lost to other writers REFRESH_ATTEMPTS times, it is left to the next writer."""
+    for _ in range(REFRESH_ATTEMPTS):
+        found = versions(bucket)
+        if not found:
+            return
+        latest, _ = bucket.get(fmt.version_file(found[-1]))
+        current, etag = bucket.get(fmt.MANIFEST_FILE)
+        if current == latest or _version_in(current) >= found[-1]:
+            return
+        if bucket.replace(fmt.MANIFEST_FILE, latest, etag):
+            return
+
+
+def manifests(bucket: Bucket, found: list[int]) -> dict[str, bytes]:
+    """Every version's manifest and `manifest.json`, by name; DatasetError when one cannot be read (what
+    deletes the objects no version lists must know them all)."""
+    texts = {}
+    for name in [fmt.MANIFEST_FILE, *(fmt.version_file(v) for v in found)]:
+        text, _ = bucket.get(name)
+        if not fmt.names_this_format(text):
+            raise DatasetError(f"{bucket.at(name)}: not a readable dsc manifest; which objects the dataset's versions "
+                               "use cannot be told, so none is deleted (move the damaged manifest away)")
+        texts[name] = text
+    return texts
+
+
+def prune(url: str, keep: int) -> Pruned:
+    """Keep the `keep` newest versions of the dataset at `url`; delete the other versions' manifests, then
+    the objects with names dsc gives that no kept version lists (module docstring), never another object."""
+    if keep < 1:
+        raise CompileError(f"--keep must be at least 1 (the latest version), got {keep}")
+    parse_manifest(url)  # a dataset, whole: refuse anything else before deleting anything
+    bucket = Bucket(url)
+    refresh_copy(bucket)
+    found = versions(bucket)
+    texts = manifests(bucket, found)
+    kept, dropped = found[-keep:], found[:-keep]
+    listed = {fmt.MANIFEST_FILE, *fmt.listed_files(texts[fmt.MANIFEST_FILE])}
+    for v in kept:
+        listed |= fmt.listed_files(texts[fmt.version_file(v)])
+    obsolete = set().union(*(fmt.listed_files(texts[fmt.version_file(v)]) for v in dropped)) - listed
+    for v in dropped:  # manifests first: nobody opens a pruned version half-deleted
+        bucket.delete(fmt.version_file(v))
+    removed, freed, now = [], 0, time.time()
+    for obj in bucket.list():
+        name = obj.name
+        if name in listed or not fmt.is_dataset_file_name(name) or name.startswith(f"{fmt.VERSIONS_DIR}/"):
+            continue
+        if name not in obsolete and (obj.modified is None or now - obj.modified < ABANDONED_AFTER_S):
+            continue  # listed by no version: maybe an append's upload, not committed yet
+        bucket.delete(name)
+        removed.append(name)
+        freed += obj.size
+    return Pruned(kept or [1], dropped, removed, freed)

@@ -1,0 +1,108 @@
+"""What the writers of a dataset's versions share, whether it is a folder (`append`, `versions`) or in a
+bucket (`append_bucket`, `bucket_versions`): the records of SRC made the dataset's way, the files version
+N + 1 adds, and what an append or a prune reports.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from dsc import format as fmt
+from dsc import storage
+from dsc.compiler import combine
+from dsc.compiler.pipeline import compile_folder
+from dsc.errors import CompileError
+
+COMMIT_ATTEMPTS = 5  # versions built, each on the latest one, before an append that keeps losing races gives up
+
+
+class VersionTaken(CompileError):
+    """Another writer committed the version this one built: nothing was added."""
+
+
+@dataclass
+class AppendSummary:
+    """What an append did; also printed by `dsc append`."""
+
+    dataset: Path | str
+    version: int
+    added: int
+    count: int
+    skipped: int
+    new_classes: list[str]
+    shard_files: list[str]  # how each new shard file was made: "copy", "link", "reflink"
+    seconds: float
+
+
+@dataclass
+class Pruned:
+    """What `prune` did."""
+
+    kept: list[int]
+    removed_versions: list[int]
+    removed_files: list[str]
+    bytes_freed: int
+
+
+def compile_options(manifest: fmt.Manifest, root: Path | str) -> dict:
+    """`compile_folder`'s options that make records the way the dataset's were made (its first part)."""
+    c = manifest.compile
+    alpha = {text: name for name, text in fmt.ALPHA.items()}.get(c.get("alpha", fmt.ALPHA["black"]))
+    missing = [k for k in ("size", "fit", "seed", "shuffle", "max_pixels") if k not in c] + \
+        ([] if alpha else ["alpha"])
+    if missing:
+        raise CompileError(f"{root}: its manifest does not record how its records were made ({', '.join(missing)} "
+                           "missing from 'compile'), so new records could not be made the same way")
+    return {"size": tuple(c["size"]), "fit": c["fit"], "seed": c["seed"], "shuffle": c["shuffle"],
+            "max_pixels": c["max_pixels"], "alpha": alpha,
+            "fast_decode": c.get("decode", fmt.DECODE_MODE_UNRECORDED) == "fast",
+            "records_per_shard": manifest.records_per_shard}
+
+
+def compile_new(base: fmt.Manifest, where: Path | str, src: str | os.PathLike, out: Path, *,
+                labels: str | os.PathLike | None, columns: dict[str, str] | None, **options) -> storage.OpenedDataset:
+    """Compile `src` into the new folder `out` the way the records of the dataset at `where` (whose latest
+    manifest is `base`) were made, its fields' kinds by default; the compiled dataset."""
+    kinds = {f.name: f.kind for f in base.fields}
+    if labels is not None and not base.labeled:
+        kinds.setdefault("label", "none")
+    table_kinds = ({**kinds, **(columns or {})} or None) if labels is not None else columns
+    compile_folder(src, out, **compile_options(base, where), labels=labels, columns=table_kinds, **options)
+    return storage.open_dataset(out)
+
+
+def summary(dataset: Path | str, base: fmt.Manifest, new: storage.OpenedDataset, version: fmt.Manifest,
+            joined: combine.Joined, how: list[str], started: float) -> AppendSummary:
+    before = set(base.classes)
+    return AppendSummary(dataset, version.dataset_version, new.manifest.count, version.count,
+                         new.manifest.skipped_count, [c for c in joined.classes if c not in before], how,
+                         time.perf_counter() - started)
+
+
+def lost_every_race(dataset: Path | str, e: Exception) -> CompileError:
+    return CompileError(f"{dataset}: {COMMIT_ATTEMPTS} times another writer committed the version this append built "
+                        f"({e}); nothing was added: run the command again")
+
+
+def next_version(root: Path, folder: str, base: storage.OpenedDataset, new: storage.OpenedDataset,
+                 joined: combine.Joined) -> tuple[fmt.Manifest, list[str]]:
+    """Write the files version N + 1 adds (`base` being version N) into `root`/`folder`: its shards from
+    version N's last full one on (a partial last shard is copied with the first new records), its whole
+    index; return its manifest and how each new shard file was made."""
+    m = base.manifest
+    full = m.count // m.records_per_shard  # shards kept as they are; a partial last one is copied
+    runs = combine.runs_of(base, full * m.records_per_shard) + combine.runs_of(new)
+    shards, how = combine.write_shards(root, f"{folder}/{fmt.SHARD_DIR}", full, runs, m.records_per_shard,
+                                       m.record_bytes)
+    index, fields, warnings, skip_list = combine.write_index(root, folder, joined)
+    checksums = combine.write_checksums(root, folder, joined)
+    manifest = fmt.Manifest(height=m.height, width=m.width, count=len(joined.labels),
+                            records_per_shard=m.records_per_shard, classes=tuple(joined.classes),
+                            shards=(*m.shards[:full], *shards), index=index,
+                            skipped=tuple(joined.skipped[:fmt.SKIPPED_IN_MANIFEST]), compile=m.compile,
+                            fields=fields, skipped_list=skip_list, warnings=warnings,
+                            dataset_version=m.dataset_version + 1, parts=joined.parts, checksums=checksums)
+    return manifest, how

@@ -1,0 +1,85 @@
+"""Merge into a bucket (`dsc merge A B ... s3://bucket/prefix`): `merge` does it into a folder.
+
+The joined index is written in a private temporary folder on this machine and uploaded. Each shard of OUT
+that is a whole shard of an input is reused: copied server-side when the input is in OUT's bucket (no byte
+through this machine), uploaded from its file when it is local; any other shard is assembled in the
+temporary folder (from files, or by bounded ranged GETs) and uploaded, then deleted there, one at a time.
+`manifest.json` is written last, create-only (`If-None-Match: *`): readers see the whole dataset or none.
+OUT must hold no object at all when the merge starts (no dataset is replaced in a bucket).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from dsc import format as fmt
+from dsc import storage
+from dsc.compiler import combine
+from dsc.compiler.append_bucket import upload_file
+from dsc.compiler.combine import MergeSummary, joined_inputs, merged_manifest
+from dsc.errors import CompileError
+from dsc.storage.bucket import Bucket
+from dsc.storage.s3 import parse_url
+
+
+def merge_into_bucket(inputs: list[str | os.PathLike], out: str, force: bool, started: float) -> MergeSummary:
+    """`merge.merge` for an s3:// OUT."""
+    bucket = Bucket(out)
+    if force:
+        raise CompileError(f"{bucket.root}: --force cannot replace a dataset in a bucket; delete it first, or merge "
+                           "into a new prefix")
+    for given in (Bucket(os.fspath(p)).root for p in inputs if storage.is_url(p)):
+        if given == bucket.root:
+            raise CompileError(f"the output {bucket.root} is one of the datasets to merge; give OUT another name")
+        if given.startswith(f"{bucket.root}/") or bucket.root.startswith(f"{given}/"):
+            raise CompileError(f"the output {bucket.root} and the dataset {given} would lie one inside the other; "
+                               "give OUT a prefix of its own")
+    if bucket.list():
+        raise CompileError(f"{bucket.root}: already holds objects; a merge writes a new dataset into an empty prefix")
+    datasets, joined, runs = joined_inputs(inputs)
+    first = datasets[0].manifest
+    stage = Path(tempfile.mkdtemp(prefix="dsc-merge-"))
+    try:
+        shards, how = _shards(bucket, stage, runs, first)
+        manifest = merged_manifest(stage, first, joined, shards)
+        text = manifest.to_json().encode("ascii")
+        storage.check_manifest_text(stage, text, {e.file: e.bytes for e in shards})  # never publish what readers refuse
+        for path in sorted(p for p in stage.rglob("*") if p.is_file()):
+            upload_file(bucket, path.relative_to(stage).as_posix(), path)
+        if not bucket.create(fmt.MANIFEST_FILE, text):
+            raise CompileError(f"{bucket.at(fmt.MANIFEST_FILE)}: another writer published a dataset there meanwhile; "
+                               "this merge's objects may have mixed with its: check it with dsc verify")
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return MergeSummary(bucket.root, manifest.count, joined.classes, how, time.perf_counter() - started)
+
+
+def _shards(bucket: Bucket, stage: Path, runs: list[combine.Run], first: fmt.Manifest) -> tuple[list, list[str]]:
+    """Write OUT's shards into the bucket, each the cheapest way (module docstring); their entries, and how."""
+    entries, how = [], []
+    whole_bucket = Bucket(f"s3://{bucket.bucket}")  # names whole keys: a server-side copy between prefixes
+    for k, pieces in enumerate(combine.layout(runs, first.records_per_shard)):
+        name, whole = fmt.shard_file(k), combine.whole_file(pieces)
+        source = _object_of(whole)
+        if source is not None and source[0] == bucket.bucket:
+            whole_bucket.copy(source[1], bucket.key(name))
+            entries.append(fmt.ShardEntry(name, whole.records * first.record_bytes, whole.sha256, whole.records))
+            how.append("server-side copy")
+            continue
+        part = [replace(r, first=start, count=n) for r, start, n in pieces]
+        (entry,), _ = combine.write_shards(stage, fmt.SHARD_DIR, k, part, first.records_per_shard, first.record_bytes)
+        upload_file(bucket, name, stage / name)
+        (stage / name).unlink()
+        entries.append(entry)
+        how.append("upload" if whole is not None else "copy")
+    return entries, how
+
+
+def _object_of(run: combine.Run | None) -> tuple[str, str] | None:
+    """(bucket, key) of a run's shard object when it is in a bucket, else None."""
+    return parse_url(run.url) if run is not None and run.url else None

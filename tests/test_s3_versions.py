@@ -1,0 +1,292 @@
+"""Versions (format 1.3) of datasets in a bucket, against a real S3 server on 127.0.0.1 (moto's): older
+versions read by LIST of versions/, `dsc append` / `merge` / `prune` on s3:// datasets, two racing appends in
+two processes, an append while a reader iterates. Real compiles of real JPEGs and PNGs."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import test_versions
+import torch
+from torch.utils.data import DataLoader
+from typer.testing import CliRunner
+
+from dsc import storage
+from dsc.cli import app
+from dsc.compiler.append import append
+from dsc.compiler.pipeline import compile_folder
+from dsc.errors import DatasetError
+from dsc.reader.dataset import MemmapDataset
+from dsc.storage.bucket import Bucket
+
+from conftest import make_folder
+from s3server import S3Server, serving  # skips this module when the server packages are missing
+
+BUCKET = "dsc-versions"
+SIZE = 16
+
+server = serving(BUCKET)
+grown = test_versions.grown  # the local tests' dataset: `a` compiled (12 records, 5 a shard), `b` to append
+split_folder = test_versions.split_folder
+_prefixes = iter(range(1 << 30))
+
+
+@pytest.fixture
+def env(server: S3Server, monkeypatch, tmp_path: Path) -> Path:
+    """The AWS environment pointing at the loopback server, and a fresh cache folder (returned)."""
+    for name, value in server.env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    monkeypatch.setenv("DSC_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def prefix() -> str:
+    return f"sets/v{next(_prefixes)}"
+
+
+def renamed_copy(src: Path, dest: Path) -> Path:
+    """`src`'s images again under other names: a third set of sources to append."""
+    split_folder(src, {"c": dest}, lambda cls, name: "c")
+    for image in dest.rglob("*.*"):
+        image.rename(image.with_name("c" + image.name))
+    return dest
+
+
+def pixels(ds: MemmapDataset) -> np.ndarray:
+    return ds.__getitems__(list(range(len(ds)))).images.numpy()
+
+
+def test_older_versions_of_a_bucket_dataset_open_by_listing_versions(server: S3Server, env: Path, grown) -> None:
+    tmp, _, _, b = grown
+    v1 = pixels(MemmapDataset(tmp / "ds"))
+    append(tmp / "ds", b, workers=1)
+    url = server.upload(tmp / "ds", BUCKET, prefix())
+    latest, first = MemmapDataset(url), MemmapDataset(url, version=1)
+    assert (latest.version, len(latest), first.version, len(first)) == (2, 21, 1, 12)
+    assert np.array_equal(pixels(first), v1)
+    assert np.array_equal(pixels(latest), pixels(MemmapDataset(tmp / "ds")))
+    assert storage.dataset_versions(url) == [1, 2]
+    for ds, want in ((first, v1), (latest, pixels(latest))):  # forked workers: the versions their parent read
+        loader = DataLoader(ds, batch_size=4, num_workers=1, multiprocessing_context="fork", timeout=120)
+        assert np.array_equal(torch.cat([b[0] for b in loader]).numpy(), want)
+    runner = CliRunner()
+    info = runner.invoke(app, ["info", url, "--version", "1", "--json"])
+    assert info.exit_code == 0, info.output
+    shown = json.loads(info.stdout)
+    assert (shown["version"], shown["records"], shown["versions"]) == (1, 12, [1, 2])
+    verify = runner.invoke(app, ["verify", url, "--version", "1"])
+    assert verify.exit_code == 0 and "ok: manifest of version 1," in verify.stdout, verify.output
+    with pytest.raises(DatasetError, match="has no version 3"):
+        MemmapDataset(url, version=3)
+    shutil.rmtree(env)
+
+
+def tag_of(manifest) -> str:
+    """The append folder tag of a version's new files (`appends/<tag>/labels.bin`)."""
+    return manifest.index["labels"].file.split("/")[1]
+
+
+def sealed_doc(text: bytes, tag: str, other: str) -> dict:
+    doc = json.loads(text.decode("ascii").replace(tag, other))
+    doc.pop("manifest_sha256")
+    return doc
+
+
+def test_an_append_to_a_bucket_writes_the_objects_a_local_append_writes(server: S3Server, env: Path, grown,
+                                                                        monkeypatch) -> None:
+    from dsc.compiler import append_bucket
+
+    monkeypatch.setattr(append_bucket, "SMALL_OBJECT_BYTES", 1024)  # the shards by multipart upload, the rest by PUT
+    tmp, _, _, b = grown
+    original = (tmp / "ds" / "manifest.json").read_bytes()
+    url = server.upload(tmp / "ds", BUCKET, prefix())
+    before = {o.name: o.etag for o in Bucket(url).list()}
+    summary = append(url, b, workers=1)
+    append(tmp / "ds", b, workers=1)
+    remote, here = storage.parse_manifest(url), storage.parse_manifest(tmp / "ds")
+    assert (summary.version, summary.added, summary.count) == (2, 9, 21) == (remote.dataset_version, 9, remote.count)
+    bucket = Bucket(url)
+    assert [e.file.replace(tag_of(remote), tag_of(here)) for e in remote.files] == [e.file for e in here.files]
+    for mine, theirs in zip(remote.files, here.files):  # object bytes = file bytes
+        assert bucket.get(mine.file)[0] == (tmp / "ds" / theirs.file).read_bytes(), mine.file
+    v2 = bucket.get("versions/00000002.json")[0]
+    assert sealed_doc(v2, tag_of(remote), tag_of(here)) == sealed_doc((tmp / "ds" / "versions/00000002.json")
+                                                                      .read_bytes(), "", "")
+    assert bucket.get("manifest.json")[0] == v2 and bucket.get("versions/00000001.json")[0] == original
+    after = {o.name: o.etag for o in bucket.list()}
+    assert {k: v for k, v in after.items() if k in before and k != "manifest.json"} == \
+        {k: v for k, v in before.items() if k != "manifest.json"}  # nothing published was rewritten
+    assert all(k.startswith(f"appends/{tag_of(remote)}/") for k in set(after) - set(before) - {
+        "versions/00000001.json", "versions/00000002.json"})
+    assert np.array_equal(pixels(MemmapDataset(url)), pixels(MemmapDataset(tmp / "ds")))
+    storage.verify_checksums(url, remote)
+
+
+def test_a_reader_of_version_n_in_a_bucket_keeps_it_while_an_append_lands(server: S3Server, env: Path,
+                                                                          grown) -> None:
+    tmp, _, _, b = grown
+    expected = pixels(MemmapDataset(tmp / "ds"))
+    url = server.upload(tmp / "ds", BUCKET, prefix())
+    ds = MemmapDataset(url)
+    it = iter(ds.loader(4, order="sequential", seed=0))
+    seen = [next(it)]
+    append(url, b, workers=1)  # lands while the pass is half-way
+    seen += list(it)
+    served = {int(i): img for batch in seen for i, img in zip(batch["index"], batch["image"].numpy())}
+    assert sorted(served) == list(range(12)) and all(np.array_equal(served[i], expected[i]) for i in served)
+    copy = pickle.loads(pickle.dumps(ds))  # a DataLoader worker's copy opens the same version again
+    fresh = MemmapDataset(url, version=1, cache_dir=tmp / "other-cache")  # every record fetched after the append
+    for again in (copy, fresh):
+        assert (again.version, len(again)) == (1, 12) and np.array_equal(pixels(again), expected)
+    assert len(MemmapDataset(url)) == 21  # a new open sees the new version
+
+
+def _append_process(url: str, src: Path, env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "dsc", "append", url, str(src), "-j", "1"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def sources(ds: MemmapDataset) -> list[str]:
+    return [ds.opened.source(i) for i in range(len(ds))]
+
+
+def test_two_racing_appends_to_a_bucket_in_two_processes_both_land(server: S3Server, env: Path,
+                                                                   tmp_path: Path) -> None:
+    master = make_folder(tmp_path / "master", classes=2, per_class=6)
+    parts = {k: tmp_path / k for k in ("a", "b", "c")}
+    split_folder(master, parts, lambda cls, name: "abc"[int(name[4]) % 3])
+    compile_folder(parts["a"], tmp_path / "ds", size=SIZE, records_per_shard=3, workers=1)
+    url = server.upload(tmp_path / "ds", BUCKET, prefix())
+    procs = [_append_process(url, parts[k], {**os.environ}) for k in ("b", "c")]
+    results = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err for _, err in results]
+    ds = MemmapDataset(url)
+    assert ds.version == 3 and storage.dataset_versions(url) == [1, 2, 3]
+    assert len(set(sources(ds))) == len(ds) == 12  # each append whole, once
+    assert len(MemmapDataset(url, version=2)) == 8
+    storage.verify_checksums(url, ds.manifest)
+
+
+def test_an_append_that_loses_the_race_builds_again_on_the_winners_version(server: S3Server, env: Path, grown,
+                                                                         monkeypatch) -> None:
+    tmp, _, _, b = grown
+    c = renamed_copy(b, tmp / "c")
+    from dsc.compiler import bucket_versions
+
+    url = server.upload(tmp / "ds", BUCKET, prefix())
+    real, calls = bucket_versions.commit, []
+
+    def another_writer_first(bucket, manifest, first):  # the other append commits between plan and commit
+        calls.append(manifest.dataset_version)
+        if len(calls) == 1:
+            monkeypatch.setattr(bucket_versions, "commit", real)
+            append(url, c, workers=1)
+            monkeypatch.setattr(bucket_versions, "commit", another_writer_first)
+        return real(bucket, manifest, first)
+    monkeypatch.setattr(bucket_versions, "commit", another_writer_first)
+    summary = append(url, b, workers=1)
+    assert calls == [2, 3] and summary.version == 3  # lost version 2 to the other append, then made 3
+    ds = MemmapDataset(url)
+    assert (ds.version, len(ds), len(set(sources(ds)))) == (3, 30, 30)
+    assert [p.count for p in ds.manifest.record_parts] == [12, 9, 9]
+    listed = set().union(*(MemmapDataset(url, version=v).manifest.files for v in (1, 2, 3)))
+    stray = [o.name for o in Bucket(url).list("appends") if o.name not in {e.file for e in listed}]
+    assert stray == []  # the lost attempt's uploads were deleted
+    storage.verify_checksums(url, ds.manifest)
+
+
+def test_merge_with_differing_class_sets_into_and_out_of_a_bucket(server: S3Server, env: Path,
+                                                                  tmp_path: Path) -> None:
+    make_folder(tmp_path / "a", classes=2, per_class=3)
+    make_folder(tmp_path / "b", classes=2, per_class=4, seed=7)
+    (tmp_path / "b" / "class_0").rename(tmp_path / "b" / "eel")  # b: class_1 (shared, index 0 there), eel
+    compile_folder(tmp_path / "a", tmp_path / "A", size=SIZE, records_per_shard=3, workers=1)
+    compile_folder(tmp_path / "b", tmp_path / "B", size=SIZE, records_per_shard=3, workers=1)
+    where = prefix()
+    a_url = server.upload(tmp_path / "A", BUCKET, f"{where}/A")
+    runner = CliRunner()
+    local = runner.invoke(app, ["merge", str(tmp_path / "A"), str(tmp_path / "B"), str(tmp_path / "M")])
+    assert local.exit_code == 0, local.output
+    into = runner.invoke(app, ["merge", a_url, str(tmp_path / "B"), f"s3://{BUCKET}/{where}/M"])
+    assert into.exit_code == 0, into.output
+    # A's 6 records fill 2 shards: copied inside the bucket; B's 3 shards uploaded from their files
+    assert "5 shard(s) (5 reused by server-side copy/upload, 0 copied)" in into.stdout, into.stdout
+    merged, here = MemmapDataset(f"s3://{BUCKET}/{where}/M"), MemmapDataset(tmp_path / "M")
+    assert merged.classes == here.classes == ["class_0", "class_1", "eel"] and len(merged) == 14
+    assert np.array_equal(pixels(merged), pixels(here)) and merged.labels.tolist() == here.labels.tolist()
+    bucket = Bucket(f"s3://{BUCKET}/{where}/M")
+    for entry in here.manifest.files:  # object bytes = the local merge's file bytes
+        assert bucket.get(entry.file)[0] == (tmp_path / "M" / entry.file).read_bytes(), entry.file
+    storage.verify_checksums(merged.path, merged.manifest)
+    # out of a bucket, shifted off the shard boundary (pieces fetched by ranged GETs) into a folder
+    make_folder(tmp_path / "a7", classes=1, per_class=7)
+    compile_folder(tmp_path / "a7", tmp_path / "A7", size=SIZE, records_per_shard=3, workers=1)
+    b_url = server.upload(tmp_path / "B", BUCKET, f"{where}/B")
+    out = runner.invoke(app, ["merge", str(tmp_path / "A7"), b_url, str(tmp_path / "M2")])
+    assert out.exit_code == 0, out.output
+    m2, b = MemmapDataset(tmp_path / "M2"), MemmapDataset(tmp_path / "B")
+    assert len(m2) == 15 and np.array_equal(pixels(m2)[7:], pixels(b))
+    storage.verify_checksums(m2.path, m2.manifest)
+    again = runner.invoke(app, ["merge", a_url, b_url, f"s3://{BUCKET}/{where}/M"])
+    assert again.exit_code == 1 and "already holds objects" in again.output
+    inside = runner.invoke(app, ["merge", a_url, b_url, f"{a_url}/sub"])
+    assert inside.exit_code == 1 and "would lie one inside the other" in inside.output, inside.output
+    assert not Bucket(f"{a_url}/sub").list()
+
+
+def test_prune_in_a_bucket_deletes_only_objects_no_kept_version_lists(server: S3Server, env: Path, grown,
+                                                                      monkeypatch) -> None:
+    from dsc.compiler import bucket_versions
+
+    tmp, _, _, b = grown
+    c = renamed_copy(b, tmp / "c")
+    url = server.upload(tmp / "ds", BUCKET, prefix())
+    append(url, b, workers=1)
+    append(url, c, workers=1)
+    key = url.split("/", 3)[3]
+    foreign = {"notes.txt": b"mine", "shards/readme.md": b"mine", "appends/xyz/labels.bin": b"mine",
+               "versions/notes.json": b"mine"}
+    uploading = "appends/0123456789abcdef/shards/00009.bin"  # dsc's name, no version lists it: an append's upload?
+    for name, data in {**foreign, uploading: b"x"}.items():
+        server.put(BUCKET, f"{key}/{name}", data)
+    v1_only = {"labels.bin", "shards/00002.bin"}  # version 1's index and its partial last shard
+    result = CliRunner().invoke(app, ["prune", url, "--keep", "2"])
+    assert result.exit_code == 0, result.output
+    assert "removed 1 version" in result.output
+    names = {o.name for o in Bucket(url).list()}
+    assert storage.dataset_versions(url) == [2, 3] and not names & v1_only
+    assert set(foreign) | {uploading, "shards/00000.bin"} <= names
+    for v in (2, 3):
+        ds = MemmapDataset(url, version=v)
+        storage.verify_checksums(url, ds.manifest)
+    with pytest.raises(DatasetError, match="has no version 1 .*versions 2 to 3"):
+        MemmapDataset(url, version=1)
+    monkeypatch.setattr(bucket_versions, "ABANDONED_AFTER_S", 0.0)  # the upload is now old: abandoned
+    bucket_versions.prune(url, 2)
+    names = {o.name for o in Bucket(url).list()}
+    assert uploading not in names and set(foreign) <= names
+    server.put(BUCKET, f"{key}/versions/00000002.json", b"{not json")  # a version that cannot be read
+    refused = CliRunner().invoke(app, ["prune", url, "--keep", "1"])
+    assert refused.exit_code == 1 and "versions/00000002.json: not a readable dsc manifest" in refused.output
+    assert {o.name for o in Bucket(url).list()} == names  # nothing deleted
+
+
+def test_an_append_refuses_a_damaged_shard_object_it_would_copy(server: S3Server, env: Path, grown) -> None:
+    tmp, _, _, b = grown
+    url = server.upload(tmp / "ds", BUCKET, prefix())
+    shard = bytearray((tmp / "ds" / "shards/00002.bin").read_bytes())  # version 1's partial last shard
+    shard[-1] ^= 0xFF  # its last record damaged in the bucket, the size unchanged
+    server.put(BUCKET, f"{url.split('/', 3)[3]}/shards/00002.bin", bytes(shard))
+    result = CliRunner().invoke(app, ["append", url, str(b), "-j", "1"])
+    assert result.exit_code == 1, result.output
+    assert f"{url}/shards/00002.bin: record 1 of this shard does not match its CRC-32" in result.output
+    assert storage.dataset_versions(url) == [1] and not Bucket(url).list("appends")
