@@ -404,3 +404,30 @@ def test_prune_keeps_what_a_version_committed_after_its_versions_were_read_lists
     assert open_dataset(url).manifest.dataset_version == 2
     assert_same_as(reference, url)
     assert np.array_equal(open_dataset(url).read_records(range(26)), open_dataset(reference).read_records(range(26)))
+
+
+def test_a_damaged_chunk_object_is_decoded_again_by_the_resume(src: Path, reference: Path, url: str,
+                                                               monkeypatch) -> None:
+    """A chunk object whose records no longer match its trailer's CRC-32s (same size) stops the assembly with
+    a message saying it was deleted: it is, so the --resume decodes its slots again instead of failing the
+    same way every time."""
+    assemble = bucket_build._assemble
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt  # stops where a kill -9 between the decoding and the assembly would
+    monkeypatch.setattr(bucket_build, "_assemble", killed)
+    with pytest.raises(KeyboardInterrupt):
+        compile_folder(src, url, workers=1, on_skip=lambda s, r: None, **OPTIONS)
+    monkeypatch.setattr(bucket_build, "_assemble", assemble)
+    (tag,) = {name.split("/")[1] for name in (i.name for i in Bucket(url).list(fmt.BUILDS_DIR))}
+    work = Bucket(f"{url}/{fmt.build_folder(tag)}/work")
+    chunk = work.list("chunks")[0].name
+    data = bytearray(work.get(chunk)[0])
+    data[0] ^= 0xFF  # the first record's first byte: the size and the trailer unchanged
+    work.put(chunk, bytes(data))
+    with pytest.raises(CompileError, match=r"CRC-32 .* damaged .*its chunk was deleted"):
+        compile_folder(src, url, workers=1, resume=True, on_skip=lambda s, r: None, **OPTIONS)
+    assert chunk not in {i.name for i in work.list("chunks")}
+    summary = compile_folder(src, url, workers=1, resume=True, on_skip=lambda s, r: None, **OPTIONS)
+    assert summary.reused < 27
+    assert_same_as(reference, url)
