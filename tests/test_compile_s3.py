@@ -408,9 +408,9 @@ def test_prune_keeps_what_a_version_committed_after_its_versions_were_read_lists
 
 def test_a_damaged_chunk_object_is_decoded_again_by_the_resume(src: Path, reference: Path, url: str,
                                                                monkeypatch) -> None:
-    """A chunk object whose records no longer match its trailer's CRC-32s (same size) stops the assembly with
-    a message saying it was deleted: it is, so the --resume decodes its slots again instead of failing the
-    same way every time."""
+    """A chunk object whose records no longer match its trailer's CRC-32s (same size) stops the assembly, is
+    deleted, and the message says so: the --resume decodes its slots again instead of failing the same way
+    every time."""
     assemble = bucket_build._assemble
 
     def killed(*args, **kwargs):
@@ -425,7 +425,8 @@ def test_a_damaged_chunk_object_is_decoded_again_by_the_resume(src: Path, refere
     data = bytearray(work.get(chunk)[0])
     data[0] ^= 0xFF  # the first record's first byte: the size and the trailer unchanged
     work.put(chunk, bytes(data))
-    with pytest.raises(CompileError, match=r"CRC-32 .* damaged .*its chunk was deleted"):
+    deleted = r"CRC-32 .* damaged; the chunk object was deleted, to be decoded again; run .* --resume"
+    with pytest.raises(CompileError, match=deleted):
         compile_folder(src, url, workers=1, resume=True, on_skip=lambda s, r: None, **OPTIONS)
     assert chunk not in {i.name for i in work.list("chunks")}
     summary = compile_folder(src, url, workers=1, resume=True, on_skip=lambda s, r: None, **OPTIONS)

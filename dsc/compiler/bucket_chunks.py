@@ -185,10 +185,12 @@ class ShardAssembler:
             try:
                 self.assemble(recipe)
                 results.append(SlotResult(shard))
-            except DatasetError as e:  # a chunk object damaged or gone: the driver says so
+            except DatasetError as e:  # a chunk object damaged or gone, or the bucket unreachable: the driver says so
+                reason = str(e)
                 if isinstance(e, DamagedChunk):  # deleted: a --resume decodes its slots again, not reuses it
                     self.work.delete(e.chunk)
-                results.append(SlotResult(shard, reason=str(e)))
+                    reason += "; the chunk object was deleted, to be decoded again"
+                results.append(SlotResult(shard, reason=reason))
             if on_result is not None:
                 on_result(results[-1])
         return results
