@@ -150,7 +150,7 @@ def compile_command(
     stall_seconds: float = typer.Option(None, "--stall-seconds", min=1, max=MAX_STALL_S, metavar="S",
                                         help="A worker that finishes no image for S seconds is stopped and its "
                                         "work retried by another; an image two workers stalled on is skipped "
-                                        "(local engine, 2+ workers) [default: 300]."),
+                                        "(Ray: the task is cancelled and retried; local: 2+ workers) [default: 300]."),
     address: str = typer.Option(None, "--address", metavar="ADDRESS",
                                 help="Ray cluster address for --engine ray [default: start "
                                 "a local one]."),
@@ -198,9 +198,6 @@ def compile_command(
         raise typer.BadParameter(f"{alpha!r} is not one of {', '.join(ALPHA)}", param_hint="--alpha")
     if engine not in ENGINES:
         raise typer.BadParameter(f"{engine!r} is not one of {', '.join(ENGINES)}", param_hint="--engine")
-    if stall_seconds is not None and engine != "local":
-        raise typer.BadParameter("only with --engine local (Ray tasks have no stall limit yet)",
-                                 param_hint="--stall-seconds")
     if address is not None and engine != "ray":
         raise typer.BadParameter("only with --engine ray", param_hint="--address")
     if column and labels is None and not _names_archives(src):

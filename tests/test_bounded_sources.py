@@ -83,3 +83,28 @@ def test_verify_decode_names_sources_that_became_a_fifo_or_a_device(tmp_path: Pa
     assert "not checked: class_0/img_0.jpg (not a regular file (a FIFO); not read)" in result.stderr
     assert "not checked: class_0/img_1.jpg (not a regular file (a character device); not read)" in result.stderr
     assert "decoded 1 record(s) again" in result.stdout
+
+
+CLASSES = """
+import sys
+import dsc
+try:
+    dsc.compile_folder(sys.argv[1], sys.argv[2], size=8, workers=1, classes=__import__("pathlib").Path(sys.argv[3]))
+except dsc.CompileError as e:
+    print(f"refused: {e}")
+"""
+
+
+@pytest.mark.parametrize(("make", "said"), [
+    (os.mkfifo, ": not a regular file (a FIFO); not read"),
+    (lambda path: os.symlink("/dev/zero", path), ": not a regular file (a character device); not read"),
+    (lambda path: os.truncate(os.open(path, os.O_CREAT | os.O_WRONLY), 8 << 30),  # sparse: no disk used
+     f" is {8 << 30} bytes, more than 1024 MiB: not a file of class names"),
+])
+def test_a_classes_file_is_read_only_if_regular_and_small(tmp_path: Path, make, said: str) -> None:
+    """`--classes FILE` given a FIFO blocked, /dev/zero said "does not exist", and a large file (a tar given
+    by mistake) was read whole into memory before its names were checked."""
+    src = make_folder(tmp_path / "src", classes=2, per_class=1)
+    make(str(tmp_path / "classes.txt"))
+    done = _run([sys.executable, "-c", CLASSES, str(src), str(tmp_path / "out"), str(tmp_path / "classes.txt")])
+    assert done.stdout.strip() == f"refused: classes file {tmp_path / 'classes.txt'}{said}", done.stderr

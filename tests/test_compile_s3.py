@@ -21,7 +21,7 @@ import pytest
 
 from dsc import compile_folder
 from dsc import format as fmt
-from dsc.compiler import bucket_build, pipeline, write
+from dsc.compiler import bucket_build, bucket_versions, pipeline, write
 from dsc.compiler.engines.local import LocalEngine
 from dsc.compiler.jobs import WriteJob
 from dsc.errors import CompileError, DatasetError
@@ -371,3 +371,84 @@ def test_the_ray_engine_compiles_from_the_bucket_into_the_bucket_with_no_local_o
         ray.shutdown()
     assert list(work.iterdir()) == []
     assert_same_as(tmp_path / "reference", url)
+
+
+def _partial_build_of_force(src: Path, url: str, monkeypatch) -> set[str]:
+    """Version 1 committed, then a --force compile killed between its finished build and its commit; the
+    objects of that partial build, which its --resume would reuse."""
+    compile_folder(src, url, workers=1, on_skip=lambda s, r: None, **OPTIONS)
+    before = {i.name for i in Bucket(url).list(fmt.BUILDS_DIR)}
+    commit = bucket_build.bp.commit
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt  # stops where a kill -9 just before the commit would
+    monkeypatch.setattr(bucket_build.bp, "commit", killed)
+    with pytest.raises(KeyboardInterrupt):
+        compile_folder(src, url, workers=1, force=True, on_skip=lambda s, r: None, **OPTIONS)
+    monkeypatch.setattr(bucket_build.bp, "commit", commit)
+    return {i.name for i in Bucket(url).list(fmt.BUILDS_DIR)} - before
+
+
+def test_prune_leaves_a_partial_build_whole_for_its_resume(src: Path, reference: Path, url: str,
+                                                           monkeypatch) -> None:
+    """formats.md: a partial build is the next compile's to name, resume or delete: a prune a day later
+    deletes none of its objects (no version lists them, and they are dsc-named and old)."""
+    partial = _partial_build_of_force(src, url, monkeypatch)
+    assert any(name.endswith("/shards/00000.bin") for name in partial)
+    monkeypatch.setattr(bucket_versions, "ABANDONED_AFTER_S", 0.0)  # the partial build is now a day old
+    pruned = bucket_versions.prune(url, 1)
+    assert pruned.removed_files == []
+    assert partial <= {i.name for i in Bucket(url).list(fmt.BUILDS_DIR)}
+    summary = compile_folder(src, url, workers=1, force=True, resume=True, on_skip=lambda s, r: None, **OPTIONS)
+    assert summary.reused == 27
+    assert_same_as(reference, url)
+
+
+def test_prune_keeps_what_a_version_committed_after_its_versions_were_read_lists(src: Path, reference: Path,
+                                                                                 url: str, monkeypatch) -> None:
+    """A build older than a day (a resumed one) committed and cleaned up while a prune runs, between its
+    reading of the versions and its LIST of the objects: the new version's objects all stay."""
+    _partial_build_of_force(src, url, monkeypatch)
+    monkeypatch.setattr(bucket_versions, "ABANDONED_AFTER_S", 0.0)
+    listing, resumed = Bucket.list, []
+
+    def list_after_a_commit(self, folder: str = ""):
+        if not folder and self.root == Bucket(url).root and not resumed:
+            resumed.append(True)
+            compile_folder(src, url, workers=1, force=True, resume=True, on_skip=lambda s, r: None, **OPTIONS)
+        return listing(self, folder)
+    monkeypatch.setattr(Bucket, "list", list_after_a_commit)
+    bucket_versions.prune(url, 1)
+    monkeypatch.setattr(Bucket, "list", listing)
+    assert resumed
+    assert open_dataset(url).manifest.dataset_version == 2
+    assert_same_as(reference, url)
+    assert np.array_equal(open_dataset(url).read_records(range(26)), open_dataset(reference).read_records(range(26)))
+
+
+def test_a_damaged_chunk_object_is_decoded_again_by_the_resume(src: Path, reference: Path, url: str,
+                                                               monkeypatch) -> None:
+    """A chunk object whose records no longer match its trailer's CRC-32s (same size) stops the assembly, is
+    deleted, and the message says so: the --resume decodes its slots again instead of failing the same way
+    every time."""
+    assemble = bucket_build._assemble
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt  # stops where a kill -9 between the decoding and the assembly would
+    monkeypatch.setattr(bucket_build, "_assemble", killed)
+    with pytest.raises(KeyboardInterrupt):
+        compile_folder(src, url, workers=1, on_skip=lambda s, r: None, **OPTIONS)
+    monkeypatch.setattr(bucket_build, "_assemble", assemble)
+    (tag,) = {name.split("/")[1] for name in (i.name for i in Bucket(url).list(fmt.BUILDS_DIR))}
+    work = Bucket(f"{url}/{fmt.build_folder(tag)}/work")
+    chunk = work.list("chunks")[0].name
+    data = bytearray(work.get(chunk)[0])
+    data[0] ^= 0xFF  # the first record's first byte: the size and the trailer unchanged
+    work.put(chunk, bytes(data))
+    deleted = r"CRC-32 .* damaged; the chunk object was deleted, to be decoded again; run .* --resume"
+    with pytest.raises(CompileError, match=deleted):
+        compile_folder(src, url, workers=1, resume=True, on_skip=lambda s, r: None, **OPTIONS)
+    assert chunk not in {i.name for i in work.list("chunks")}
+    summary = compile_folder(src, url, workers=1, resume=True, on_skip=lambda s, r: None, **OPTIONS)
+    assert summary.reused < 27
+    assert_same_as(reference, url)

@@ -322,3 +322,20 @@ def test_a_child_forked_while_its_parent_fetches_fetches_for_itself(env: Path, u
     status, answer = in_forked_child(lambda: str(int(remote.__getitems__([5, 6]).images.sum())))
     parent.join(timeout=60)
     assert status == 0 and answer == str(int(local.__getitems__([5, 6]).images.sum())), (status, answer)
+
+
+def test_offline_a_versioned_dataset_the_node_opened_opens_from_the_cache(server: S3Server, env: Path, url: str,
+                                                                         local, proxy: FaultProxy, caplog) -> None:
+    """A dataset with versions/ (every one compiled or grown in a bucket) is opened through versions/N.json, not
+    manifest.json: that copy too is what an open finds when the endpoint stops answering."""
+    prefix = url.removeprefix(f"s3://{BUCKET}/")
+    server.put(BUCKET, f"{prefix}/{fmt.version_file(1)}", (local.path / fmt.MANIFEST_FILE).read_bytes())
+    read = [0, 7, 23]
+    MemmapDataset(url, cache_dir=env).__getitems__(read)
+    assert proxy.count("GET", key(url, fmt.version_file(1))) == 1
+    proxy.kill()
+    with caplog.at_level(logging.WARNING, logger="dsc"):
+        remote = MemmapDataset(url, cache_dir=env)
+    warned = [r.getMessage() for r in caplog.records if r.name == "dsc"]
+    assert len(warned) == 1 and warned[0].startswith(f"{url}: the endpoint cannot be reached"), warned
+    assert torch.equal(remote.__getitems__(read).images, local.__getitems__(read).images)

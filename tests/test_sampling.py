@@ -352,8 +352,9 @@ def test_states_no_run_could_have_produced_are_refused_before_any_replay(ds: Mem
     def replayed(*args, **kwargs):
         raise AssertionError("replayed a state before checking it")
 
-    for name in ("first_round", "first_round_share"):
+    for name in ("shard_round", "first_round_share"):
         monkeypatch.setattr(progress.Epoch, name, replayed)
+    monkeypatch.setattr(progress, "replay", replayed)
     with pytest.raises(ValueError, match=message):
         ds.loader(4, order="block", seed=1).load_state_dict(state)
 

@@ -173,8 +173,7 @@ def _assemble(build: Bucket, work: Bucket, wanted: list[chunks.ShardRecipe], run
     if todo:
         runner.fill(chunks.AssembleJob(build.root, work.root, record_bytes), [[(r.shard, r)] for r in todo], check)
     if problems:
-        raise CompileError(f"{problems[0]} (its chunk was deleted, to be decoded again); run the same command with "
-                           "--resume to continue")
+        raise CompileError(f"{problems[0]}; run the same command with --resume to continue")
     held = chunks.read_markers(work, build, wanted)
     if len(held) != len(wanted):
         raise CompileError(f"{len(wanted) - len(held)} assembled shard(s) are missing from {build.root}; run the same "

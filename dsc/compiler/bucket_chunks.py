@@ -152,6 +152,14 @@ def shard_marker(shard: int) -> str:
     return f"{SHARD_MARKER_DIR}/{shard:05d}.json"
 
 
+class DamagedChunk(DatasetError):
+    """A chunk object whose records are not those its trailer lists: its slots must be decoded again."""
+
+    def __init__(self, message: str, chunk: str) -> None:
+        super().__init__(message)
+        self.chunk = chunk
+
+
 @dataclass(frozen=True)
 class AssembleJob:
     """Assemble shards of the build at `build` (its URL) from its work folder's chunk objects."""
@@ -177,8 +185,12 @@ class ShardAssembler:
             try:
                 self.assemble(recipe)
                 results.append(SlotResult(shard))
-            except DatasetError as e:  # a chunk object damaged or gone: the driver says so
-                results.append(SlotResult(shard, reason=str(e)))
+            except DatasetError as e:  # a chunk object damaged or gone, or the bucket unreachable: the driver says so
+                reason = str(e)
+                if isinstance(e, DamagedChunk):  # deleted: a --resume decodes its slots again, not reuses it
+                    self.work.delete(e.chunk)
+                    reason += "; the chunk object was deleted, to be decoded again"
+                results.append(SlotResult(shard, reason=reason))
             if on_result is not None:
                 on_result(results[-1])
         return results
@@ -197,8 +209,8 @@ class ShardAssembler:
                 crcs = fmt.record_checksums(data, self.job.record_bytes)
                 k = len(crcs)
                 if crcs != list(recipe.crcs[done:done + k]):
-                    raise DatasetError(f"{self.work.at(chunk)}: a record's CRC-32 is not the one its trailer "
-                                       "lists; the chunk object is damaged")
+                    raise DamagedChunk(f"{self.work.at(chunk)}: a record's CRC-32 is not the one its trailer "
+                                       "lists; the chunk object is damaged", chunk)
                 done += k
                 digest.update(data)
                 yield data
@@ -217,7 +229,7 @@ class ShardAssembler:
             chunk, k, n = piece
             data = self.work.get_range(chunk, k * rb, (k + n) * rb)
             if len(data) != n * rb:
-                raise DatasetError(f"{self.work.at(chunk)}: shorter than its trailer says")
+                raise DamagedChunk(f"{self.work.at(chunk)}: shorter than its trailer says", chunk)
             return chunk, data
         with ThreadPoolExecutor(READ_AHEAD) as pool:
             ahead = deque(pool.submit(fetch, p) for p in pieces[:READ_AHEAD])

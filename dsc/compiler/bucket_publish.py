@@ -128,6 +128,13 @@ def read_plan(dataset: Bucket, tag: str) -> dict | None:
     return plan if isinstance(plan, dict) and isinstance(plan.get("record"), dict) else None
 
 
+def unfinished(objects: list[ObjectInfo]) -> set[str]:
+    """The tags of the builds among `objects` that still hold their plan: partial ones (which the next compile
+    names, and a --resume continues) and committed ones not yet cleaned up."""
+    return {tag for tag in map(_tag_of, (i.name for i in objects if i.name.endswith(f"/{WORK_DIR}/{PLAN_FILE}")))
+            if tag}
+
+
 def new_build(dataset: Bucket, record: dict, digest: str, listing: list[str]) -> str:
     """Start a build: its listing, then its plan (whose presence marks it); its tag."""
     tag = secrets.token_hex(fmt.APPEND_TAG_HEX // 2)

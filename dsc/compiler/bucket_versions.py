@@ -9,7 +9,8 @@ older version than it holds.
 
 An object no version lists may be an upload of an append that has not committed yet (it has no lock to
 show): prune deletes such an object only once it is ABANDONED_AFTER_S old; an object only pruned versions
-list is deleted at once.
+list is deleted at once. A compile's build (`builds/<tag>/`) that still holds its plan is the compile's
+(formats.md: the next compile names it, --resume continues it, --force deletes it): prune leaves it whole.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import time
 
 from dsc import format as fmt
+from dsc.compiler import bucket_publish as bp
 from dsc.compiler.grow import Pruned, VersionTaken
 from dsc.errors import CompileError, DatasetError
 from dsc.storage import parse_manifest
@@ -83,6 +85,14 @@ def manifests(bucket: Bucket, found: list[int]) -> dict[str, bytes]:
     return texts
 
 
+def _committed_since(bucket: Bucket, found: list[int]) -> set[str]:
+    """The objects that versions committed since `found` was listed name. Asked after prune's LIST of the
+    objects: a compile's build committed before that LIST is in a version this finds (its plan, which keeps
+    prune off a build, goes only after its commit), one committed after it still had its plan there."""
+    return set().union(*(fmt.listed_files(bucket.get(fmt.version_file(v))[0])
+                         for v in versions(bucket) if v not in found))
+
+
 def prune(url: str, keep: int) -> Pruned:
     """Keep the `keep` newest versions of the dataset at `url`; delete the other versions' manifests, then
     the objects with names dsc gives that no kept version lists (module docstring), never another object."""
@@ -101,12 +111,16 @@ def prune(url: str, keep: int) -> Pruned:
     for v in dropped:  # manifests first: nobody opens a pruned version half-deleted
         bucket.delete(fmt.version_file(v))
     removed, freed, now = [], 0, time.time()
-    for obj in bucket.list():
+    objects = bucket.list()
+    listed |= _committed_since(bucket, found)
+    building = bp.unfinished(objects)
+    for obj in objects:
         name = obj.name
         if name in listed or not fmt.is_dataset_file_name(name) or name.startswith(f"{fmt.VERSIONS_DIR}/"):
             continue
-        if name not in obsolete and (obj.modified is None or now - obj.modified < ABANDONED_AFTER_S):
-            continue  # listed by no version: maybe an append's upload, not committed yet
+        if name not in obsolete and (obj.modified is None or now - obj.modified < ABANDONED_AFTER_S
+                                     or bp._tag_of(name) in building):
+            continue  # listed by no version: maybe an append's upload not committed yet, or a compile's build
         bucket.delete(name)
         removed.append(name)
         freed += obj.size

@@ -17,6 +17,9 @@ from typing import Any
 from dsc import format as fmt
 from dsc import storage
 from dsc.errors import CompileError, DatasetError
+from dsc.files import RefusedFile, TooLarge, read_regular
+
+MAX_CLASSES_FILE_BYTES = 1 << 30  # a list of class names larger than this is another file given by mistake
 
 CLASS_FILE_SUFFIXES = (".txt", ".csv", ".json", ".names")  # a --classes value ending so names a file
 SHOW_UNION = 20  # a --classes hint lists at most this many names
@@ -50,13 +53,19 @@ def load_classes(value: str | os.PathLike | Sequence[str], fields_only: bool = F
         return list(manifest.classes) or None
     if isinstance(value, os.PathLike):
         path = Path(value)
-        if not path.is_file():
+        if not _is(path, Path.exists):
             raise CompileError(f"classes file {path} does not exist (give a file of class names, one per line, "
                                "or a dsc dataset folder)")
-        try:
-            names = [line.strip() for line in path.read_text(encoding="utf-8-sig").splitlines()]
+        try:  # a regular file of bounded size: not a FIFO (blocks), /dev/zero (endless) or a 20 GB tar by mistake
+            text = read_regular(path, MAX_CLASSES_FILE_BYTES).decode("utf-8-sig")
+        except TooLarge as e:
+            raise CompileError(f"classes file {path} is {e.size} bytes, more than {MAX_CLASSES_FILE_BYTES >> 20} "
+                               "MiB: not a file of class names") from None
+        except RefusedFile as e:
+            raise CompileError(f"classes file {path}: {e}") from None
         except (OSError, UnicodeDecodeError) as e:
             raise CompileError(f"cannot read classes file {path}: {e}") from e
+        names = [line.strip() for line in text.splitlines()]
         return check_classes([n for n in names if n], str(path))
     return check_classes(list(value), "classes")
 

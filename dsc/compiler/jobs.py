@@ -10,8 +10,8 @@ because every slot's place in the shards is fixed by the job.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 from dsc.compiler.target import Target
 from dsc.format import CHANNELS
@@ -87,3 +87,18 @@ def chunk_size(tasks: int, workers: int) -> int:
 def split(tasks: list[tuple[int, str]], size: int) -> Iterator[Chunk]:
     """Consecutive runs of `size` tasks (the last one shorter)."""
     return (tasks[i:i + size] for i in range(0, len(tasks), size))
+
+
+def chunk_tasks(chunk) -> list[tuple[int, Any]]:
+    """A chunk's (slot, source) pairs: a folder's chunk is that list; an archive's unit holds it in `tasks`."""
+    return getattr(chunk, "tasks", chunk)
+
+
+def with_tasks(chunk, tasks: list[tuple[int, Any]]):
+    """The same kind of chunk, holding only `tasks` (what a stalled worker left, for another)."""
+    return replace(chunk, tasks=tasks) if hasattr(chunk, "tasks") else tasks
+
+
+def source_name(source: Any) -> str:
+    """A source in words: an archive member's name, or a path."""
+    return str(getattr(source, "name", source))

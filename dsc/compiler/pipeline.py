@@ -155,9 +155,9 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
     skipped source (default: a line on the "dsc" logger). Raises CompileError; OUT is then untouched.
     An interrupted compile leaves its partial build beside OUT; `resume=True` continues it.
     `engine="ray"` runs the decoding as Ray tasks on the cluster at `address` (or a local one);
-    the output is byte-identical to the local engine's. `stall_seconds` (local engine, several
-    workers; default 300): a worker that finishes no source for that long is stopped and its work
-    retried by another; a source two workers stalled on is skipped. `fast_decode=True` lets JPEGs be scaled
+    the output is byte-identical to the local engine's. `stall_seconds` (default 300): a worker
+    (local engine, several workers) or Ray task that finishes no source for that long is stopped and
+    its work retried by another; a source two workers stalled on is skipped. `fast_decode=True` lets JPEGs be scaled
     down in the DCT domain to just the needed size: faster, visibly less faithful. `alpha`: what
     becomes of transparent pixels: "black" (composited onto black), "white" or "drop" (the stored RGB).
 

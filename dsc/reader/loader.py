@@ -302,6 +302,8 @@ class Loader:
         if taken >= whole:  # Lightning's count is already reached: it goes on until the pass ends (measured)
             return
         budget, split = whole - taken, self._split()
+        if rounds == [progress.Round(split, taken)]:  # the epoch's own split goes on: its rest is `budget` batches
+            return
         skipped, left = progress.cut_off(self._epoch_spec(epoch), rounds, split, budget)
         if skipped > 0:
             saved = rounds[-1].split

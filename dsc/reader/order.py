@@ -183,7 +183,7 @@ def block_slice(n: int, seed: int, epoch: int, start: int, stop: int, block_reco
     return records[start - offset:stop - offset].copy()  # a copy: the windows' records are freed on return
 
 
-def _wrapped(start: int, stop: int, n: int) -> list[tuple[int, int]]:
+def wrapped(start: int, stop: int, n: int) -> list[tuple[int, int]]:
     """Positions [start, stop) of an order of n repeated end to end, as ranges of the order itself."""
     pieces = []
     while start < stop:
@@ -224,7 +224,7 @@ def rank_share(order: np.ndarray, rank: int, world_size: int, batch_size: int, d
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must lie in [0, world_size={world_size}), got {rank}")
     per_rank = share_length(len(order), world_size, batch_size, drop_last)
-    pieces = _wrapped(rank * per_rank, (rank + 1) * per_rank, len(order))
+    pieces = wrapped(rank * per_rank, (rank + 1) * per_rank, len(order))
     return np.concatenate([order[a:b] for a, b in pieces]) if pieces else order[:0].copy()
 
 
@@ -243,7 +243,7 @@ def order_slice(n: int, order: str, seed: int, epoch: int, start: int, stop: int
     chunk, not of the share, bound the peak)."""
     if order not in _ORDER_FUNCTIONS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
-    pieces = [(c, min(c + CHUNK, b)) for a, b in (_wrapped(start, stop, n) if n else []) for c in range(a, b, CHUNK)]
+    pieces = [(c, min(c + CHUNK, b)) for a, b in (wrapped(start, stop, n) if n else []) for c in range(a, b, CHUNK)]
     if not pieces:
         return np.empty(0, dtype=np.int64)
     if len(pieces) == 1:
@@ -257,19 +257,25 @@ def order_slice(n: int, order: str, seed: int, epoch: int, start: int, stop: int
 
 
 class LazyShare:
-    """Positions [start, stop) of an epoch's order repeated end to end (`order_slice`), computed when sliced,
-    at least `CHUNK` positions at a time, the last chunk kept: what a rank holds while it serves its share
+    """Positions [start, stop) of an epoch's order repeated end to end (`order_slice`), or the runs of its
+    positions `runs` names (what a resumed epoch has left, `progress.Left`), computed when sliced, at
+    least `CHUNK` positions at a time, the last chunk kept: what a rank holds while it serves its share
     is one chunk (8 MB), not the share (0.8 GB at 10^8 records on one rank). Batches are sliced in
     order, so each chunk is computed once; slices only (`batch_indices`), step 1."""
 
-    def __init__(self, n: int, order: str, seed: int, epoch: int, start: int, stop: int) -> None:
+    def __init__(self, n: int, order: str, seed: int, epoch: int, start: int = 0, stop: int = 0,
+                 runs: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         if order not in _ORDER_FUNCTIONS:
             raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
-        self.n, self.order, self.seed, self.epoch, self.start, self.stop = n, order, seed, epoch, start, stop
+        self.n, self.order, self.seed, self.epoch = n, order, seed, epoch
+        if runs is None:  # [start, stop) of the order repeated: runs of [0, n)
+            pieces = wrapped(start, stop, n) if n else []
+            runs = (np.array([a for a, _ in pieces], dtype=np.int64), np.array([b for _, b in pieces], dtype=np.int64))
+        self._starts, self._ends = runs[0], np.cumsum(runs[1] - runs[0])  # where each run ends in the share
         self._chunk: tuple[int, np.ndarray] = (0, np.empty(0, dtype=np.int64))  # swapped whole: thread-safe
 
     def __len__(self) -> int:
-        return self.stop - self.start
+        return int(self._ends[-1]) if len(self._ends) else 0
 
     def __getitem__(self, key: slice) -> np.ndarray:
         if not isinstance(key, slice):
@@ -281,10 +287,22 @@ class LazyShare:
         first, chunk = self._chunk
         if not (first <= a and b <= first + len(chunk)):
             first = a
-            chunk = order_slice(self.n, self.order, self.seed, self.epoch, self.start + a,
-                                self.start + max(b, min(len(self), a + CHUNK)))
+            chunk = self._compute(a, max(b, min(len(self), a + CHUNK)))
             self._chunk = (first, chunk)
         return chunk[a - first:b - first]
+
+    def _compute(self, a: int, b: int) -> np.ndarray:
+        """Share positions [a, b): the order at each run's part of them."""
+        if b <= a:
+            return np.empty(0, dtype=np.int64)
+        first, last = np.searchsorted(self._ends, [a, b - 1], side="right").tolist()
+        pieces = []
+        for k in range(first, last + 1):
+            begins = int(self._ends[k - 1]) if k else 0  # where run k begins in the share
+            low, high = max(a, begins) - begins, min(b, int(self._ends[k])) - begins
+            start = int(self._starts[k])
+            pieces.append(order_slice(self.n, self.order, self.seed, self.epoch, start + low, start + high))
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
 
 def share_length(n: int, world_size: int, batch_size: int, drop_last: bool, *,

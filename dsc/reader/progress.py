@@ -34,9 +34,13 @@ serve some samples twice and skip others; one saved at an epoch's end (no rounds
 its epoch and resumes. Replaying version 1 would mean drawing its whole permutation again, the cost
 version 2 removed, for states of one release.
 
-`remaining_share` replays the finished rounds (a few numpy passes over the epoch) to find the
-live round's share of this rank; the state itself stays a handful of integers. A `Planner`
-turns that into the loader's passes: the batches one iteration takes, and the epochs after it.
+`remaining_share` replays the finished rounds to find the live round's share of this rank; the state
+itself stays a handful of integers. What a round leaves is the sequence it was cut from less what its
+ranks served, in the sequence's own order (`Left.after`), so the replay is arithmetic on runs of the
+first round's positions, O(world size) per round; the share is computed a chunk at a time as it is
+served (`order.LazyShare` over those runs), never an array of the epoch (1.4 GB at 2^24 records before;
+a first round under locality="shard" is still replayed on arrays). A `Planner` turns that into the
+loader's passes: the batches one iteration takes, and the epochs after it.
 """
 
 from __future__ import annotations
@@ -118,7 +122,7 @@ class Epoch:
         """How many items the epoch has when its first round is split like `first`."""
         return self.count if self.sampling is None else len(self._sampled(first))
 
-    def records(self, first: Split, items: np.ndarray) -> np.ndarray:
+    def records(self, first: Split, items: np.ndarray | slice) -> np.ndarray:
         """The records at `items` (the records themselves without sampling)."""
         return items if self.sampling is None else self._sampled(first)[items]
 
@@ -134,22 +138,17 @@ class Epoch:
                                   split.batch_size, split.drop_last, locality=split.locality,
                                   records_per_shard=self.records_per_shard)
 
-    def first_round(self, split: Split) -> tuple[np.ndarray, np.ndarray]:
-        """Every rank's share of the epoch's first round [world_size, per_rank] (items), and the order they come
-        from."""
-        if self.sampling is not None:
-            items = np.arange(self.positions(split), dtype=np.int64)
-            return orders.rank_shares(items, split.world_size, split.batch_size, split.drop_last), items
-        if split.locality is not None:
-            shares = orders.shard_shares(self.count, self.records_per_shard, self.seed, self.epoch, split.world_size,
-                                         split.batch_size, split.drop_last)
-            return shares, np.arange(self.count, dtype=np.int64)
-        order = orders.epoch_order(self.count, self.order, self.seed, self.epoch)
-        return orders.rank_shares(order, split.world_size, split.batch_size, split.drop_last), order
+    def shard_round(self, split: Split) -> tuple[np.ndarray, np.ndarray]:
+        """Every rank's share of a first round under locality="shard" [world_size, per_rank] (shard groups, not
+        slices of one sequence), and the records they are drawn from."""
+        shares = orders.shard_shares(self.count, self.records_per_shard, self.seed, self.epoch, split.world_size,
+                                     split.batch_size, split.drop_last)
+        return shares, np.arange(self.count, dtype=np.int64)
 
 
 def unserved(shares: np.ndarray, taken: int, base: np.ndarray, count: int) -> np.ndarray:
-    """The samples of `base` that no share's first `taken` entries hold, in the order they would have come."""
+    """The samples of `base` that no share's first `taken` entries hold, in the order they would have come
+    (a first round under locality="shard", whose shares are not slices of one sequence)."""
     served = np.zeros(count, dtype=bool)
     served[shares[:, :taken]] = True
     queue = np.concatenate([shares[:, taken:].ravel(), base])
@@ -158,25 +157,105 @@ def unserved(shares: np.ndarray, taken: int, base: np.ndarray, count: int) -> np
     return queue[~served[queue]]
 
 
-def replay(epoch: Epoch, done: list[Round]) -> np.ndarray:
-    """The samples the finished rounds `done` (at least one) left unserved, in the order they would have come."""
-    remaining = None
-    for k, past in enumerate(done):
-        if k == 0:
-            shares, base = epoch.first_round(past.split)
-        else:
-            shares, base = orders.rank_shares(remaining, past.split.world_size, past.split.batch_size,
-                                              past.split.drop_last), remaining
-        remaining = unserved(shares, past.batches * past.split.batch_size, base, epoch.positions(done[0].split))
-    return remaining
+@dataclass(frozen=True)
+class Left:
+    """What an epoch has left to serve, in the order it would come: runs [starts[k], stops[k]) of the positions
+    of its first round's sequence (the epoch's order, a sampled sequence, or what a locality="shard" round left),
+    each position once. A round over it is arithmetic on the runs (`after`), O(world size + runs), never an
+    array of every sample."""
+
+    starts: np.ndarray
+    stops: np.ndarray
+
+    @staticmethod
+    def whole(m: int) -> Left:
+        return Left(np.zeros(min(m, 1), dtype=np.int64), np.full(min(m, 1), m, dtype=np.int64))
+
+    def __len__(self) -> int:
+        return int((self.stops - self.starts).sum())
+
+    def after(self, split: Split, batches: int) -> Left:
+        """What is left once every rank took `batches` batches of a round split like `split` over this sequence.
+
+        A rank's share is a slice of the sequence repeated end to end (`order.rank_shares`); the samples left
+        come in the order they would have come: every rank's untaken part in rank order, then what no share
+        held. Each sample of the sequence comes once in it and the shares are its consecutive slices, so that
+        order is the sequence's own: what is left is the sequence less the samples the shares' heads served."""
+        n = len(self)
+        per_rank = orders.share_length(n, split.world_size, split.batch_size, split.drop_last)
+        taken = min(batches * split.batch_size, per_rank)
+        if not n or not taken:
+            return self
+        head = np.arange(split.world_size, dtype=np.int64) * per_rank % n  # heads [head, head + taken), mod n
+        end = head + taken  # taken <= per_rank <= n: a head wraps past the sequence's end at most once
+        starts = np.concatenate([head, np.zeros(int((end > n).sum()), dtype=np.int64)])
+        stops = np.concatenate([np.minimum(end, n), end[end > n] - n])
+        order = np.argsort(starts, kind="stable")
+        starts, stops = starts[order], np.maximum.accumulate(stops[order])
+        gaps_from = np.concatenate([[0], stops])  # the served runs' complement in [0, n): gaps between them
+        gaps_to = np.concatenate([starts, [n]])
+        keep = gaps_to > gaps_from
+        return self.take(gaps_from[keep], gaps_to[keep])
+
+    def take(self, a: np.ndarray, b: np.ndarray) -> Left:
+        """The runs of positions at sequence places [a[k], b[k]), increasing and disjoint."""
+        if not len(a) or not len(self.starts):
+            return Left(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
+        ends = np.cumsum(self.stops - self.starts)
+        begins = ends - (self.stops - self.starts)
+        cuts = np.sort(np.concatenate([a, b, begins, ends]))  # distinct (np.unique hashes: 10x slower here)
+        cuts = cuts[np.concatenate([[True], cuts[1:] != cuts[:-1]])]
+        lo, hi = cuts[:-1], cuts[1:]
+        inside = np.searchsorted(a, lo, side="right") - 1
+        keep = (inside >= 0) & (lo < b[np.maximum(inside, 0)]) & (lo < ends[-1])
+        lo, hi = lo[keep], hi[keep]
+        run = np.searchsorted(ends, lo, side="right")
+        starts = self.starts[run] + (lo - begins[run])
+        stops = starts + (hi - lo)
+        joined = np.flatnonzero(starts[1:] != stops[:-1]) + 1  # merge runs that continue one another
+        first = np.concatenate([[0], joined])
+        last = np.concatenate([joined - 1, [len(starts) - 1]]) if len(starts) else first
+        return Left(starts[first], stops[last])
+
+    def share(self, split: Split, rank: int) -> Left:
+        """Rank `rank`'s share of a round split like `split` over this sequence (`order.rank_share`)."""
+        n = len(self)
+        per_rank = orders.share_length(n, split.world_size, split.batch_size, split.drop_last)
+        pieces = [self.take(np.array([a]), np.array([b])) for a, b in orders.wrapped(rank * per_rank,
+                                                                                       (rank + 1) * per_rank, n)]
+        if not pieces:
+            return Left(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
+        return Left(np.concatenate([p.starts for p in pieces]), np.concatenate([p.stops for p in pieces]))
+
+    def positions(self) -> np.ndarray:
+        return orders.expand_runs(self.starts, self.stops - self.starts)
+
+
+def replay(epoch: Epoch, done: list[Round]) -> tuple[Left, np.ndarray | None]:
+    """What the finished rounds `done` (at least one) left unserved, in the order it would have come: runs of
+    positions of the first round's sequence, and that sequence when it is an array (None: the epoch's order)."""
+    first = done[0].split
+    if first.locality is not None:  # shard groups, not slices of one sequence: the first round's arrays
+        shares, base = epoch.shard_round(first)
+        sequence = unserved(shares, done[0].batches * first.batch_size, base, epoch.positions(first))
+        left, rest = Left.whole(len(sequence)), done[1:]
+    else:
+        sequence = None if epoch.sampling is None else epoch.records(first, slice(None))  # the sampled sequence
+        left, rest = Left.whole(epoch.positions(first)), done
+    for past in rest:
+        left = left.after(past.split, past.batches)
+    return left, sequence
 
 
 def remaining_share(epoch: Epoch, done: list[Round], split: Split, rank: int) -> np.ndarray | orders.LazyShare:
     """This rank's share of the round that follows the finished rounds `done` (module docstring)."""
     if not done:
         return epoch.first_round_share(split, rank)
-    items = orders.rank_share(replay(epoch, done), rank, split.world_size, split.batch_size, split.drop_last)
-    return epoch.records(done[0].split, items)
+    left, sequence = replay(epoch, done)
+    share = left.share(split, rank)
+    if sequence is None:  # the epoch's order: computed a chunk at a time as it is served
+        return orders.LazyShare(epoch.count, epoch.order, epoch.seed, epoch.epoch, runs=(share.starts, share.stops))
+    return sequence[share.positions()]
 
 
 def cut_off(epoch: Epoch, rounds: list[Round], split: Split, batches: int) -> tuple[int, int]:
@@ -185,17 +264,17 @@ def cut_off(epoch: Epoch, rounds: list[Round], split: Split, batches: int) -> tu
     round would leave out too (drop_last tails)."""
     done, start = resume_point(rounds, split)
     if done:
-        base = replay(epoch, done)
-        shares = orders.rank_shares(base, split.world_size, split.batch_size, split.drop_last)
-    else:
-        shares, base = epoch.first_round(split)
-
-    count = epoch.positions(done[0].split if done else split)
-
-    def left(taken: int) -> int:
-        return len(unserved(shares, taken, base, count))
-    whole = left(shares.shape[1])
-    return left((start + batches) * split.batch_size) - whole, left(start * split.batch_size) - whole
+        left = replay(epoch, done)[0]
+    elif split.locality is None:
+        left = Left.whole(epoch.positions(split))
+    else:  # the first round under locality="shard": its shard groups' arrays
+        shares, base = epoch.shard_round(split)
+        count = epoch.positions(split)
+        whole = len(unserved(shares, shares.shape[1], base, count))
+        return (len(unserved(shares, (start + batches) * split.batch_size, base, count)) - whole,
+                len(unserved(shares, start * split.batch_size, base, count)) - whole)
+    whole = len(left.after(split, 1 << 62))
+    return len(left.after(split, start + batches)) - whole, len(left.after(split, start)) - whole
 
 
 def check_rounds(epoch: Epoch, rounds: list[Round]) -> None:

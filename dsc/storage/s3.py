@@ -386,9 +386,11 @@ class S3Dataset:
             if text is None:
                 raise DatasetError(f"{self.cache / remembered / fmt.MANIFEST_FILE}: the cached manifest of "
                                    f"{self.root} was changed or removed; it is not the one its name says")
+        elif versioned:
+            text = self._get(name, 0, min(limit, self.size(name, "the manifest")), "GET")
+            self._keep_noted(text, name)
         else:
-            text = (self._get(name, 0, min(limit, self.size(name, "the manifest")), "GET") if versioned
-                    else self._current_manifest(limit))
+            text = self._current_manifest(limit)
         self._text, self._key, self._manifest = text, hashlib.sha256(text).hexdigest(), None
         _opened_keys[(self.root, str(self.cache))] = self._key
         if versioned:
@@ -425,6 +427,13 @@ class S3Dataset:
                 if stamp:
                     self._place(folder / self._origin(stamp), lambda f: None)
         return text
+
+    def _keep_noted(self, text: bytes, name: str) -> None:
+        """Keep a version's manifest read from the bucket, noted as this URL's (`name` its stamp): what an open
+        finds when the endpoint does not answer (`_offline_manifest`), as a copy of `manifest.json` is."""
+        folder = self.cache / hashlib.sha256(text).hexdigest()
+        self._keep_text(folder, text)
+        self._place(folder / self._origin(name), lambda f: None)
 
     def _offline_manifest(self, error: EndpointUnreachable, limit: int) -> bytes:
         """The latest copy of the manifest this node fetched from this URL and endpoint, with a warning; none:

@@ -2,21 +2,26 @@
 
 Each task decodes one chunk and writes its records straight into the shard files of the
 partial build, which must therefore be on storage every node sees (as must SRC). Only
-(slot, size, CRC or reason) comes back to the driver, which keeps the journal and finishes
-the dataset exactly as with the local engine: the bytes are identical. At most
-IN_FLIGHT_PER_CPU tasks per cluster CPU are submitted at a time, so the driver holds a
-bounded number of task references whatever the number of sources, and the progress moves
-chunk by chunk. A task whose worker dies is retried by Ray (`RETRIES` times); writing a slot
-twice writes the same bytes, so a retry is harmless and redoes one chunk only.
+(slot, size, CRC or reason) comes back to the driver, slot by slot as each is written (the task
+is a streaming generator), and the driver keeps the journal and finishes the dataset exactly as
+with the local engine: the bytes are identical. At most IN_FLIGHT_PER_CPU tasks per cluster CPU
+are submitted at a time, so the driver holds a bounded number of task references whatever the
+number of sources, and the progress moves chunk by chunk. A task whose worker dies is retried by
+Ray (`RETRIES` times); a task that reports no slot for the stall limit is cancelled and what it
+left given to another (`ray_tasks`). Writing a slot twice writes the same bytes, so a retry is
+harmless and redoes one chunk at most.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import socket
-from collections.abc import Iterable
-from itertools import islice
+import threading
+from collections.abc import Iterable, Iterator
 
+from dsc.compiler.engines.ray_tasks import Started, TaskBook
+from dsc.compiler.engines.supervisor import DEFAULT_STALL_S
 from dsc.compiler.jobs import Chunk, OnResults, WriteJob
 from dsc.errors import CompileError
 
@@ -26,16 +31,16 @@ PROBE_S = 2.0  # while no task finishes, the cluster's head is checked this ofte
 LOST = ("lost the Ray cluster at {address} (its head stopped?); the work so far is kept beside OUT: run the same "
         "dsc compile command with --resume to continue")
 IN_FLIGHT_PER_CPU = 2  # one running, one queued behind it: no CPU waits for the driver
+logger = logging.getLogger("dsc")  # a stalled task is reported here (see dsc.compiler.pipeline)
 
 
 class RayEngine:
     """Tasks on the Ray cluster at `address`, or on a local one of `workers` CPUs."""
 
     def __init__(self, workers: int, address: str | None = None, stall_seconds: float | None = None) -> None:
-        if stall_seconds is not None:
-            raise CompileError("a stall limit is for the local engine; Ray tasks have none yet")
         check_address(address)  # before any partial build exists
         self.workers, self.address = workers, address
+        self.stall_s = DEFAULT_STALL_S if stall_seconds is None else stall_seconds
         self._ray, self._started = None, False
 
     def __enter__(self) -> RayEngine:
@@ -54,29 +59,71 @@ class RayEngine:
     def fill(self, job: WriteJob, chunks: Iterable[Chunk], on_results: OnResults) -> None:
         ray = self._ray
         remote = ray.remote(num_cpus=1, max_retries=RETRIES)(write_chunk)
-        chunks = iter(chunks)
         limit = max(1, int(ray.cluster_resources().get("CPU", 1))) * IN_FLIGHT_PER_CPU
-        pending = [remote.remote(job, chunk) for chunk in islice(chunks, limit)]
+        book = TaskBook(iter(chunks), submit=lambda chunk: remote.remote(job, chunk),
+                        cancel=lambda task: ray.cancel(task, force=True),  # kills its worker, stopped or not
+                        note=lambda line: logger.warning("%s", line), stall_s=self.stall_s)
         head = ray.get_runtime_context().gcs_address
+        tick = min(PROBE_S, self.stall_s / 4)  # a stall is seen, and said half-way, within a quarter of the limit
         try:
-            while pending:
-                done, pending = ray.wait(pending, num_returns=1, timeout=PROBE_S)
-                if not done:
+            while book.top_up(limit):
+                ready, _ = ray.wait(list(book.running), num_returns=1, timeout=tick)
+                if not ready:
                     _check_head(head)
-                    continue
-                pending += [remote.remote(job, chunk) for chunk in islice(chunks, 1)]
-                on_results(_result(ray, done[0]))
+                for task in ready:
+                    try:
+                        book.item(task, _result(ray, next(task)))
+                    except StopIteration:  # the task is done
+                        finished = book.ended(task)
+                        if finished is not None:
+                            on_results(finished)
+                for finished in book.look_for_stalls():
+                    on_results(finished)
         finally:
-            for ref in pending:
-                ray.cancel(ref, force=True)
+            book.cancel_all()
 
 
-def write_chunk(job: WriteJob, chunk: Chunk) -> list:
-    """One task (`ray::write_chunk`): fill one chunk's slots, on a Ray worker; the driver never
-    imports the decoders."""
-    from dsc.compiler import write
+def write_chunk(job: WriteJob, chunk: Chunk) -> Iterator:
+    """One task (`ray::write_chunk`): fill one chunk's slots on a Ray worker, saying first where it
+    runs and then each slot as it is done (its sign of progress); the driver never imports the decoders.
+    The writer runs in a thread of the task, which yields what it reports; the task ends once the writer
+    has returned (a bucket build's chunk object written), so a chunk counts as done only then."""
+    yield Started.here()
+    from dsc.compiler import write  # imported as the worker started (`import_decoders`): no cost here
 
-    return write.write_chunk(job, chunk)
+    writer = write.writer_for(job)
+    reported: queue.SimpleQueue = queue.SimpleQueue()
+    failed: list[BaseException] = []
+
+    def fill() -> None:
+        try:
+            writer.write(chunk, on_result=reported.put)
+        except BaseException as e:  # raised in the task below, as a Ray task error
+            failed.append(e)
+        finally:
+            reported.put(None)
+
+    thread = threading.Thread(target=fill, name="dsc-write-chunk", daemon=True)
+    thread.start()
+    try:
+        while (result := reported.get()) is not None:
+            yield result
+        thread.join()
+        if failed:
+            raise failed[0]
+    finally:
+        if not thread.is_alive():
+            writer.close()
+
+
+def import_decoders() -> None:
+    """Each of this job's Ray workers imports the decoders and torch as it starts, while the driver
+    discovers, so a task's stall limit times decoding, not imports. A broken install is left for the
+    task to report."""
+    try:
+        import dsc.compiler.write  # noqa: F401
+    except ImportError:
+        pass
 
 
 def _result(ray, ref):
@@ -121,7 +168,8 @@ def _connect(address: str | None, workers: int):
         return ray, False
     try:
         ray.init(address=address, num_cpus=None if address else workers, include_dashboard=False,
-                 log_to_driver=False, logging_level=logging.WARNING)
+                 log_to_driver=False, logging_level=logging.WARNING,
+                 runtime_env={"worker_process_setup_hook": import_decoders})
     except (ConnectionError, RuntimeError, ValueError) as e:
         raise CompileError(f"cannot reach the Ray cluster at {address or 'a new local instance'}: {e}") from e
     return ray, True

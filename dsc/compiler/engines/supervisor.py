@@ -22,11 +22,11 @@ import time
 import traceback
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from dsc.compiler.jobs import Chunk, SlotResult, WriteJob
+from dsc.compiler.jobs import Chunk, SlotResult, WriteJob, chunk_tasks, source_name, with_tasks
 
 DEFAULT_STALL_S = 300.0  # a worker silent this long (no slot finished) is stopped and its chunk retried
 MAX_STALL_S = 86400.0  # a day: a longer limit is no limit
@@ -52,20 +52,6 @@ class _Worker:
 class _Chunk:
     slots: Chunk  # the chunk as the driver sent it: a folder's (slot, path) list, or an archive's unit
     results: dict[int, SlotResult] = field(default_factory=dict)
-
-
-def _tasks(chunk) -> list[tuple[int, Any]]:
-    """A chunk's (slot, source) pairs: a folder's chunk is that list; an archive's unit holds it in `tasks`."""
-    return getattr(chunk, "tasks", chunk)
-
-
-def _with_tasks(chunk, tasks: list[tuple[int, Any]]):
-    """The same kind of chunk, holding only `tasks`."""
-    return replace(chunk, tasks=tasks) if hasattr(chunk, "tasks") else tasks
-
-
-def _name(source: Any) -> str:
-    return str(getattr(source, "name", source))  # an archive member, or a path
 
 
 class Failed(Exception):
@@ -133,13 +119,14 @@ class Supervisor:
         for worker in [w for w in self.workers if w.task is not None]:
             chunk_id, _ = worker.task
             chunk = self.chunks[chunk_id]
-            left = [task for task in _tasks(worker.task[1]) if task[0] not in chunk.results]
+            left = [task for task in chunk_tasks(worker.task[1]) if task[0] not in chunk.results]
             quiet = now - worker.last
             if quiet >= self.stall_s:
                 self._replace(worker, chunk_id, chunk, left)
             elif quiet >= self.stall_s / 2 and not worker.told and left:
                 self._tell(f"worker {worker.process.pid} has made no progress for {quiet:.0f} s on "
-                           f"{_name(left[0][1])}; it is stopped at {self.stall_s:g} s and its work given to another")
+                           f"{source_name(left[0][1])}; it is stopped at {self.stall_s:g} s and its work given to "
+                           "another")
                 worker.told = True
 
     def _replace(self, worker: _Worker, chunk_id: int, chunk: _Chunk, left: list[tuple[int, Any]]) -> None:
@@ -156,18 +143,19 @@ class Supervisor:
         if self.stalls[slot] >= STALLS_TO_SKIP:
             chunk.results[slot] = SlotResult(slot, reason=stall_reason(self.stall_s))
             left = left[1:]
-        self._tell(f"worker {worker.process.pid} made no progress for {self.stall_s:g} s on {_name(source)}: stopped; "
-                   + ("the source is skipped" if slot in chunk.results else "another worker tries it again"))
+        then = "the source is skipped" if slot in chunk.results else "another worker tries it again"
+        self._tell(f"worker {worker.process.pid} made no progress for {self.stall_s:g} s on {source_name(source)}: "
+                   f"stopped; {then}")
         if left:
-            self.queue.appendleft((chunk_id, _with_tasks(worker.task[1], left)))
+            self.queue.appendleft((chunk_id, with_tasks(worker.task[1], left)))
         else:
             self._finish(chunk_id)
 
     def _finish(self, chunk_id: int) -> None:
         chunk = self.chunks[chunk_id]
-        if len(chunk.results) == len(_tasks(chunk.slots)) and not any(chunk_id == q[0] for q in self.queue):
+        if len(chunk.results) == len(chunk_tasks(chunk.slots)) and not any(chunk_id == q[0] for q in self.queue):
             del self.chunks[chunk_id]
-            self.conn.send(("done", [chunk.results[slot] for slot, _ in _tasks(chunk.slots)]))
+            self.conn.send(("done", [chunk.results[slot] for slot, _ in chunk_tasks(chunk.slots)]))
 
     def _hand_out(self) -> None:
         for worker in self.workers:
