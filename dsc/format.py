@@ -609,9 +609,13 @@ def _expect_keys(root: Path, doc: Any, required: set[str], where: str, extra_ok:
 
 def _expect_hex_digest(root: Path, doc: dict, key: str, where: str) -> str:
     value = _expect(root, doc, key, str, where)
-    if len(value) != 64 or any(c not in "0123456789abcdef" for c in value):
+    if not _is_hex_digest(value):
         raise _fail(root, f"{where}{key!r} must be 64 lowercase hex digits")
     return value
+
+
+def _is_hex_digest(value: Any) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
 
 
 def _check_version(root: Path, doc: dict) -> int:
@@ -691,6 +695,19 @@ def listed_files(text: bytes) -> set[str]:
                *_items(doc.get("fields")), doc.get("skipped_list"), doc.get("warnings"), doc.get("checksums")]
     return {e["file"] for e in entries if isinstance(e, dict) and file_name_problem(e.get("file")) is None} \
         | set(_declared_shards(doc))
+
+
+def declared_shard_tables(text: bytes) -> dict[str, FileEntry]:
+    """(1.4) Each shard table that manifest bytes name, with its declared size and SHA-256, unchecked: what lets
+    a cache keep one copy a node of it (checked against them) while `parse_manifest` asks for its rows."""
+    try:
+        doc = json.loads(text)
+    except (ValueError, RecursionError):
+        return {}
+    tables = _items(doc.get("shard_tables")) if isinstance(doc, dict) else []
+    return {t["file"]: FileEntry(t["file"], t["bytes"], t["sha256"]) for t in tables
+            if isinstance(t, dict) and file_name_problem(t.get("file")) is None and isinstance(t.get("bytes"), int)
+            and not isinstance(t.get("bytes"), bool) and _is_hex_digest(t.get("sha256"))}
 
 
 def _items(value: Any) -> list:

@@ -50,6 +50,7 @@ FETCHES = 2  # downloads of a file whose bytes do not match the manifest, before
 DEFAULT_SHARE = 0.5  # cache_bytes by default: this share of the cache's free space at open, plus what it holds
 LOCAL_RANKS_ENV = "LOCAL_WORLD_SIZE"  # the ranks of this node (torchrun sets it): they split DEFAULT_SHARE
 LOCK_SUFFIX = ".lock"
+TABLES_DIR = "shard-tables"  # (1.4) <cache>/shard-tables/<SHA-256>: the node's copy of each shard table it read
 
 HELPER_WAIT_S = 30.0  # how much longer than a request's own limit a forked child waits for its helper's answer
 
@@ -295,6 +296,9 @@ class S3Dataset:
         if fd is not None:
             with os.fdopen(fd, "rb") as f:
                 return f.read(limit)
+        table = fmt.declared_shard_tables(self._text or b"").get(name)
+        if table is not None:  # (1.4) read at every parse of the manifest: fetched once per node
+            return self._table_copy(table)[:limit]
         return self._get(name, 0, min(limit, self.size(name, name)), "GET")
 
     def size(self, name: str, where: str) -> int:
@@ -565,6 +569,27 @@ class S3Dataset:
             raise DatasetError(f"{self._at(entry.file)}: downloaded {FETCHES} times, wrong each time "
                                f"({'; '.join(problems)}); the object in the bucket is damaged")
 
+    def _table_copy(self, entry: fmt.FileEntry) -> bytes:
+        """(1.4) A shard table's bytes from the node's copy of it, named by the SHA-256 the manifest seals (so
+        checked at each read, trusted across datasets and versions), fetched first under its lock if missing.
+        Like the manifest's copy it is kept outside the dataset's folder and before the budget is checked (the
+        manifest cannot be parsed without it); `base_bytes` counts it with the index."""
+        path = self.cache / TABLES_DIR / entry.sha256
+        data = _verified(path, entry)
+        if data is not None:
+            return data
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with locked(path.with_name(f".{path.name}{LOCK_SUFFIX}")):
+            if _verified(path, entry) is None:  # else another process of the node fetched it while this one waited
+                problem = self._place(path, lambda f: self._download(entry, f), entry)
+                if problem is not None:  # the parse names the damage, as it does for any table read
+                    return self._get(entry.file, 0, entry.bytes + 1, "GET")
+        data = _verified(path, entry)
+        if data is None:
+            raise DatasetError(f"{path}: the cached copy of {self._at(entry.file)} vanished or changed right after "
+                               "it was downloaded; is another program writing into the cache?")
+        return data
+
     def _place(self, path: Path, write, entry: fmt.FileEntry | None = None) -> str | None:
         """Write a file through `write(f)` to a new temporary name beside `path`, check it against
         `entry` (size, SHA-256), then rename it into place; return what was wrong (nothing placed)."""
@@ -590,7 +615,12 @@ class S3Dataset:
                 pass
 
     def _download(self, entry: fmt.FileEntry, f) -> str:
-        """Write the object's bytes into `f` by ranged GETs; return their SHA-256."""
+        """Write the object's bytes into `f` by ranged GETs (a shard table: from the node's copy, `_table_copy`);
+        return their SHA-256."""
+        copy = _verified(self.cache / TABLES_DIR / entry.sha256, entry)
+        if copy is not None:
+            f.write(copy)
+            return entry.sha256
         digest = hashlib.sha256()
         for start in range(0, entry.bytes, PIECE_BYTES):
             stop = min(entry.bytes, start + PIECE_BYTES)
@@ -624,6 +654,19 @@ class S3Dataset:
         except FileNotFoundError as e:
             raise DatasetError(f"{self._at(name)}: {missing}") from e
 
+
+
+def _verified(path: Path, entry: fmt.FileEntry) -> bytes | None:
+    """The bytes of the regular file `path` if they have `entry`'s size and SHA-256; else None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            return None
+        data = f.read(entry.bytes + 1)
+    return data if len(data) == entry.bytes and hashlib.sha256(data).hexdigest() == entry.sha256 else None
 
 
 def _is_version_manifest(name: str) -> bool:
