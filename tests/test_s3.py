@@ -187,6 +187,21 @@ def test_a_cache_too_small_for_the_index_is_refused_at_open_naming_the_minimum(e
     MemmapDataset(url, cache_dir=env, cache_bytes=need)
 
 
+def test_a_shard_table_copy_is_named_by_its_sealed_sha256_and_a_damaged_one_is_fetched_again(
+        env: Path, url: str, local: MemmapDataset) -> None:
+    (table,) = {t.file: t for t in local.manifest.shard_tables}.values()  # format 1.4: one table
+    want = [0, 7, 23]
+    first = MemmapDataset(url, cache_dir=env)
+    copy = env / s3.TABLES_DIR / table.sha256  # kept once per node, outside the dataset's folder
+    assert copy.read_bytes() == (Path(local.path) / table.file).read_bytes()
+    assert (first.opened.local_root / table.file).read_bytes() == copy.read_bytes()  # the folder's, from it
+    (first.opened.local_root / table.file).unlink()
+    copy.write_bytes(bytes(table.bytes))  # damaged: the right size, the wrong SHA-256
+    again = MemmapDataset(url, cache_dir=env)  # not trusted: fetched again, the dataset opens
+    assert hashlib.sha256(copy.read_bytes()).hexdigest() == table.sha256
+    assert torch.equal(again.__getitems__(want).images, local.__getitems__(want).images)
+
+
 def test_the_default_cache_bytes_is_half_the_free_space_split_between_the_nodes_ranks(
         env: Path, url: str, local: MemmapDataset, monkeypatch) -> None:
     monkeypatch.setattr(s3, "free_bytes", lambda path: 1000)  # a nearly full disk, without filling one
