@@ -4,7 +4,8 @@
 comes from the bucket (it is the dataset's identity), and every index file is downloaded once per
 node into `<cache>/<SHA-256 of the manifest>/`, under a file lock, to a temporary name created
 exclusively, checked against the manifest's size and SHA-256, then renamed into place; `open`
-hands out descriptors of those copies, so the reader maps them as it does a folder's.
+hands out descriptors of those copies, so the reader maps them as it does a folder's. (1.4) A shard
+table, read at every parse of the manifest, is kept once per node at `<cache>/shard-tables/<its SHA-256>`.
 
 The records (the shards) are not cached whole: `record_cache` hands the reader a
 `dsc.storage.cache.RecordCache`, which fetches byte ranges of the shards as the epoch's order asks
