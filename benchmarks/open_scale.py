@@ -46,11 +46,14 @@ from dsc.compiler import output
 CLASSES = 1000
 SKIPS = 1000
 
-MEASURE_OPEN = """
+ANON_RSS = """
 import json, sys, time
 def anon():
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+"""  # what each measuring script starts with: the process's anonymous memory, beyond its file maps
+
+MEASURE_OPEN = ANON_RSS + """
 from dsc.reader import MemmapDataset
 base = anon()
 t = time.perf_counter()
@@ -62,11 +65,7 @@ first = time.perf_counter() - t
 print(json.dumps({"open": opened, "batch": first, "anon": anon() - base}))
 """
 
-MEASURE_PARSE = """
-import json, sys, time
-def anon():
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+MEASURE_PARSE = ANON_RSS + """
 from dsc import storage
 base = anon()
 t = time.perf_counter()
