@@ -12,8 +12,9 @@ under the same name (decoding is deterministic) — never two versions, never ha
 Once every slot is done, the driver knows where each kept record is (`read_chunks`) and which records
 each shard holds after skipped sources are closed up: `ShardAssembler`, run by the engine's workers like
 a chunk, composes one shard's object from runs of the chunk objects' records (`dsc.storage.compose`: a
-multipart upload whose parts the server copies from byte ranges, `UploadPartCopy`), reads it back once
-for its SHA-256 and each record's CRC-32, and records both beside it (`shard_marker`). No record passes
+multipart upload whose parts the server copies from byte ranges, `UploadPartCopy`) while it reads those
+records once (each record's CRC-32 checked, the shard's SHA-256 computed), and records the SHA-256 beside
+the object (`shard_marker`). No record passes
 through the driver, and each is uploaded once: by the worker that decoded it. A run shorter than S3's
 smallest part (5 MiB; a run cut by a skipped source, or a chunk that small) is fetched and sent as bytes,
 so a bucket build's chunks are made PART_MIN bytes at least where the work allows (`bucket_build`).
@@ -21,8 +22,8 @@ so a bucket build's chunks are made PART_MIN bytes at least where the work allow
 Why copies of chunk objects rather than workers writing shard-aligned objects at their final names: a
 shard's bytes depend on every skip before it, unknown until every slot is done, so a shard written
 early is right only when nothing before it was skipped, and else must be rebuilt from what was written
-anyway; a 1 GiB shard's SHA-256 can only be computed over all its bytes in order, so some process reads
-it once whichever way it was written; and obstore has no part uploads from several processes. Server-side
+anyway; a 1 GiB shard's SHA-256 can only be computed over all its bytes in order, so one process reads
+them once whichever way they were written; and obstore has no part uploads from several processes. Server-side
 copies give the same single upload of each record for any pattern of skips, with one code path.
 """
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -210,25 +212,35 @@ class ShardAssembler:
         """Nothing held between shards."""
 
     def assemble(self, recipe: ShardRecipe) -> None:
-        """The shard's object composed server-side from its runs (`_parts`), then read back once: its SHA-256,
-        and each record's CRC-32 checked against the trailers (a mismatch names the chunk object it came from)."""
+        """The shard's object composed server-side from its runs (`_parts`) while this thread reads the same
+        records from the chunk objects once: each record's CRC-32 checked against the trailers (a mismatch
+        names the chunk object, and stops the upload), and the shard's SHA-256."""
         name = fmt.shard_file(recipe.shard)
-        compose.compose(self.build.bucket, self.build.key(name), self._parts(recipe.runs), self.build.at(name))
+        stop = threading.Event()
+
+        def parts() -> Iterator[compose.Part]:
+            for part in self._parts(recipe.runs):
+                if stop.is_set():
+                    raise DamagedChunk("the shard's records did not check out", "")  # aborts the upload
+                yield part
+        rb, digest, done = self.job.record_bytes, hashlib.sha256(), 0
+        with ThreadPoolExecutor(1) as pool:
+            upload = pool.submit(compose.compose, self.build.bucket, self.build.key(name), parts(), self.build.at(name))
+            try:
+                for chunk, data in self._records(recipe.runs):
+                    crcs = fmt.record_checksums(data, rb)
+                    if crcs != list(recipe.crcs[done:done + len(crcs)]):
+                        raise DamagedChunk(f"{self.work.at(chunk)}: a record's CRC-32 is not the one its trailer "
+                                           "lists; the chunk object is damaged", chunk)
+                    done += len(crcs)
+                    digest.update(data)
+            except BaseException:
+                stop.set()
+                raise
+            upload.result()
         written = self.build.head(name)
         if written is None:
             raise StorageError(f"{self.build.at(name)}: missing right after its upload completed")
-        rb, digest, done = self.job.record_bytes, hashlib.sha256(), 0
-        for data in self._pieces(name, len(recipe.crcs)):
-            crcs = fmt.record_checksums(data, rb)
-            for k, (crc, wanted) in enumerate(zip(crcs, recipe.crcs[done:done + len(crcs)])):
-                if crc != wanted:
-                    chunk = _chunk_of(recipe.runs, done + k)
-                    raise DamagedChunk(f"{self.work.at(chunk)}: a record's CRC-32 is not the one its trailer "
-                                       "lists; the chunk object is damaged", chunk)
-            done += len(crcs)
-            digest.update(data)
-        if done != len(recipe.crcs):
-            raise StorageError(f"{self.build.at(name)}: {done * rb} bytes read back, {len(recipe.crcs) * rb} written")
         marker = {"etag": written.etag, "bytes": done * rb, "sha256": digest.hexdigest(), "records": recipe.digest()}
         self.work.put(shard_marker(recipe.shard), json.dumps(marker).encode())
 
@@ -257,27 +269,26 @@ class ShardAssembler:
         if held:
             yield b"".join(held)
 
-    def _pieces(self, name: str, records: int) -> Iterator[bytes]:
-        """The shard object's bytes in pieces of whole records, READ_AHEAD ranged GETs in flight."""
+    def _records(self, runs: tuple[tuple[str, int, int], ...]) -> Iterator[tuple[str, bytes]]:
+        """(chunk object, a piece of its records) in the shard's order, READ_AHEAD pieces fetched at a time."""
         rb = self.job.record_bytes
         step = max(1, PIECE_BYTES // rb)
-        spans = [(k * rb, min(records, k + step) * rb) for k in range(0, records, step)]
+        pieces = [(chunk, k, min(step, first + count - k)) for chunk, first, count in runs
+                  for k in range(first, first + count, step)]
+
+        def fetch(piece: tuple[str, int, int]) -> tuple[str, bytes]:
+            chunk, k, n = piece
+            data = self.work.get_range(chunk, k * rb, (k + n) * rb)
+            if len(data) != n * rb:
+                raise DamagedChunk(f"{self.work.at(chunk)}: shorter than its trailer says", chunk)
+            return chunk, data
         with ThreadPoolExecutor(READ_AHEAD) as pool:
-            ahead = deque(pool.submit(self.build.get_range, name, *s) for s in spans[:READ_AHEAD])
-            for span in spans[READ_AHEAD:] + [None] * len(ahead):
+            ahead = deque(pool.submit(fetch, p) for p in pieces[:READ_AHEAD])
+            for piece in pieces[READ_AHEAD:] + [None] * len(ahead):
                 done = ahead.popleft().result()
-                if span is not None:
-                    ahead.append(pool.submit(self.build.get_range, name, *span))
+                if piece is not None:
+                    ahead.append(pool.submit(fetch, piece))
                 yield done
-
-
-def _chunk_of(runs: tuple[tuple[str, int, int], ...], record: int) -> str:
-    """The chunk object that record `record` of a shard was copied from."""
-    for chunk, _, n in runs:
-        if record < n:
-            return chunk
-        record -= n
-    raise ValueError(f"record {record} is past the shard's runs")
 
 
 def read_markers(work: Bucket, build: Bucket, wanted: list[ShardRecipe]) -> dict[int, dict]:

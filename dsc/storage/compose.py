@@ -15,13 +15,16 @@ these requests go through botocore, configured from the same settings as obstore
 from __future__ import annotations
 
 import os
+from collections import deque
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from dsc.errors import StorageError
 from dsc.storage import s3
 
 PART_MIN = 5 << 20  # S3's smallest part, but the last
+IN_FLIGHT = 4  # parts sent at a time: a copy of a 64 MiB range takes a real server a while
 Part = tuple[str, int, int] | bytes  # (source key, start, stop): a copied range; bytes: uploaded as they are
 _clients: dict[tuple, Any] = {}
 
@@ -54,17 +57,25 @@ def compose(bucket: str, key: str, parts: Iterable[Part], where: str) -> str:
     c = client()
     upload = _call(where, "CreateMultipartUpload", c.create_multipart_upload, Bucket=bucket, Key=key)
     into = {"Bucket": bucket, "Key": key, "UploadId": upload["UploadId"]}
+
+    def send(number: int, part: Part) -> dict:
+        if isinstance(part, bytes):
+            etag = _call(where, "UploadPart", c.upload_part, **into, PartNumber=number, Body=part)["ETag"]
+        else:
+            source, start, stop = part
+            etag = _call(where, "UploadPartCopy", c.upload_part_copy, **into, PartNumber=number,
+                         CopySource={"Bucket": bucket, "Key": source},
+                         CopySourceRange=f"bytes={start}-{stop - 1}")["CopyPartResult"]["ETag"]
+        return {"PartNumber": number, "ETag": etag}
     done: list[dict] = []
     try:
-        for number, part in enumerate(parts, 1):
-            if isinstance(part, bytes):
-                etag = _call(where, "UploadPart", c.upload_part, **into, PartNumber=number, Body=part)["ETag"]
-            else:
-                source, start, stop = part
-                etag = _call(where, "UploadPartCopy", c.upload_part_copy, **into, PartNumber=number,
-                             CopySource={"Bucket": bucket, "Key": source},
-                             CopySourceRange=f"bytes={start}-{stop - 1}")["CopyPartResult"]["ETag"]
-            done.append({"PartNumber": number, "ETag": etag})
+        with ThreadPoolExecutor(IN_FLIGHT) as pool:
+            sent: deque = deque()
+            for number, part in enumerate(parts, 1):
+                sent.append(pool.submit(send, number, part))
+                if len(sent) == IN_FLIGHT:
+                    done.append(sent.popleft().result())
+            done.extend(future.result() for future in sent)
         return _call(where, "CompleteMultipartUpload", c.complete_multipart_upload, **into,
                      MultipartUpload={"Parts": done})["ETag"]
     except BaseException:
