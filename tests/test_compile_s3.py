@@ -216,6 +216,22 @@ def test_a_run_shorter_than_s3s_smallest_part_is_topped_up_and_sent_once_more(se
     compile_folder(clean, tmp_path / "reference", on_skip=lambda s, r: None, **options)
     assert_same_as(tmp_path / "reference", url)
 
+
+def test_a_part_copy_answered_slow_down_is_retried(src: Path, reference: Path, server: S3Server, env, url: str,
+                                                   monkeypatch) -> None:
+    """The shards' part copies go through another client (botocore) than every other request: a 503 SlowDown
+    on one is retried as theirs are, and the build is the folder compile's."""
+    proxy = FaultProxy(server.endpoint)
+    proxy.slow_down(2, match="partNumber=", method="PUT")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    try:
+        compile_folder(src, url, workers=1, on_skip=lambda s, r: None, **OPTIONS)
+    finally:
+        proxy.kill()
+        monkeypatch.setenv("AWS_ENDPOINT_URL", env["AWS_ENDPOINT_URL"])
+    assert proxy.count("PUT", "partNumber=", action="slow_down") == 2
+    assert_same_as(reference, url)
+
 @pytest.fixture(scope="module")
 def children():
     """Compiles run in children forked from a process that never used obstore (its runtime does not survive

@@ -93,8 +93,9 @@ def _call(where: str, what: str, request: Callable[..., Any], **arguments: Any) 
     try:
         return request(**arguments)
     except ClientError as e:
-        error, meta = e.response.get("Error", {}), e.response.get("ResponseMetadata", {})
-        raise StorageError(f"{where}: {what} refused: HTTP {meta.get('HTTPStatusCode', '?')} "
-                           f"({error.get('Code', '?')}: {error.get('Message', '')})") from e
+        error, status = e.response.get("Error", {}), e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        how = f"failed {s3.ATTEMPTS} times; last" if status >= 500 or status == 429 else "refused"  # retried or not
+        raise StorageError(f"{where}: {what} {how}: HTTP {status or '?'} ({error.get('Code', '?')}: "
+                           f"{error.get('Message', '')})") from e
     except BotoCoreError as e:
         raise StorageError(f"{where}: {what} failed after {s3.ATTEMPTS} tries; last: {e}") from e
