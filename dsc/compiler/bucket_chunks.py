@@ -14,17 +14,19 @@ each shard holds after skipped sources are closed up: `ShardAssembler`, run by t
 a chunk, composes one shard's object from runs of the chunk objects' records (`dsc.storage.compose`: a
 multipart upload whose parts the server copies from byte ranges, `UploadPartCopy`) while it reads those
 records once (each record's CRC-32 checked, the shard's SHA-256 computed), and records the SHA-256 beside
-the object (`shard_marker`). No record passes
-through the driver, and each is uploaded once: by the worker that decoded it. A run shorter than S3's
-smallest part (5 MiB; a run cut by a skipped source, or a chunk that small) is fetched and sent as bytes,
-so a bucket build's chunks are made PART_MIN bytes at least where the work allows (`bucket_build`).
+the object (`shard_marker`). No record passes through the driver, and each is uploaded once: by the
+worker that decoded it. A chunk's kept records are back to back, so skips cut no run; a run shorter than
+S3's smallest part (5 MiB: a chunk cut by a shard's start or end, or a chunk that small) is fetched and
+sent as bytes, topped up from the next run. A bucket build's chunks are made PART_MIN bytes at least
+where the work allows (`bucket_build`), so a shard's first 5 MiB at most go up twice, unless its chunks
+are smaller (less than 5 MiB of records a worker in all, archive units that small, a round's leftovers).
 
 Why copies of chunk objects rather than workers writing shard-aligned objects at their final names: a
-shard's bytes depend on every skip before it, unknown until every slot is done, so a shard written
-early is right only when nothing before it was skipped, and else must be rebuilt from what was written
-anyway; a 1 GiB shard's SHA-256 can only be computed over all its bytes in order, so one process reads
-them once whichever way they were written; and obstore has no part uploads from several processes. Server-side
-copies give the same single upload of each record for any pattern of skips, with one code path.
+shard's bytes depend on every skip before it, unknown until every slot is done, so a shard written early
+is right only when nothing before it was skipped, and must else be rebuilt from what was written anyway;
+a 1 GiB shard is many chunks, so its parts would come from several processes; and its SHA-256 can only
+be computed over all its bytes in order, so one process reads them once whichever way they were written.
+Server-side copies give the same single upload of each record for any pattern of skips, with one path.
 """
 
 from __future__ import annotations
@@ -220,8 +222,8 @@ class ShardAssembler:
 
         def parts() -> Iterator[compose.Part]:
             for part in self._parts(recipe.runs):
-                if stop.is_set():
-                    raise DamagedChunk("the shard's records did not check out", "")  # aborts the upload
+                if stop.is_set():  # the records did not check out: the upload is aborted
+                    raise DatasetError(f"{self.build.at(name)}: upload stopped")
                 yield part
         rb, digest, done = self.job.record_bytes, hashlib.sha256(), 0
         with ThreadPoolExecutor(1) as pool:
@@ -246,8 +248,8 @@ class ShardAssembler:
 
     def _parts(self, runs: tuple[tuple[str, int, int], ...]) -> Iterator[compose.Part]:
         """The shard's multipart parts: a run of a chunk object's records copied by the server where it is
-        PART_MIN bytes at least or the last; a shorter one (a chunk cut by the shard's start) fetched and sent as
-        bytes, topped up from the next run to PART_MIN."""
+        PART_MIN bytes at least or the last; a shorter one (a chunk cut by the shard's start) fetched and sent
+        as bytes, topped up from the next run to PART_MIN."""
         rb = self.job.record_bytes
         least = -(-compose.PART_MIN // rb)  # records
         held: list[bytes] = []
