@@ -84,6 +84,8 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, default=Path(os.environ.get("DSC_BENCH_CACHE", "~/.cache/dsc/s3-bench")),
                         help="where MiniStack's environment is kept")
     args = parser.parse_args()
+    if args.repeat < 1:
+        parser.error("--repeat: one round at least")
     kinds = ["folder", "bucket"] + (["other"] if args.other_dsc else [])
     times: dict[str, list[float]] = {kind: [] for kind in kinds}
     uploaded: dict[str, int] = {}
