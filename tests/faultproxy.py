@@ -2,8 +2,9 @@
 network and an overloaded or dying object store do to a client, made on demand.
 
 It listens on 127.0.0.1 (a port the kernel picks) and forwards each request to one upstream
-endpoint, which must be on loopback too. Every request it receives is recorded (method, path and
-what it did with it), so a test counts retries at the server side, not by the client's word.
+endpoint, which must be on loopback too. Every request it receives is recorded (method, path, its body's
+size and what it did with it), so a test counts retries and uploaded bytes at the server side, not by
+the client's word.
 
 Faults apply to the next requests of `method` (GET unless told) whose path contains `match` (any
 path when empty):
@@ -49,6 +50,7 @@ class Seen:
     method: str
     path: str
     action: str  # "forwarded", or the fault's kind
+    sent: int = 0  # bytes of the request's body: what the client uploaded
 
 
 class FaultProxy:
@@ -136,13 +138,18 @@ class FaultProxy:
             return sum(1 for s in self.seen if (method is None or s.method == method) and contains in s.path
                        and (action is None or s.action == action))
 
+    def sent(self, method: str | None = None, contains: str = "") -> int:
+        """Bytes of the bodies of the requests received so far (of `method`, whose path contains `contains`)."""
+        with self.lock:
+            return sum(s.sent for s in self.seen if (method is None or s.method == method) and contains in s.path)
+
     def _add(self, fault: Fault) -> None:
         if fault.count < 1:
             raise ValueError("a fault hits at least one request")
         with self.lock:
             self.faults.append(fault)
 
-    def _take(self, method: str, path: str) -> Fault | None:
+    def _take(self, method: str, path: str, sent: int = 0) -> Fault | None:
         """The fault for this request (its count used up by one), and the request recorded."""
         with self.lock:
             hit = next((f for f in self.faults if f.match in path and f.method == method), None)
@@ -150,7 +157,7 @@ class FaultProxy:
                 hit.count -= 1
                 if hit.count == 0:
                     self.faults.remove(hit)
-            self.seen.append(Seen(method, path, hit.kind if hit else "forwarded"))
+            self.seen.append(Seen(method, path, hit.kind if hit else "forwarded", sent))
             return hit
 
 
@@ -197,7 +204,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _serve(self) -> None:
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        fault = self.owner._take(self.command, self.path)
+        fault = self.owner._take(self.command, self.path, len(body))
         if fault is not None and fault.kind == "slow_down":
             self._answer(503, [("Content-Type", "application/xml")], SLOW_DOWN, len(SLOW_DOWN))
             return

@@ -2,10 +2,11 @@
 
 The driver handles only small metadata: the plan, each slot's outcome, the index. The engine's workers
 (local processes or Ray tasks) decode their chunks and write each as one chunk object; once every slot
-is done, workers assemble each shard from those objects, skipped sources closed up on the way
-(`bucket_chunks`); the driver writes the index files and commits the manifest (`bucket_publish`). Every
-object's bytes are those of the file a compile into a folder writes for the same SRC and options (only
-the manifest differs: it names them under `builds/<tag>/`).
+is done, workers assemble each shard from those objects, skipped sources closed up on the way, by
+server-side copies of their byte ranges (`bucket_chunks`: each record is uploaded once); the driver
+writes the index files and commits the manifest (`bucket_publish`). Every object's bytes are those of
+the file a compile into a folder writes for the same SRC and options (only the manifest differs: it
+names them under `builds/<tag>/`).
 
 A killed compile is continued by the same command with `--resume`: the build's work folder is listed,
 and every chunk object (by its trailer) and assembled shard (by its marker, which names the object's
@@ -30,9 +31,11 @@ from dsc.compiler.finish import NothingDecoded, Unpublishable
 from dsc.compiler.jobs import Engine, SlotResult
 from dsc.errors import CompileError, DatasetError, StorageError
 from dsc.storage.bucket import Bucket
+from dsc.storage.compose import PART_MIN
 
 ROUNDS = 3  # decoding rounds for slots whose chunk object was never written (a stalled worker's)
 CHUNK_BYTES = 64 << 20  # a chunk's records at most: a worker holds them in memory until its chunk object's PUT
+# and PART_MIN at least (where each worker still gets a chunk): a chunk whole is one part the server copies
 logger = logging.getLogger("dsc")
 
 
@@ -134,7 +137,8 @@ def _build(dataset: Bucket, tag: str, plan: Plan, runner: Engine, resumed: bool,
            on_skip: Callable[[str, str], None], progress: Callable[[int], None] | None
            ) -> tuple[fmt.Manifest, int, list[tuple[str, str]]]:
     work, build = bp.work_bucket(dataset, tag), bp.build_bucket(dataset, tag)
-    job = replace(plan.job, stage=work.root, max_chunk=max(1, CHUNK_BYTES // plan.job.record_bytes))
+    rb = plan.job.record_bytes
+    job = replace(plan.job, stage=work.root, max_chunk=max(1, CHUNK_BYTES // rb), min_chunk=-(-PART_MIN // rb))
     count, record_bytes = job.count, job.record_bytes
     placed = {s: p for s, p in chunks.read_chunks(work, record_bytes).items() if s < count} if resumed else {}
     done = {slot: where.result for slot, where in placed.items()}
