@@ -159,7 +159,6 @@ def test_appends_killed_at_random_moments_and_inside_the_commit_land_once_and_le
             assert not run_killed(["append", urls[-1], str(b), "-j", "1"], env, proxy, None, None)[0]
     finally:
         proxy.kill()
-    print("append kills", kills, "states", states, "rounds", len(urls))
     assert kills >= KILLS and 0 in states and 1 in states, states
     strays = {url: unlisted(url) for url in urls}
     assert any(strays.values()), "no kill left an upload behind: the test did not reach the upload"
@@ -218,11 +217,11 @@ def test_two_merges_racing_into_one_prefix_never_mix_their_shards(server: S3Serv
     finally:
         proxy.kill()
     assert other.returncode == 0, won
+    assert seen(out, expected) == 1
     assert held.returncode == 1, lost
     assert error_lines(lost[1]) == [f"error: {out}: another merge or compile committed a dataset there first; this "
                                     "merge's objects were deleted and that dataset is untouched: merge into another "
                                     "prefix"], lost[1]
-    assert seen(out, expected) == 1
     assert storage.dataset_versions(out) == [1]
     storage.verify_checksums(out, storage.parse_manifest(out))
     assert unlisted(out) == set()  # the loser deleted its build
@@ -240,7 +239,7 @@ def test_a_killed_merge_is_named_by_the_next_one_and_cleaned_by_prune(server: S3
     merge([a_dir, b_dir], tmp_path / "AB")
     expected = [records(tmp_path / "AB")]
     proxy = FaultProxy(server.endpoint)
-    args, grace = ["merge", a, b, out], bucket_publish.ABANDONED_AFTER_S
+    args = ["merge", a, b, out]
     try:
         for hold in [("PUT", "/shards/00000.bin"), ("PUT", "/checksums.bin"), ("PUT", "/labels.bin")]:
             assert run_killed(args, env, proxy, None, hold)[0]
@@ -252,6 +251,7 @@ def test_a_killed_merge_is_named_by_the_next_one_and_cleaned_by_prune(server: S3
         assert pruned.returncode == 0 and "no dataset yet (only partial builds)" in said[0], said
         assert "removed 0 versions and 0 files" in said[0]
         assert all(f"warning: left the partial build {out}/builds/{tag}/ in place" in said[1] for tag in state.partial)
+        grace = bucket_publish.ABANDONED_AFTER_S
         monkeypatch.setattr(bucket_publish, "ABANDONED_AFTER_S", 0.0)  # a day later
         assert len(bucket_versions.prune(out, 1).removed_files) == sum(map(len, state.builds.values()))
         assert Bucket(out).list() == []
@@ -303,10 +303,10 @@ def test_force_leaves_the_partial_build_of_a_compile_still_running(server: S3Ser
         running.join(RUN_S)
     finally:
         proxy.kill()
-    assert f"left the partial build {url}/builds/{tag}/ in place" in caplog.text
     assert running.exitcode == 0
     assert storage.dataset_versions(url) == [1, 2]
     assert seen(url, expected) == 0  # the compile that was running committed version 2, whole
+    assert f"left the partial build {url}/builds/{tag}/ in place" in caplog.text
     version1 = storage.open_dataset(url, version=1)
     assert np.array_equal(version1.read_records(range(version1.manifest.count)), expected[1])
     for v in (1, 2):
