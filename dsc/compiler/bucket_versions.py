@@ -100,11 +100,14 @@ def prune(url: str, keep: int) -> Pruned:
     if keep < 1:
         raise CompileError(f"--keep must be at least 1 (the latest version), got {keep}")
     bucket = Bucket(url)
-    state = bp.survey(bucket)
-    if not state.latest and not state.foreign and state.builds:  # a killed merge's or compile's builds, no dataset
-        gone = bp.clear_abandoned(bucket, bp.partial_builds(state))
+    try:
+        parse_manifest(url)  # a dataset, whole: refuse anything else before deleting anything
+    except DatasetError:
+        state = bp.survey(bucket)
+        if state.latest or state.foreign or not state.builds:
+            raise
+        gone = bp.clear_abandoned(bucket, bp.partial_builds(state))  # a killed merge's or compile's, no dataset yet
         return Pruned([], [], [o.name for o in gone], sum(o.size for o in gone))
-    parse_manifest(url)  # a dataset, whole: refuse anything else before deleting anything
     refresh_copy(bucket)
     found = versions(bucket)
     texts = manifests(bucket, found)
@@ -119,9 +122,11 @@ def prune(url: str, keep: int) -> Pruned:
     objects = bucket.list()
     listed |= _committed_since(bucket, found)
     building = bp.unfinished(objects)
-    committed = {bp._tag_of(name) for name in listed}
-    partial = {tag: [o for o in objects if bp._tag_of(o.name) == tag]
-               for tag in {bp._tag_of(o.name) for o in objects} - committed - {None}}
+    committed = {bp._tag_of(name) for name in listed} | {None}  # None: a name outside builds/
+    partial: dict[str, list] = {}
+    for obj in objects:
+        if (tag := bp._tag_of(obj.name)) not in committed:
+            partial.setdefault(tag, []).append(obj)
     for obj in objects:
         name = obj.name
         if name in listed or not fmt.is_dataset_file_name(name) or name.startswith(f"{fmt.VERSIONS_DIR}/") \
