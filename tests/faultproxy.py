@@ -12,7 +12,9 @@ path when empty):
 - `drop(n)`: forward, send the headers and half the body, then cut the connection;
 - `delay(seconds, n)`: wait that long before answering (the client may give up first);
 - `kill_mid_response()`: send half a body, then close the listening socket and every open
-  connection (a server killed mid-epoch); `restart()` listens again on the same port.
+  connection (a server killed mid-epoch); `restart()` listens again on the same port;
+- `hold(n)`: keep the next n from the server until `release()` (at most HOLD_LIMIT_S): a writer stopped
+  at a chosen request while another one goes on.
 Standard library only; every loop is bounded (the handler's keep-alive loop by a socket timeout).
 """
 
@@ -31,6 +33,7 @@ from urllib.parse import urlsplit
 HOST = "127.0.0.1"
 IDLE_S = 30  # a kept-alive connection idle this long is closed (its thread ends)
 UPSTREAM_TIMEOUT_S = 30
+HOLD_LIMIT_S = 60  # a held request goes on after this even if never released
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "te", "trailer", "upgrade"}
 SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
              b"<Message>Please reduce your request rate.</Message><RequestId>faultproxy</RequestId></Error>")
@@ -38,7 +41,7 @@ SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Co
 
 @dataclass
 class Fault:
-    kind: str  # "slow_down", "drop", "delay", "kill"
+    kind: str  # "slow_down", "drop", "delay", "kill", "hold"
     count: int  # requests left to hit
     match: str = ""
     seconds: float = 0.0
@@ -63,6 +66,7 @@ class FaultProxy:
         self.upstream = (parts.hostname, parts.port)
         self.lock = threading.Lock()
         self.faults: list[Fault] = []
+        self.released = threading.Event()
         self.seen: list[Seen] = []
         self.connections: set[socket.socket] = set()
         self.port = 0
@@ -127,6 +131,14 @@ class FaultProxy:
 
     def kill_mid_response(self, match: str = "", method: str = "GET") -> None:
         self._add(Fault("kill", 1, match, method=method))
+
+    def hold(self, n: int, match: str = "", method: str = "GET") -> None:
+        self.released.clear()
+        self._add(Fault("hold", n, match, method=method))
+
+    def release(self) -> None:
+        """Let the held requests (and any later one a hold catches) go on to the server."""
+        self.released.set()
 
     def clear(self) -> None:
         with self.lock:
@@ -210,6 +222,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return
         if fault is not None and fault.kind == "delay":
             time.sleep(fault.seconds)
+        if fault is not None and fault.kind == "hold":
+            self.owner.released.wait(HOLD_LIMIT_S)
         status, headers, data = self._forward(body)
         if fault is not None and fault.kind in ("drop", "kill"):
             self._answer(status, headers, data[: len(data) // 2], len(data))  # promises all, sends half

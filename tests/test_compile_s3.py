@@ -454,16 +454,29 @@ def _partial_build_of_force(src: Path, url: str, monkeypatch) -> set[str]:
     return {i.name for i in Bucket(url).list(fmt.BUILDS_DIR)} - before
 
 
-def test_prune_leaves_a_partial_build_whole_for_its_resume(src: Path, reference: Path, url: str,
-                                                           monkeypatch) -> None:
-    """formats.md: a partial build is the next compile's to name, resume or delete: a prune a day later
-    deletes none of its objects (no version lists them, and they are dsc-named and old)."""
+def test_prune_leaves_a_young_partial_build_whole_for_its_resume_and_deletes_an_abandoned_one(
+        src: Path, reference: Path, url: str, monkeypatch) -> None:
+    """formats.md: a partial build is its writer's (or its --resume's) while any of its objects is younger than
+    ABANDONED_AFTER_S: a prune deletes none of it. Once all are older its writer is gone, and a prune deletes it
+    whole, its work objects and plan included (nothing of it is left for ever); the committed version stays."""
     partial = _partial_build_of_force(src, url, monkeypatch)
     assert any(name.endswith("/shards/00000.bin") for name in partial)
-    monkeypatch.setattr(bucket_versions, "ABANDONED_AFTER_S", 0.0)  # the partial build is now a day old
-    pruned = bucket_versions.prune(url, 1)
-    assert pruned.removed_files == []
+    assert any(name.endswith("/work/plan.json") for name in partial)
+    assert bucket_versions.prune(url, 1).removed_files == []
     assert partial <= {i.name for i in Bucket(url).list(fmt.BUILDS_DIR)}
+    monkeypatch.setattr(bucket_build.bp, "ABANDONED_AFTER_S", 0.0)  # the partial build is now a day old
+    pruned = bucket_versions.prune(url, 1)
+    assert sorted(pruned.removed_files) == sorted(partial)
+    assert not partial & {i.name for i in Bucket(url).list()}
+    assert_same_as(reference, url)
+
+
+def test_a_partial_build_within_the_grace_is_resumed_after_a_prune(src: Path, reference: Path, url: str,
+                                                                   monkeypatch) -> None:
+    """A prune within the grace leaves the partial build of a --force compile whole: its --resume reuses every
+    slot and commits the next version."""
+    _partial_build_of_force(src, url, monkeypatch)
+    assert bucket_versions.prune(url, 1).removed_files == []
     summary = compile_folder(src, url, workers=1, force=True, resume=True, on_skip=lambda s, r: None, **OPTIONS)
     assert summary.reused == 27
     assert_same_as(reference, url)
@@ -474,7 +487,7 @@ def test_prune_keeps_what_a_version_committed_after_its_versions_were_read_lists
     """A build older than a day (a resumed one) committed and cleaned up while a prune runs, between its
     reading of the versions and its LIST of the objects: the new version's objects all stay."""
     _partial_build_of_force(src, url, monkeypatch)
-    monkeypatch.setattr(bucket_versions, "ABANDONED_AFTER_S", 0.0)
+    monkeypatch.setattr(bucket_build.bp, "ABANDONED_AFTER_S", 0.0)
     listing, resumed = Bucket.list, []
 
     def list_after_a_commit(self, folder: str = ""):

@@ -105,16 +105,16 @@ def _size(state: bp.PrefixState, name: str) -> int:
 
 def _stage(dataset: Bucket, state: bp.PrefixState, plan: Plan, force: bool, resume: bool) -> str | None:
     """The partial build to continue (its tag), or None for a new one; partial builds of others are named
-    (refused) or, with --force and no --resume, deleted."""
+    (refused) or, with --force, left beside the new one: deleted only when abandoned (`bp.clear_abandoned`)."""
     partial = state.partial
     if resume:
         plans = {tag: bp.read_plan(dataset, tag) for tag in partial}
         mine = [tag for tag, p in plans.items() if p and p.get("digest") == plan.digest]
         if mine:
             return mine[0]
-        for tag in [tag for tag in partial if plans[tag] is None]:  # no plan: nothing provable, as in a folder
-            bp.delete_build(dataset, state.builds[tag])
+        planned = frozenset(tag for tag in partial if plans[tag] is not None)  # the others: nothing to resume
         partial = [tag for tag in partial if plans[tag] is not None]
+        bp.clear_abandoned(dataset, bp.partial_builds(state, but=planned))
         if partial:
             saved = plans[partial[0]]
             differ = sorted(k for k in {*saved["record"], *plan.record} if saved["record"].get(k) != plan.record.get(k))
@@ -127,9 +127,8 @@ def _stage(dataset: Bucket, state: bp.PrefixState, plan: Plan, force: bool, resu
         where = dataset.at(fmt.build_folder(partial[0]))
         raise CompileError(f"an interrupted compile left a partial build at {where}/: "
                            "run the command that started it again with --resume to continue it (other options are "
-                           "refused), or pass --force to discard it")
-    for tag in partial:
-        bp.delete_build(dataset, state.builds[tag])
+                           "refused), or pass --force to compile anew (the partial build is deleted once abandoned)")
+    bp.clear_abandoned(dataset, bp.partial_builds(state))  # a younger one may be another live compile's: left
     return None
 
 
