@@ -14,17 +14,23 @@ Cases, per world size W (shards of --records-per-shard records; batch 8, so that
   W/2 ranks      ... on W/2 ranks
   8 ranks        ... on 8 ranks (a rank's share spans many groups: its chunk stops after `ShardRest.SEGMENTS`)
 
-with drop_last False and True. Before issue 27's last round, replaying a first round under locality built
-every rank's share (one block order per group: a Python loop over the world size) and a queue of the epoch;
-run this file with the older dsc first on the path to compare (PYTHONPATH=<its checkout>).
+with drop_last False and True. With --baseline CHECKOUT, each case runs on that checkout's dsc too, right
+after this one's (alternating, so both see the same load), and the ratio is printed: before issue 27's last
+round, replaying a first round under locality built every rank's share (one block order per group: a
+Python loop over the world size) and a queue of the epoch, and the deal of the shards was a heap's loop.
+
+    python benchmarks/locality_scale.py --baseline /path/to/older/checkout --timeout 60
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 CASE = """
 import json, resource, sys, time
@@ -52,12 +58,19 @@ print(json.dumps({"seconds": time.perf_counter() - started, "batch": len(indices
 """
 
 
-def measure(records: int, per_shard: int, world: int, live_world: int, live_batch: int, drop_last: bool,
-            saved: bool, timeout: float) -> dict:
+HERE = Path(__file__).resolve().parents[1]  # this checkout: its dsc is measured
+
+
+def measure(checkout: Path, records: int, per_shard: int, world: int, live_world: int, live_batch: int,
+            drop_last: bool, saved: bool, timeout: float) -> dict:
+    """One case in a fresh interpreter importing `checkout`'s dsc (run outside any checkout: `-c` puts the
+    working folder first on the path)."""
     args = [records, per_shard, world, live_world, live_batch, int(drop_last), int(saved)]
+    env = {**os.environ, "PYTHONPATH": str(checkout)}
     try:
-        run = subprocess.run([sys.executable, "-c", CASE, *map(str, args)], capture_output=True, text=True,
-                             check=True, timeout=timeout)
+        with tempfile.TemporaryDirectory() as elsewhere:
+            run = subprocess.run([sys.executable, "-c", CASE, *map(str, args)], capture_output=True, text=True,
+                                 check=True, timeout=timeout, env=env, cwd=elsewhere)
     except subprocess.TimeoutExpired:
         return {"seconds": float("inf"), "share": -1, "rss_mb": float("nan")}
     return json.loads(run.stdout)
@@ -68,20 +81,28 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=1 << 24)
     parser.add_argument("--records-per-shard", type=int, default=1024)
     parser.add_argument("--world-size", type=int, nargs="+", default=[1 << 16, 1 << 20])
+    parser.add_argument("--baseline", type=Path, help="another dsc checkout to run each case on too")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds a case may take (shown as inf)")
     args = parser.parse_args()
-    print(f"{args.records} records in shards of {args.records_per_shard}, batch 8, seconds to the last rank's "
-          "first batch (peak RSS MB), each case in a fresh interpreter")
-    print(f"{'world':>8} {'drop_last':>9} {'case':<12}{'seconds':>9}{'rss MB':>8}{'share':>10}")
+    print(f"{args.records} records in shards of {args.records_per_shard}, batch 8: seconds to the last rank's "
+          "first batch and peak RSS, each case in a fresh interpreter"
+          + (f"; baseline {args.baseline}" if args.baseline else ""))
+    print(f"{'world':>8} {'drop_last':>9} {'case':<12}{'seconds':>9}{'rss MB':>8}{'share':>10}"
+          + (f"{'baseline s':>12}{'rss MB':>8}{'ratio':>8}" if args.baseline else ""))
     for world in args.world_size:
         cases = {"fresh": (world, 8, False), "same split": (world, 8, True), "batch 4": (world, 4, True),
                  "W/2 ranks": (max(1, world // 2), 8, True), "8 ranks": (8, 8, True)}
         for drop_last in (False, True):
             for name, (live_world, live_batch, saved) in cases.items():
-                m = measure(args.records, args.records_per_shard, world, live_world, live_batch, drop_last, saved,
-                            args.timeout)
-                print(f"{world:>8} {str(drop_last):>9} {name:<12}{m['seconds']:>9.3f}{m['rss_mb']:>8.0f}"
-                      f"{m['share']:>10}", flush=True)
+                case = (args.records, args.records_per_shard, world, live_world, live_batch, drop_last, saved,
+                        args.timeout)
+                m = measure(HERE, *case)
+                line = (f"{world:>8} {str(drop_last):>9} {name:<12}{m['seconds']:>9.3f}{m['rss_mb']:>8.0f}"
+                        f"{m['share']:>10}")
+                if args.baseline:
+                    b = measure(args.baseline, *case)
+                    line += f"{b['seconds']:>12.3f}{b['rss_mb']:>8.0f}{b['seconds'] / m['seconds']:>8.1f}"
+                print(line, flush=True)
 
 
 if __name__ == "__main__":
