@@ -37,7 +37,7 @@ import json, resource, sys, time
 from dsc.reader import order as orders, progress
 n, per_shard, world, live_world, live_batch, drop_last, saved = (int(a) for a in sys.argv[1:])
 batch, seed, epoch = 8, 3, 1
-started = time.perf_counter()
+started, cpu = time.perf_counter(), time.process_time()
 spec = progress.Epoch(n, "block", seed, epoch, per_shard)
 first = progress.Split(world, batch, bool(drop_last), "shard")
 live = progress.Split(live_world, live_batch, bool(drop_last), "shard" if live_world == world else None)
@@ -53,7 +53,7 @@ if done:
 else:
     plan, share = planner.plan(epoch, [], live, start)
 indices = orders.batch_indices(share, plan.start, live_batch, "block", seed, epoch, per_shard)
-print(json.dumps({"seconds": time.perf_counter() - started, "batch": len(indices), "share": len(share),
+print(json.dumps({"seconds": time.perf_counter() - started, "cpu": time.process_time() - cpu, "share": len(share),
                   "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
 
@@ -72,7 +72,7 @@ def measure(checkout: Path, records: int, per_shard: int, world: int, live_world
             run = subprocess.run([sys.executable, "-c", CASE, *map(str, args)], capture_output=True, text=True,
                                  check=True, timeout=timeout, env=env, cwd=elsewhere)
     except subprocess.TimeoutExpired:
-        return {"seconds": float("inf"), "share": -1, "rss_mb": float("nan")}
+        return {"seconds": float("inf"), "cpu": float("inf"), "share": -1, "rss_mb": float("nan")}
     return json.loads(run.stdout)
 
 
@@ -85,10 +85,10 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds a case may take (shown as inf)")
     args = parser.parse_args()
     print(f"{args.records} records in shards of {args.records_per_shard}, batch 8: seconds to the last rank's "
-          "first batch and peak RSS, each case in a fresh interpreter"
-          + (f"; baseline {args.baseline}" if args.baseline else ""))
-    print(f"{'world':>8} {'drop_last':>9} {'case':<12}{'seconds':>9}{'rss MB':>8}{'share':>10}"
-          + (f"{'baseline s':>12}{'rss MB':>8}{'ratio':>8}" if args.baseline else ""))
+          "first batch (wall, and CPU time of the process: the wall's share of a loaded machine's waits left out) "
+          "and peak RSS, each case in a fresh interpreter" + (f"; baseline {args.baseline}" if args.baseline else ""))
+    print(f"{'world':>8} {'drop_last':>9} {'case':<12}{'seconds':>9}{'cpu s':>8}{'rss MB':>8}{'share':>10}"
+          + (f"{'baseline s':>12}{'cpu s':>8}{'rss MB':>8}{'ratio':>8}" if args.baseline else ""))
     for world in args.world_size:
         cases = {"fresh": (world, 8, False), "same split": (world, 8, True), "batch 4": (world, 4, True),
                  "W/2 ranks": (max(1, world // 2), 8, True), "8 ranks": (8, 8, True)}
@@ -97,11 +97,12 @@ def main() -> None:
                 case = (args.records, args.records_per_shard, world, live_world, live_batch, drop_last, saved,
                         args.timeout)
                 m = measure(HERE, *case)
-                line = (f"{world:>8} {str(drop_last):>9} {name:<12}{m['seconds']:>9.3f}{m['rss_mb']:>8.0f}"
-                        f"{m['share']:>10}")
+                line = (f"{world:>8} {str(drop_last):>9} {name:<12}{m['seconds']:>9.3f}{m['cpu']:>8.3f}"
+                        f"{m['rss_mb']:>8.0f}{m['share']:>10}")
                 if args.baseline:
                     b = measure(args.baseline, *case)
-                    line += f"{b['seconds']:>12.3f}{b['rss_mb']:>8.0f}{b['seconds'] / m['seconds']:>8.1f}"
+                    line += (f"{b['seconds']:>12.3f}{b['cpu']:>8.3f}{b['rss_mb']:>8.0f}"
+                             f"{b['cpu'] / m['cpu']:>8.1f}")
                 print(line, flush=True)
 
 

@@ -448,8 +448,8 @@ def shard_units(n: int, records_per_shard: int, world_size: int) -> np.ndarray:
     parts = -(-world_size // shards)
     while True:  # the short last shard may give fewer non-empty parts: cut finer (ends at one record a unit)
         cuts = shard_edges[:-1, None] + sizes * np.arange(parts) // parts
-        edges = np.r_[cuts.ravel(), n]  # non-decreasing already (each shard's cuts inside it): drop repeats
-        edges = edges[np.r_[True, edges[1:] != edges[:-1]]]
+        edges = np.append(cuts.ravel(), n)  # non-decreasing already (each shard's cuts inside it): drop repeats
+        edges = edges[np.insert(edges[1:] != edges[:-1], 0, True)]
         if len(edges) - 1 >= min(world_size, n):
             return edges
         parts += 1
@@ -477,7 +477,7 @@ def deal(sizes: np.ndarray, groups: int) -> np.ndarray:
     ordered = sizes[order]
     group_of = np.empty(len(sizes), dtype=np.int64)
     loads = np.zeros(groups, dtype=np.int64)
-    runs = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]]).tolist() + [len(order)]
+    runs = [0, *(np.flatnonzero(ordered[1:] != ordered[:-1]) + 1).tolist(), len(order)]
     for a, b in zip(runs[:-1], runs[1:]):
         x, k = int(ordered[a]), b - a
         levels, counts = np.unique(loads, return_counts=True)
@@ -489,7 +489,7 @@ def deal(sizes: np.ndarray, groups: int) -> np.ndarray:
             taken = np.repeat(np.arange(groups, dtype=np.int64), below)
             values = loads[taken] + (np.arange(len(taken)) - np.repeat(np.cumsum(below) - below, below)) * x
             at_last = np.flatnonzero((loads <= last) & ((last - loads) % x == 0))[:k - len(taken)]
-            taken, values = np.r_[taken, at_last], np.r_[values, np.full(len(at_last), last)]
+            taken, values = np.concatenate([taken, at_last]), np.concatenate([values, np.full(len(at_last), last)])
             taken = taken[np.lexsort((taken, values))]
         group_of[order[a:b]] = taken
         loads += np.bincount(taken, minlength=groups) * x
@@ -614,10 +614,10 @@ class ShardRest:
         group = (np.arange(world_size, dtype=np.int64) + (seed + epoch) % world_size) % world_size  # `shard_group`
         size = sizes[group]
         served = np.minimum(per_rank, size)  # the group's records its share holds (the rest: padding)
-        start, stop = np.r_[np.minimum(taken, served), served], np.r_[served, size]
+        start, stop = np.concatenate([np.minimum(taken, served), served]), np.concatenate([served, size])
         keep = stop > start
         self._sizes = sizes
-        self._group, self._start = np.r_[group, group][keep], start[keep]
+        self._group, self._start = np.concatenate([group, group])[keep], start[keep]
         self._ends = np.cumsum(stop[keep] - start[keep])  # where each segment ends in the sequence
 
     def __len__(self) -> int:

@@ -172,11 +172,21 @@ class Left:
         come in the order they would have come: every rank's untaken part in rank order, then what no share
         held. Each sample of the sequence comes once in it and the shares are its consecutive slices, so that
         order is the sequence's own: what is left is the sequence less the samples the shares' heads served."""
+        gaps = self._unserved(split, batches)
+        return self if gaps is None else self.take(*gaps)
+
+    def count_after(self, split: Split, batches: int) -> int:
+        """len(self.after(split, batches)), without the runs (a Lightning user's check needs only counts)."""
+        gaps = self._unserved(split, batches)
+        return len(self) if gaps is None else int((gaps[1] - gaps[0]).sum())
+
+    def _unserved(self, split: Split, batches: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """The sequence places [a[k], b[k]) that no share's first `batches` batches hold; None: all of them."""
         n = len(self)
         per_rank = orders.share_length(n, split.world_size, split.batch_size, split.drop_last)
         taken = min(batches * split.batch_size, per_rank)
         if not n or not taken:
-            return self
+            return None
         head = np.arange(split.world_size, dtype=np.int64) * per_rank % n  # heads [head, head + taken), mod n
         end = head + taken  # taken <= per_rank <= n: a head wraps past the sequence's end at most once
         starts = np.concatenate([head, np.zeros(int((end > n).sum()), dtype=np.int64)])
@@ -186,7 +196,7 @@ class Left:
         gaps_from = np.concatenate([[0], stops])  # the served runs' complement in [0, n): gaps between them
         gaps_to = np.concatenate([starts, [n]])
         keep = gaps_to > gaps_from
-        return self.take(gaps_from[keep], gaps_to[keep])
+        return gaps_from[keep], gaps_to[keep]
 
     def take(self, a: np.ndarray, b: np.ndarray) -> Left:
         """The runs of positions at sequence places [a[k], b[k]), increasing and disjoint."""
@@ -266,8 +276,8 @@ def cut_off(epoch: Epoch, rounds: list[Round], split: Split, batches: int) -> tu
         whole = len(epoch.shard_rest(split, per_rank))
         return (len(epoch.shard_rest(split, min(per_rank, (start + batches) * split.batch_size))) - whole,
                 len(epoch.shard_rest(split, min(per_rank, start * split.batch_size))) - whole)
-    whole = len(left.after(split, 1 << 62))
-    return len(left.after(split, start + batches)) - whole, len(left.after(split, start)) - whole
+    whole = left.count_after(split, 1 << 62)
+    return left.count_after(split, start + batches) - whole, left.count_after(split, start) - whole
 
 
 def check_rounds(epoch: Epoch, rounds: list[Round]) -> None:
