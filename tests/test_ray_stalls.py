@@ -1,9 +1,11 @@
 """A stalled Ray task is cancelled and its work retried (issue 27, point 3, on Ray): a real `dsc compile
---engine ray` starts its own local Ray instance, and the Ray worker process running a chunk task is
-found among the compile's descendants by its process title (`ray::write_chunk`) and stopped with
-SIGSTOP, as a decoder that never returns or a read from a dead mount would stall it. The compile
-ends anyway: the task is cancelled (Ray kills its worker), another task redoes what it left, and an
-image two tasks stalled on is skipped with a reason; while it waits, the compile names the worker.
+--engine ray` starts its own local Ray instance, and a Ray worker process running a chunk task is
+stopped with SIGSTOP, as a decoder that never returns or a read from a dead mount would stall it
+(`stopping.run_stopping`, shared with the local engine's test). The compile ends anyway: the task is
+cancelled (Ray kills its worker), another task redoes what it left, and an image two tasks stalled on
+is skipped with a reason; while it waits, the compile names the worker. The first test finds its worker
+by its process title (`ray::write_chunk`); the skip test stops whichever worker the compile says waits
+on the pathological image, by the pid it names, so each stop lands on that image whichever task has it.
 Before, `--stall-seconds` was refused with Ray, and a stopped Ray worker stalled the compile for ever.
 """
 
@@ -143,9 +145,8 @@ def test_an_image_two_ray_tasks_stall_on_is_skipped(folders: tuple[Path, Path], 
 
 
 def test_an_image_two_tasks_stall_on_is_skipped_by_the_book() -> None:
-    """The skip rule on the driver's own book of tasks (`ray_tasks.TaskBook`), driven as `fill` drives it.
-    (A second SIGSTOP timed to land in the same image as the first proved flaky on this shared machine: the
-    test's stop raced the worker's decode or its first word, so the rule is held here, without Ray.)"""
+    """The skip rule on the driver's own book of tasks (`ray_tasks.TaskBook`), driven as `fill` drives it, in
+    a fraction of a second (the real-Ray test above stops workers by the pid the compile names)."""
     from dsc.compiler.engines.ray_tasks import Started, TaskBook
     from dsc.compiler.engines.supervisor import stall_reason
     from dsc.compiler.jobs import SlotResult
