@@ -586,7 +586,7 @@ def group_index(n: int, records_per_shard: int, world_size: int) -> tuple[np.nda
     return out
 
 
-@functools.lru_cache(maxsize=4)  # a load's check for Lightning users and its plan replay the same round
+@functools.lru_cache(maxsize=2)  # a load's check for Lightning users and its plan replay the same round
 def shard_rest(n: int, records_per_shard: int, seed: int, epoch: int, world_size: int, batch_size: int,
                drop_last: bool, taken: int) -> ShardRest:
     return ShardRest(n, records_per_shard, seed, epoch, world_size, batch_size, drop_last, taken)
@@ -606,9 +606,9 @@ class ShardRest:
                  drop_last: bool, taken: int) -> None:
         self.n, self.records_per_shard, self.seed, self.epoch = n, records_per_shard, seed, epoch
         self.world_size = world_size
-        sizes = shard_group_sizes(n, records_per_shard, world_size)
         if n < world_size:  # empty groups pad with the global order (`_group_share`): no run resumes from that
             raise ValueError(f"no first round over {world_size} ranks of {n} records leaves a rest to resume")
+        sizes = shard_group_sizes(n, records_per_shard, world_size)
         per_rank = share_length(n, world_size, batch_size, drop_last, locality="shard",
                                 records_per_shard=records_per_shard)
         group = (np.arange(world_size, dtype=np.int64) + (seed + epoch) % world_size) % world_size  # `shard_group`
