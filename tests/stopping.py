@@ -72,7 +72,11 @@ def run_stopping(command: Sequence[str], to_stop: int, pick: Callable[[int, list
                     os.kill(pid, signal.SIGSTOP)
                     stopped.append(pid)
             time.sleep(POLL_S)
-        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        try:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the compile did not end in {timeout_s:g} s (stopped {stopped}); its stderr:\n"
+                                 + "".join(err)) from None
     finally:
         if proc.poll() is None:
             proc.kill()
