@@ -6,13 +6,15 @@ the last rank (its share wraps to pad).
 
     python benchmarks/locality_scale.py --records 16777216 --world-size 65536 1048576
 
-Cases, per world size W (shards of --records-per-shard records; batch 8, so that a rank of 2^20 has batches):
+Cases, per world size W (shards of --records-per-shard records; batch 8, so that a rank of 2^20 has batches),
+by their --cases key:
 
-  fresh          the first epoch: no state
-  same split     a state saved after 1 batch per rank, loaded on the same split: that round goes on
-  batch 4        the same state loaded on W ranks with batch 4: the first round is replayed
-  W/2 ranks      ... on W/2 ranks
-  8 ranks        ... on 8 ranks (a rank's share spans many groups: its chunk stops after `ShardRest.SEGMENTS`)
+  fresh  fresh        the first epoch: no state
+  same   same split   a state saved after 1 batch per rank, loaded on the same split: that round goes on
+  batch  batch 4      the same state loaded on W ranks with batch 4: the first round is replayed
+  half   W/2 ranks    ... on W/2 ranks
+  eight  8 ranks      ... on 8 ranks (a rank's share spans many groups: its chunk stops after
+                      `ShardRest.SEGMENTS` of them)
 
 with drop_last False and True. With --baseline CHECKOUT, each case runs on that checkout's dsc too, right
 after this one's (alternating, so both see the same load), and the ratio is printed: before issue 27's last
@@ -59,6 +61,13 @@ print(json.dumps({"seconds": time.perf_counter() - started, "cpu": time.process_
 
 
 HERE = Path(__file__).resolve().parents[1]  # this checkout: its dsc is measured
+CASES = {  # --cases key: (name, world -> (live world size, live batch size, a state saved after 1 batch))
+    "fresh": ("fresh", lambda w: (w, 8, False)),
+    "same": ("same split", lambda w: (w, 8, True)),
+    "batch": ("batch 4", lambda w: (w, 4, True)),
+    "half": ("W/2 ranks", lambda w: (max(1, w // 2), 8, True)),
+    "eight": ("8 ranks", lambda w: (8, 8, True)),
+}
 
 
 def measure(checkout: Path, records: int, per_shard: int, world: int, live_world: int, live_batch: int,
@@ -82,6 +91,7 @@ def main() -> None:
     parser.add_argument("--records-per-shard", type=int, default=1024)
     parser.add_argument("--world-size", type=int, nargs="+", default=[1 << 16, 1 << 20])
     parser.add_argument("--baseline", type=Path, help="another dsc checkout to run each case on too")
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES), help="which cases to run")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds a case may take (shown as inf)")
     args = parser.parse_args()
     print(f"{args.records} records in shards of {args.records_per_shard}, batch 8: seconds to the last rank's "
@@ -90,10 +100,9 @@ def main() -> None:
     print(f"{'world':>8} {'drop_last':>9} {'case':<12}{'seconds':>9}{'cpu s':>8}{'rss MB':>8}{'share':>10}"
           + (f"{'baseline s':>12}{'cpu s':>8}{'rss MB':>8}{'ratio':>8}" if args.baseline else ""))
     for world in args.world_size:
-        cases = {"fresh": (world, 8, False), "same split": (world, 8, True), "batch 4": (world, 4, True),
-                 "W/2 ranks": (max(1, world // 2), 8, True), "8 ranks": (8, 8, True)}
         for drop_last in (False, True):
-            for name, (live_world, live_batch, saved) in cases.items():
+            for key in args.cases:
+                name, (live_world, live_batch, saved) = CASES[key][0], CASES[key][1](world)
                 case = (args.records, args.records_per_shard, world, live_world, live_batch, drop_last, saved,
                         args.timeout)
                 m = measure(HERE, *case)
