@@ -25,7 +25,6 @@ from __future__ import annotations
 import operator
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -141,9 +140,10 @@ def record_index(i: Any, count: int) -> int:
 
 def _open(root: Path | str, cache_dir: str | None = None, version: int | None = None,
           cache_bytes: int | None = None) -> storage.OpenedDataset:
-    """Validate and map the dataset; shards read-only (see the module docstring), as plain arrays."""
-    opened = storage.open_dataset(root, cache_dir=cache_dir, version=version, cache_bytes=cache_bytes)
-    return replace(opened, shards=tuple(s.view(np.ndarray) for s in opened.shards))
+    """Validate and map the dataset; shards read-only (see the module docstring), its index values checked
+    as they are used (`storage.OpenedDataset`)."""
+    return storage.open_dataset(root, cache_dir=cache_dir, version=version, cache_bytes=cache_bytes,
+                                check_values=False)
 
 
 def batch_buffer(batch: int, record_shape: tuple[int, int, int], shared: bool) -> torch.Tensor:
@@ -283,8 +283,10 @@ class MemmapDataset(Dataset):
                 return list(entry.classes)
         raise KeyError(f"{self.path} has no field {name!r} (fields: {', '.join(self.opened.fields) or 'none'})")
 
-    def _targets(self) -> np.ndarray:
-        return self.opened.labels if self.target == "label" else self.opened.fields[self.target]
+    def _targets(self, idx: np.ndarray) -> np.ndarray:
+        """The targets of records `idx`, checked (`storage.OpenedDataset.take`)."""
+        d = self.opened
+        return d.take("labels" if self.target == "label" else d.field_key(self.target), idx)
 
     def source(self, i: int) -> Path:
         """The original image file of record `i` (under the folder it was compiled from)."""
@@ -305,7 +307,7 @@ class MemmapDataset(Dataset):
         else:
             shard, pos = fmt.locate(i, self.manifest.records_per_shard)
             image = torch.from_numpy(np.array(self.opened.shards[shard][pos])).permute(2, 0, 1)
-        target = _target_value(np.array(self._targets()[i]))
+        target = _target_value(self._targets(np.array([i]))[0])
         if self.transform is not None:
             image = self.transform(image)
         if self.target_transform is not None:
@@ -324,7 +326,7 @@ class MemmapDataset(Dataset):
             d.records.fill(buf.numpy(), idx)
         else:
             fill(buf.numpy(), d.shards, idx, self.manifest.records_per_shard)
-        targets = torch.from_numpy(np.take(self._targets(), idx, axis=0))
+        targets = torch.from_numpy(self._targets(idx))
         return GatheredBatch(buf.permute(0, 3, 1, 2), targets, idx, self.return_index)
 
     def as_tensordict(self):
