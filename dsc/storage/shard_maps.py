@@ -4,8 +4,10 @@ A process may hold only `vm.max_map_count` memory maps (Linux's default: 65,530)
 more shards (400,000 one-record shards): mapping every shard at open made such a dataset impossible to
 open. Up to `MAX_SHARD_MAPS` shards are mapped at open, as before, so the hot path is one tuple lookup and
 a reader keeps reading a dataset recompiled (`--force`) under it (its maps hold the old files); beyond
-that, a shard is mapped when first read, through a descriptor of the folder held open, and the maps read
-least recently leave the cache once it holds `MAX_SHARD_MAPS`.
+that (or past what `ulimit -n` leaves room for: each map holds a descriptor), a shard is mapped when first
+read, through a descriptor of the folder held open, and the maps read least recently leave the cache once
+it holds that many (`map_bound`). Such a dataset's shards not yet mapped when a recompile replaces it are
+then missing: an error that says so, never another dataset's records.
 
 A map is never unmapped under a reader: leaving the cache drops only the cache's reference, and the
 operating system unmaps the file when the last array over it goes, so a gather copying out of a shard
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import operator
 import os
+import resource
 import threading
 import weakref
 from collections import OrderedDict
@@ -30,6 +33,14 @@ from dsc.storage.local import map_file
 
 MAX_SHARD_MAPS = 4096  # shard maps a process keeps (vm.max_map_count's default is 65,530; DataLoader workers
 # and other datasets share it)
+SPARE_DESCRIPTORS = 64  # descriptors left to the rest of a training process: each map holds one (Python's mmap
+# keeps a duplicate of the file's), so under `ulimit -n` N the bound is N - 64
+
+
+def map_bound() -> int:
+    """How many shard maps a process keeps: MAX_SHARD_MAPS, fewer under a small `ulimit -n` (at least 8)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return MAX_SHARD_MAPS if soft == resource.RLIM_INFINITY else max(8, min(MAX_SHARD_MAPS, soft - SPARE_DESCRIPTORS))
 
 
 class ShardMaps(Sequence):
@@ -40,7 +51,7 @@ class ShardMaps(Sequence):
         """`open_file(name, where)`: a read-only descriptor of a shard file (the folder's, held open until
         `close` is called: when this is collected, or at once when every shard is mapped at open)."""
         self._root, self._entries, self._shape, self._open = root, manifest.shards, manifest.record_shape, open_file
-        self.limit = MAX_SHARD_MAPS if limit is None else limit
+        self.limit = map_bound() if limit is None else limit
         self._all: tuple[np.ndarray, ...] | None = None
         self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
         self._lock = threading.Lock()
