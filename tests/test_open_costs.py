@@ -111,7 +111,7 @@ def test_a_wrong_source_offset_fails_the_source_that_uses_it(with_fields: Path, 
     with pytest.raises(DatasetError, match=rf"record {DAMAGED}'s name would run from byte \d+ to {1 << 40}"):
         ds.source(DAMAGED)
     with pytest.raises(DatasetError, match="offsets must rise"):
-        ds.opened.source_offsets
+        _ = ds.opened.source_offsets
 
 
 def test_a_reader_opens_a_hostile_sparse_index_and_refuses_its_first_batch(tmp_path: Path) -> None:
