@@ -1106,7 +1106,7 @@ def _field(manifest: Manifest, file: str) -> FieldEntry:
 
 def taken_values_problem(manifest: Manifest, key: str, values: np.ndarray, records: np.ndarray) -> str | None:
     """What is wrong with the values of records `records` that a reader took from file `key` (labels, sizes
-    or a field's name: `checked_values`, but for the offsets, whose reader checks the two it uses), said with
+    or a field's file: `checked_values`, but for the offsets, whose reader checks the two it uses), said with
     the first wrong record and the rule; None when they are fine. A few comparisons per batch: what lets a
     reader check each value it uses instead of every value of a 10^8-record index at open."""
     if not len(values):
@@ -1116,24 +1116,29 @@ def taken_values_problem(manifest: Manifest, key: str, values: np.ndarray, recor
         wrong = (values < low) | (values > high)
         rule = _label_rule(manifest)
     elif key == "sizes":
-        wrong = (values < 1).reshape(len(values), -1).any(axis=1)
-        rule = "every original (height, width) must be at least 1 pixel a side"
+        wrong, rule = (values < 1).reshape(len(values), -1).any(axis=1), SIZE_RULE
     else:
         entry = _field(manifest, key)
         if entry.kind == "int":
             return None
         flat = values.reshape(len(values), -1)
-        wrong, rule = {"class": lambda: ((flat < 0) | (flat >= len(entry.classes)),
-                                         f"values of field {entry.name!r} must lie in [0, {len(entry.classes) - 1}]"),
-                       "multilabel": lambda: (flat > 1, f"values of field {entry.name!r} must be 0 or 1"),
-                       "float": lambda: (~np.isfinite(flat), f"values of field {entry.name!r} must be finite"),
-                       }[entry.kind]()
-        wrong = wrong.any(axis=1)
+        wrong = {"class": lambda: (flat < 0) | (flat >= len(entry.classes)), "multilabel": lambda: flat > 1,
+                 "float": lambda: ~np.isfinite(flat)}[entry.kind]().any(axis=1)
+        rule = f"values of field {entry.name!r} {_field_rule(entry)}"
     if not wrong.any():
         return None
     row = int(np.flatnonzero(wrong)[0])
     return (f"record {int(records[row])} has {np.asarray(values[row]).tolist()}, but {rule}; the dataset is damaged "
             "(dsc verify checks every file)")
+
+
+SIZE_RULE = "every original (height, width) must be at least 1 pixel a side"
+
+
+def _field_rule(entry: FieldEntry) -> str:
+    """What a field's kind allows, in words."""
+    return {"class": f"must lie in [0, {len(entry.classes) - 1}]", "multilabel": "must be 0 or 1",
+            "float": "must be finite"}[entry.kind]
 
 
 def _check_sizes(file: str, count: int, root: Any, values_of: ValuesOf) -> None:
@@ -1145,8 +1150,7 @@ def _check_sizes(file: str, count: int, root: Any, values_of: ValuesOf) -> None:
         low = int(values.min()) if low is None else min(low, int(values.min()))
         high = int(values.max()) if high is None else max(high, int(values.max()))
     if low is not None and low < 1:
-        raise DatasetError(f"{_at(root, file)}: every original (height, width) must be at least 1 pixel a side, "
-                           f"found sides in [{low}, {high}]")
+        raise DatasetError(f"{_at(root, file)}: {SIZE_RULE}, found sides in [{low}, {high}]")
 
 
 def _check_field(entry: FieldEntry, count: int, root: Any, values_of: ValuesOf) -> None:
@@ -1160,10 +1164,10 @@ def _check_field(entry: FieldEntry, count: int, root: Any, values_of: ValuesOf) 
         high = values.max() if high is None else np.maximum(high, values.max())
         if entry.kind == "float" and not (np.isfinite(low) and np.isfinite(high)):
             break
-    rule, wrong = {"class": (f"must lie in [0, {len(entry.classes) - 1}]", low < 0 or high >= len(entry.classes)),
-                   "multilabel": ("must be 0 or 1", high > 1),
-                   "float": ("must be finite", not (np.isfinite(low) and np.isfinite(high)))}[entry.kind]
+    wrong = {"class": low < 0 or high >= len(entry.classes), "multilabel": high > 1,
+             "float": not (np.isfinite(low) and np.isfinite(high))}[entry.kind]
     if wrong:
-        raise DatasetError(f"{_at(root, entry.file)}: values of field {entry.name!r} {rule}, found [{low}, {high}]")
+        raise DatasetError(f"{_at(root, entry.file)}: values of field {entry.name!r} {_field_rule(entry)}, "
+                           f"found [{low}, {high}]")
 
 

@@ -1,6 +1,7 @@
 """Look at a compiled dataset: the summary `dsc info` shows.
 
-It starts from `storage.open_dataset`, so whatever it reports has passed validation; `dsc
+It starts from `storage.open_dataset`, so whatever it reports has passed validation (the index values
+it reads, as it reads them; a large dataset's are read only when asked: `summary(counts=...)`); `dsc
 verify` goes further (`storage.verify_checksums`, and `recheck` for records against sources).
 """
 
