@@ -99,8 +99,8 @@ class ShardMaps(Sequence):
             fd = self._open(entry.file, "shard")
         except DatasetError as e:
             if len(self._entries) > self.limit:  # mapped after the open: say why it may fail
-                raise DatasetError(f"{e}; this dataset's shards are mapped when first read, and this one is gone: "
-                                   "was the dataset replaced or deleted while it was read? Open it again") from e
+                raise DatasetError(f"{e}; this dataset's shards are mapped when first read, so a change to its "
+                                   "folder since it was opened (replaced, deleted?) shows here: Open it again") from e
             raise
         if (size := os.fstat(fd).st_size) != entry.bytes:  # checked at open; mapped maybe hours later
             os.close(fd)

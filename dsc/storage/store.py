@@ -60,6 +60,8 @@ class DatasetStore(Protocol):
 
     # Optional (format 1.3 versions): `list(folder) -> list[str]`, the names in a sub-folder. A store
     # without it reads `manifest.json` only, the copy of the latest version (see `versions`).
+    # Optional: `duplicate() -> store`, the same store held open apart, which maps shards on first use
+    # (`ShardMaps`) after this one is closed; a store without it has every shard mapped at open.
 
 
 Location = str | os.PathLike  # a folder path, or a URL whose scheme STORES names
@@ -411,7 +413,8 @@ def _map_dataset(store: DatasetStore, version: int | None = None, check_values: 
         shards: Sequence[np.ndarray] = ()
         if records is None:
             held = store.duplicate() if hasattr(store, "duplicate") else None  # for shards mapped when first read
-            shards = ShardMaps(store.root, manifest, (held or store).open, held.close if held else None)
+            shards = ShardMaps(store.root, manifest, store.open, None, len(manifest.shards)) if held is None else \
+                ShardMaps(store.root, manifest, held.open, held.close)  # a store it cannot keep: every shard now
     except BaseException:
         _close_all(unchecked)
         raise
