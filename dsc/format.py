@@ -1113,9 +1113,12 @@ def taken_values_problem(manifest: Manifest, key: str, values: np.ndarray, recor
         return None
     if key == "labels":
         low, high = label_range(manifest)
-        wrong = (values < low) | (values > high)
-        rule = _label_rule(manifest)
+        if low <= values.min() and values.max() <= high:  # the usual case: two reductions, no mask
+            return None
+        wrong, rule = (values < low) | (values > high), _label_rule(manifest)
     elif key == "sizes":
+        if values.min() >= 1:
+            return None
         wrong, rule = (values < 1).reshape(len(values), -1).any(axis=1), SIZE_RULE
     else:
         entry = _field(manifest, key)
@@ -1124,9 +1127,9 @@ def taken_values_problem(manifest: Manifest, key: str, values: np.ndarray, recor
         flat = values.reshape(len(values), -1)
         wrong = {"class": lambda: (flat < 0) | (flat >= len(entry.classes)), "multilabel": lambda: flat > 1,
                  "float": lambda: ~np.isfinite(flat)}[entry.kind]().any(axis=1)
+        if not wrong.any():
+            return None
         rule = f"values of field {entry.name!r} {_field_rule(entry)}"
-    if not wrong.any():
-        return None
     row = int(np.flatnonzero(wrong)[0])
     return (f"record {int(records[row])} has {np.asarray(values[row]).tolist()}, but {rule}; the dataset is damaged "
             "(dsc verify checks every file)")
