@@ -34,6 +34,7 @@ from dsc.compiler.target import FITS, Target, parse_size
 from dsc.errors import CompileError, DscError
 from dsc.format import ALPHA, MANIFEST_FILE, MAX_RECORDS, minor_version
 from dsc.storage import check_skip_list, is_url, open_dataset, parse_manifest, verify_checksums
+from dsc.tools.inspect_dataset import COUNTED_UNASKED
 from dsc.tools.inspect_dataset import summary as inspect_summary
 from dsc.tools.sheet import MAX_TILES, pick_records, save_sheet
 from dsc.version import __version__
@@ -454,11 +455,14 @@ def info_command(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
     version: int = typer.Option(None, "--version", min=1, metavar="N",
                                 help="Which version of a dataset grown by dsc append [default: the latest]."),
+    counts: bool = typer.Option(False, "--counts",
+                                help=f"Read every record's label, fields and warnings to count them (done unasked "
+                                     f"up to {COUNTED_UNASKED:,} records, and by --json)."),
 ) -> None:
     """Summarise a dataset: records, shape, classes, skipped files, size, shards, compile options."""
     try:
-        # the text shows SHOW_SKIPPED: no need to read them all
-        s = inspect_summary(dataset, every_skip=as_json, version=version)
+        # the text shows SHOW_SKIPPED: no need to read them all; nor every label of a large dataset unasked
+        s = inspect_summary(dataset, every_skip=as_json, version=version, counts=True if counts or as_json else None)
     except DscError as e:
         _fail_dataset(dataset, e)
     if as_json:
@@ -474,7 +478,8 @@ def info_command(
     if s["labeled"]:
         shown = list(s["classes"].items())[:SHOW_CLASSES]
         more = len(s["classes"]) - len(shown)
-        typer.echo(f"{len(s['classes'])} classes: " + ", ".join(f"{_clean(k)} ({n})" for k, n in shown)
+        typer.echo(f"{len(s['classes'])} classes: "
+                   + ", ".join(_clean(k) + ("" if n is None else f" ({n})") for k, n in shown)
                    + (f", ... and {more} more (dsc info --json lists them all)" if more else "")
                    + (f"; {s['unlabeled']} record(s) without a label (-1)" if s["unlabeled"] else ""))
     else:
@@ -484,6 +489,11 @@ def info_command(
     options = {k: v for k, v in s["compile"].items() if k not in ("source_root", "jpeg_decoder", "source_order")}
     typer.echo("compiled with: " + _clean(", ".join(f"{k}={v}" for k, v in options.items())))
     typer.echo(_clean(f"from: {s['compile'].get('source_root')}; JPEG decoder: {s['jpeg_decoder']}"))
+    uncounted = [] if s["counted"] else [what for what, there in (("records per class", s["labeled"]), (
+        "field values", s["fields"]), ("decoder warnings", s["has_warnings"])) if there]
+    if uncounted:
+        typer.echo(f"not counted: {', '.join(uncounted)} (dsc info --counts reads every one of the {s['records']:,} "
+                   "records' values)")
     if s["warned"]:
         typer.echo(f"{len(s['warned'])} record(s) kept despite decoder warnings "
                    f"({sum(w['warnings'] for w in s['warned'])} in all; see the compile's log for what they said):")

@@ -1050,27 +1050,98 @@ def check_index(manifest: Manifest, root: Any, values_of: ValuesOf) -> None:
     values their kind allows: checked piece by
     piece as `values_of` hands them in, so the cost follows the bytes really stored, not what a
     manifest claims (a 1 KB manifest may claim 2^40 records over sparse files)."""
-    k, index = len(manifest.classes), manifest.index
+    for key in checked_values(manifest):
+        check_values(manifest, key, root, values_of)
+
+
+def checked_values(manifest: Manifest) -> list[str]:
+    """What `check_values` checks, by key: the index's labels, source offsets and sizes, then each field's file
+    (a field may be named "labels"; no index key holds a '/')."""
+    return ["labels", "source_offsets", "sizes", *(f.file for f in manifest.fields)]
+
+
+def check_values(manifest: Manifest, key: str, root: Any, values_of: ValuesOf) -> None:
+    """`check_index` for one of `checked_values`: what a reader that checks each file only when it is first
+    used whole runs (a batch checks just the values it takes: `taken_values_problem`)."""
+    index = manifest.index
+    if key == "labels":
+        low, high = label_range(manifest)
+        found_low, found_high = high, low
+        for values in values_of(index["labels"].file, LABEL_DTYPE, manifest.count):
+            found_low, found_high = min(found_low, int(values.min())), max(found_high, int(values.max()))
+        if found_low < low or found_high > high:
+            raise DatasetError(f"{_at(root, index['labels'].file)}: "
+                               f"{_label_rule(manifest, f', found [{found_low}, {found_high}]')}")
+    elif key == "source_offsets":
+        previous, rising = None, True
+        for values in values_of(index["source_offsets"].file, OFFSET_DTYPE, manifest.count + 1):
+            joined = values[0] == 0 if previous is None else values[0] >= previous
+            rising = rising and bool(joined) and bool(np.all(values[1:] >= values[:-1]))
+            previous = int(values[-1])
+        if not rising or previous != index["sources"].bytes:
+            raise DatasetError(f"{_at(root, index['source_offsets'].file)}: offsets must rise from 0 to the "
+                               f"size of {index['sources'].file} ({index['sources'].bytes})")
+    elif key == "sizes":
+        _check_sizes(index["sizes"].file, manifest.count, root, values_of)
+    else:
+        _check_field(_field(manifest, key), manifest.count, root, values_of)
+
+
+def label_range(manifest: Manifest) -> tuple[int, int]:
+    """The labels a record may have: [0, K-1], with -1 (no label) too from 1.2 on; [-1, -1] unlabeled."""
+    k = len(manifest.classes)
     unlabeled_ok = not k or minor_version(manifest.version) >= 2
-    low, high = UNLABELED if unlabeled_ok else 0, k - 1 if k else UNLABELED
-    found_low, found_high = high, low
-    for values in values_of(index["labels"].file, LABEL_DTYPE, manifest.count):
-        found_low, found_high = min(found_low, int(values.min())), max(found_high, int(values.max()))
-    if found_low < low or found_high > high:
-        raise DatasetError(f"{_at(root, index['labels'].file)}: labels must lie in [{0 if k else low}, {high}] "
-                           f"for {k} classes, found [{found_low}, {found_high}]"
-                           + (f"; {UNLABELED} (no label) is allowed too" if k and unlabeled_ok else ""))
-    previous, rising = None, True
-    for values in values_of(index["source_offsets"].file, OFFSET_DTYPE, manifest.count + 1):
-        joined = values[0] == 0 if previous is None else values[0] >= previous
-        rising = rising and bool(joined) and bool(np.all(values[1:] >= values[:-1]))
-        previous = int(values[-1])
-    if not rising or previous != index["sources"].bytes:
-        raise DatasetError(f"{_at(root, index['source_offsets'].file)}: offsets must rise from 0 to the "
-                           f"size of {index['sources'].file} ({index['sources'].bytes})")
-    _check_sizes(index["sizes"].file, manifest.count, root, values_of)
-    for entry in manifest.fields:
-        _check_field(entry, manifest.count, root, values_of)
+    return UNLABELED if unlabeled_ok else 0, k - 1 if k else UNLABELED
+
+
+def _label_rule(manifest: Manifest, found: str = "") -> str:
+    k, (low, high) = len(manifest.classes), label_range(manifest)
+    return (f"labels must lie in [{0 if k else low}, {high}] for {k} classes{found}"
+            + (f"; {UNLABELED} (no label) is allowed too" if k and low == UNLABELED else ""))
+
+
+def _field(manifest: Manifest, file: str) -> FieldEntry:
+    return next(f for f in manifest.fields if f.file == file)
+
+
+def taken_values_problem(manifest: Manifest, key: str, values: np.ndarray, records: np.ndarray) -> str | None:
+    """What is wrong with the values of records `records` that a reader took from file `key` (labels, sizes
+    or a field's file: `checked_values`, but for the offsets, whose reader checks the two it uses), said with
+    the first wrong record and the rule; None when they are fine. A few comparisons per batch: what lets a
+    reader check each value it uses instead of every value of a 10^8-record index at open."""
+    if not len(values):
+        return None
+    if key == "labels":
+        low, high = label_range(manifest)
+        if low <= values.min() and values.max() <= high:  # the usual case: two reductions, no mask
+            return None
+        wrong, rule = (values < low) | (values > high), _label_rule(manifest)
+    elif key == "sizes":
+        if values.min() >= 1:
+            return None
+        wrong, rule = (values < 1).reshape(len(values), -1).any(axis=1), SIZE_RULE
+    else:
+        entry = _field(manifest, key)
+        if entry.kind == "int":
+            return None
+        flat = values.reshape(len(values), -1)
+        wrong = {"class": lambda: (flat < 0) | (flat >= len(entry.classes)), "multilabel": lambda: flat > 1,
+                 "float": lambda: ~np.isfinite(flat)}[entry.kind]().any(axis=1)
+        if not wrong.any():
+            return None
+        rule = f"values of field {entry.name!r} {_field_rule(entry)}"
+    row = int(np.flatnonzero(wrong)[0])
+    return (f"record {int(records[row])} has {np.asarray(values[row]).tolist()}, but {rule}; the dataset is damaged "
+            "(dsc verify checks every file)")
+
+
+SIZE_RULE = "every original (height, width) must be at least 1 pixel a side"
+
+
+def _field_rule(entry: FieldEntry) -> str:
+    """What a field's kind allows, in words."""
+    return {"class": f"must lie in [0, {len(entry.classes) - 1}]", "multilabel": "must be 0 or 1",
+            "float": "must be finite"}[entry.kind]
 
 
 def _check_sizes(file: str, count: int, root: Any, values_of: ValuesOf) -> None:
@@ -1082,8 +1153,7 @@ def _check_sizes(file: str, count: int, root: Any, values_of: ValuesOf) -> None:
         low = int(values.min()) if low is None else min(low, int(values.min()))
         high = int(values.max()) if high is None else max(high, int(values.max()))
     if low is not None and low < 1:
-        raise DatasetError(f"{_at(root, file)}: every original (height, width) must be at least 1 pixel a side, "
-                           f"found sides in [{low}, {high}]")
+        raise DatasetError(f"{_at(root, file)}: {SIZE_RULE}, found sides in [{low}, {high}]")
 
 
 def _check_field(entry: FieldEntry, count: int, root: Any, values_of: ValuesOf) -> None:
@@ -1097,10 +1167,10 @@ def _check_field(entry: FieldEntry, count: int, root: Any, values_of: ValuesOf) 
         high = values.max() if high is None else np.maximum(high, values.max())
         if entry.kind == "float" and not (np.isfinite(low) and np.isfinite(high)):
             break
-    rule, wrong = {"class": (f"must lie in [0, {len(entry.classes) - 1}]", low < 0 or high >= len(entry.classes)),
-                   "multilabel": ("must be 0 or 1", high > 1),
-                   "float": ("must be finite", not (np.isfinite(low) and np.isfinite(high)))}[entry.kind]
+    wrong = {"class": low < 0 or high >= len(entry.classes), "multilabel": high > 1,
+             "float": not (np.isfinite(low) and np.isfinite(high))}[entry.kind]
     if wrong:
-        raise DatasetError(f"{_at(root, entry.file)}: values of field {entry.name!r} {rule}, found [{low}, {high}]")
+        raise DatasetError(f"{_at(root, entry.file)}: values of field {entry.name!r} {_field_rule(entry)}, "
+                           f"found [{low}, {high}]")
 
 

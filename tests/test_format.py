@@ -17,6 +17,7 @@ import pytest
 from dsc import ChecksumError, DatasetError, MemmapDataset, UnsupportedVersionError, compile_folder, storage
 from dsc import format as fmt
 from dsc.compiler import output
+from dsc.errors import LoaderError
 
 from conftest import make_folder
 
@@ -445,8 +446,11 @@ def test_an_original_size_of_zero_is_refused_naming_sizes_bin(tmp_path: Path, si
                r"pixel a side, found sides in \[0, \d+\]")
     with pytest.raises(DatasetError, match=refusal):
         storage.open_dataset(out)
+    ds = MemmapDataset(out)  # the reader checks values as it uses them: the whole file when asked for whole,
     with pytest.raises(DatasetError, match=refusal):
-        MemmapDataset(out)
+        _ = ds.opened.sizes
+    with pytest.raises(LoaderError, match=rf"{fmt.SIZES_FILE}: record 7 has \[\d+, \d+\], but every original"):
+        list(ds.loader(4, order="sequential"))  # a batch's own values as it takes them
 
 
 def test_verify_checksums_names_the_damaged_file(tiny: Path) -> None:

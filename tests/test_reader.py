@@ -305,12 +305,6 @@ def _symlink_out(ds: Path) -> None:
     (ds / "shards/00001.bin").symlink_to(outside)
 
 
-def _bad_labels(ds: Path) -> None:
-    labels = np.fromfile(ds / fmt.LABELS_FILE, dtype="<i8")
-    labels[3] = 7
-    labels.tofile(ds / fmt.LABELS_FILE)
-
-
 DAMAGE = {
     "truncated shard": (lambda p: _resize(p / "shards/00002.bin", -1), DatasetError, r"00002\.bin.*truncated"),
     "extended shard": (lambda p: _resize(p / "shards/00000.bin", 1), DatasetError, r"00000\.bin.*extended"),
@@ -336,7 +330,6 @@ DAMAGE = {
     "not json": (lambda p: (p / fmt.MANIFEST_FILE).write_text("{"), DatasetError, "not valid JSON"),
     "no manifest": (lambda p: (p / fmt.MANIFEST_FILE).unlink(), DatasetError, "no manifest.json"),
     "symlink out of the folder": (_symlink_out, DatasetError, "inside the dataset folder"),
-    "labels out of range": (_bad_labels, DatasetError, r"labels must lie in \[0, 2\]"),
     "truncated labels": (lambda p: _resize(p / fmt.LABELS_FILE, -8), DatasetError, r"labels\.bin.*truncated"),
 }
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -67,28 +68,39 @@ logging.getLogger("dsc").addHandler(handler)
 try:
     dsc.compile_folder(sys.argv[1], sys.argv[2], size=4, records_per_shard=1, workers=1,
                        resume=sys.argv[3] == "resume", on_skip=lambda s, r: None)
-    print(json.dumps({{"ok": True, "warnings": caught}}))
 except dsc.CompileError as e:
     print(json.dumps({{"ok": False, "error": str(e)}}))
+    sys.exit()
+read = {{}}
+if sys.argv[3] == "read":  # every record through the loader, under the same limit, by index
+    import numpy as np
+    ds = dsc.MemmapDataset(sys.argv[2])
+    for batch in ds.loader(16, order="random", seed=0, num_threads=2):
+        for i, image in zip(batch["index"].tolist(), batch["image"].permute(0, 2, 3, 1).numpy()):
+            read[i] = image.tobytes().hex()
+print(json.dumps({{"ok": True, "warnings": caught, "read": read}}))
 """
 
 
-def compile_under_limit(src: Path, out: Path, resume: bool = False) -> dict:
+def compile_under_limit(src: Path, out: Path, resume: bool = False, read: bool = False) -> dict:
     run = subprocess.run([sys.executable, "-c", COMPILE_UNDER_LIMIT.format(limit=DESCRIPTORS), str(src), str(out),
-                          "resume" if resume else "new"], capture_output=True, text=True, timeout=300)
+                          "resume" if resume else "read" if read else "new"], capture_output=True, text=True,
+                         timeout=300)
     assert run.returncode == 0, run.stderr
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def test_many_shards_compile_under_a_small_ulimit_and_warn_about_reading(many: Path, many_reference: dict,
-                                                                          tmp_path: Path) -> None:
-    result = compile_under_limit(many, tmp_path / "out")
+def test_many_shards_compile_and_read_under_a_small_ulimit(many: Path, many_reference: dict, tmp_path: Path) -> None:
+    """300 shards under `ulimit -n` 128: the compile finishes, and the reader, whose every shard map holds a
+    descriptor, keeps at most 128 - 64 of them (`shard_maps.map_bound`) and reads every record right, so
+    there is nothing to warn about."""
+    out = tmp_path / "out"
+    result = compile_under_limit(many, out, read=True)
     assert result["ok"], result
-    assert file_bytes(tmp_path / "out") == many_reference
-    assert [w for w in result["warnings"] if "ulimit" in w] == [
-        f"reading this dataset will need about 365 open files (a descriptor for each of up to 301 shard files, plus 64 "
-        f"to spare for the rest of a training process), more than the {DESCRIPTORS} this process may have (ulimit -n). "
-        "Raise the limit where you read it, or compile with a larger --records-per-shard"]
+    assert file_bytes(out) == many_reference
+    assert result["warnings"] == []
+    shards = sorted((out / fmt.SHARD_DIR).iterdir())
+    assert result["read"] == {str(i): p.read_bytes().hex() for i, p in enumerate(shards)}
 
 
 def test_a_resume_after_compaction_finishes_under_a_small_ulimit(many: Path, many_reference: dict,
@@ -254,21 +266,57 @@ def test_reserving_a_shard_writes_nothing_where_the_file_system_cannot_allocate(
     assert st.st_size == 64 << 20 and st.st_blocks * 512 < 1 << 20, f"{st.st_blocks * 512} bytes written"
 
 
-def test_more_shards_than_a_process_may_map_compile_with_a_warning(tmp_path: Path, monkeypatch, caplog) -> None:
-    """Format 1.4: the manifest does not grow with the shards, so their number is no reason to refuse a compile
-    (1.3 refused what would pass 64 MiB of manifest); a reader maps every shard, so more of them than
-    vm.max_map_count allows is said up front, with the way out."""
-    from dsc.compiler import finish
+def shard_maps_held(root: Path) -> int:
+    """How many of this process's memory maps are files of `root`'s shards (/proc/self/maps)."""
+    shards = f"{root.resolve()}/{fmt.SHARD_DIR}/"
+    return sum(shards in line for line in Path("/proc/self/maps").read_text().splitlines())
 
-    limit = tmp_path / "max_map_count"
-    limit.write_text("70\n")
-    monkeypatch.setattr(finish, "MAX_MAP_COUNT", limit)
-    src = tmp_path / "src"
-    for i in range(8):
-        save(src / f"{i}.png", pattern(8, 8, seed=i), "PNG")
-    with caplog.at_level("WARNING", logger="dsc"):
-        compile_folder(src, tmp_path / "out", size=4, records_per_shard=1, workers=1)
-    assert [r.getMessage() for r in caplog.records if "max_map_count" in r.getMessage()] == [
-        "reading this dataset maps each of its 8 shard files, more memory maps than a process may hold here "
-        "(vm.max_map_count = 70): raise it where you read it, or compile with a larger --records-per-shard"]
-    finish.check_shard_count(1 << 20)  # a million shards: no longer refused for the manifest's size
+
+def test_more_shards_than_the_map_bound_are_mapped_on_first_use_and_read_right(many: Path, tmp_path: Path,
+                                                                               monkeypatch) -> None:
+    """301 one-record shards under a bound of 16 maps (in use: 4096, against vm.max_map_count's 65,530): random
+    batches, two copy threads, `ds[i]` and `__getitems__` give the records the shards hold, and the process never
+    holds more shard maps than the bound and one per copy thread (the map a thread is copying out of, which the
+    cache may have let go meanwhile: it is unmapped only once that copy is done)."""
+    from dsc import MemmapDataset
+    from dsc.storage import shard_maps
+
+    out = tmp_path / "out"
+    compile_folder(many, out, size=4, records_per_shard=1, workers=1, on_skip=quiet)
+    expected = np.stack([np.fromfile(p, np.uint8).reshape(4, 4, 3) for p in sorted((out / fmt.SHARD_DIR).iterdir())])
+    bound, threads = 16, 2
+    monkeypatch.setattr(shard_maps, "MAX_SHARD_MAPS", bound)
+    ds = MemmapDataset(out)
+    assert len(ds) == len(expected) == 300 and ds.opened.shards.lazy and shard_maps_held(out) == 0
+    most = 0
+    for epoch in range(2):
+        loader = ds.loader(32, order="random", seed=epoch, num_threads=threads)
+        for batch in loader:
+            idx = batch["index"].numpy()
+            assert np.array_equal(batch["image"].permute(0, 2, 3, 1).numpy(), expected[idx])
+            most = max(most, shard_maps_held(out))
+        loader.close()
+    assert bound <= most <= bound + threads, most
+    for i in (0, 299, 17, 0):
+        assert np.array_equal(ds[i].image.permute(1, 2, 0).numpy(), expected[i])
+    picked = [5, 250, 5, 123]
+    assert np.array_equal(ds.__getitems__(picked).images.permute(0, 2, 3, 1).numpy(), expected[picked])
+    assert shard_maps_held(out) <= bound
+
+
+def test_a_shard_gone_before_its_first_use_is_an_error_naming_it(many: Path, tmp_path: Path, monkeypatch) -> None:
+    """Mapped on first use, a shard deleted meanwhile (the folder removed under a reader) is said, never read
+    as something else."""
+    from dsc import MemmapDataset
+    from dsc.storage import shard_maps
+
+    out = tmp_path / "out"
+    compile_folder(many, out, size=4, records_per_shard=1, workers=1, on_skip=quiet)
+    monkeypatch.setattr(shard_maps, "MAX_SHARD_MAPS", 8)
+    ds = MemmapDataset(out)
+    ds[0]
+    (out / fmt.shard_file(7)).unlink()
+    with pytest.raises(DatasetError, match=rf"{fmt.shard_file(7)}: missing .*mapped when first read.*Open it again"):
+        ds[7]
+    shutil.rmtree(out)
+    ds[0]  # mapped already: still read

@@ -10,7 +10,6 @@ or two at a time (`ShardFiles`), so a build of any number of shards finishes und
 from __future__ import annotations
 
 import logging
-import resource
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -25,9 +24,6 @@ from dsc.compiler.shard_io import ShardFiles
 from dsc.errors import CompileError, DatasetError
 from dsc.storage.local import fsync_dir, fsync_files
 
-MAX_MAP_COUNT = Path("/proc/sys/vm/max_map_count")  # how many memory maps a process may hold (Linux)
-READER_SPARE_DESCRIPTORS = 64  # what a reading process needs besides one descriptor per shard
-
 logger = logging.getLogger("dsc")  # what a compile finds is reported here (see dsc.compiler)
 
 
@@ -37,27 +33,6 @@ class NothingDecoded(CompileError):
 
 class Unpublishable(CompileError):
     """The finished build is something the reader would refuse: it is discarded, never published."""
-
-
-def check_shard_count(shards: int) -> None:
-    """Before any work: warn when reading the dataset will need more descriptors or memory maps (one each
-    per mapped shard) than this process may have. (Format 1.4's manifest does not grow with the shards,
-    so their number no longer has a limit of its own: 1.3 refused what passed 64 MiB of manifest.)"""
-    try:
-        maps = int(MAX_MAP_COUNT.read_text())
-    except (OSError, ValueError):
-        maps = None
-    if maps is not None and shards + READER_SPARE_DESCRIPTORS > maps:
-        logger.warning("reading this dataset maps each of its %d shard files, more memory maps than a process may "
-                       "hold here (vm.max_map_count = %d): raise it where you read it, or compile with a larger "
-                       "--records-per-shard", shards, maps)
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and shards + READER_SPARE_DESCRIPTORS > soft:
-        logger.warning("reading this dataset will need about %d open files (a descriptor for each of up to %d shard "
-                       "files, plus %d to spare for the rest of a training process), more than the %d this process "
-                       "may have (ulimit -n). Raise the limit where you read it, or compile with a larger "
-                       "--records-per-shard", shards + READER_SPARE_DESCRIPTORS, shards, READER_SPARE_DESCRIPTORS,
-                       soft)
 
 
 def compact(stage: Path, ok: np.ndarray, job: WriteJob) -> int:

@@ -32,7 +32,7 @@ from dsc.compiler.decoding import Plan, StrictFailure, decode_all
 from dsc.compiler.discover import Discovery, discover, printable
 from dsc.compiler.engines import check_workers, make_engine
 from dsc.compiler.engines.supervisor import MAX_STALL_S
-from dsc.compiler.finish import NothingDecoded, Unpublishable, check_shard_count, finish
+from dsc.compiler.finish import NothingDecoded, Unpublishable, finish
 from dsc.compiler.jobs import Engine, WriteJob
 from dsc.compiler.target import INTERPOLATION, PAD_VALUE, Target, parse_size, resize_backend
 from dsc.errors import CompileError
@@ -269,7 +269,6 @@ def _plan(recipe: WriteJob, found: Discovery, seed: int, shuffle: bool, label_ta
     sources = [found.sources[i] for i in order]
     listing = journal.source_listing(sources, found.labels[order], [found.stamps[i] for i in order], found.classes)
     job, target = replace(recipe, count=len(sources)), recipe.target
-    check_shard_count(fmt.shard_count(job.count, job.records_per_shard))
     record = {"dsc_version": __version__, "decoder": decoder_name(), "resize": resize_backend(),
               "size": [target.height, target.width], "fit": target.fit, "decode": job.decode_mode, "seed": seed,
               "shuffle": shuffle, "max_pixels": job.max_pixels, "records_per_shard": job.records_per_shard,

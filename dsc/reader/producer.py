@@ -186,10 +186,11 @@ class Threads:
 
 def batch_fields(opened, idx: np.ndarray) -> dict[str, np.ndarray]:
     """The small per-record values of a batch besides its images (the sinks' `fields`): label,
-    index and size as int64, then the dataset's own fields (format 1.1) in their dtypes."""
-    return {"label": np.take(opened.labels, idx), "index": idx,
-            "size": np.take(opened.sizes, idx, axis=0).astype(np.int64),  # each source's (height, width)
-            **{name: np.take(values, idx, axis=0) for name, values in opened.fields.items()}}
+    index and size as int64, then the dataset's own fields (format 1.1) in their dtypes; each checked as it
+    is taken (`storage.OpenedDataset.take`)."""
+    return {"label": opened.take("labels", idx), "index": idx,
+            "size": opened.take("sizes", idx).astype(np.int64),  # each source's (height, width)
+            **{f.name: opened.take(f.file, idx) for f in opened.manifest.fields}}
 
 
 def field_specs(opened) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:

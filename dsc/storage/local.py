@@ -55,6 +55,12 @@ class LocalFolder:
     def close(self) -> None:
         os.close(self.fd)
 
+    def duplicate(self) -> LocalFolder:
+        """The same folder, held by a descriptor of its own (for what opens files after this one is closed)."""
+        copy = object.__new__(LocalFolder)
+        copy.root, copy.fd = self.root, os.dup(self.fd)
+        return copy
+
     def local_folder(self) -> Path:
         """The folder itself: its files are local already."""
         return self.root

@@ -16,10 +16,11 @@ from __future__ import annotations
 import hashlib
 import importlib
 import os
+import threading
 import time
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -28,6 +29,7 @@ import numpy as np
 from dsc import format as fmt
 from dsc.errors import ChecksumError, DatasetError, StorageError
 from dsc.storage.local import LocalFolder, first_hole, map_file, scan_values
+from dsc.storage.shard_maps import ShardMaps
 
 REOPEN_ATTEMPTS = 5  # opens of a folder that recompiles keep swapping, before giving up
 VERIFY_PIECE_BYTES = 8 << 20  # verification reads a file this much (whole records) at a time
@@ -58,6 +60,8 @@ class DatasetStore(Protocol):
 
     # Optional (format 1.3 versions): `list(folder) -> list[str]`, the names in a sub-folder. A store
     # without it reads `manifest.json` only, the copy of the latest version (see `versions`).
+    # Optional: `duplicate() -> store`, the same store held open apart, which maps shards on first use
+    # (`ShardMaps`) after this one is closed; a store without it has every shard mapped at open.
 
 
 Location = str | os.PathLike  # a folder path, or a URL whose scheme STORES names
@@ -104,23 +108,83 @@ def _opened(location: Location, cache_dir: str | os.PathLike | None = None) -> I
         store.close()
 
 
-@dataclass(frozen=True)
 class OpenedDataset:
-    """A validated dataset: its manifest and read-only memory maps of every file.
+    """A validated dataset: its manifest, read-only memory maps of its index files, and its shards
+    (`ShardMaps`: mapped at open, or on first use past a few thousand).
 
     `root` is where it is (a folder's Path, or a URL); `local` the folder whose files are mapped
-    (the same folder, or an object store's cache of the dataset)."""
+    (the same folder, or an object store's cache of the dataset).
 
-    root: Path | str
-    manifest: fmt.Manifest
-    shards: tuple[np.memmap, ...]
-    labels: np.ndarray
-    sizes: np.ndarray
-    source_offsets: np.ndarray
-    sources: np.ndarray
-    fields: dict[str, np.ndarray] = field(default_factory=dict)  # name -> [count, *shape], in manifest order
-    local: Path | None = None  # None: `root` itself
-    records: Any = None  # an object store's `cache.RecordCache` (then `shards` is empty); None: shards mapped
+    Index values (labels, sizes, source offsets, fields) checked at open (`open_dataset(check_values=True)`)
+    or when used: `take` checks the values of the records a batch takes, `source(i)` the two offsets it
+    uses, and `labels`, `sizes`, `source_offsets` and `fields` check a whole file the first time it is
+    asked for whole (then never again). Either way no value outside the format's rules reaches a caller:
+    a wrong one is a DatasetError naming the file and the record."""
+
+    def __init__(self, root: Path | str, manifest: fmt.Manifest, shards: Sequence[np.ndarray],
+                 values: dict[str, np.ndarray], unchecked: dict[str, int], local: Path | None = None,
+                 records: Any = None) -> None:
+        """`values`: each index file's map by key (`fmt.checked_values`, and "sources"); `unchecked`: a
+        descriptor of each file whose values were not checked at open, by key (closed when this is collected)."""
+        self.root, self.manifest, self.shards, self.local, self.records = root, manifest, shards, local, records
+        self._values, self._unchecked = values, dict(unchecked)
+        self._lock = threading.Lock()
+        if unchecked:  # the descriptors still held when this goes (`_whole` closes each one it is done with)
+            weakref.finalize(self, _close_all, self._unchecked)
+
+    @property
+    def labels(self) -> np.ndarray:
+        """Every record's label, int64 [count], checked."""
+        return self._whole("labels")
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """Every record's source (height, width), [count, 2], checked."""
+        return self._whole("sizes")
+
+    @property
+    def source_offsets(self) -> np.ndarray:
+        return self._whole("source_offsets")
+
+    @property
+    def sources(self) -> np.ndarray:
+        """sources.bin's bytes (its offsets say where each name is: `source(i)`)."""
+        return self._values["sources"]
+
+    @property
+    def fields(self) -> dict[str, np.ndarray]:
+        """The dataset's own fields (1.1), each [count, *shape], checked, by name in manifest order."""
+        return {f.name: self._whole(f.file) for f in self.manifest.fields}
+
+    def field_key(self, name: str) -> str:
+        """The key of field `name`'s values (for `take`)."""
+        return next(f.file for f in self.manifest.fields if f.name == name)
+
+    def take(self, key: str, idx: np.ndarray) -> np.ndarray:
+        """The values of records `idx` (checked indices) from index file `key` ("labels", "sizes" or a field's
+        `field_key`), checked unless the whole file was: a few comparisons per batch."""
+        values = np.take(self._values[key], idx, axis=0)
+        if key in self._unchecked:
+            problem = fmt.taken_values_problem(self.manifest, key, values, idx)
+            if problem:
+                raise DatasetError(f"{self._named(key)}: {problem}")
+        return values
+
+    def _named(self, key: str) -> str:
+        file = self.manifest.index[key].file if key in self.manifest.index else key
+        return f"{str(self.root).rstrip('/')}/{file}"
+
+    def _whole(self, key: str) -> np.ndarray:
+        if key in self._unchecked:
+            with self._lock:  # one scan, whichever thread asks first
+                fd = self._unchecked.get(key)
+                if fd is not None:
+                    def values_of(name: str, dtype: np.dtype, count: int) -> Iterator[np.ndarray]:
+                        return scan_values(fd, dtype, count, fmt.SCAN_ITEMS)
+                    fmt.check_values(self.manifest, key, self.root, values_of)
+                    del self._unchecked[key]
+                    os.close(fd)
+        return self._values[key]
 
     @property
     def local_root(self) -> Path:
@@ -129,7 +193,12 @@ class OpenedDataset:
 
     def source(self, i: int) -> str:
         """Record `i`'s source path, relative to the compiled SRC folder."""
-        start, stop = int(self.source_offsets[i]), int(self.source_offsets[i + 1])
+        offsets = self._values["source_offsets"]
+        start, stop = int(offsets[i]), int(offsets[i + 1])
+        if "source_offsets" in self._unchecked and not 0 <= start <= stop <= len(self.sources):
+            raise DatasetError(f"{self._named('source_offsets')}: record {i}'s name would run from byte {start} to "
+                               f"{stop} of {self.manifest.index['sources'].file} ({len(self.sources)} bytes); the "
+                               "dataset is damaged (dsc verify checks every file)")
         return os.fsdecode(self.sources[start:stop].tobytes())
 
     def read_records(self, indices) -> np.ndarray:
@@ -146,6 +215,12 @@ class OpenedDataset:
 
     def shard_paths(self) -> list[Path]:
         return [self.local_root / s.file for s in self.manifest.shards]
+
+
+def _close_all(fds: dict[str, int]) -> None:
+    for fd in list(fds.values()):
+        os.close(fd)
+    fds.clear()
 
 
 def versions(store: DatasetStore) -> list[int]:
@@ -229,8 +304,12 @@ def _validated(store: DatasetStore, version: int | None = None) -> fmt.Manifest:
 
 
 def open_dataset(root: Location, cache_dir: str | os.PathLike | None = None,
-                 version: int | None = None, cache_bytes: int | None = None) -> OpenedDataset:
+                 version: int | None = None, cache_bytes: int | None = None,
+                 check_values: bool = True) -> OpenedDataset:
     """Validate a dataset, then map its files (no data is read yet): its latest version, or `version`.
+
+    `check_values=False` leaves the index's values (linear in the records: 2.4 GB at 10^8) to be checked
+    when used (`OpenedDataset`): what a reader and `dsc info` open with, in milliseconds at any size.
 
     Every file is mapped read-only and shared (`PROT_READ`, `MAP_SHARED`): such maps count against
     no commit limit, so a shard larger than RAM + swap maps even under strict overcommit. Reading through one
@@ -245,7 +324,7 @@ def open_dataset(root: Location, cache_dir: str | os.PathLike | None = None,
         store, latest = store_for(root, cache_dir, cache_bytes), None
         try:
             latest = manifest_name(store) if version is None else None
-            return _map_dataset(store, version)
+            return _map_dataset(store, version, check_values)
         except DatasetError:
             moved = latest is not None and manifest_name(store) != latest
             if attempt == REOPEN_ATTEMPTS or not (store.replaced() or moved):  # not swapped: a real error
@@ -312,25 +391,36 @@ def dataset_versions(root: Location) -> list[int]:
         return versions(store) or [1]
 
 
-def _map_dataset(store: DatasetStore, version: int | None = None) -> OpenedDataset:
-    manifest = _validated(store, version)
+def _map_dataset(store: DatasetStore, version: int | None = None, check_values: bool = True) -> OpenedDataset:
+    manifest = read_manifest(store, version)
+    if check_values:
+        fmt.check_index(manifest, store.root, _values_of(store))
     n, index = manifest.count, manifest.index
-
-    def mapped(name: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
-        return map_file(store.open(name, name), dtype, shape)
-
-    labels = mapped(index["labels"].file, fmt.LABEL_DTYPE, (n,))
-    sizes = mapped(index["sizes"].file, fmt.SIZE_DTYPE, (n, 2))
-    offsets = mapped(index["source_offsets"].file, fmt.OFFSET_DTYPE, (n + 1,))
-    sources = mapped(index["sources"].file, np.dtype(np.uint8), (index["sources"].bytes,))
-    fields = {f.name: mapped(f.file, f.dtype, (n, *f.shape)) for f in manifest.fields}
-    remote = getattr(store, "record_cache", None)  # an object store: records through its bounded cache
-    records = remote(manifest) if remote is not None else None
-    shards = () if records is not None else tuple(
-        mapped(s.file, fmt.RECORD_DTYPE, (s.records, *manifest.record_shape)) for s in manifest.shards)
+    files = {"labels": (index["labels"].file, fmt.LABEL_DTYPE, (n,)),
+             "sizes": (index["sizes"].file, fmt.SIZE_DTYPE, (n, 2)),
+             "source_offsets": (index["source_offsets"].file, fmt.OFFSET_DTYPE, (n + 1,)),
+             "sources": (index["sources"].file, np.dtype(np.uint8), (index["sources"].bytes,)),
+             **{f.file: (f.file, f.dtype, (n, *f.shape)) for f in manifest.fields}}
+    values, unchecked = {}, {}
+    try:
+        for key, (name, dtype, shape) in files.items():
+            fd = store.open(name, name)
+            if not check_values and key != "sources":  # kept to check the file whole if it is asked for whole
+                unchecked[key] = os.dup(fd)
+            values[key] = map_file(fd, dtype, shape)
+        remote = getattr(store, "record_cache", None)  # an object store: records through its bounded cache
+        records = remote(manifest) if remote is not None else None
+        shards: Sequence[np.ndarray] = ()
+        if records is None:
+            held = store.duplicate() if hasattr(store, "duplicate") else None  # for shards mapped when first read
+            shards = ShardMaps(store.root, manifest, store.open, None, len(manifest.shards)) if held is None else \
+                ShardMaps(store.root, manifest, held.open, held.close)  # a store it cannot keep: every shard now
+    except BaseException:
+        _close_all(unchecked)
+        raise
     local = store.local_folder()
-    return OpenedDataset(store.root, manifest, shards, labels, sizes, offsets, sources, fields,
-                         None if local == store.root else local, records)
+    return OpenedDataset(store.root, manifest, shards, values, unchecked, None if local == store.root else local,
+                         records)
 
 
 def read_skipped(root: Location, manifest: fmt.Manifest) -> list[dict[str, str]]:
