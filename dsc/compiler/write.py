@@ -166,7 +166,8 @@ class SlotWriter:
         if isinstance(tasks, sources.ArchiveChunk):
             return sources.read_chunk(tasks, max_file_bytes(self.job.max_pixels))
         if isinstance(tasks, bucket_folder.ObjectChunk):  # an image folder in a bucket: the worker GETs each
-            return bucket_folder.read_chunk(tasks, self.job.max_pixels)
+            pixels = self.job.max_pixels
+            return bucket_folder.read_chunk(tasks, max_file_bytes(pixels), lambda size: too_large_file(size, pixels))
         return ((slot, os.path.join(self.job.src_root, source)) for slot, source in tasks)
 
     def _compile(self, source: str | bytes | ImageError) -> tuple[int, int]:

@@ -151,14 +151,14 @@ def chunks(found: BucketFolder, order: np.ndarray, slots: list[int], size: int) 
         yield ObjectChunk(str(found.root), [(slot, found.objects[order[slot]]) for slot in slots[start:start + size]])
 
 
-def read_chunk(chunk: ObjectChunk, max_pixels: int) -> Iterator[tuple[int, bytes | ImageError]]:
+def read_chunk(chunk: ObjectChunk, max_bytes: int,
+               too_large: Callable[[int], ImageError]) -> Iterator[tuple[int, bytes | ImageError]]:
     """(slot, the object's bytes or why they were not read) for each task of the chunk, one GET each (retried
-    as every request is); a failure a retry cannot fix stops the compile, to be resumed."""
-    from dsc.compiler.write import max_file_bytes, too_large_file
-
+    as every request is); an object over `max_bytes` is not read (`too_large(size)` says why, as for a file);
+    a failure a retry cannot fix stops the compile, to be resumed."""
     for slot, listed in chunk.tasks:
-        if listed.size > max_file_bytes(max_pixels):
-            yield slot, too_large_file(listed.size, max_pixels)
+        if listed.size > max_bytes:
+            yield slot, too_large(listed.size)
             continue
         try:
             data = get_listed(f"{chunk.root}/{listed.name}", listed.size, listed.etag)
