@@ -137,10 +137,10 @@ def test_verify_decode_reads_the_members_again_from_the_bucket(made: dict, env, 
 
 def test_missing_objects_and_prefixes_are_one_clear_line(made: dict, server: S3Server, env, tmp_path: Path) -> None:
     cases = {f"s3://{BUCKET}/in/gone.tar": f"error: source s3://{BUCKET}/in/gone.tar does not exist",
-             f"s3://{BUCKET}/nothing-here": "holds no .tar or .parquet objects (no objects at all",
+             f"s3://{BUCKET}/nothing-here": "holds no objects at all: is the prefix right?",
              f"s3://{BUCKET}/in/shards/train-{{000000..000009}}.tar": "7 of the 10 objects the pattern",
              f"s3://{BUCKET}/in/shards/*.zip": "names no objects",
-             f"s3://{BUCKET}/notes": "holds no .tar or .parquet objects (1 other objects)"}
+             f"s3://{BUCKET}/notes": f"no images found in s3://{BUCKET}/notes"}  # no archives: an image folder
     server.put(BUCKET, "notes/readme.txt", b"not an archive")
     for src, says in cases.items():
         result = runner.invoke(app, ["compile", src, str(tmp_path / "out")])

@@ -16,6 +16,7 @@ from dsc.compiler import journal
 from dsc.compiler import sources as archives
 from dsc.compiler.discover import Discovery
 from dsc.compiler.jobs import Engine, SlotResult, WriteJob, chunk_size, split
+from dsc.compiler.sources import bucket_folder
 from dsc.errors import CompileError
 
 logger = logging.getLogger("dsc")  # what a compile finds is reported here (see dsc.compiler.pipeline)
@@ -89,4 +90,6 @@ def make_chunks(job: WriteJob, plan: Plan, slots: list[int], workers: int):
         size = min(size, job.max_chunk)
     if isinstance(plan.found, archives.ArchiveDiscovery):
         return archives.chunks(plan.found, plan.order, slots, size)
+    if isinstance(plan.found, bucket_folder.BucketFolder):  # objects: each worker GETs its own
+        return bucket_folder.chunks(plan.found, plan.order, slots, size)
     return split([(slot, plan.sources[slot]) for slot in slots], size)

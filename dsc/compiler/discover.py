@@ -10,12 +10,14 @@ The walk also notes each file's size and modification time (the plan's fingerpri
 sources, see `journal.source_listing`), so no second pass stats every source. Class folders
 are walked by WALK_THREADS threads: on a network file system each stat is a round trip, and
 the threads overlap them (the calls release the GIL). `on_found(n)` hears of every n images
-found as each folder is listed, so a progress bar can count while a long walk runs.
+found as each folder is listed, so a progress bar can count while a long walk runs. The same rules
+(`label_tree`) label the objects of a prefix in a bucket (`sources.bucket_folder`).
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -60,7 +62,7 @@ OnFound = Callable[[int], None]  # "n more images found"
 
 
 @dataclass
-class _Found:
+class Found:
     """What one walk collected (one per class folder, so walks can run in parallel)."""
 
     sources: list[str] = field(default_factory=list)
@@ -90,7 +92,7 @@ def _stamp(entry: os.DirEntry) -> str:
     return f"{st.st_size}:{st.st_mtime_ns}"
 
 
-def _walk(top: Path, rel: str, ancestors: frozenset[tuple[int, int]], found: _Found) -> None:
+def _walk(top: Path, rel: str, ancestors: frozenset[tuple[int, int]], found: Found) -> None:
     """Collect image files below `top` recursively, following symlinks but never a loop.
 
     Only a folder that is its own ancestor is a loop: a folder reached twice by different
@@ -131,6 +133,29 @@ def _walk(top: Path, rel: str, ancestors: frozenset[tuple[int, int]], found: _Fo
         found.on_found(images_here)
 
 
+@dataclass(frozen=True)
+class Tree:
+    """Where a label table's images are looked up (`labels.discover_listed`): a folder, or the objects of a
+    prefix in a bucket (`sources.bucket_folder`)."""
+
+    root: Path | str
+    images: Callable[[OnFound | None], tuple[list[str], list[str], list[tuple[str, str]]]]  # as `list_images`
+    stamp: Callable[[str], str | None]  # a listed source's stamp; None when it is not there
+
+
+def folder_tree(root: Path) -> Tree:
+    return Tree(root, lambda on_found: list_images(root, on_found), lambda source: _file_stamp(root / source))
+
+
+def _file_stamp(path: Path) -> str | None:
+    """A listed file's "size:mtime_ns" (as the walk stamps it), or None when it is not a regular file."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return f"{st.st_size}:{st.st_mtime_ns}" if stat.S_ISREG(st.st_mode) else None
+
+
 def printable(source: str) -> str:
     """A source path as valid UTF-8 text for the manifest (undecodable bytes as \\xNN)."""
     return os.fsencode(source).decode("utf-8", "backslashreplace")
@@ -139,7 +164,7 @@ def printable(source: str) -> str:
 def list_images(root: Path, on_found: OnFound | None = None) -> tuple[list[str], list[str], list[tuple[str, str]]]:
     """Every image file below `root` (relative, '/'-separated, depth-first by name), their stamps,
     and what was skipped."""
-    found = _Found(on_found=on_found)
+    found = Found(on_found=on_found)
     _walk(root, "", frozenset(), found)  # adds the root itself
     return found.sources, found.stamps, found.skipped
 
@@ -171,6 +196,18 @@ def discover(root: str | os.PathLike, classes: list[str] | None = None, skip_unk
     on_found = _serialized(on_found)
     top = check_source_folder(root)
     folders = [e.name for e in top if not e.name.startswith(".") and e.is_dir()]
+    root_id = frozenset({(root.stat().st_dev, root.stat().st_ino)})  # a link back to SRC is a loop too
+    return label_tree(root, folders, [e.name for e in top if e.is_file() and is_image_name(e.name)],
+                      lambda name: _walk_class(root, name, root_id, on_found),
+                      lambda: list_images(root, on_found), classes, skip_unknown)
+
+
+def label_tree(root: Path | str, folders: list[str], beside: list[str], walk: Callable[[str], Found],
+               flat: Callable[[], tuple[list[str], list[str], list[tuple[str, str]]]],
+               classes: list[str] | None, skip_unknown: bool) -> Discovery:
+    """ImageFolder's rules over a tree, a folder's or a bucket's (`sources.bucket_folder`): `folders` are the
+    class folders found at the top (not hidden), `beside` the images beside them, `walk(name)` lists one
+    class folder, `flat()` the whole tree of an unlabeled one."""
     for name in folders:
         if not name.isprintable() or os.fsencode(name) != name.encode("utf-8", "surrogateescape"):
             raise CompileError(f"class folder {os.fsencode(name)!r} in {root} has a name that is not valid "
@@ -180,7 +217,6 @@ def discover(root: str | os.PathLike, classes: list[str] | None = None, skip_unk
     labels: list[int] = []
     skipped: list[tuple[str, str]] = []
     empty: list[str] = []
-    root_id = frozenset({(root.stat().st_dev, root.stat().st_ino)})  # a link back to SRC is a loop too
     unknown = [name for name in folders if classes is not None and name not in classes]
     if unknown and not skip_unknown:
         raise CompileError(f"class folder(s) {', '.join(map(repr, unknown[:10]))} in {root} are not among the "
@@ -192,18 +228,18 @@ def discover(root: str | os.PathLike, classes: list[str] | None = None, skip_unk
     if folders or classes:
         present = [name for name in classes if name in folders]
         with ThreadPoolExecutor(max(1, min(WALK_THREADS, len(present)))) as pool:
-            walks = dict(zip(present, pool.map(lambda name: _walk_class(root, name, root_id, on_found), present)))
+            walks = dict(zip(present, pool.map(walk, present)))
         for label, name in enumerate(classes):
-            found = walks.get(name, _Found())
+            found = walks.get(name, Found())
             if not found.sources and not found.skipped:  # truly empty, not unreadable
                 empty.append(name)
             sources += found.sources
             stamps += found.stamps
             labels += [label] * len(found.sources)
             skipped += found.skipped
-        skipped += [(e.name, "not inside a class folder") for e in top if e.is_file() and is_image_name(e.name)]
+        skipped += [(name, "not inside a class folder") for name in beside]
     else:
-        sources, stamps, skipped = list_images(root, on_found)  # unlabeled
+        sources, stamps, skipped = flat()  # unlabeled
         labels = [-1] * len(sources)
     outside = [source for source, reason in skipped if reason == "not inside a class folder"]
     if not sources and outside:
@@ -216,7 +252,7 @@ def discover(root: str | os.PathLike, classes: list[str] | None = None, skip_unk
     return Discovery(root, sources, np.asarray(labels, dtype=np.int64), list(classes), skipped, empty, stamps)
 
 
-def _walk_class(root: Path, name: str, ancestors: frozenset[tuple[int, int]], on_found: OnFound | None) -> _Found:
-    found = _Found(on_found=on_found)
+def _walk_class(root: Path, name: str, ancestors: frozenset[tuple[int, int]], on_found: OnFound | None) -> Found:
+    found = Found(on_found=on_found)
     _walk(root / name, name, ancestors, found)
     return found

@@ -148,11 +148,13 @@ def _by_name(lines: list[str]) -> dict[str, tuple]:
 
 
 def _stamp_change(before: str, now: str) -> str:
-    """A stamp ("size:mtime_ns") change in words."""
+    """A stamp ("size:mtime_ns" of a file, "size:ETag" of an object) change in words."""
     def words(stamp: str) -> str:
         if ":" not in stamp:
             return stamp
-        size, mtime_ns = stamp.split(":")
+        size, mtime_ns = stamp.split(":", 1)
+        if not mtime_ns.isdigit():  # an object's ETag
+            return f"{int(size):,} bytes, ETag {mtime_ns}"
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(int(mtime_ns) / 1e9))
         return f"{int(size):,} bytes, modified {when}"
     return f" ({words(before)} then, {words(now)} now)"

@@ -35,7 +35,6 @@ import math
 import os
 import posixpath
 import re
-import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +44,7 @@ import numpy as np
 
 from dsc import format as fmt
 from dsc.arguments import is_int
-from dsc.compiler.discover import Discovery, check_source_folder, is_image_name, list_images
+from dsc.compiler.discover import Discovery, Tree, check_source_folder, folder_tree, is_image_name
 from dsc.errors import CompileError
 from dsc.files import RefusedFile, TooLarge, read_regular
 
@@ -554,8 +553,9 @@ def table_fields(table: Table, kinds: dict[str, str],
 def discover_listed(src: str | os.PathLike, table_path: str | os.PathLike, kinds: dict[str, str] | None = None,
                     classes: list[str] | None = None, skip_unknown: bool = False,
                     reference: dict[str, tuple[str, tuple[str, ...]]] | None = None,
-                    on_found: Callable[[int], None] | None = None) -> Discovery:
-    """What to compile from a label table: its rows whose image exists under `src`, their label
+                    on_found: Callable[[int], None] | None = None, tree: Tree | None = None) -> Discovery:
+    """What to compile from a label table: its rows whose image exists under `src` (in `tree`, a bucket's
+    objects, when given), their label
     (the `label` column: integers as given, class names over `classes` or their own sorted names)
     and fields (the other columns).
 
@@ -566,9 +566,11 @@ def discover_listed(src: str | os.PathLike, table_path: str | os.PathLike, kinds
     without a label column needs `kinds` to say `{"label": "none"}`.
     `on_found(n)`: n more images found under `src` (listed or not), as the walk goes."""
     reference = reference or {}
-    root = Path(src)
-    check_source_folder(root)
-    table = read_table(table_path, root)
+    if tree is None:
+        check_source_folder(Path(src))
+        tree = folder_tree(Path(src))
+    root = tree.root
+    table = read_table(table_path, root if isinstance(root, Path) else None)
     given = kinds or {}
     _check_given_kinds(table, given)
     unlabeled = given.get(LABEL_COLUMN) == NO_LABEL
@@ -597,12 +599,12 @@ def discover_listed(src: str | os.PathLike, table_path: str | os.PathLike, kinds
             skipped.append((table.sources[row], "its class is not among the given classes"))
     fields = table_fields(table, kinds, reference)
 
-    on_disk, on_disk_stamps, walk_skipped = list_images(root, on_found)  # one walk, not a stat per row
+    on_disk, on_disk_stamps, walk_skipped = tree.images(on_found)  # one walk, not a stat per row
     found = dict(zip(on_disk, on_disk_stamps))
     walk_reasons = dict(walk_skipped)  # a listed broken link or FIFO: the walk says why, once
     stamps = []
     for row, source in enumerate(table.sources):
-        stamp = found.get(source) or _stamp(root / source)  # not walked: hidden, or another suffix
+        stamp = found.get(source) or tree.stamp(source)  # not walked: hidden, or another suffix
         if keep[row] and stamp is None:
             keep[row] = False
             skipped.append((source, walk_reasons.get(source, f"listed in {table.path.name} but not found")))
@@ -610,7 +612,7 @@ def discover_listed(src: str | os.PathLike, table_path: str | os.PathLike, kinds
     ignored = len(found.keys() - set(table.sources))
     sources = [s for s, k in zip(table.sources, keep) if k]
     if not sources:
-        raise _none_found(table, root)
+        raise _none_found(table, Path(root))
     if LABEL_COLUMN not in kinds and not unlabeled:
         raise _no_label_column(table)
     # the gaps of integer labels are no classes the user named: not listed as classes without images
@@ -625,12 +627,3 @@ def classes_without_records(labels: np.ndarray, vocabulary: list[str]) -> list[s
     ImageNet-21k). -1 (no label) is no class."""
     counts = np.bincount(labels[labels >= 0], minlength=len(vocabulary))
     return [c for c, n in zip(vocabulary, counts) if n == 0]
-
-
-def _stamp(path: Path) -> str | None:
-    """A listed file's "size:mtime_ns" (as discovery's walk stamps it), or None when it is not a file."""
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    return f"{st.st_size}:{st.st_mtime_ns}" if stat.S_ISREG(st.st_mode) else None

@@ -34,6 +34,7 @@ from dsc.compiler.engines import check_workers, make_engine
 from dsc.compiler.engines.supervisor import MAX_STALL_S
 from dsc.compiler.finish import NothingDecoded, Unpublishable, finish
 from dsc.compiler.jobs import Engine, WriteJob
+from dsc.compiler.sources import bucket_folder
 from dsc.compiler.target import INTERPOLATION, PAD_VALUE, Target, parse_size, resize_backend
 from dsc.errors import CompileError
 from dsc.storage.object_file import is_url
@@ -187,6 +188,8 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
     src, out = _source(src), _source(out)
     if isinstance(src, Path) and isinstance(out, Path):
         _check_paths(src, out)
+    elif isinstance(src, str) and isinstance(out, str):
+        bucket_folder.check_apart(src, out)
     on_skip = on_skip or _log_skip
     if stall_seconds is not None and (isinstance(stall_seconds, bool) or not isinstance(stall_seconds, (int, float))
                                       or not 1 <= stall_seconds <= MAX_STALL_S):
@@ -236,12 +239,13 @@ def _discover(src: Path | str, out: Path | str, classes, skip_unknown_classes: b
     elif any(archive_options):
         raise CompileError("--label-key and --image-column are for archive sources (tar, Parquet)")
     elif labels is not None:
-        found = labels_module.discover_listed(src, labels, columns, vocabulary, skip_unknown_classes, reference,
-                                              on_found)
+        listed = bucket_folder.discover_listed if isinstance(src, str) else labels_module.discover_listed
+        found = listed(src, labels, columns, vocabulary, skip_unknown_classes, reference, on_found)
     elif columns:
         raise CompileError("--column is for a label table (--labels) or archive sources (tar, Parquet)")
-    else:
-        found = discover(src, vocabulary, skip_unknown_classes, on_found)
+    else:  # an image folder, on a file system or of objects in a bucket
+        found = (bucket_folder.discover if isinstance(src, str) else discover)(src, vocabulary, skip_unknown_classes,
+                                                                              on_found)
     free = [(spec.name, spec.kind, spec.classes) for spec, _ in found.fields  # vocabularies no reference fixed
             if spec.classes and reference.get(spec.name, ("",))[0] != spec.kind]
     siblings = classes_module.sibling_class_mismatch(out, found.classes if vocabulary is None else None, free) \

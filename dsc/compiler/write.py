@@ -26,6 +26,7 @@ from dsc.compiler import sources
 from dsc.compiler.decode import DecoderWarning, decode, probe
 from dsc.compiler.jobs import Chunk, SlotResult, WriteJob
 from dsc.compiler.resize import resize_into
+from dsc.compiler.sources import bucket_folder
 from dsc.compiler.target import Target, needed_size
 from dsc.errors import ImageError
 from dsc.files import RefusedFile, TooLarge, read_regular
@@ -43,8 +44,7 @@ def compile_image(path: str, target: Target, out: np.ndarray, max_pixels: int,
     try:
         data = read_regular(path, max_file_bytes(max_pixels))
     except TooLarge as e:
-        raise ImageError(f"file is {e.size} bytes, more than any image within --max-pixels ({max_pixels}) can "
-                         "need; not read") from None
+        raise too_large_file(e.size, max_pixels) from None
     except RefusedFile as e:
         raise ImageError(str(e)) from None
     except OSError as e:
@@ -52,6 +52,12 @@ def compile_image(path: str, target: Target, out: np.ndarray, max_pixels: int,
             raise
         raise ImageError(f"cannot read file: {e.strerror or e}") from e
     return compile_data(data, target, out, max_pixels, decode_mode, alpha)
+
+
+def too_large_file(size: int, max_pixels: int) -> ImageError:
+    """Why a file (or an object) of `size` bytes is skipped unread."""
+    return ImageError(f"file is {size} bytes, more than any image within --max-pixels ({max_pixels}) can need; "
+                      "not read")
 
 
 def compile_data(data: bytes, target: Target, out: np.ndarray, max_pixels: int,
@@ -153,10 +159,15 @@ class SlotWriter:
             self.sink.release()
         return results
 
-    def _inputs(self, tasks: Chunk | sources.ArchiveChunk) -> Iterator[tuple[int, str | bytes | ImageError]]:
-        """(slot, a file's path) for a folder's chunk; (slot, bytes or why not) streamed from an archive's."""
+    def _inputs(self, tasks: Chunk | sources.ArchiveChunk | bucket_folder.ObjectChunk
+                ) -> Iterator[tuple[int, str | bytes | ImageError]]:
+        """(slot, a file's path) for a folder's chunk; (slot, bytes or why not) streamed from an archive's or a
+        bucket's."""
         if isinstance(tasks, sources.ArchiveChunk):
             return sources.read_chunk(tasks, max_file_bytes(self.job.max_pixels))
+        if isinstance(tasks, bucket_folder.ObjectChunk):  # an image folder in a bucket: the worker GETs each
+            pixels = self.job.max_pixels
+            return bucket_folder.read_chunk(tasks, max_file_bytes(pixels), lambda size: too_large_file(size, pixels))
         return ((slot, os.path.join(self.job.src_root, source)) for slot, source in tasks)
 
     def _compile(self, source: str | bytes | ImageError) -> tuple[int, int]:

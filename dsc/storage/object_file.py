@@ -90,6 +90,43 @@ def list_prefix(url: str) -> list[tuple[str, int, str]]:
     return sorted((f"{SCHEME}{bucket}/{m['path']}", int(m["size"]), f"{m['size']}:{m.get('e_tag')}") for m in found)
 
 
+def list_folder(url: str) -> tuple[list[str], list[str]]:
+    """(the URLs of the objects directly in the folder `url` names, the names of its sub-folders), sorted: one
+    LIST with a delimiter, however many objects lie deeper."""
+    bucket, _, key = url[len(SCHEME):].partition("/")
+    if not bucket:
+        raise StorageError(f"{url}: not an s3://bucket/prefix URL")
+    s3 = _s3()
+    found = _request("LIST", url, lambda: s3._obstore().list_with_delimiter(s3.client(bucket),
+                                                                            prefix=key.strip("/") or None))
+    cut = len(key.strip("/")) + 1 if key.strip("/") else 0
+    return (sorted(f"{SCHEME}{bucket}/{m['path']}" for m in found["objects"]),
+            sorted(p[cut:] for p in found["common_prefixes"]))
+
+
+def get_listed(url: str, size: int, etag: str) -> bytes | None:
+    """The whole object, if it is still the one a LIST saw (`size` bytes, ETag `etag`); None when it changed
+    since (a GET with `If-Match`, read no further than `size` + 1 bytes whatever the server sends)."""
+    bucket, key = split(url)
+    s3 = _s3()
+
+    def get() -> bytes | None:
+        from obstore.exceptions import PreconditionError
+
+        try:
+            answer = s3._obstore().get(s3.client(bucket), key, options={"if_match": etag})
+        except PreconditionError:
+            return None
+        data = bytearray()
+        for piece in answer:  # streamed: a server that ignored If-Match cannot make this read more than size + 1
+            data += piece
+            if len(data) > size:
+                return None
+        return bytes(data) if len(data) == size else None
+
+    return _request("GET", url, get)
+
+
 class ObjectFile(io.RawIOBase):
     """A read-only, seekable file over one object's bytes (see the module's docstring)."""
 

@@ -10,6 +10,7 @@ object, a prefix holding the archives, a glob or a brace pattern over object nam
 bucket (`remote_archives`) and reads every archive by ranged GETs (`dsc.storage.object_file`);
 ARCHIVE is then relative to the archives' common prefix. `chunks` groups the pending slots by
 the format's unit of work, in stored order; `read_chunk` streams one chunk's bytes to a worker.
+An `s3://` prefix that is no set of archives is an image folder of objects (`bucket_folder`).
 """
 
 from __future__ import annotations
@@ -29,11 +30,11 @@ import numpy as np
 
 from dsc.compiler.discover import WALK_THREADS, Discovery, is_image_name
 from dsc.compiler.labels import LABEL_COLUMN, MAX_INTEGER_LABEL, Table, classes_without_records, table_fields
-from dsc.compiler.sources import parquet_files, tar_shards, zip_archive
+from dsc.compiler.sources import bucket_folder, parquet_files, tar_shards, zip_archive
 from dsc.compiler.sources.common import ARCHIVE_ERRNOS, ArchiveChunk, Listing, Member, repeated
 from dsc.errors import CompileError, ImageError
 from dsc.format import UNLABELED, field_name_problem
-from dsc.storage.object_file import head, is_url, list_prefix
+from dsc.storage.object_file import head, is_url, list_folder, list_prefix
 
 __all__ = ["ArchiveDiscovery", "archive_sources", "chunks", "discover", "read_chunk", "read_source"]
 
@@ -84,10 +85,11 @@ def _kind_of(paths: list[Path] | list[str], what: str) -> str:
     return kinds.pop()
 
 
-def remote_archives(url: str) -> tuple[str, str, list[str]]:
+def remote_archives(url: str) -> tuple[str, str, list[str]] | None:
     """(format, the archives' common prefix, their URLs sorted) of an `s3://` SRC: one object, a prefix
     holding .tar or .parquet objects (not below it), or a glob or brace pattern over object names; one
-    LIST of the folder before the first pattern character (a HEAD for one object)."""
+    LIST of the folder before the first pattern character (a HEAD for one object). None for a prefix that
+    is an image folder by the folder's rule (sub-folders, images, or no archives: `bucket_folder`)."""
     if _BRACES.search(url) or glob.has_magic(url):
         names = expand_braces(url)
         literal = os.path.commonprefix([re.split(r"[*?[]", n, maxsplit=1)[0] for n in names])
@@ -112,19 +114,17 @@ def remote_archives(url: str) -> tuple[str, str, list[str]]:
             raise CompileError(f"source {url} does not exist (no such object in the bucket)") from None
         return SUFFIXES[Path(url).suffix.lower()], posixpath.dirname(url), [url]
     folder = url.rstrip("/") + "/"
-    listed = [u for u, _, _ in list_prefix(folder) if "/" not in u[len(folder):]]
-    archives = [u for u in listed if SUFFIXES.get(Path(u).suffix.lower()) in FOLDER_KINDS]
-    if not archives:
-        held = f"{len(listed)} other objects" if listed else "no objects at all: is the prefix right?"
-        raise CompileError(f"{url} holds no .tar or .parquet objects ({held}); an s3:// source "
-                           "must name archives: a .tar, .zip or .parquet object, a prefix of .tar or .parquet "
-                           "objects, a glob or a {000..099} pattern")
+    listed, subfolders = list_folder(folder)
+    names = [u[len(folder):] for u in listed if not u[len(folder):].startswith(".")]
+    archives = [folder + n for n in names if SUFFIXES.get(Path(n).suffix.lower()) in FOLDER_KINDS]
+    if not archives or any(not s.startswith(".") for s in subfolders) or any(map(is_image_name, names)):
+        return None  # an image folder of objects, as a local folder is one (`bucket_folder`)
     return _kind_of(archives, f"the prefix {url}"), folder.rstrip("/"), archives
 
 
 def archive_sources(src: str | os.PathLike) -> tuple[str, Path | str, list[Path] | list[str]] | None:
     """(format, the archives' folder, the archives sorted) when SRC names archives, else None (an image
-    folder); for an `s3://` SRC, always archives (their common prefix and URLs), or a CompileError."""
+    folder, local or `s3://`); for an `s3://` SRC, their common prefix and URLs."""
     text, path = os.fspath(src), Path(src)
     if is_url(text):
         return remote_archives(text)
@@ -357,9 +357,9 @@ def read_chunk(chunk: ArchiveChunk, max_bytes: int) -> Iterator[tuple[int, bytes
 
 
 def read_source(root: str | os.PathLike, source: str, max_bytes: int) -> bytes | None:
-    """The bytes of one compiled source named `ARCHIVE#MEMBER` (for `dsc verify --decode`); None when
-    `source` names no member of an archive under `root` (then it is a file's path). ImageError when
-    the member is gone or unreadable."""
+    """The bytes of one compiled source named `ARCHIVE#MEMBER` (for `dsc verify --decode`), or under an
+    `s3://` root of an image folder's object; None when `source` names no member of an archive under a local
+    `root` (then it is a file's path). ImageError when the member or object is gone or unreadable."""
     at, remote = source.find("#"), is_url(os.fspath(root))
     while at >= 0:
         archive = f"{os.fspath(root).rstrip('/')}/{source[:at]}" if remote else Path(root) / source[:at]
@@ -378,4 +378,4 @@ def read_source(root: str | os.PathLike, source: str, max_bytes: int) -> bytes |
                 raise data
             return data
         at = source.find("#", at + 1)
-    return None
+    return bucket_folder.read_object(os.fspath(root), source, max_bytes) if remote else None
