@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from dsc import CompileError, compile_folder, storage
+from dsc import CompileError, MemmapDataset, compile_folder, storage
 from dsc.cli import app
 from dsc.compiler import bucket_build, pipeline
 from dsc.compiler.write import max_file_bytes
@@ -104,6 +104,8 @@ def test_a_tree_in_a_bucket_compiles_to_the_bytes_of_the_same_folder(tree: Path,
         assert dict(remote.skipped) == {"outside.png": "not inside a class folder",
                                         "class_2/img_1.jpg": dict(local.skipped)["class_2/img_1.jpg"]}
     assert sources.manifest.compile["source_root"] == url.rstrip("/")
+    first = sources.source(0)
+    assert MemmapDataset(tmp_path / "remote").source(0) == f"{url}{first}"  # the object's URL, not s3:/...
 
 
 def test_the_walk_order_is_a_folders_not_the_keys(tree: Path, server: S3Server, env) -> None:

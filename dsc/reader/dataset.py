@@ -292,12 +292,15 @@ class MemmapDataset(Dataset):
         d = self.opened
         return d.take("labels" if self.target == "label" else d.field_key(self.target), idx)
 
-    def source(self, i: int) -> Path:
-        """The original image file of record `i` (under the folder it was compiled from)."""
+    def source(self, i: int) -> Path | str:
+        """The original image file of record `i` (under the folder it was compiled from); for sources that
+        were in a bucket, the object's URL as a string (a `Path` would fold `s3://` into `s3:/`)."""
         i = record_index(i, len(self))
         root = self.manifest.compile.get("source_root")
         if not isinstance(root, str):
             raise DatasetError(f"{self.path}/{fmt.MANIFEST_FILE}: 'compile' has no 'source_root' string")
+        if storage.is_url(root):
+            return f"{root.rstrip('/')}/{self.opened.source(i)}"
         return Path(root) / self.opened.source(i)
 
     def __getitem__(self, i: int) -> Sample | IndexedSample:
