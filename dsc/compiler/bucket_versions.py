@@ -122,7 +122,8 @@ def prune(url: str, keep: int) -> Pruned:
     objects = bucket.list()
     listed |= _committed_since(bucket, found)
     building = bp.unfinished(objects)
-    committed = {bp._tag_of(name) for name in listed} | {None}  # None: a name outside builds/
+    # a build some version lists, kept or dropped, is committed: a dropped one's files go at once (obsolete)
+    committed = {bp._tag_of(name) for name in listed | obsolete} | {None}  # None: a name outside builds/
     partial: dict[str, list] = {}
     for obj in objects:
         if (tag := bp._tag_of(obj.name)) not in committed:
