@@ -6,10 +6,11 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from test_s3_image_folder import BUCKET, env, quiet, records, runner, server, upload  # noqa: F401
+from test_s3_image_folder import BUCKET, env, records, runner, server, upload  # noqa: F401 (skips without s3)
 
 from dsc import compile_folder
 from dsc.cli import app
+
 from conftest import make_folder
 
 
