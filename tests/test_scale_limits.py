@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -320,3 +321,30 @@ def test_a_shard_gone_before_its_first_use_is_an_error_naming_it(many: Path, tmp
         ds[7]
     shutil.rmtree(out)
     ds[0]  # mapped already: still read
+
+
+def test_two_datasets_share_the_process_bound_on_shard_maps(many: Path, tmp_path: Path) -> None:
+    """A training and a validation set of 300 one-record shards each, read in turn by one process under
+    `ulimit -n` 128: the bound on shard maps (each holds a descriptor) is the process's, so the second never
+    runs out of descriptors mid-epoch (it did: 'too many open files' from batch 1, each dataset keeping
+    128 - 64 maps), and every record read is the one its shard holds."""
+    out = tmp_path / "out"
+    compile_folder(many, out, size=4, records_per_shard=1, workers=1, on_skip=quiet)
+    script = textwrap.dedent("""
+        import resource, sys
+        import numpy as np
+        from pathlib import Path
+        from dsc import MemmapDataset
+        resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
+        out = Path(sys.argv[1])
+        expected = np.stack([np.fromfile(p, np.uint8).reshape(4, 4, 3) for p in sorted((out / "shards").iterdir())])
+        train, val = MemmapDataset(out), MemmapDataset(out)
+        for epoch in range(2):
+            for ds in (train, val):
+                for batch in ds.loader(32, order="random", seed=epoch, num_threads=2):
+                    got = batch["image"].permute(0, 2, 3, 1).numpy()
+                    assert np.array_equal(got, expected[batch["index"].numpy()])
+        print("read", train.opened.shards.lazy, val.opened.shards.lazy)
+    """)
+    run = subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.split() == ["read", "True", "True"], run.stderr[-2000:]

@@ -6,7 +6,10 @@ open. Up to `MAX_SHARD_MAPS` shards are mapped at open, as before, so the hot pa
 a reader keeps reading a dataset recompiled (`--force`) under it (its maps hold the old files); beyond
 that (or past what `ulimit -n` leaves room for: each map holds a descriptor), a shard is mapped when first
 read, through a descriptor of the folder held open, and the maps read least recently leave the cache once
-it holds that many (`map_bound`). Such a dataset's shards not yet mapped when a recompile replaces it are
+it holds that many (`map_bound`). The bound is the process's, not each dataset's: a training set and a
+validation set (or DataLoader's datasets in one process) share it, so together they never run a process out
+of descriptors mid-epoch; a dataset is mapped whole at open only if its shards fit beside the maps the
+datasets already open hold. Such a dataset's shards not yet mapped when a recompile replaces it are
 then missing: an error that says so, never another dataset's records.
 
 A map is never unmapped under a reader: leaving the cache drops only the cache's reference, and the
@@ -17,6 +20,8 @@ maps it keeps; a caller that keeps a shard's array keeps that one map too.
 
 from __future__ import annotations
 
+import errno
+import itertools
 import operator
 import os
 import resource
@@ -37,6 +42,21 @@ SPARE_DESCRIPTORS = 64  # descriptors left to the rest of a training process: ea
 # keeps a duplicate of the file's), so under `ulimit -n` N the bound is N - 64
 
 
+_HELD: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()  # (dataset's token, shard) -> map, of
+# every dataset mapped on first use, least recently read first
+_WHOLE = [0]  # shard maps held by the datasets mapped whole at open
+_LOCK = threading.Lock()
+_TOKENS = itertools.count()
+
+
+def _release(token: int, whole: int) -> None:
+    """A ShardMaps collected: its maps leave the process's count (each is unmapped once no array holds it)."""
+    with _LOCK:
+        _WHOLE[0] -= whole
+        for key in [key for key in _HELD if key[0] == token]:
+            del _HELD[key]
+
+
 def map_bound() -> int:
     """How many shard maps a process keeps: MAX_SHARD_MAPS, fewer under a small `ulimit -n` (at least 8)."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -53,20 +73,23 @@ class ShardMaps(Sequence):
         self._root, self._entries, self._shape, self._open = root, manifest.shards, manifest.record_shape, open_file
         self.limit = map_bound() if limit is None else limit
         self._all: tuple[np.ndarray, ...] | None = None
-        self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
-        self._lock = threading.Lock()
-        if len(self._entries) <= self.limit:
+        self._token = next(_TOKENS)
+        with _LOCK:
+            whole = len(self._entries) <= self.limit - _WHOLE[0] - len(_HELD) or close is None
+            _WHOLE[0] += len(self._entries) if whole else 0
+        weakref.finalize(self, _release, self._token, len(self._entries) if whole else 0)
+        if whole:
             try:
                 self._all = tuple(self._map(k) for k in range(len(self._entries)))
             finally:
                 if close is not None:
                     close()
-        elif close is not None:
+        else:
             weakref.finalize(self, close)
 
     @property
     def lazy(self) -> bool:
-        """Whether shards are mapped on first use (more of them than `limit`)."""
+        """Whether shards are mapped on first use (more of them than `limit` leaves room for beside the maps held)."""
         return self._all is None
 
     def __len__(self) -> int:
@@ -80,17 +103,18 @@ class ShardMaps(Sequence):
         if not -n <= k < n:
             raise IndexError(f"shard {k} of {n}")
         k %= n
-        with self._lock:
-            found = self._cache.get(k)
+        key = (self._token, k)
+        with _LOCK:
+            found = _HELD.get(key)
             if found is not None:
-                self._cache.move_to_end(k)
+                _HELD.move_to_end(key)
                 return found
         mapped = self._map(k)  # outside the lock: a few system calls, which other threads need not wait for
-        with self._lock:
-            mapped = self._cache.setdefault(k, mapped)  # another thread may have mapped it meanwhile: keep one
-            self._cache.move_to_end(k)
-            while len(self._cache) > self.limit:
-                self._cache.popitem(last=False)  # unmapped once no gather holds it (module docstring)
+        with _LOCK:
+            mapped = _HELD.setdefault(key, mapped)  # another thread may have mapped it meanwhile: keep one
+            _HELD.move_to_end(key)
+            while _HELD and len(_HELD) + _WHOLE[0] > self.limit:
+                _HELD.popitem(last=False)  # unmapped once no gather holds it (module docstring)
         return mapped
 
     def _map(self, k: int) -> np.ndarray:
@@ -98,7 +122,8 @@ class ShardMaps(Sequence):
         try:
             fd = self._open(entry.file, "shard")
         except DatasetError as e:
-            if len(self._entries) > self.limit:  # mapped after the open: say why it may fail
+            held = isinstance(e.__cause__, OSError) and e.__cause__.errno in (errno.EMFILE, errno.ENFILE)
+            if self.lazy and not held:  # mapped after the open: say why it may fail
                 raise DatasetError(f"{e}; this dataset's shards are mapped when first read, so a change to its "
                                    "folder since it was opened (replaced, deleted?) shows here: Open it again") from e
             raise
