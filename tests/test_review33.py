@@ -6,6 +6,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+import pytest
 from test_s3_image_folder import BUCKET, env, records, runner, server, upload  # noqa: F401 (skips without s3)
 
 from dsc import compile_folder
@@ -52,3 +53,24 @@ def test_prune_deletes_at_once_the_build_of_a_version_it_drops(server, env, tmp_
     left = {i.name for i in Bucket(url).list(fmt.BUILDS_DIR)}
     assert left == second, sorted(left & first)
     assert set(pruned.removed_files) >= first
+
+
+def test_prune_leaves_an_object_dsc_did_not_write_under_builds(server, env, tmp_path: Path,  # noqa: F811
+                                                                 monkeypatch) -> None:
+    """`prune` deletes "only files dsc made": an object of the user's under builds/<16 hex>/ (a notes file
+    synced there, say) is not a partial build's, however old, and a compile into the prefix says it is there."""
+    from dsc import CompileError
+    from dsc.compiler import bucket_publish, bucket_versions
+    from dsc.storage.bucket import Bucket
+
+    src = make_folder(tmp_path / "src", classes=2, per_class=3, seed=1)
+    url = f"s3://{BUCKET}/notes/"
+    compile_folder(src, url, size=16, records_per_shard=5, seed=3, workers=1)
+    notes = "builds/0123456789abcdef/notes.txt"
+    Bucket(url).put(notes, b"mine")
+    monkeypatch.setattr(bucket_publish, "ABANDONED_AFTER_S", 0.0)  # as if every object were a day old
+    assert notes not in bucket_versions.prune(url, 1).removed_files
+    assert notes in {i.name for i in Bucket(url).list()}
+    with pytest.raises(CompileError, match="notes.txt"):
+        compile_folder(src, url, size=16, records_per_shard=5, seed=3, workers=1, force=True)
+    assert notes in {i.name for i in Bucket(url).list()}

@@ -41,9 +41,11 @@ logger = logging.getLogger("dsc")
 
 
 def _tag_of(name: str) -> str | None:
-    """The build tag of an object name under `builds/<tag>/`, else None."""
+    """The build tag of an object a build writes under `builds/<tag>/` (a dataset file or its work objects),
+    else None: another object there is not dsc's, and nothing that deletes builds deletes it."""
     parts = name.split("/")
-    if len(parts) > 2 and parts[0] == fmt.BUILDS_DIR and fmt.is_dataset_folder_name("/".join(parts[:2])):
+    if len(parts) > 2 and parts[0] == fmt.BUILDS_DIR and fmt.is_dataset_folder_name("/".join(parts[:2])) \
+            and (parts[2] == WORK_DIR or fmt.is_dataset_file_name(name)):
         return parts[1]
     return None
 
