@@ -348,3 +348,33 @@ def test_two_datasets_share_the_process_bound_on_shard_maps(many: Path, tmp_path
     """)
     run = subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.split() == ["read", "True", "True"], run.stderr[-2000:]
+
+
+def _read_shard_7(ds, expected, done) -> None:
+    done.put(bool(np.array_equal(ds[7].image.permute(1, 2, 0).numpy(), expected)))
+
+
+def test_a_process_forked_while_a_shard_was_being_mapped_reads_on(many: Path, tmp_path: Path, monkeypatch) -> None:
+    """DataLoader's fork workers inherit the dataset: forked while another thread of the parent held the shard
+    maps' lock (a loader's copy thread mapping a shard), a worker must not wait for ever on that lock, which
+    no thread of its own will release."""
+    from dsc import MemmapDataset
+    from dsc.storage import shard_maps
+
+    out = tmp_path / "out"
+    compile_folder(many, out, size=4, records_per_shard=1, workers=1, on_skip=quiet)
+    monkeypatch.setattr(shard_maps, "MAX_SHARD_MAPS", 8)
+    ds = MemmapDataset(out)
+    assert ds.opened.shards.lazy
+    context = multiprocessing.get_context("fork")
+    done, expected = context.Queue(), np.fromfile(out / fmt.shard_file(7), np.uint8).reshape(4, 4, 3)
+    with shard_maps._LOCK:  # as a copy thread holds it for an instant
+        child = context.Process(target=_read_shard_7, args=(ds, expected, done))
+        child.start()
+    try:
+        assert done.get(timeout=30) is True
+    finally:
+        child.join(5)
+        if child.is_alive():
+            child.kill()
+            child.join()

@@ -49,6 +49,16 @@ _LOCK = threading.Lock()
 _TOKENS = itertools.count()
 
 
+def _after_fork() -> None:
+    """A child forked (DataLoader's fork workers inherit the datasets) while a thread of the parent held the lock
+    has no thread to release it: a fresh one."""
+    global _LOCK
+    _LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
 def _release(token: int, whole: int) -> None:
     """A ShardMaps collected: its maps leave the process's count (each is unmapped once no array holds it)."""
     with _LOCK:
