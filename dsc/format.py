@@ -61,7 +61,7 @@ import numpy as np
 from dsc.errors import DatasetError, UnsupportedVersionError
 
 FORMAT_NAME = "dsc"
-FORMAT_VERSION = "1.4"  # MAJOR.MINOR: a reader refuses another MAJOR; MINOR only adds keys.
+FORMAT_VERSION = "1.5"  # MAJOR.MINOR: a reader refuses another MAJOR; MINOR only adds keys.
 MANIFEST_FILE = "manifest.json"
 SHARD_DIR = "shards"
 LABELS_FILE = "labels.bin"
@@ -74,6 +74,7 @@ _SEAL_PLACEHOLDER = "0" * 64
 WARNINGS_FILE = "warnings.bin"  # 1.2: decoder warnings per record (a kept but damaged source)
 CHECKSUMS_FILE = "checksums.bin"  # 1.3: CRC-32 per record, so a fetched byte range can be checked on its own
 SHARD_TABLE_FILE = "shard_table.bin"  # 1.4: each shard's SHA-256, 32 raw bytes a shard: the manifest stays small
+CLASS_COUNTS_FILE = "class_counts.bin"  # 1.5: a segment's records per label (-1 first), so info need not count
 DIGEST_BYTES = 32  # a raw SHA-256
 SKIPPED_IN_MANIFEST = 100  # 1.1: the manifest's "skipped" holds only the first ones (it must stay small)
 INDEX_FILES = {"labels": LABELS_FILE, "sizes": SIZES_FILE,
@@ -97,6 +98,7 @@ OFFSET_DTYPE = np.dtype("<u8")
 UNLABELED = -1
 WARNING_DTYPE = np.dtype("<u2")
 CHECKSUM_DTYPE = np.dtype("<u4")  # zlib.crc32 of the record's H*W*3 bytes
+COUNT_DTYPE = np.dtype("<i8")  # 1.5: class_counts.bin, [K_s + 1]: records labeled -1, then 0 .. K_s - 1
 # Per-record fields (1.1): each kind has one on-disk dtype. class: an index into the field's
 # classes; multilabel: multi-hot [K] over its classes; float / int: numbers.
 FIELD_DTYPES = {"class": np.dtype("<i8"), "multilabel": np.dtype("u1"), "float": np.dtype("<f4"),
@@ -234,6 +236,39 @@ class Part:
 
 
 @dataclass(frozen=True)
+class Segment:
+    """(1.5) The index of records [first, first + count): its own files, each sealed by the manifest (size and
+    SHA-256), so an append writes a segment for its new records and keeps every earlier one by name. Its
+    source offsets start at 0 (the segment's own sources file); `fields` follow the manifest's field order;
+    `class_counts` holds how many of its records carry each label (-1 first), so counting needs no labels.
+    A dataset before 1.5 has one segment: its whole-dataset files (`Manifest.index_segments`)."""
+
+    first: int
+    count: int
+    index: dict[str, FileEntry]
+    fields: tuple[FileEntry, ...] = ()
+    checksums: FileEntry | None = None
+    warnings: FileEntry | None = None
+    class_counts: FileEntry | None = None  # None only in a segment made from a pre-1.5 version's files
+
+    @property
+    def files(self) -> list[FileEntry]:
+        return [*self.index.values(), *self.fields, *filter(None, [self.checksums, self.warnings, self.class_counts])]
+
+    def to_dict(self) -> dict[str, Any]:
+        doc = {"first": self.first, "count": self.count, "index": {k: asdict(v) for k, v in self.index.items()},
+               "fields": [_file_dict(f) for f in self.fields], "checksums": _file_dict(self.checksums),
+               "class_counts": _file_dict(self.class_counts)}
+        if self.warnings is not None:
+            doc["warnings"] = _file_dict(self.warnings)
+        return doc
+
+
+def _file_dict(entry: FileEntry) -> dict[str, Any]:
+    return {"file": entry.file, "bytes": entry.bytes, "sha256": entry.sha256}
+
+
+@dataclass(frozen=True)
 class Manifest:
     """Everything `manifest.json` says (see formats.md, "manifest.json")."""
 
@@ -254,6 +289,20 @@ class Manifest:
     parts: tuple[Part, ...] = ()  # 1.3: how each run of records was made; () = one part, `compile`
     checksums: FileEntry | None = None  # 1.3: CRC-32 per record (optional: older datasets have none)
     shard_tables: tuple[ShardTable, ...] = ()  # 1.4: where the shards' SHA-256s are (`with_shard_table`)
+    # 1.5: the index in segments (`with_segment`); then `index` is {}, `checksums` and `warnings` None and the
+    # fields' file entries empty: every per-record file is a segment's (`index_segments`)
+    segments: tuple[Segment, ...] = ()
+
+    @property
+    def index_segments(self) -> tuple[Segment, ...]:
+        """The index by runs of records: 1.5's segments, or before it one segment of the whole-dataset files."""
+        return self.segments or (Segment(0, self.count, dict(self.index), tuple(
+            FileEntry(f.file, f.bytes, f.sha256) for f in self.fields), self.checksums, self.warnings),)
+
+    @property
+    def has_checksums(self) -> bool:
+        """Whether every record has its CRC-32 stored (1.3 on; optional before 1.5)."""
+        return all(s.checksums is not None for s in self.index_segments)
 
     @property
     def record_parts(self) -> tuple[Part, ...]:
@@ -280,6 +329,9 @@ class Manifest:
     def files(self) -> list[FileEntry]:
         """Every file the manifest names, with its size and SHA-256."""
         tables = list({t.file: FileEntry(t.file, t.bytes, t.sha256) for t in self.shard_tables}.values())
+        if self.segments:
+            return [*self.shards, *tables, *(f for s in self.segments for f in s.files),
+                    *filter(None, [self.skipped_list])]
         return [*self.shards, *tables, *self.index.values(), *self.fields,
                 *filter(None, [self.skipped_list, self.warnings, self.checksums])]
 
@@ -291,8 +343,10 @@ class Manifest:
     def to_json(self) -> str:
         # Before 1.4, and while the shards' digests are in no table yet (`with_shard_table` puts them in one),
         # the shards are listed inline, as 1.3 does: what a writer that writes no table file still produces.
+        # Likewise (1.5) the index is in segments only once `with_segment` made them; before, it is 1.4's.
         tabled = bool(self.shard_tables) and minor_version(self.version) >= 4
-        version = self.version if tabled or minor_version(self.version) < 4 else "1.3"
+        segmented = tabled and bool(self.segments) and minor_version(self.version) >= 5
+        version = self.version if segmented or minor_version(self.version) < 4 else "1.4" if tabled else "1.3"
         doc = {
             "format": FORMAT_NAME,
             "version": version,
@@ -303,17 +357,18 @@ class Manifest:
             "classes": list(self.classes),
             **({"shard_tables": [asdict(t) for t in self.shard_tables]} if tabled else
                {"shards": [asdict(s) for s in self.shards]}),
-            "index": {k: asdict(v) for k, v in self.index.items()},
+            **({"segments": [s.to_dict() for s in self.segments]} if segmented else
+               {"index": {k: asdict(v) for k, v in self.index.items()}}),
             "skipped": [dict(s) for s in self.skipped],
             "compile": self.compile,
         }
         if version != "1.0":
-            doc["fields"] = [f.to_dict() for f in self.fields]
+            doc["fields"] = [_spec_dict(f) if segmented else f.to_dict() for f in self.fields]
         if self.skipped_list is not None:
             doc["skipped_list"] = asdict(self.skipped_list)
-        if self.warnings is not None:
+        if self.warnings is not None and not segmented:
             doc["warnings"] = asdict(self.warnings)
-        if self.checksums is not None:
+        if self.checksums is not None and not segmented:
             doc["checksums"] = asdict(self.checksums)
         if self.dataset_version != 1:
             doc["dataset_version"] = self.dataset_version
@@ -323,6 +378,14 @@ class Manifest:
             doc[SEAL_KEY] = _SEAL_PLACEHOLDER
             return sealed(json.dumps(doc, indent=1, ensure_ascii=True) + "\n")
         return json.dumps(doc, indent=1, ensure_ascii=True) + "\n"
+
+
+def _spec_dict(f: FieldEntry) -> dict[str, Any]:
+    """(1.5) A field as the manifest lists it: what it is; its files are the segments'."""
+    doc = f.to_dict()
+    for key in _FILE_KEYS:
+        del doc[key]
+    return doc
 
 
 def minor_version(version: str) -> int:
@@ -498,6 +561,28 @@ def with_shard_table(manifest: Manifest, name: str, base: Manifest | None = None
     return replace(manifest, shard_tables=tuple(tables)), payload
 
 
+def class_counts_payload(labels: np.ndarray, classes: int) -> tuple[str, bytes]:
+    """(1.5) A segment's class counts file's (file name, bytes): how many of its records carry label -1, then
+    each label 0 .. classes - 1 (`labels` its records' labels)."""
+    counts = np.bincount(np.asarray(labels, np.int64) + 1, minlength=classes + 1)
+    return CLASS_COUNTS_FILE, np.ascontiguousarray(counts, COUNT_DTYPE).tobytes()
+
+
+def with_segment(manifest: Manifest, class_counts: FileEntry | None, kept: Sequence[Segment] = ()) -> Manifest:
+    """(1.5) `manifest` with its index in segments: `kept` (an earlier version's, records 0 .. c - 1, listed by
+    their names unchanged), then one new segment of the files `manifest` names as its index, fields, checksums
+    and decoder warnings, which hold records c .. count - 1 only; `class_counts` is that segment's counts file."""
+    first = sum(s.count for s in kept)
+    if kept and (kept[0].first != 0 or any(a.first + a.count != b.first for a, b in zip(kept, kept[1:]))):
+        raise ValueError("kept segments must follow each other from record 0")
+    new = Segment(first, manifest.count - first, dict(manifest.index),
+                  tuple(FileEntry(f.file, f.bytes, f.sha256) for f in manifest.fields),
+                  manifest.checksums, manifest.warnings, class_counts)
+    fields = tuple(replace(f, file="", bytes=0, sha256="") for f in manifest.fields)
+    return replace(manifest, version=FORMAT_VERSION, segments=(*kept, new), index={}, fields=fields,
+                   checksums=None, warnings=None)
+
+
 def checksums_payload(crcs: np.ndarray) -> tuple[str, bytes]:
     """The checksums file's (file name, bytes) (1.3): each record's CRC-32, in record order."""
     return CHECKSUMS_FILE, np.ascontiguousarray(crcs, CHECKSUM_DTYPE).tobytes()
@@ -564,6 +649,10 @@ _OPTIONAL_KEYS = {0: frozenset(), 1: frozenset({"skipped_list"}),  # optional, b
                   2: frozenset({"skipped_list", "warnings"}),
                   3: frozenset({"skipped_list", "warnings", "dataset_version", "parts", "checksums"})}
 _OPTIONAL_KEYS[4] = _OPTIONAL_KEYS[3]
+_MANIFEST_KEYS[5] = _MANIFEST_KEYS[4] - {"index"} | {"segments"}  # 1.5: the index in segments
+_OPTIONAL_KEYS[5] = _OPTIONAL_KEYS[4] - {"warnings", "checksums"}  # a segment's, from 1.5 on
+_SEGMENT_KEYS = {"first", "count", "index", "fields", "checksums", "class_counts"}  # and optional "warnings"
+_FIELD_SPEC_KEYS = {"name", "kind", "dtype", "shape", "classes"}  # 1.5: a field's files are the segments'
 _TABLE_KEYS = {"file", "bytes", "sha256", "first", "count", "row", "folder"}
 _PART_KEYS = {"first", "count", "compile"}
 _RECORD_KEYS = {"shape", "dtype", "layout", "color", "bytes"}
@@ -658,7 +747,8 @@ def is_dataset_file_name(name: str) -> bool:
     """Whether dsc gives a dataset's file this '/'-path: the manifest, an index file, the skip list,
     the decoder warnings, the record checksums, a shard or a field (what a build of dsc may hold, before its
     manifest lists it)."""
-    if name in (MANIFEST_FILE, SKIP_LIST_FILE, WARNINGS_FILE, CHECKSUMS_FILE, SHARD_TABLE_FILE, *INDEX_FILES.values()):
+    if name in (MANIFEST_FILE, SKIP_LIST_FILE, WARNINGS_FILE, CHECKSUMS_FILE, SHARD_TABLE_FILE, CLASS_COUNTS_FILE,
+                *INDEX_FILES.values()):
         return True
     folder, _, base = name.partition("/")
     if folder == VERSIONS_DIR:
@@ -691,9 +781,8 @@ def listed_files(text: bytes) -> set[str]:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         return set()
 
-    entries = [*_items(doc.get("shards")), *_items(doc.get("shard_tables")), *_items(doc.get("index")),
-               *_items(doc.get("fields")), doc.get("skipped_list"), doc.get("warnings"), doc.get("checksums")]
-    return {e["file"] for e in entries if isinstance(e, dict) and file_name_problem(e.get("file")) is None} \
+    return {e["file"] for e in _declared_entries(doc)
+            if isinstance(e, dict) and file_name_problem(e.get("file")) is None} \
         | set(_declared_shards(doc))
 
 
@@ -708,6 +797,17 @@ def declared_shard_tables(text: bytes) -> dict[str, FileEntry]:
     return {t["file"]: FileEntry(t["file"], t["bytes"], t["sha256"]) for t in tables
             if isinstance(t, dict) and file_name_problem(t.get("file")) is None and isinstance(t.get("bytes"), int)
             and not isinstance(t.get("bytes"), bool) and _is_hex_digest(t.get("sha256"))}
+
+
+def _declared_entries(doc: dict) -> list:
+    """Every file entry of manifest JSON (its shards' aside), unchecked: (1.5) the segments' among them."""
+    entries = [*_items(doc.get("shards")), *_items(doc.get("shard_tables")), *_items(doc.get("index")),
+               *_items(doc.get("fields")), doc.get("skipped_list"), doc.get("warnings"), doc.get("checksums")]
+    for seg in _items(doc.get("segments")):
+        if isinstance(seg, dict):
+            entries += [*_items(seg.get("index")), *_items(seg.get("fields")), seg.get("checksums"),
+                        seg.get("warnings"), seg.get("class_counts")]
+    return entries
 
 
 def _items(value: Any) -> list:
@@ -740,11 +840,9 @@ def declared_sizes(text: bytes) -> dict[str, int]:
         return {}
     if not isinstance(doc, dict):
         return {}
-
-    entries = [*_items(doc.get("shards")), *_items(doc.get("shard_tables")), *_items(doc.get("index")),
-               *_items(doc.get("fields")), doc.get("skipped_list"), doc.get("warnings"), doc.get("checksums")]
     return {**_declared_shards(doc), **{
-        e["file"]: e["bytes"] for e in entries if isinstance(e, dict) and file_name_problem(e.get("file")) is None
+        e["file"]: e["bytes"] for e in _declared_entries(doc)
+        if isinstance(e, dict) and file_name_problem(e.get("file")) is None
         and isinstance(e.get("bytes"), int) and not isinstance(e.get("bytes"), bool)}}
 
 
@@ -831,21 +929,16 @@ def parse_manifest(text: bytes, root: Any, size_of: SizeOf, read: ReadFile | Non
     else:
         shards = _parse_shards(stored, doc, count, per_shard, record_bytes, newer)
 
-    index_doc = doc["index"]
-    _expect_keys(root, index_doc, set(INDEX_FILES), "index: ", newer)
-    index_bytes = {"labels": count * LABEL_DTYPE.itemsize, "sizes": count * 2 * SIZE_DTYPE.itemsize,
-                   "source_offsets": (count + 1) * OFFSET_DTYPE.itemsize, "sources": None}
-    index = {}
-    for key in INDEX_FILES:
-        entry = _file_entry(stored, index_doc[key], f"index.{key}", index_bytes[key], newer)
-        index[key] = FileEntry(entry["file"], entry["bytes"], entry["sha256"])
+    segmented = minor >= 5
+    fields = _parse_fields(stored, doc.get("fields", []), count, newer, with_files=not segmented)
+    index = {} if segmented else _parse_index(stored, doc["index"], count, "index", newer)
+    segments = _parse_segments(stored, doc, count, len(classes), fields, newer) if segmented else ()
 
     if minor >= 2:
         _expect_hex_digest(root, doc, SEAL_KEY, "")
     skipped = _expect(root, doc, "skipped", list)
     if not all(_is_skip(s, newer) for s in skipped):
         raise _fail(root, "'skipped' must be a list of {\"source\": str, \"reason\": str} objects")
-    fields = _parse_fields(stored, doc.get("fields", []), count, newer)
     return Manifest(height=height, width=width, count=count, records_per_shard=per_shard,
                     classes=tuple(classes), shards=shards, index=index,
                     skipped=tuple({"source": s["source"], "reason": s["reason"]} for s in skipped),
@@ -856,7 +949,63 @@ def parse_manifest(text: bytes, root: Any, size_of: SizeOf, read: ReadFile | Non
                     if "dataset_version" in doc else 1,
                     parts=_parse_parts(root, doc.get("parts", []), count, newer),
                     checksums=_checksums_entry(stored, doc, count, newer),
-                    shard_tables=shards.tables if isinstance(shards, ShardList) else ())
+                    shard_tables=shards.tables if isinstance(shards, ShardList) else (), segments=segments)
+
+
+def _parse_index(stored: _Stored, index_doc: Any, count: int, where: str, newer: bool) -> dict[str, FileEntry]:
+    """The four index files of `count` records (the whole dataset's before 1.5, a segment's from 1.5 on)."""
+    _expect_keys(stored.root, index_doc, set(INDEX_FILES), f"{where}: ", newer)
+    index_bytes = {"labels": count * LABEL_DTYPE.itemsize, "sizes": count * 2 * SIZE_DTYPE.itemsize,
+                   "source_offsets": (count + 1) * OFFSET_DTYPE.itemsize, "sources": None}
+    index = {}
+    for key in INDEX_FILES:
+        entry = _file_entry(stored, index_doc[key], f"{where}.{key}", index_bytes[key], newer)
+        index[key] = FileEntry(entry["file"], entry["bytes"], entry["sha256"])
+    return index
+
+
+def _parse_segments(stored: _Stored, doc: dict, count: int, classes: int, fields: tuple[FieldEntry, ...],
+                    newer: bool) -> tuple[Segment, ...]:
+    """1.5: the index segments, in record order, covering every record exactly once; each segment's files
+    sized by its own record count (their values are `check_index`'s, their SHA-256s verification's)."""
+    root = stored.root
+    segments_doc = _expect(root, doc, "segments", list)
+    if not segments_doc or len(segments_doc) > count:
+        raise _fail(root, f"'segments' has {len(segments_doc)} segment(s) for {count} record(s)")
+    segments, first = [], 0
+    for i, seg in enumerate(segments_doc):
+        where = f"segments[{i}]"
+        _expect_keys(root, seg, _SEGMENT_KEYS, f"{where}: ", newer, frozenset({"warnings"}))
+        if _expect_int(root, seg, "first", 0, MAX_RECORDS, f"{where}: ") != first:
+            raise _fail(root, f"{where}: 'first' = {seg['first']}, expected {first} (segments follow each other)")
+        n = _expect_int(root, seg, "count", 1, count - first, f"{where}: ")
+        index = _parse_index(stored, seg["index"], n, f"{where}.index", newer)
+        files = _expect(root, seg, "fields", list, f"{where}: ")
+        if len(files) != len(fields):
+            raise _fail(root, f"{where}: 'fields' lists {len(files)} file(s), the dataset has {len(fields)} field(s)")
+        field_files = tuple(_entry(stored, e, f"{where}.fields[{k}] ({f.name})",
+                                   n * f.dtype.itemsize * (f.shape[0] if f.shape else 1), newer)
+                            for k, (e, f) in enumerate(zip(files, fields)))
+        checksums = None if seg["checksums"] is None else \
+            _entry(stored, seg["checksums"], f"{where}.checksums", n * CHECKSUM_DTYPE.itemsize, newer)
+        warnings = _entry(stored, seg["warnings"], f"{where}.warnings", n * WARNING_DTYPE.itemsize, newer) \
+            if "warnings" in seg else None
+        counts = None
+        if seg["class_counts"] is not None:
+            counts = _entry(stored, seg["class_counts"], f"{where}.class_counts", None, newer)
+            if counts.bytes % COUNT_DTYPE.itemsize or not 1 <= counts.bytes // COUNT_DTYPE.itemsize <= classes + 1:
+                raise _fail(root, f"{where}.class_counts: {counts.bytes} bytes is not {COUNT_DTYPE.itemsize} bytes "
+                                  f"for each of 1 .. {classes + 1} labels (-1 and the dataset's {classes} classes)")
+        segments.append(Segment(first, n, index, field_files, checksums, warnings, counts))
+        first += n
+    if first != count:
+        raise _fail(root, f"'segments' cover {first} record(s), the dataset has {count}")
+    return tuple(segments)
+
+
+def _entry(stored: _Stored, doc: Any, where: str, expected_bytes: int | None, newer: bool) -> FileEntry:
+    entry = _file_entry(stored, doc, where, expected_bytes, newer)
+    return FileEntry(entry["file"], entry["bytes"], entry["sha256"])
 
 
 def _parse_shards(stored: _Stored, doc: dict, count: int, per_shard: int, record_bytes: int,
@@ -998,15 +1147,17 @@ def _skip_list_entry(stored: _Stored, doc: dict, newer: bool) -> SkipListEntry |
     return SkipListEntry(entry["file"], entry["bytes"], entry["sha256"], count)
 
 
-def _parse_fields(stored: _Stored, fields_doc: Any, count: int, newer: bool) -> tuple[FieldEntry, ...]:
-    """Validate the 1.1 "fields" list: names, kinds, dtypes, shapes and vocabularies, each file's size."""
+def _parse_fields(stored: _Stored, fields_doc: Any, count: int, newer: bool,
+                  with_files: bool = True) -> tuple[FieldEntry, ...]:
+    """Validate the 1.1 "fields" list: names, kinds, dtypes, shapes and vocabularies, each file's size
+    (1.5: `with_files` False, the files are the segments')."""
     root = stored.root
     if not isinstance(fields_doc, list):
         raise _fail(root, f"'fields' must be list, found {type(fields_doc).__name__}")
     fields, names = [], set()
     for i, entry in enumerate(fields_doc):
         where = f"fields[{i}]"
-        _expect_keys(root, entry, _FIELD_KEYS, f"{where}: ", newer)
+        _expect_keys(root, entry, _FIELD_KEYS if with_files else _FIELD_SPEC_KEYS, f"{where}: ", newer)
         name = entry["name"]
         problem = field_name_problem(name)
         if problem:
@@ -1037,6 +1188,9 @@ def _parse_fields(stored: _Stored, fields_doc: Any, count: int, newer: bool) -> 
                               f"found {shape}")
         if kind in ("float", "int") and classes:
             raise _fail(root, f"{where}: a {kind} field has no classes")
+        if not with_files:
+            fields.append(FieldEntry("", 0, "", name, kind, tuple(shape), tuple(classes)))
+            continue
         per_record = FIELD_DTYPES[kind].itemsize * (shape[0] if shape else 1)
         _file_entry(stored, entry, where, count * per_record, newer, _FIELD_KEYS)
         fields.append(FieldEntry(entry["file"], entry["bytes"], entry["sha256"], name, kind, tuple(shape),
@@ -1044,33 +1198,80 @@ def _parse_fields(stored: _Stored, fields_doc: Any, count: int, newer: bool) -> 
     return tuple(fields)
 
 
-def check_index(manifest: Manifest, root: Any, values_of: ValuesOf) -> None:
+def check_index(manifest: Manifest, root: Any, values_of: ValuesOf, trusted: int = 0) -> None:
     """Labels in range (a class index, or -1: no label — in a labeled dataset from 1.2 on), source
     offsets rising from 0 to the size of sources.bin, original sizes of at least 1 pixel a side, field
-    values their kind allows: checked piece by
-    piece as `values_of` hands them in, so the cost follows the bytes really stored, not what a
-    manifest claims (a 1 KB manifest may claim 2^40 records over sparse files)."""
-    k, index = len(manifest.classes), manifest.index
+    values their kind allows, (1.5) each segment's class counts those of its labels: checked piece by
+    piece as `values_of` hands them in, segment by segment, so the cost follows the bytes really stored,
+    not what a manifest claims (a 1 KB manifest may claim 2^40 records over sparse files). The first
+    `trusted` segments are skipped: a writer's new version keeps them from one already checked."""
+    for segment in manifest.index_segments[trusted:]:
+        _check_segment(manifest, segment, root, values_of)
+
+
+def _check_segment(manifest: Manifest, segment: Segment, root: Any, values_of: ValuesOf) -> None:
+    k, index, n = len(manifest.classes), segment.index, segment.count
     unlabeled_ok = not k or minor_version(manifest.version) >= 2
     low, high = UNLABELED if unlabeled_ok else 0, k - 1 if k else UNLABELED
     found_low, found_high = high, low
-    for values in values_of(index["labels"].file, LABEL_DTYPE, manifest.count):
+    counts = np.zeros(k + 1, np.int64)
+    for values in values_of(index["labels"].file, LABEL_DTYPE, n):
         found_low, found_high = min(found_low, int(values.min())), max(found_high, int(values.max()))
+        if segment.class_counts is not None and low <= found_low and found_high <= high:
+            counts += np.bincount(values + 1, minlength=k + 1)
     if found_low < low or found_high > high:
         raise DatasetError(f"{_at(root, index['labels'].file)}: labels must lie in [{0 if k else low}, {high}] "
                            f"for {k} classes, found [{found_low}, {found_high}]"
                            + (f"; {UNLABELED} (no label) is allowed too" if k and unlabeled_ok else ""))
+    if segment.class_counts is not None:
+        _check_class_counts(segment, counts, root, values_of)
     previous, rising = None, True
-    for values in values_of(index["source_offsets"].file, OFFSET_DTYPE, manifest.count + 1):
+    for values in values_of(index["source_offsets"].file, OFFSET_DTYPE, n + 1):
         joined = values[0] == 0 if previous is None else values[0] >= previous
         rising = rising and bool(joined) and bool(np.all(values[1:] >= values[:-1]))
         previous = int(values[-1])
     if not rising or previous != index["sources"].bytes:
         raise DatasetError(f"{_at(root, index['source_offsets'].file)}: offsets must rise from 0 to the "
                            f"size of {index['sources'].file} ({index['sources'].bytes})")
-    _check_sizes(index["sizes"].file, manifest.count, root, values_of)
-    for entry in manifest.fields:
-        _check_field(entry, manifest.count, root, values_of)
+    _check_sizes(index["sizes"].file, n, root, values_of)
+    for spec, entry in zip(manifest.fields, segment.fields):
+        _check_field(replace(spec, file=entry.file), n, root, values_of)
+
+
+def _check_class_counts(segment: Segment, counts: np.ndarray, root: Any, values_of: ValuesOf) -> None:
+    """(1.5) A segment's stored class counts are its labels' (classes after its K_s count none)."""
+    entry = segment.class_counts
+    stored = np.zeros_like(counts)
+    at = 0
+    for values in values_of(entry.file, COUNT_DTYPE, entry.bytes // COUNT_DTYPE.itemsize):
+        stored[at:at + len(values)] = values
+        at += len(values)
+    if not np.array_equal(stored, counts):
+        wrong = int(np.flatnonzero(stored != counts)[0]) - 1
+        raise DatasetError(f"{_at(root, entry.file)}: the class counts say {int(stored[wrong + 1])} record(s) of label "
+                           f"{wrong}, the segment's labels ({segment.index['labels'].file}) hold "
+                           f"{int(counts[wrong + 1])}; the dataset is damaged")
+
+
+def class_counts(manifest: Manifest, read: ReadFile, root: Any) -> np.ndarray | None:
+    """(1.5) Records per label over the dataset, -1 first ([K + 1]), from the segments' stored counts, each
+    file checked against its size and SHA-256 and its sum against its segment's records; None when a segment
+    stores none (older versions: count the labels)."""
+    total = np.zeros(len(manifest.classes) + 1, np.int64)
+    for segment in manifest.index_segments:
+        entry = segment.class_counts
+        if entry is None:
+            return None
+        data = read(entry.file, entry.bytes + 1)
+        if len(data) != entry.bytes or hashlib.sha256(data).hexdigest() != entry.sha256:
+            raise DatasetError(f"{_at(root, entry.file)}: the class counts do not match their size and SHA-256 in "
+                               f"{MANIFEST_FILE}; the dataset is damaged")
+        counts = np.frombuffer(data, COUNT_DTYPE)
+        if counts.min() < 0 or int(counts.sum()) != segment.count:
+            raise DatasetError(f"{_at(root, entry.file)}: the class counts sum to {int(counts.sum())}, not to the "
+                               f"segment's {segment.count} records; the dataset is damaged")
+        total[:len(counts)] += counts
+    return total
 
 
 def _check_sizes(file: str, count: int, root: Any, values_of: ValuesOf) -> None:

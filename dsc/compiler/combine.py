@@ -120,25 +120,30 @@ def rebase(source: str, root: str, new_root: str) -> str:
     return os.path.relpath(os.path.join(root, source), new_root).replace(os.sep, "/")
 
 
-def join_index(datasets: Sequence[storage.OpenedDataset], allow_new: bool, whose: Sequence[str]) -> Joined:
+def join_index(datasets: Sequence[storage.OpenedDataset], allow_new: bool, whose: Sequence[str],
+               records_from: int = 0) -> Joined:
     """The index of `datasets`' records one after the other: the first one's vocabularies grown by the
-    others' (`whose[k]` names dataset k in a refusal), labels and class fields remapped onto them."""
+    others' (`whose[k]` names dataset k in a refusal), labels and class fields remapped onto them. The
+    per-record values are those of datasets[records_from:] only (an append that keeps the earlier records'
+    index segments, format 1.5, reads nothing of theirs); classes, skips and parts are every dataset's."""
     check_shapes(datasets)
     vocabulary = Vocabulary(list(datasets[0].manifest.classes), allow_new, "the label")
     fields = _field_vocabularies(datasets, allow_new)
     root = datasets[0].manifest.compile.get("source_root")
     root = root if isinstance(root, str) else None
     labels, sizes, sources, values, warned, skipped, parts, first, crcs = [], [], [], {}, [], [], [], 0, []
-    for d, name in zip(datasets, whose):
+    for position, (d, name) in enumerate(zip(datasets, whose)):
         m = d.manifest
-        labels.append(_relabel(d.labels, vocabulary.remap(m.classes, name)))
-        sizes.append(np.asarray(d.sizes))
-        sources.append(_rebased(d, root))
-        for f in m.fields:
-            remap = fields[f.name].remap(f.classes, name) if f.name in fields else None
-            values.setdefault(f.name, []).append((f, np.asarray(d.fields[f.name]), remap))
-        warned.append(storage.read_warnings(d.root, m))
-        crcs.append(storage.record_checksums(d))
+        remap = vocabulary.remap(m.classes, name)
+        remaps = {f.name: fields[f.name].remap(f.classes, name) if f.name in fields else None for f in m.fields}
+        if position >= records_from:
+            labels.append(_relabel(d.labels, remap))
+            sizes.append(np.asarray(d.sizes))
+            sources.append(_rebased(d, root))
+            for f in m.fields:
+                values.setdefault(f.name, []).append((f, np.asarray(d.fields[f.name]), remaps[f.name]))
+            warned.append(storage.read_warnings(d.root, m))
+            crcs.append(storage.record_checksums(d))
         mine = m.compile.get("source_root")
         skipped += [{"source": rebase(s["source"], mine, root) if root and isinstance(mine, str) and mine != root
                      else s["source"], "reason": s["reason"]} for s in storage.read_skipped(d.root, m)]

@@ -130,8 +130,22 @@ def write_manifest(root: Path, manifest: fmt.Manifest) -> fmt.Manifest:
     dataset. Returns the manifest written."""
     if not manifest.shard_tables:
         manifest = write_shard_table(root, "", manifest)
+    if not manifest.segments:
+        manifest = write_segment(root, "", manifest)
     local.write_durably(root / fmt.MANIFEST_FILE, manifest.to_json().encode("ascii"))
     return manifest
+
+
+def write_segment(root: Path, folder: str, manifest: fmt.Manifest, kept: tuple[fmt.Segment, ...] = ()) -> fmt.Manifest:
+    """(1.5) Write `folder`/class_counts.bin, the counts of the labels `manifest`'s index file holds (records
+    after the `kept` segments'); `manifest` with its index in segments: `kept`, then that one. Before the manifest."""
+    if fmt.minor_version(manifest.version) < 5:
+        return manifest
+    labels = np.fromfile(root / manifest.index["labels"].file, fmt.LABEL_DTYPE)
+    name, payload = fmt.class_counts_payload(labels, len(manifest.classes))
+    written = _write(root / folder if folder else root, name, payload)
+    entry = fmt.FileEntry(f"{folder}/{name}" if folder else name, written.bytes, written.sha256)
+    return fmt.with_segment(manifest, entry, kept)
 
 
 def write_shard_table(root: Path, folder: str, manifest: fmt.Manifest, base: fmt.Manifest | None = None,

@@ -27,6 +27,7 @@ import numpy as np
 
 from dsc import format as fmt
 from dsc.errors import ChecksumError, DatasetError, StorageError
+from dsc.storage.columns import Column
 from dsc.storage.local import LocalFolder, first_hole, map_file, scan_values
 
 REOPEN_ATTEMPTS = 5  # opens of a folder that recompiles keep swapping, before giving up
@@ -270,18 +271,20 @@ def parse_manifest(root: Location, cache_dir: str | os.PathLike | None = None,
         return read_manifest(store, version)
 
 
-def check_manifest_text(root: str | os.PathLike, text: bytes, kept: dict[str, int] | None = None) -> fmt.Manifest:
+def check_manifest_text(root: str | os.PathLike, text: bytes, kept: dict[str, int] | None = None,
+                        kept_segments: int = 0) -> fmt.Manifest:
     """Everything `validate` checks, of manifest bytes not yet committed, over the files of the folder `root`:
     what a writer of a new version runs before it commits it. `kept`: the sizes of files it keeps from an
     earlier, validated version that are not in `root` (the shards of a dataset in a bucket; its shard tables,
-    which are read, must be in `root`)."""
+    which are read, must be in `root`); `kept_segments`: (1.5) how many index segments it keeps from that
+    version, whose values are not read again (an append costs what it adds)."""
     with _opened(root) as store:
         sizes = _sizes(store)
 
         def size(name: str, where: str) -> int:
             return kept[name] if kept and name in kept else sizes(name, where)
         manifest = fmt.parse_manifest(text, store.root, size, store.read)
-        fmt.check_index(manifest, store.root, _values_of(store))
+        fmt.check_index(manifest, store.root, _values_of(store), kept_segments)
         return manifest
 
 
@@ -314,16 +317,11 @@ def dataset_versions(root: Location) -> list[int]:
 
 def _map_dataset(store: DatasetStore, version: int | None = None) -> OpenedDataset:
     manifest = _validated(store, version)
-    n, index = manifest.count, manifest.index
 
     def mapped(name: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
         return map_file(store.open(name, name), dtype, shape)
 
-    labels = mapped(index["labels"].file, fmt.LABEL_DTYPE, (n,))
-    sizes = mapped(index["sizes"].file, fmt.SIZE_DTYPE, (n, 2))
-    offsets = mapped(index["source_offsets"].file, fmt.OFFSET_DTYPE, (n + 1,))
-    sources = mapped(index["sources"].file, np.dtype(np.uint8), (index["sources"].bytes,))
-    fields = {f.name: mapped(f.file, f.dtype, (n, *f.shape)) for f in manifest.fields}
+    labels, sizes, offsets, sources, fields = _map_index(manifest, mapped)
     remote = getattr(store, "record_cache", None)  # an object store: records through its bounded cache
     records = remote(manifest) if remote is not None else None
     shards = () if records is not None else tuple(
@@ -331,6 +329,46 @@ def _map_dataset(store: DatasetStore, version: int | None = None) -> OpenedDatas
     local = store.local_folder()
     return OpenedDataset(store.root, manifest, shards, labels, sizes, offsets, sources, fields,
                          None if local == store.root else local, records)
+
+
+def _map_index(manifest: fmt.Manifest, mapped: Callable) -> tuple:
+    """(labels, sizes, source offsets, sources, {field: values}) mapped: one segment's files as they are, several
+    (format 1.5, appended) joined without a copy (`columns.Column`), their source offsets rebased."""
+    segments = manifest.index_segments
+
+    def column(pieces, bases=None):
+        return pieces[0] if len(pieces) == 1 else Column(pieces, bases)
+    labels = column([mapped(s.index["labels"].file, fmt.LABEL_DTYPE, (s.count,)) for s in segments])
+    sizes = column([mapped(s.index["sizes"].file, fmt.SIZE_DTYPE, (s.count, 2)) for s in segments])
+    blobs = [mapped(s.index["sources"].file, np.dtype(np.uint8), (s.index["sources"].bytes,)) for s in segments]
+    bases = np.cumsum([0, *(s.index["sources"].bytes for s in segments)]).tolist()
+    offsets = [mapped(s.index["source_offsets"].file, fmt.OFFSET_DTYPE, (s.count + 1,)) for s in segments]
+    offsets = offsets[0] if len(segments) == 1 else \
+        Column([o[:-1] for o in offsets] + [np.array([bases[-1]], fmt.OFFSET_DTYPE)], bases)
+    fields = {f.name: column([mapped(s.fields[k].file, f.dtype, (s.count, *f.shape)) for s in segments])
+              for k, f in enumerate(manifest.fields)}
+    return labels, sizes, offsets, column(blobs), fields
+
+
+def _read_column(root: Location, manifest: fmt.Manifest, entry_of: Callable, dtype: np.dtype,
+                 absent_zeros: bool = False) -> np.ndarray | None:
+    """One small per-record file of every segment (checksums, decoder warnings), read whole and joined; a
+    segment without it gives zeros (`absent_zeros`: no record of it had a warning), or the answer is None."""
+    pieces = []
+    with _opened(root) as store:
+        for segment in manifest.index_segments:
+            entry = entry_of(segment)
+            if entry is None and not absent_zeros:
+                return None
+            if entry is None:
+                pieces.append(np.zeros(segment.count, dtype))
+                continue
+            data = store.read(entry.file, entry.bytes + 1)
+            if len(data) != segment.count * dtype.itemsize:
+                raise DatasetError(f"{str(root).rstrip('/')}/{entry.file}: file is {len(data)} bytes, the manifest "
+                                   f"says {entry.bytes}; the dataset is damaged")
+            pieces.append(np.frombuffer(data, dtype))
+    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
 
 def read_skipped(root: Location, manifest: fmt.Manifest) -> list[dict[str, str]]:
@@ -345,33 +383,21 @@ def read_skipped(root: Location, manifest: fmt.Manifest) -> list[dict[str, str]]
 def record_checksums(dataset: OpenedDataset) -> np.ndarray:
     """Each record's CRC-32: the dataset's checksums.bin (format 1.3), or computed from its mapped records
     where it has none (what a writer that joins datasets needs for the joined one)."""
-    m, entry = dataset.manifest, dataset.manifest.checksums
-    if entry is None and dataset.records is not None:  # in object storage: its records a bounded piece at a time
+    m = dataset.manifest
+    stored = _read_column(dataset.root, m, lambda s: s.checksums, fmt.CHECKSUM_DTYPE)
+    if stored is not None:
+        return stored
+    if dataset.records is not None:  # in object storage: its records a bounded piece at a time
         step = max(1, VERIFY_PIECE_BYTES // m.record_bytes)
         return np.array([c for first in range(0, m.count, step) for c in fmt.record_checksums(
             dataset.read_records(range(first, min(m.count, first + step))), m.record_bytes)], fmt.CHECKSUM_DTYPE)
-    if entry is None:
-        return np.fromiter((c for shard in dataset.shards for c in fmt.record_checksums(shard, m.record_bytes)),
-                           fmt.CHECKSUM_DTYPE, m.count)
-    with _opened(dataset.root) as store:
-        data = store.read(entry.file, entry.bytes + 1)
-    if len(data) != m.count * fmt.CHECKSUM_DTYPE.itemsize:
-        raise DatasetError(f"{str(dataset.root).rstrip('/')}/{entry.file}: file is {len(data)} bytes, the manifest "
-                           f"says {entry.bytes}; the dataset is damaged")
-    return np.frombuffer(data, fmt.CHECKSUM_DTYPE)
+    return np.fromiter((c for shard in dataset.shards for c in fmt.record_checksums(shard, m.record_bytes)),
+                       fmt.CHECKSUM_DTYPE, m.count)
 
 
 def read_warnings(root: Location, manifest: fmt.Manifest) -> np.ndarray:
     """Each record's count of decoder warnings (format 1.2); zeros for a dataset without the file."""
-    entry = manifest.warnings
-    if entry is None:
-        return np.zeros(manifest.count, fmt.WARNING_DTYPE)
-    with _opened(root) as store:
-        data = store.read(entry.file, entry.bytes + 1)
-    if len(data) != manifest.count * fmt.WARNING_DTYPE.itemsize:
-        raise DatasetError(f"{str(root).rstrip('/')}/{entry.file}: file is {len(data)} bytes, the manifest says "
-                           f"{entry.bytes}; the dataset is damaged")
-    return np.frombuffer(data, fmt.WARNING_DTYPE)
+    return _read_column(root, manifest, lambda s: s.warnings, fmt.WARNING_DTYPE, absent_zeros=True)
 
 
 def check_skip_list(dataset: OpenedDataset) -> None:
@@ -449,15 +475,18 @@ def verify_checksums(root: Location, manifest: fmt.Manifest, progress: Callable[
 
 
 def _stored_checksums(store: DatasetStore, manifest: fmt.Manifest) -> np.ndarray | None:
-    """The records' CRC-32s (1.3), when the file has the size and SHA-256 the manifest says; else None (its own
-    damage is named by its SHA-256)."""
-    entry = manifest.checksums
-    if entry is None:
-        return None
-    data = store.read(entry.file, entry.bytes + 1)
-    if len(data) != entry.bytes or fmt.file_entry(entry.file, data).sha256 != entry.sha256:
-        return None
-    return np.frombuffer(data, fmt.CHECKSUM_DTYPE)
+    """The records' CRC-32s (1.3), when every segment's file has the size and SHA-256 the manifest says; else None
+    (its own damage is named by its SHA-256)."""
+    pieces = []
+    for segment in manifest.index_segments:
+        entry = segment.checksums
+        if entry is None:
+            return None
+        data = store.read(entry.file, entry.bytes + 1)
+        if len(data) != entry.bytes or fmt.file_entry(entry.file, data).sha256 != entry.sha256:
+            return None
+        pieces.append(np.frombuffer(data, fmt.CHECKSUM_DTYPE))
+    return np.concatenate(pieces)
 
 
 def _check_file(store: DatasetStore, entry: fmt.FileEntry, record_bytes: int, crcs: np.ndarray | None, first: int,
