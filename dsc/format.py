@@ -249,7 +249,7 @@ class Segment:
     fields: tuple[FileEntry, ...] = ()
     checksums: FileEntry | None = None
     warnings: FileEntry | None = None
-    class_counts: FileEntry | None = None  # None only in a segment made from a pre-1.5 version's files
+    class_counts: FileEntry | None = None  # None only in the one segment of a version before 1.5
 
     @property
     def files(self) -> list[FileEntry]:
@@ -569,12 +569,15 @@ def class_counts_payload(labels: np.ndarray, classes: int) -> tuple[str, bytes]:
 
 
 def with_segment(manifest: Manifest, class_counts: FileEntry | None, kept: Sequence[Segment] = ()) -> Manifest:
-    """(1.5) `manifest` with its index in segments: `kept` (an earlier version's, records 0 .. c - 1, listed by
+    """(1.5) `manifest` with its index in segments: `kept` (a 1.5 version's, records 0 .. c - 1, listed by
     their names unchanged), then one new segment of the files `manifest` names as its index, fields, checksums
     and decoder warnings, which hold records c .. count - 1 only; `class_counts` is that segment's counts file."""
     first = sum(s.count for s in kept)
-    if kept and (kept[0].first != 0 or any(a.first + a.count != b.first for a, b in zip(kept, kept[1:]))):
-        raise ValueError("kept segments must follow each other from record 0")
+    if kept and (kept[0].first != 0 or any(a.first + a.count != b.first for a, b in zip(kept, kept[1:]))
+                 or any(s.checksums is None or s.class_counts is None for s in kept)):
+        raise ValueError("kept segments must follow each other from record 0, each with its checksums and counts")
+    if manifest.checksums is None or class_counts is None:
+        raise ValueError("a segment has its records' checksums and class counts")
     new = Segment(first, manifest.count - first, dict(manifest.index),
                   tuple(FileEntry(f.file, f.bytes, f.sha256) for f in manifest.fields),
                   manifest.checksums, manifest.warnings, class_counts)
@@ -986,16 +989,13 @@ def _parse_segments(stored: _Stored, doc: dict, count: int, classes: int, fields
         field_files = tuple(_entry(stored, e, f"{where}.fields[{k}] ({f.name})",
                                    n * f.dtype.itemsize * (f.shape[0] if f.shape else 1), newer)
                             for k, (e, f) in enumerate(zip(files, fields)))
-        checksums = None if seg["checksums"] is None else \
-            _entry(stored, seg["checksums"], f"{where}.checksums", n * CHECKSUM_DTYPE.itemsize, newer)
+        checksums = _entry(stored, seg["checksums"], f"{where}.checksums", n * CHECKSUM_DTYPE.itemsize, newer)
         warnings = _entry(stored, seg["warnings"], f"{where}.warnings", n * WARNING_DTYPE.itemsize, newer) \
             if "warnings" in seg else None
-        counts = None
-        if seg["class_counts"] is not None:
-            counts = _entry(stored, seg["class_counts"], f"{where}.class_counts", None, newer)
-            if counts.bytes % COUNT_DTYPE.itemsize or not 1 <= counts.bytes // COUNT_DTYPE.itemsize <= classes + 1:
-                raise _fail(root, f"{where}.class_counts: {counts.bytes} bytes is not {COUNT_DTYPE.itemsize} bytes "
-                                  f"for each of 1 .. {classes + 1} labels (-1 and the dataset's {classes} classes)")
+        counts = _entry(stored, seg["class_counts"], f"{where}.class_counts", None, newer)
+        if counts.bytes % COUNT_DTYPE.itemsize or not 1 <= counts.bytes // COUNT_DTYPE.itemsize <= classes + 1:
+            raise _fail(root, f"{where}.class_counts: {counts.bytes} bytes is not {COUNT_DTYPE.itemsize} bytes "
+                              f"for each of 1 .. {classes + 1} labels (-1 and the dataset's {classes} classes)")
         segments.append(Segment(first, n, index, field_files, checksums, warnings, counts))
         first += n
     if first != count:

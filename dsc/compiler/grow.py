@@ -90,13 +90,16 @@ def lost_every_race(dataset: Path | str, e: Exception) -> CompileError:
 def join_for_append(base: storage.OpenedDataset, new: storage.OpenedDataset, new_classes: bool,
                     whose: list[str]) -> tuple[combine.Joined, tuple[fmt.Segment, ...]]:
     """(1.5) The index version N + 1 writes, and the segments of version N it keeps as they are: every one
-    (the new index holds the new records only), unless a multilabel field gains classes, whose earlier rows
-    would need the new columns: then none (the new index holds every record, one segment, as before 1.5)."""
-    joined = combine.join_index([base, new], new_classes, whose, records_from=1)
-    before = {f.name: f.classes for f in base.manifest.fields if f.kind == "multilabel"}
-    if any(f.kind == "multilabel" and f.classes != before[f.name] for f, _ in joined.fields):
-        return combine.join_index([base, new], new_classes, whose), ()
-    return joined, base.manifest.index_segments
+    (the new index holds the new records only), unless version N is older than 1.5 (its whole-dataset files
+    lack the class counts, perhaps the checksums, a segment has: the upgrade writes them once) or a multilabel
+    field gains classes, whose earlier rows would need the new columns: then none, and the new index holds
+    every record in one segment, as an append did before 1.5."""
+    if base.manifest.segments:
+        joined = combine.join_index([base, new], new_classes, whose, records_from=1)
+        before = {f.name: f.classes for f in base.manifest.fields if f.kind == "multilabel"}
+        if not any(f.kind == "multilabel" and f.classes != before[f.name] for f, _ in joined.fields):
+            return joined, base.manifest.segments
+    return combine.join_index([base, new], new_classes, whose), ()
 
 
 def next_version(root: Path, folder: str, base: storage.OpenedDataset, new: storage.OpenedDataset,

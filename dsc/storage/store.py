@@ -344,7 +344,7 @@ def _map_index(manifest: fmt.Manifest, mapped: Callable) -> tuple:
     bases = np.cumsum([0, *(s.index["sources"].bytes for s in segments)]).tolist()
     offsets = [mapped(s.index["source_offsets"].file, fmt.OFFSET_DTYPE, (s.count + 1,)) for s in segments]
     offsets = offsets[0] if len(segments) == 1 else \
-        Column([o[:-1] for o in offsets] + [np.array([bases[-1]], fmt.OFFSET_DTYPE)], bases)
+        Column([o[:-1] for o in offsets] + [np.array([bases[-1]], fmt.OFFSET_DTYPE)], [*bases[:-1], 0])
     fields = {f.name: column([mapped(s.fields[k].file, f.dtype, (s.count, *f.shape)) for s in segments])
               for k, f in enumerate(manifest.fields)}
     return labels, sizes, offsets, column(blobs), fields
