@@ -233,7 +233,7 @@ def test_prune_keeps_what_kept_versions_need(grown) -> None:
     append(tmp / "ds", b, workers=1)
     append(tmp / "ds", c, workers=1)
     (tmp / "ds" / "notes.txt").write_text("mine")
-    v1_only = {"shards/00002.bin"}  # version 1's partial last shard (1.5: its index is versions 2 and 3's first segment)
+    v1_only = {"shards/00002.bin"}  # version 1's partial last shard (1.5: its index is kept, segment 0)
     result = CliRunner().invoke(app, ["prune", str(tmp / "ds"), "--keep", "2"])
     assert result.exit_code == 0, result.output
     assert "removed 1 version" in result.output

@@ -371,6 +371,15 @@ def _read_column(root: Location, manifest: fmt.Manifest, entry_of: Callable, dty
     return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
 
+def class_counts(root: Location, manifest: fmt.Manifest) -> np.ndarray | None:
+    """(format 1.5) Records per label, -1 first ([K + 1]), from the segments' stored counts, without reading a
+    label; None for a version before 1.5 (count its labels)."""
+    if not manifest.segments:
+        return None
+    with _opened(root) as store:
+        return fmt.class_counts(manifest, store.read, store.root)
+
+
 def read_skipped(root: Location, manifest: fmt.Manifest) -> list[dict[str, str]]:
     """Every skipped source of a dataset: the skip list file's lines (1.1), else the manifest's list."""
     entry = manifest.skipped_list
