@@ -561,10 +561,16 @@ def with_shard_table(manifest: Manifest, name: str, base: Manifest | None = None
     return replace(manifest, shard_tables=tuple(tables)), payload
 
 
-def class_counts_payload(labels: np.ndarray, classes: int) -> tuple[str, bytes]:
-    """(1.5) A segment's class counts file's (file name, bytes): how many of its records carry label -1, then
-    each label 0 .. classes - 1 (`labels` its records' labels)."""
-    counts = np.bincount(np.asarray(labels, np.int64) + 1, minlength=classes + 1)
+def count_labels(labels: np.ndarray, classes: int) -> np.ndarray:
+    """(1.5) How many of `labels` are -1, then each label 0 .. classes - 1 ([classes + 1]), SCAN_ITEMS at a time."""
+    counts = np.zeros(classes + 1, np.int64)
+    for start in range(0, len(labels), SCAN_ITEMS):
+        counts += np.bincount(np.asarray(labels[start:start + SCAN_ITEMS], np.int64) + 1, minlength=classes + 1)
+    return counts
+
+
+def class_counts_payload(counts: np.ndarray) -> tuple[str, bytes]:
+    """(1.5) A segment's class counts file's (file name, bytes), from `count_labels` of its records' labels."""
     return CLASS_COUNTS_FILE, np.ascontiguousarray(counts, COUNT_DTYPE).tobytes()
 
 

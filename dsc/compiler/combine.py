@@ -200,7 +200,7 @@ def runs_of(d: storage.OpenedDataset, first_record: int = 0) -> list[Run]:
     if storage.is_url(d.root):
         from dsc.storage.bucket import Bucket  # the s3 client, imported only for a dataset in a bucket
 
-        bucket, crcs = Bucket(str(d.root)), storage.record_checksums(d) if m.checksums is not None else None
+        bucket, crcs = Bucket(str(d.root)), storage.record_checksums(d) if m.has_checksums else None
         per_shard = m.records_per_shard
         return [Run(None, lo, hi - lo, m.shards[shard].records, m.shards[shard].sha256,
                     partial(bucket.get_range, m.shards[shard].file), bucket.at(m.shards[shard].file),
@@ -331,8 +331,8 @@ def joined_inputs(inputs: list[str | os.PathLike]) -> tuple[list[storage.OpenedD
 
 
 def merged_manifest(stage: Path, first: fmt.Manifest, joined: Joined, shards: list[fmt.ShardEntry]) -> fmt.Manifest:
-    """Write the joined index and (1.4) the shard table into `stage`; the merged dataset's manifest (records
-    shaped as `first`'s)."""
+    """Write the joined index, (1.4) the shard table and (1.5) the class counts of its one index segment into
+    `stage`; the merged dataset's manifest (records shaped as `first`'s)."""
     index, fields, warnings, skip_list = write_index(stage, "", joined)
     checksums = write_checksums(stage, "", joined)
     manifest = fmt.Manifest(height=first.height, width=first.width, count=len(joined.labels),
@@ -340,4 +340,4 @@ def merged_manifest(stage: Path, first: fmt.Manifest, joined: Joined, shards: li
                             shards=tuple(shards), index=index, skipped=tuple(joined.skipped[:fmt.SKIPPED_IN_MANIFEST]),
                             compile=first.compile, fields=fields, skipped_list=skip_list, warnings=warnings,
                             parts=joined.parts, checksums=checksums)
-    return output.write_shard_table(stage, "", manifest)
+    return output.write_segment(stage, "", output.write_shard_table(stage, "", manifest))
