@@ -374,6 +374,15 @@ def test_append_by_label_table_keeps_field_indices_and_widens_new_tags(tmp_path:
         row = {r[0]: r for r in new_rows}[ds.opened.source(i).removeprefix("../src/")]
         assert {names[k] for k in np.flatnonzero(tags[i])} == set(row[2].split(";"))
         assert float(ds.fields["score"][i]) == float(row[3]) and ds.classes[int(ds.labels[i])] == row[1]
+    assert len(ds.manifest.segments) == 1  # (1.5) earlier rows gained a column: the index written whole, once
+    append(tmp_path / "ds", tmp_path / "src", labels=_table(tmp_path / "again.csv", rows[:2]), workers=1)
+    again = MemmapDataset(tmp_path / "ds")  # no new tag: a segment of the 2 new records, fields read across both
+    assert [s.count for s in again.manifest.segments] == [8, 2]
+    assert np.array_equal(np.asarray(again.fields["tags"])[:8], tags)
+    for i in (8, 9):  # the new records, in their compile's order
+        row = {r[0]: r for r in rows[:2]}[again.opened.source(i).removeprefix("../src/")]
+        assert {names[k] for k in np.flatnonzero(again.fields["tags"][i])} == set(row[2].split(";"))
+        assert np.take(again.fields["score"], [i, 0]).tolist() == [float(row[3]), float(again.fields["score"][0])]
 
 
 def test_append_carries_its_skips_into_the_skip_list(grown) -> None:
