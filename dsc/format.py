@@ -1207,8 +1207,8 @@ def _parse_fields(stored: _Stored, fields_doc: Any, count: int, newer: bool,
 def check_index(manifest: Manifest, root: Any, values_of: ValuesOf, trusted: int = 0) -> None:
     """Labels in range (a class index, or -1: no label — in a labeled dataset from 1.2 on), source
     offsets rising from 0 to the size of sources.bin, original sizes of at least 1 pixel a side, field
-    values their kind allows, (1.5) each segment's class counts those of its labels: checked piece by
-    piece as `values_of` hands them in, segment by segment, so the cost follows the bytes really stored,
+    values their kind allows: checked piece by piece as `values_of` hands them in, segment by segment (1.5;
+    their class counts: `check_class_counts`), so the cost follows the bytes really stored,
     not what a manifest claims (a 1 KB manifest may claim 2^40 records over sparse files). The first
     `trusted` segments are skipped: a writer's new version keeps them from one already checked."""
     for segment in manifest.index_segments[trusted:]:
@@ -1220,17 +1220,12 @@ def _check_segment(manifest: Manifest, segment: Segment, root: Any, values_of: V
     unlabeled_ok = not k or minor_version(manifest.version) >= 2
     low, high = UNLABELED if unlabeled_ok else 0, k - 1 if k else UNLABELED
     found_low, found_high = high, low
-    counts = np.zeros(k + 1, np.int64)
     for values in values_of(index["labels"].file, LABEL_DTYPE, n):
         found_low, found_high = min(found_low, int(values.min())), max(found_high, int(values.max()))
-        if segment.class_counts is not None and low <= found_low and found_high <= high:
-            counts += np.bincount(values + 1, minlength=k + 1)
     if found_low < low or found_high > high:
         raise DatasetError(f"{_at(root, index['labels'].file)}: labels must lie in [{0 if k else low}, {high}] "
                            f"for {k} classes, found [{found_low}, {found_high}]"
                            + (f"; {UNLABELED} (no label) is allowed too" if k and unlabeled_ok else ""))
-    if segment.class_counts is not None:
-        _check_class_counts(segment, counts, root, values_of)
     previous, rising = None, True
     for values in values_of(index["source_offsets"].file, OFFSET_DTYPE, n + 1):
         joined = values[0] == 0 if previous is None else values[0] >= previous
@@ -1244,8 +1239,18 @@ def _check_segment(manifest: Manifest, segment: Segment, root: Any, values_of: V
         _check_field(replace(spec, file=entry.file), n, root, values_of)
 
 
+def check_class_counts(manifest: Manifest, root: Any, values_of: ValuesOf) -> None:
+    """(1.5) Each segment's stored class counts are its labels' (classes after its K_s count none): a second
+    pass over the labels, made by verification (`dsc verify`), not at every open; labels checked in range first
+    (`check_index`)."""
+    for segment in manifest.segments:
+        counts = np.zeros(len(manifest.classes) + 1, np.int64)
+        for values in values_of(segment.index["labels"].file, LABEL_DTYPE, segment.count):
+            counts += np.bincount(values + 1, minlength=len(counts))
+        _check_class_counts(segment, counts, root, values_of)
+
+
 def _check_class_counts(segment: Segment, counts: np.ndarray, root: Any, values_of: ValuesOf) -> None:
-    """(1.5) A segment's stored class counts are its labels' (classes after its K_s count none)."""
     entry = segment.class_counts
     stored = np.zeros_like(counts)
     at = 0

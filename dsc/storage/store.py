@@ -223,6 +223,13 @@ def _values_of(store: DatasetStore) -> Callable[[str, np.dtype, int], Iterator[n
     return values
 
 
+def _read_values(store: DatasetStore) -> Callable[[str, np.dtype, int], Iterator[np.ndarray]]:
+    """`format.ValuesOf` of a store read whole (an object store's, which verification reads without a cache)."""
+    def values(name: str, dtype: np.dtype, count: int) -> Iterator[np.ndarray]:
+        yield np.frombuffer(store.read(name, count * dtype.itemsize + 1), dtype)[:count]
+    return values
+
+
 def _validated(store: DatasetStore, version: int | None = None) -> fmt.Manifest:
     manifest = read_manifest(store, version)
     fmt.check_index(manifest, store.root, _values_of(store))
@@ -468,6 +475,12 @@ def verify_checksums(root: Location, manifest: fmt.Manifest, progress: Callable[
         holes = [] if _is_remote(store) else _holes(store, manifest)  # objects have no holes; a shard with one
         bad.extend(holes)                                              # is not hashed at all
         crcs = None if holes else _stored_checksums(store, manifest)
+        if not holes:  # (1.5) the segments' class counts against their labels (an open does not count them)
+            try:
+                fmt.check_class_counts(manifest, store.root, _read_values(store) if _is_remote(store)
+                                       else _values_of(store))
+            except DatasetError as e:
+                bad.append(str(e))
         first = 0
         for entry in [] if holes else manifest.files:
             digest, problem = _check_file(store, entry, manifest.record_bytes, crcs, first, progress)
