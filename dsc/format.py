@@ -1,4 +1,4 @@
-"""The dsc dataset format, version 1.4: the only module that knows the on-disk layout.
+"""The dsc dataset format, version 1.5: the only module that knows the on-disk layout.
 
 The contract is ``formats.md`` at the repository root; this module uses the same
 names for the same things. In short::
@@ -15,6 +15,7 @@ names for the same things. In short::
       warnings.bin          (1.2, only when a record has one) uint16 LE [count] decoder warnings per record
       checksums.bin         (1.3, optional) uint32 LE [count]: CRC-32 of each record's bytes
       shard_table.bin       (1.4) each shard's SHA-256, 32 raw bytes a shard (`with_shard_table`, `ShardList`)
+      class_counts.bin      (1.5) int64 LE [K + 1]: a segment's records labeled -1, then each class
       versions/00000002.json (1.3) the manifest of version 2 (an append), committed create-only
       appends/<16 hex>/...  (1.3) the files an append wrote (its shards, a new index), named by its versions
       builds/<16 hex>/...   (1.3, object storage) the files a compile into a bucket wrote, same names
@@ -29,6 +30,11 @@ commits its build (`builds/<tag>/`) the same way; with --force as version N+1, a
 Shard tables (1.4): the manifest no longer lists the shards (~150 bytes each: 60 MB at 400k
 shards, parsed by every process); its `shard_tables` say which folder holds each run of shards and
 which rows of a table file hold their SHA-256s, and `ShardList` makes a shard's entry when asked.
+
+Index segments (1.5): the per-record files (index, fields, checksums, warnings) are listed by `segments`, each
+those of one run of records with its class counts (`Segment`, `with_segment`), so an append writes a segment
+of its new records and lists the earlier ones unchanged; a version before 1.5 is one segment
+(`Manifest.index_segments`).
 
 The manifest (formats.md, "manifest.json") names every other file with its size and SHA-256,
 and (1.2) carries its own SHA-256, taken with that value as 64 '0's (`sealed`, `seal_problem`);
