@@ -211,7 +211,7 @@ def test_an_append_checks_only_its_own_segment(grown: Path, monkeypatch) -> None
 
         def spy(name, dtype, count):
             if checking:
-                read.append(name)
+                read.append((name, count))
             return values(name, dtype, count)
         return spy
 
@@ -224,4 +224,6 @@ def test_an_append_checks_only_its_own_segment(grown: Path, monkeypatch) -> None
     monkeypatch.setattr(storage.store, "_values_of", spying)
     monkeypatch.setattr(storage, "check_manifest_text", check)
     append(ds, grown / "b", workers=1)
-    assert read and all(name.startswith(f"{fmt.APPENDS_DIR}/") for name in read), read
+    labels = [count for name, count in read if name.endswith(f"/{fmt.LABELS_FILE}")]
+    assert labels == [2], read  # the 2 new records' labels only, not the 12 version 1 holds
+    assert all(name.startswith(f"{fmt.APPENDS_DIR}/") for name, _ in read), read
