@@ -22,6 +22,7 @@ from dsc.compiler.merge import merge
 from dsc.compiler.pipeline import compile_folder
 from dsc.errors import ChecksumError, DatasetError
 from dsc.reader.dataset import MemmapDataset
+from dsc.storage.columns import Column
 
 from conftest import make_folder, rewrite_manifest, whole_index_doc
 
@@ -102,6 +103,28 @@ def test_every_version_reads_exactly_after_appends_and_readers_see_one_index(gro
     assert batch["label"].tolist() == labels.tolist()
     assert batch["size"].tolist() == [r[2] for r in contents(latest)]
     storage.verify_checksums(ds, latest.manifest)
+
+
+def test_a_batch_reads_only_its_records_of_the_segments_never_the_joined_column(grown: Path, monkeypatch) -> None:
+    """np.take, a slice, an item and the loader's gather read the maps they touch: a Column is never joined whole
+    (that would cost a copy of the index per batch)."""
+    ds = grown / "ds"
+    append(ds, grown / "b", workers=1)
+    latest = MemmapDataset(ds)
+    labels = np.asarray(latest.opened.labels)
+    sizes = np.asarray(latest.opened.sizes)
+
+    def joined(self, dtype=None, copy=None):
+        raise AssertionError("the whole column was joined")
+    monkeypatch.setattr(Column, "__array__", joined)
+    idx = np.array([13, 2, 12])
+    assert np.take(latest.opened.labels, idx).tolist() == labels[idx].tolist()
+    assert np.take(latest.opened.sizes, idx, axis=0).tolist() == sizes[idx].tolist()
+    assert latest.opened.labels[12].tolist() == labels[12]
+    assert latest.opened.sizes[10:14].tolist() == sizes[10:14].tolist()
+    assert latest.opened.source(13) == MemmapDataset(ds).opened.source(13)
+    batch = next(iter(latest.loader(batch_size=14, order="sequential")))
+    assert batch["label"].tolist() == labels.tolist() and batch["size"].tolist() == sizes.tolist()
 
 
 def test_stored_class_counts_are_what_info_prints_and_sum_every_segment(grown: Path) -> None:

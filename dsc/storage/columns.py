@@ -75,10 +75,15 @@ class Column(NDArrayOperatorsMixin):
             out[at] = self._piece(k, index[at] - int(self.starts[k]))
         return out
 
-    def take(self, indices, axis: int = 0) -> np.ndarray:
-        if axis != 0:
-            return np.take(np.asarray(self), indices, axis)
-        return self._take(np.asarray(indices))
+    def take(self, indices, axis: int | None = None, out: np.ndarray | None = None, mode: str = "raise") -> np.ndarray:
+        """`np.take` calls this (axis None: of the flattened values, the rows themselves for one column)."""
+        if mode != "raise" or not (axis == 0 or axis is None and self.ndim == 1):
+            return np.take(np.asarray(self), indices, axis, out, mode)
+        taken = self._take(np.asarray(indices))
+        if out is None:
+            return taken
+        out[...] = taken
+        return out
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         joined = self._range(0, len(self))
