@@ -92,8 +92,9 @@ def onto(args, sources: list[str], tmp: Path, options: dict) -> list[tuple[int, 
     if not args.onto:
         return []
     add = sources[:args.add]
-    compile_folder(link_tree(args.corpus, sources[-10:], tmp / "few"), tmp / "few_ds", **options)
-    compile_options = storage.parse_manifest(tmp / "few_ds").compile
+    few = tmp / "few"  # a folder of its own: no sibling dataset whose classes it would be compared with
+    compile_folder(link_tree(args.corpus, sources[-10:], few / "src"), few / "ds", **options)
+    compile_options = storage.parse_manifest(few / "ds").compile
     results = []
     for count in args.onto:
         base = tmp / f"onto-{count}"
