@@ -475,12 +475,6 @@ def verify_checksums(root: Location, manifest: fmt.Manifest, progress: Callable[
         holes = [] if _is_remote(store) else _holes(store, manifest)  # objects have no holes; a shard with one
         bad.extend(holes)                                              # is not hashed at all
         crcs = None if holes else _stored_checksums(store, manifest)
-        if not holes:  # (1.5) the segments' class counts against their labels (an open does not count them)
-            try:
-                fmt.check_class_counts(manifest, store.root, _read_values(store) if _is_remote(store)
-                                       else _values_of(store))
-            except DatasetError as e:
-                bad.append(str(e))
         first = 0
         for entry in [] if holes else manifest.files:
             digest, problem = _check_file(store, entry, manifest.record_bytes, crcs, first, progress)
@@ -490,6 +484,12 @@ def verify_checksums(root: Location, manifest: fmt.Manifest, progress: Callable[
             if problem:
                 bad.append(problem)
             first += getattr(entry, "records", 0)
+        if not holes:  # (1.5) the segments' class counts against their labels (an open does not count them)
+            try:
+                fmt.check_class_counts(manifest, store.root, _read_values(store) if _is_remote(store)
+                                       else _values_of(store))
+            except DatasetError as e:
+                bad.append(str(e))
     if bad:
         error = ChecksumError("\n".join(bad))
         error.problems = bad
