@@ -1,15 +1,18 @@
 """Compile into a bucket vs compile into a folder: the same corpus, the same machine, one run.
 
-    python benchmarks/compile_s3_bench.py CORPUS [--images 1000] [--size 224] [--workers 2]
-                                          [--server ministack|moto | --endpoint URL]
+    python benchmarks/compile_s3_bench.py CORPUS [--images 1000] [--size 224] [--workers 2] [--repeat 1]
+                                          [--other-dsc CHECKOUT] [--server ministack|moto | --endpoint URL]
 
 CORPUS is any ImageFolder tree (`python benchmarks/corpus.py /tmp/corpus` makes one). The compile
-runs twice, each in a fresh process (so neither inherits the other's imports or S3 client): into a
-local folder, then into `s3://dsc-bench/compiled` on a loopback S3 server (MiniStack by default, in a
-process of its own: `s3_servers.py`). The second has no local output at all: workers write chunk
-objects, then assemble the shards from them, and the driver commits the manifest. Prints both times
-and their ratio (target: the bucket compile at >= 0.8x the folder compile's speed), and checks that
-every object holds the bytes of the folder's file of the same name.
+runs in a fresh process each time (so none inherits another's imports or S3 client): into a local
+folder, then into `s3://dsc-bench/...` on a loopback S3 server (MiniStack by default, in a process of
+its own: `s3_servers.py`), `--repeat` rounds alternating; `--other-dsc` adds, in each round, the bucket
+compile of another dsc source tree (an A/B in one session, on one server, under the same load). The
+bucket compile has no local output at all: workers write chunk objects, the server composes the shards
+from them, and the driver commits the manifest. Prints the best time of each and their ratio (target:
+the bucket compile at >= 0.8x the folder compile's speed), the bytes each bucket compile's client
+uploaded per record (an untimed run through a counting relay: independent of the machine's load), and
+checks that every object holds the bytes of the folder's file of the same name.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compile_bench import link_tree, pick_sources  # noqa: E402
-from s3_servers import Server  # noqa: E402
+from s3_servers import CountingRelay, Server  # noqa: E402
 
 BUCKET = "dsc-bench"
 RUN = """
@@ -39,12 +42,20 @@ print(json.dumps({"seconds": time.perf_counter() - started, "kept": s.kept}))
 
 
 def timed_compile(src: Path, out: str, size: int, workers: int, env: dict[str, str]) -> dict:
-    """One compile in a fresh process: its own wall time, from the call to the return (start-up excluded)."""
+    """One compile in a fresh process: its own wall time, from the call to the return (start-up excluded). It
+    runs in SRC's parent folder: `python -c` would import a dsc found in the current folder first."""
     run = subprocess.run([sys.executable, "-c", RUN, str(src), out, str(size), str(workers)], env=env,
-                         capture_output=True, text=True, check=False)
+                         cwd=src.parent, capture_output=True, text=True, check=False)
     if run.returncode != 0:
         raise SystemExit(f"compile into {out} failed: {run.stderr.strip()[-2000:]}")
     return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def with_dsc(env: dict[str, str], tree: Path | None) -> dict[str, str]:
+    """`env` whose python imports dsc from source tree `tree` (a checkout holding `dsc/`), when given."""
+    if tree is None:
+        return env
+    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(tree.resolve()), env.get("PYTHONPATH")]))}
 
 
 def same_bytes(local: Path, url: str) -> int:
@@ -66,31 +77,59 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=1000)
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=1, help="rounds of the compiles, alternating; best of each")
+    parser.add_argument("--other-dsc", type=Path, help="a dsc source tree (e.g. a checkout of main) whose bucket "
+                        "compile runs in each round too, for an A/B in one session")
     parser.add_argument("--server", choices=("ministack", "moto"), default="ministack")
     parser.add_argument("--endpoint", help="an S3 endpoint already running on loopback, instead of --server")
     parser.add_argument("--cache", type=Path, default=Path(os.environ.get("DSC_BENCH_CACHE", "~/.cache/dsc/s3-bench")),
                         help="where MiniStack's environment is kept")
     args = parser.parse_args()
+    if args.repeat < 1:
+        parser.error("--repeat: one round at least")
+    kinds = ["folder", "bucket"] + (["other"] if args.other_dsc else [])
+    times: dict[str, list[float]] = {kind: [] for kind in kinds}
+    uploaded: dict[str, int] = {}
     with tempfile.TemporaryDirectory(prefix="dsc-compile-s3-") as tmp:
         work = Path(tmp)
         src = link_tree(args.corpus.resolve(), pick_sources(args.corpus.resolve(), args.images), work / "src")
         server = Server(args.server, args.cache.expanduser(), args.endpoint)
+        relay = None
         try:
             os.environ.update(server.env)
             server.create_bucket(BUCKET)
             env = {**os.environ, "DSC_CACHE_DIR": str(work / "cache")}
-            folder = timed_compile(src, str(work / "out"), args.size, args.workers, env)
-            url = f"s3://{BUCKET}/compiled-{int(time.time())}"
-            bucket = timed_compile(src, url, args.size, args.workers, env)
-            differ = same_bytes(work / "out", url)
+            envs = {"folder": env, "bucket": env, "other": with_dsc(env, args.other_dsc)}
+            for k in range(args.repeat):
+                for kind in kinds:
+                    out = str(work / f"out{k}") if kind == "folder" else f"s3://{BUCKET}/{kind}-{k}-{time.time_ns()}"
+                    done = timed_compile(src, out, args.size, args.workers, envs[kind])
+                    times[kind].append(done["seconds"])
+                    if kind == "bucket" and k == 0:
+                        n, url = done["kept"], out
+            differ = same_bytes(work / "out0", url)
+            relay = CountingRelay(server.endpoint)  # untimed runs: what each client sent, counted outside it
+            for kind in kinds[1:]:
+                relay.uploaded = 0
+                timed_compile(src, f"s3://{BUCKET}/counted-{kind}-{time.time_ns()}", args.size, args.workers,
+                              {**envs[kind], "AWS_ENDPOINT_URL": relay.endpoint})
+                uploaded[kind] = relay.uploaded
         finally:
+            if relay is not None:
+                relay.close()
             server.stop()
-    n = folder["kept"]
-    print(f"{n} images of {args.corpus} at {args.size}x{args.size}, {args.workers} workers, S3 server: {server.kind}")
-    print(f"into a folder:  {folder['seconds']:6.2f} s ({n / folder['seconds']:6.0f} images/s)")
-    print(f"into a bucket:  {bucket['seconds']:6.2f} s ({n / bucket['seconds']:6.0f} images/s)")
-    ratio = folder["seconds"] / bucket["seconds"]
-    print(f"bucket / folder speed: {ratio:.2f}x (target >= 0.8x): {'met' if ratio >= 0.8 else 'NOT met'}")
+    record = args.size * args.size * 3
+    print(f"{n} images of {args.corpus} at {args.size}x{args.size}, {args.workers} workers, S3 server: {server.kind}, "
+          f"{args.repeat} round(s), load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    names = {"folder": "into a folder", "bucket": "into a bucket", "other": f"bucket, {args.other_dsc}"}
+    for kind in kinds:
+        best = min(times[kind])
+        rounds = " ".join(f"{t:.2f}" for t in times[kind])
+        line = f"{names[kind]}: best {best:6.2f} s ({n / best:6.0f} images/s); rounds: {rounds}"
+        if kind != "folder":
+            line += (f"; bucket / folder speed {min(times['folder']) / best:.2f}x (target >= 0.8x); uploaded "
+                     f"{uploaded[kind] / n / record:.2f} records' bytes per record")
+        print(line)
     print(f"objects whose bytes differ from the folder's files: {differ}")
 
 

@@ -10,7 +10,8 @@
 
 Every address is 127.0.0.1 (or the loopback URL given); nothing else is ever contacted.
 `CountingRelay` forwards TCP connections to an endpoint and counts the bytes the server sent
-(answers, HTTP headers included): what a cache really fetched, measured outside the client.
+(answers, HTTP headers included): what a cache really fetched, measured outside the client; and the
+bytes the clients sent (requests, headers included): what a compile into a bucket really uploaded.
 """
 
 from __future__ import annotations
@@ -157,12 +158,13 @@ def ministack_python(cache: Path) -> Path:
 
 
 class CountingRelay:
-    """A TCP relay on 127.0.0.1 to an upstream endpoint; `served` counts the bytes upstream sent."""
+    """A TCP relay on 127.0.0.1 to an upstream endpoint; `served` counts the bytes upstream sent, `uploaded`
+    those the clients sent."""
 
     def __init__(self, upstream: str) -> None:
         parts = urlsplit(upstream)
         self.upstream = (parts.hostname, parts.port)
-        self.served, self._lock = 0, threading.Lock()
+        self.served, self.uploaded, self._lock = 0, 0, threading.Lock()
         self.listener = socket.create_server((HOST, 0))
         self.endpoint = f"http://{HOST}:{self.listener.getsockname()[1]}"
         self._stop = threading.Event()
@@ -200,9 +202,11 @@ class CountingRelay:
                 if not n:
                     break
                 dst.sendall(memoryview(buf)[:n])
-                if count:
-                    with self._lock:
+                with self._lock:
+                    if count:
                         self.served += n
+                    else:
+                        self.uploaded += n
         except OSError:
             pass
         finally:

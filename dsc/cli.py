@@ -420,7 +420,8 @@ def merge_command(
         raise typer.BadParameter("give at least two datasets and the output", param_hint="A B [C ...] OUT")
     *inputs, out = datasets
     try:
-        s = merge(inputs, out, force=force)
+        with _log_lines(lambda line: typer.echo(f"warning: {_clean(line)}", err=True)):
+            s = merge(inputs, out, force=force)
     except DscError as e:
         _fail(str(e))
     reused = sum(h != "copy" for h in s.shard_files)
@@ -439,9 +440,11 @@ def prune_command(
     """Delete the old versions of a dataset and the files no kept version uses (only files dsc made)."""
     from dsc.compiler.versions import prune
 
-    s = _versioned_command(lambda: prune(dataset, keep), dataset)
-    typer.echo(f"kept version(s) {s.kept[0]}" + (f" to {s.kept[-1]}" if len(s.kept) > 1 else "")
-               + f" of {dataset}; removed {_count(len(s.removed_versions), 'version')} and "
+    with _log_lines(lambda line: typer.echo(f"warning: {_clean(line)}", err=True)):
+        s = _versioned_command(lambda: prune(dataset, keep), dataset)
+    kept = (f"kept version(s) {s.kept[0]}" + (f" to {s.kept[-1]}" if len(s.kept) > 1 else "") if s.kept
+            else "no dataset yet (only partial builds)")
+    typer.echo(f"{kept} of {dataset}; removed {_count(len(s.removed_versions), 'version')} and "
                f"{_count(len(s.removed_files), 'file')} ({_human_bytes(s.bytes_freed)})")
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from dsc import fits
-from dsc.arguments import is_int
+from dsc.arguments import check_bool, is_int
 from dsc.transforms import Transform, _check_batch, _check_sizes, _memory_format, _resample, _size
 
 
@@ -30,9 +30,7 @@ def _short_side(value: object, who: str) -> int:
 
 
 def _flag(value: object, who: str) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{who} allow_stretched must be True or False, got {value!r}")
-    return value
+    return check_bool(f"{who} allow_stretched", value)
 
 
 def resized_shape(height: torch.Tensor | int, width: torch.Tensor | int, short: int):

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from dsc import fits
-from dsc.arguments import is_int
+from dsc.arguments import check_bool, is_int
 from dsc.boxes import BoxDraws, BoxParams, boxes, draws, map_boxes
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -314,8 +314,7 @@ class RandomResizedCrop(RandomTransform):
         self.size = _size(size, "RandomResizedCrop")
         self.scale, self.ratio = _range(scale, "scale"), _range(ratio, "ratio")
         for name, value in (("original_sizes", original_sizes), ("antialias", antialias)):
-            if not isinstance(value, bool):
-                raise ValueError(f"RandomResizedCrop {name} must be True or False, got {value!r}")
+            check_bool(f"RandomResizedCrop {name}", value)
         if interpolation not in INTERPOLATIONS:
             raise ValueError(f"RandomResizedCrop interpolation must be one of {INTERPOLATIONS}, got {interpolation!r}")
         self.original_sizes, self.interpolation, self.antialias = original_sizes, interpolation, antialias

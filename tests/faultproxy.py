@@ -2,8 +2,9 @@
 network and an overloaded or dying object store do to a client, made on demand.
 
 It listens on 127.0.0.1 (a port the kernel picks) and forwards each request to one upstream
-endpoint, which must be on loopback too. Every request it receives is recorded (method, path and
-what it did with it), so a test counts retries at the server side, not by the client's word.
+endpoint, which must be on loopback too. Every request it receives is recorded (method, path, its body's
+size and what it did with it), so a test counts retries and uploaded bytes at the server side, not by
+the client's word.
 
 Faults apply to the next requests of `method` (GET unless told) whose path contains `match` (any
 path when empty):
@@ -11,7 +12,9 @@ path when empty):
 - `drop(n)`: forward, send the headers and half the body, then cut the connection;
 - `delay(seconds, n)`: wait that long before answering (the client may give up first);
 - `kill_mid_response()`: send half a body, then close the listening socket and every open
-  connection (a server killed mid-epoch); `restart()` listens again on the same port.
+  connection (a server killed mid-epoch); `restart()` listens again on the same port;
+- `hold(n)`: keep the next n from the server until `release()` (at most HOLD_LIMIT_S): a writer stopped
+  at a chosen request while another one goes on.
 Standard library only; every loop is bounded (the handler's keep-alive loop by a socket timeout).
 """
 
@@ -30,6 +33,7 @@ from urllib.parse import urlsplit
 HOST = "127.0.0.1"
 IDLE_S = 30  # a kept-alive connection idle this long is closed (its thread ends)
 UPSTREAM_TIMEOUT_S = 30
+HOLD_LIMIT_S = 60  # a held request goes on after this even if never released
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "te", "trailer", "upgrade"}
 SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
              b"<Message>Please reduce your request rate.</Message><RequestId>faultproxy</RequestId></Error>")
@@ -37,7 +41,7 @@ SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Co
 
 @dataclass
 class Fault:
-    kind: str  # "slow_down", "drop", "delay", "kill"
+    kind: str  # "slow_down", "drop", "delay", "kill", "hold"
     count: int  # requests left to hit
     match: str = ""
     seconds: float = 0.0
@@ -49,6 +53,7 @@ class Seen:
     method: str
     path: str
     action: str  # "forwarded", or the fault's kind
+    sent: int = 0  # bytes of the request's body: what the client uploaded
 
 
 class FaultProxy:
@@ -61,6 +66,7 @@ class FaultProxy:
         self.upstream = (parts.hostname, parts.port)
         self.lock = threading.Lock()
         self.faults: list[Fault] = []
+        self.released = threading.Event()
         self.seen: list[Seen] = []
         self.connections: set[socket.socket] = set()
         self.port = 0
@@ -126,6 +132,14 @@ class FaultProxy:
     def kill_mid_response(self, match: str = "", method: str = "GET") -> None:
         self._add(Fault("kill", 1, match, method=method))
 
+    def hold(self, n: int, match: str = "", method: str = "GET") -> None:
+        self.released.clear()
+        self._add(Fault("hold", n, match, method=method))
+
+    def release(self) -> None:
+        """Let the held requests (and any later one a hold catches) go on to the server."""
+        self.released.set()
+
     def clear(self) -> None:
         with self.lock:
             self.faults.clear()
@@ -136,13 +150,18 @@ class FaultProxy:
             return sum(1 for s in self.seen if (method is None or s.method == method) and contains in s.path
                        and (action is None or s.action == action))
 
+    def sent(self, method: str | None = None, contains: str = "") -> int:
+        """Bytes of the bodies of the requests received so far (of `method`, whose path contains `contains`)."""
+        with self.lock:
+            return sum(s.sent for s in self.seen if (method is None or s.method == method) and contains in s.path)
+
     def _add(self, fault: Fault) -> None:
         if fault.count < 1:
             raise ValueError("a fault hits at least one request")
         with self.lock:
             self.faults.append(fault)
 
-    def _take(self, method: str, path: str) -> Fault | None:
+    def _take(self, method: str, path: str, sent: int = 0) -> Fault | None:
         """The fault for this request (its count used up by one), and the request recorded."""
         with self.lock:
             hit = next((f for f in self.faults if f.match in path and f.method == method), None)
@@ -150,7 +169,7 @@ class FaultProxy:
                 hit.count -= 1
                 if hit.count == 0:
                     self.faults.remove(hit)
-            self.seen.append(Seen(method, path, hit.kind if hit else "forwarded"))
+            self.seen.append(Seen(method, path, hit.kind if hit else "forwarded", sent))
             return hit
 
 
@@ -197,12 +216,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _serve(self) -> None:
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        fault = self.owner._take(self.command, self.path)
+        fault = self.owner._take(self.command, self.path, len(body))
         if fault is not None and fault.kind == "slow_down":
             self._answer(503, [("Content-Type", "application/xml")], SLOW_DOWN, len(SLOW_DOWN))
             return
         if fault is not None and fault.kind == "delay":
             time.sleep(fault.seconds)
+        if fault is not None and fault.kind == "hold":
+            self.owner.released.wait(HOLD_LIMIT_S)
         status, headers, data = self._forward(body)
         if fault is not None and fault.kind in ("drop", "kill"):
             self._answer(status, headers, data[: len(data) // 2], len(data))  # promises all, sends half

@@ -22,9 +22,18 @@ from dsc.reader import progress, sampling
 
 
 def naive_first_round(epoch: progress.Epoch, split: progress.Split) -> tuple[np.ndarray, np.ndarray]:
-    """Every rank's share of the epoch's first round (rows), and the sequence they are cut from."""
+    """Every rank's share of the epoch's first round (rows), and the sequence they are cut from: under
+    locality="shard", every rank's group in its order, in rank order (since `ORDER_VERSION` 3; in record order
+    before, which made what drop_last cut a function of every group's order)."""
     if split.locality is not None:
-        return epoch.shard_round(split)
+        args = (epoch.count, epoch.records_per_shard, epoch.seed, epoch.epoch)
+        shares = [orders.shard_share(*args, r, split.world_size, split.batch_size, split.drop_last)
+                  for r in range(split.world_size)]
+        units, group_of = orders.shard_groups(epoch.count, epoch.records_per_shard, split.world_size)
+        groups = [orders.shard_group(r, split.world_size, epoch.seed, epoch.epoch) for r in range(split.world_size)]
+        owns = [orders.group_records(units, group_of, g) for g in groups]
+        owns = [own[orders.block(len(own), epoch.seed, epoch.epoch, stream=(g,))] for own, g in zip(owns, groups)]
+        return np.array(shares, dtype=np.int64).reshape(split.world_size, -1), np.concatenate(owns)
     if epoch.sampling is not None:
         base = np.arange(epoch.positions(split))
     else:
@@ -122,6 +131,23 @@ def test_what_a_resumed_rank_serves_is_what_the_arrays_gave(case, data) -> None:
     assert progress.cut_off(epoch, rounds, live, batches) == naive_cut_off(epoch, rounds, live, batches)
 
 
+def test_a_share_served_in_small_chunks_is_the_whole_share(monkeypatch) -> None:
+    """A resumed share is computed a chunk at a time, and a chunk of a locality round's rest stops after
+    `ShardRest.SEGMENTS` groups: served batch by batch with chunks of 1 to 3 groups and 5 positions, it is
+    what the arrays give."""
+    monkeypatch.setattr(orders, "CHUNK", 5)
+    for segments in (1, 3):
+        monkeypatch.setattr(orders.ShardRest, "SEGMENTS", segments)
+        for n, per_shard, world, drop_last in ((50, 3, 4, True), (50, 3, 4, False), (37, 10, 6, True)):
+            epoch = progress.Epoch(n, "block", 2, 1, per_shard)
+            done = [progress.Round(progress.Split(world, 2, drop_last, "shard"), 1)]
+            for live in (progress.Split(2, 3, False), progress.Split(world, 1, drop_last)):
+                for rank in range(live.world_size):
+                    share = progress.remaining_share(epoch, done, live, rank)
+                    pieces = [share[a:a + live.batch_size] for a in range(0, len(share), live.batch_size)]
+                    np.testing.assert_array_equal(np.concatenate(pieces), naive_share(epoch, done, live, rank))
+
+
 N = 1 << 24  # records: an int64 array of every one is 128 MiB
 
 
@@ -181,8 +207,9 @@ def test_resuming_on_the_saved_split_replays_nothing(tmp_path, monkeypatch) -> N
 
         with monkeypatch.context() as patch:
             patch.setattr(progress, "replay", replayed)
-            patch.setattr(progress.Epoch, "shard_round", replayed, raising=False)
-            patch.setattr(progress.Epoch, "first_round", replayed, raising=False)  # its name before
+            patch.setattr(progress.Epoch, "shard_rest", replayed, raising=False)
+            patch.setattr(progress.Epoch, "shard_round", replayed, raising=False)  # its name before
+            patch.setattr(progress.Epoch, "first_round", replayed, raising=False)  # its first name
             resumed = ds.loader(2, seed=3, world_size=2, rank=1, **options)
             resumed.load_state_dict(state)
             assert [b["index"].tolist() for b in resumed] == rest

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import warnings
 
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 import dsc
-from dsc.reader import MemmapDataset
+from dsc.reader import MemmapDataset, progress
 from dsc.reader import order as orders
 from dsc.reader.reference import reference_batches
 from dsc.testing import make_image_folder
@@ -248,3 +249,77 @@ def test_the_loader_warns_when_drop_last_leaves_out_more_than_5_percent(tmp_path
         for ds, drop_last in ((even, True), (uneven, False)):
             loader = ds.loader(1, order="block", locality="shard", rank=1, world_size=2, drop_last=drop_last, seed=0)
             epoch_indices(loader)
+
+
+# ----------------------------------------------------------------------------- at a huge world size (issue 27)
+
+def heap_deal(sizes: np.ndarray, world: int) -> np.ndarray:
+    """The rule as written (module docstring of `order`), one unit at a time: dsc 0.4's loop."""
+    heap = [(0, g) for g in range(world)]
+    group_of = np.empty(len(sizes), dtype=np.int64)
+    for u in np.argsort(-sizes, kind="stable"):
+        load, g = heapq.heappop(heap)
+        group_of[u] = g
+        heapq.heappush(heap, (load + int(sizes[u]), g))
+    return group_of
+
+
+def test_units_are_dealt_as_the_rule_says_a_run_of_equal_sizes_at_a_time() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(500):  # any sizes, many ties
+        world = int(rng.integers(1, 20))
+        sizes = rng.integers(1, 6, size=int(rng.integers(1, 60)))
+        assert np.array_equal(orders.deal(sizes, world), heap_deal(sizes, world))
+    for n, per_shard, world in ((100, 7, 16), (1000, 3, 400), (5000, 64, 3000), (99_999, 1000, 77)):
+        units, group_of = orders.shard_groups(n, per_shard, world)
+        assert np.array_equal(group_of, heap_deal(np.diff(units), world))
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_a_resume_at_2_16_ranks_orders_only_the_groups_it_serves(monkeypatch, drop_last: bool) -> None:
+    """2^24 records over 2^16 ranks, saved after one batch, resumed on another batch size and on 8 ranks: the
+    last rank's first batch orders at most `ShardRest.SEGMENTS` groups (+1 for the group its share begins in)
+    and holds no array of the epoch. Before, the replay ordered every rank's group (65,536 block orders,
+    16 s) and queued the whole epoch (several arrays of 2^24 int64)."""
+    from test_lazy_resume import _first_batch, _peak  # the loader's own path to a resumed first batch
+
+    n, world = 1 << 24, 1 << 16
+    epoch = progress.Epoch(n, "block", 3, 1, 1024)
+    saved = progress.Round(progress.Split(world, 8, drop_last, "shard"), 1)
+    real, streams = orders.block_windows, set()
+
+    def counted(size, seed, epoch, block_records=orders.BLOCK_RECORDS, stream=()):
+        streams.add(stream)
+        return real(size, seed, epoch, block_records, stream)
+
+    monkeypatch.setattr(orders, "block_windows", counted)
+    for live in (progress.Split(world, 4, drop_last), progress.Split(8, 8, drop_last)):
+        streams.clear()
+        assert _peak(_first_batch, epoch, [saved], live) < n * 8
+        assert 1 <= len(streams) <= orders.ShardRest.SEGMENTS + 1
+        assert _peak(progress.cut_off, epoch, [saved], live, 10) < n * 8
+
+
+def test_a_state_of_order_version_2_with_drop_last_is_refused_where_its_order_changed(datasets) -> None:
+    """What a locality="shard" round with drop_last=True leaves out comes in rank order since order_version 3
+    (record order before: every group's order to compute it). A version-2 state whose round is replayed is
+    refused, saying how to go on; on its own split the round goes on, unchanged; drop_last=False is unchanged."""
+    ds = datasets[2]
+    options = dict(order="block", locality="shard", seed=9, rank=1, world_size=3)
+    first = ds.loader(2, drop_last=True, **options)
+    it = iter(first)
+    next(it)
+    state = {**first.state_dict(), "order_version": 2}
+    rest = [b["index"].tolist() for b in it]
+    with pytest.raises(ValueError, match=r"middle of epoch 0 .* left what drop_last cut in record order \(order_"
+                                         r"version 2\); .* To continue, resume on the split that saved it "
+                                         r"\(world_size=3, batch_size=2, drop_last=True, locality='shard'"):
+        ds.loader(3, drop_last=True, **options).load_state_dict(state)
+    same = ds.loader(2, drop_last=True, **options)
+    same.load_state_dict(state)
+    assert [b["index"].tolist() for b in same] == rest
+    plain = ds.loader(2, drop_last=False, **options)
+    it = iter(plain)
+    next(it)
+    state = {**plain.state_dict(), "order_version": 2}
+    ds.loader(3, drop_last=False, **options).load_state_dict(state)  # the same order in both versions: loads

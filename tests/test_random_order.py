@@ -44,7 +44,7 @@ def test_any_positions_alone_are_those_of_the_whole_order(order: str, monkeypatc
     for start, stop in ((0, n), (999, 1001), (1234, 4321), (4000, n + 2500)):
         expected = np.resize(np.roll(whole, -start), stop - start)  # the order repeated end to end
         assert np.array_equal(orders.order_slice(n, order, 7, 2, start, stop), expected)
-        share = orders.LazyShare(n, order, 7, 2, start, stop)
+        share = orders.LazyShare(orders.EpochOrder(n, order, 7, 2), start, stop)
         assert np.array_equal(np.concatenate([share[a:a + 333] for a in range(0, len(share), 333)]), expected)
 
 
@@ -152,7 +152,7 @@ def mid_epoch_state(ds: MemmapDataset, order: str) -> dict:
 
 
 def test_a_state_records_its_order_version(ds: MemmapDataset) -> None:
-    assert ds.loader(3, order="random").state_dict()["order_version"] == orders.ORDER_VERSION == 2
+    assert ds.loader(3, order="random").state_dict()["order_version"] == orders.ORDER_VERSION == 3
 
 
 def test_a_random_order_state_of_version_1_is_refused_mid_epoch(ds: MemmapDataset) -> None:
@@ -174,8 +174,8 @@ def test_a_block_order_state_of_version_1_resumes_exactly(ds: MemmapDataset) -> 
     assert indices(loader) == indices(reference_batches(ds, 3, order="block", seed=1, epoch=1, world_size=2))[6:]
 
 
-@pytest.mark.parametrize("version", [3, 0, "2", True, None])
+@pytest.mark.parametrize("version", [4, 0, "3", True, None])
 def test_an_unknown_order_version_is_refused(ds: MemmapDataset, version) -> None:
     state = {**mid_epoch_state(ds, "block"), "order_version": version}
-    with pytest.raises(ValueError, match=r"order_version must be an integer from 1 to 2"):
+    with pytest.raises(ValueError, match=r"order_version must be an integer from 1 to 3"):
         ds.loader(3, order="block", seed=1, rank=0, world_size=2).load_state_dict(state)

@@ -1,16 +1,19 @@
 """A stalled Ray task is cancelled and its work retried (issue 27, point 3, on Ray): a real `dsc compile
---engine ray` starts its own local Ray instance, and the Ray worker process running a chunk task is
-found among the compile's descendants by its process title (`ray::write_chunk`) and stopped with
-SIGSTOP, as a decoder that never returns or a read from a dead mount would stall it. The compile
-ends anyway: the task is cancelled (Ray kills its worker), another task redoes what it left, and an
-image two tasks stalled on is skipped with a reason; while it waits, the compile names the worker.
+--engine ray` starts its own local Ray instance, and a Ray worker process running a chunk task is
+stopped with SIGSTOP, as a decoder that never returns or a read from a dead mount would stall it
+(`stopping.run_stopping`, shared with the local engine's test). The compile ends anyway: the task is
+cancelled (Ray kills its worker), another task redoes what it left, and an image two tasks stalled on
+is skipped with a reason; while it waits, the compile names the worker. The first test finds its worker
+by its process title (`ray::write_chunk`); the skip test stops whichever worker the compile says waits
+on the pathological image, by the pid it names, so each stop lands on that image whichever task has it.
 Before, `--stall-seconds` was refused with Ray, and a stopped Ray worker stalled the compile for ever.
 """
 
 from __future__ import annotations
 
 import os
-import signal
+import re
+import shutil
 import subprocess
 import sys
 import time
@@ -19,6 +22,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
+from stopping import descendants, gone, run_stopping
+
+from dsc.testing import make_image_folder
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for the worker processes")
@@ -44,20 +50,6 @@ def slow_folder(tmp_path_factory) -> Path:
     return src
 
 
-def _descendants(pid: int) -> list[int]:
-    found, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        try:
-            with open(f"/proc/{parent}/task/{parent}/children") as f:
-                children = [int(p) for p in f.read().split()]
-        except OSError:
-            continue
-        found += children
-        todo += children
-    return found
-
-
 def _running_a_chunk(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -66,42 +58,24 @@ def _running_a_chunk(pid: int) -> bool:
         return False
 
 
+def _ray_compile(src: Path, out: Path, stall_s: float) -> list[str]:
+    """`dsc compile --engine ray` on one CPU (one task at a time), records in discovery order."""
+    return [sys.executable, "-m", "dsc", "compile", str(src), str(out), "--engine", "ray", "--workers", "1",
+            "--stall-seconds", str(stall_s), "--size", "16", "--no-shuffle"]
+
+
 def _compile_stopping(src: Path, out: Path, tasks_to_stop: int) -> tuple[subprocess.CompletedProcess, list[int]]:
-    """`dsc compile --engine ray` on one CPU; SIGSTOP the workers of the first `tasks_to_stop` chunk tasks."""
-    command = [sys.executable, "-m", "dsc", "compile", str(src), str(out), "--engine", "ray", "--workers", "1",
-               "--stall-seconds", str(STALL_S), "--size", "16", "--no-shuffle"]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    stopped: list[int] = []
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while len(stopped) < tasks_to_stop and proc.poll() is None and time.monotonic() < deadline:
-            for pid in _descendants(proc.pid):
-                if pid not in stopped and len(stopped) < tasks_to_stop and _running_a_chunk(pid):
-                    time.sleep(SETTLE_S)
-                    os.kill(pid, signal.SIGSTOP)
-                    stopped.append(pid)
-            time.sleep(0.005)
-        stdout, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-        for pid in stopped:  # the compile had Ray kill them; should it not have, they must not outlive the test
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    assert proc.returncode == 0, stderr
+    """SIGSTOP the workers of the first `tasks_to_stop` chunk tasks, SETTLE_S after each shows up."""
+    def chunk_workers(pid: int, _: list[str]) -> list[int]:
+        found = [p for p in descendants(pid) if _running_a_chunk(p)][:1]
+        if found:
+            time.sleep(SETTLE_S)
+        return found
+
+    done, stopped = run_stopping(_ray_compile(src, out, STALL_S), tasks_to_stop, chunk_workers, TIMEOUT_S)
+    assert done.returncode == 0, done.stderr
     assert len(stopped) == tasks_to_stop
-    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr), stopped
-
-
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1].startswith("Z")  # a zombie: dead, not yet reaped
-    except OSError:
-        return True
+    return done, stopped
 
 
 def test_a_stopped_ray_task_is_cancelled_and_its_work_redone(slow_folder: Path, tmp_path: Path) -> None:
@@ -112,7 +86,7 @@ def test_a_stopped_ray_task_is_cancelled_and_its_work_redone(slow_folder: Path, 
     assert f"made no progress for {STALL_S} s on noise/img_" in done.stderr
     assert "cancelled; another task tries it again" in done.stderr
     assert "skipped" not in done.stderr
-    assert _gone(stopped)  # cancelled: Ray killed the stopped worker
+    assert gone(stopped)  # cancelled: Ray killed the stopped worker
     from dsc.reader import MemmapDataset
     ds = MemmapDataset(tmp_path / "out")
     assert len(ds) == IMAGES
@@ -120,10 +94,59 @@ def test_a_stopped_ray_task_is_cancelled_and_its_work_redone(slow_folder: Path, 
     assert all(np.array_equal(ds[i].image, first) for i in range(IMAGES))  # every record written in full
 
 
+SKIP_STALL_S = 1  # the stall limit of the skip test (the least the CLI takes): said half-way, 0.5-0.75 s after a start
+SLOW = "class_0/img_00_slow.png"  # first in discovery order: a task starts on it
+SLOW_SIDE = 9000  # a PNG this large decodes for 1-4 s: it is still decoding when the driver says it waits on it
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> tuple[Path, Path]:
+    """(a folder of small real images, the same folder with one pathological image in its first class)."""
+    root = tmp_path_factory.mktemp("ray_skip")
+    clean = make_image_folder(root / "clean", classes=2, per_class=3, size=(24, 32))
+    shutil.copytree(clean, root / "src")
+    side = np.arange(SLOW_SIDE, dtype=np.uint16)
+    grey = ((side[:, None] + side[None, :]) % 256).astype(np.uint8)  # a 2 MB file, 243 MB of pixels
+    Image.fromarray(np.stack([grey, grey[:, ::-1], grey.T], -1)).save(root / "src" / SLOW, compress_level=1)
+    return clean, root / "src"
+
+
+def test_an_image_two_ray_tasks_stall_on_is_skipped(folders: tuple[Path, Path], tmp_path: Path) -> None:
+    """One pathological image stalls whichever worker takes it: each time the compile says a task waits on it
+    (naming the worker's pid), the test stops that worker with SIGSTOP. The first task is cancelled and the
+    image retried by another; the second time it is skipped with the reason, and every other record is the
+    one a clean build of the folder without it writes."""
+    clean, src = folders
+    waits = re.compile(rf"Ray task in worker (\d+) on \S+ has made no progress for \d+ s on {re.escape(SLOW)};")
+
+    def waiting_on_it(_: int, lines: list[str]) -> list[int]:
+        return [int(m.group(1)) for line in lines if (m := waits.search(line))]
+
+    done, stopped = run_stopping(_ray_compile(src, tmp_path / "out", SKIP_STALL_S), 2, waiting_on_it, TIMEOUT_S)
+    assert done.returncode == 0, done.stderr
+    assert len(stopped) == 2 and stopped[0] != stopped[1]
+    first = done.stderr.index(f"Ray task in worker {stopped[0]} on ")
+    retried = done.stderr.index(f"made no progress for {SKIP_STALL_S} s on {SLOW}: cancelled; another task tries it "
+                                "again", first)
+    second = done.stderr.index(f"Ray task in worker {stopped[1]} on ", retried)
+    done.stderr.index(f"made no progress for {SKIP_STALL_S} s on {SLOW}: cancelled; the source is skipped", second)
+    assert all(gone(pid) for pid in stopped)  # cancelled: Ray killed both stopped workers
+
+    import dsc
+    from dsc.reader import MemmapDataset
+
+    dsc.compile_folder(clean, tmp_path / "clean", size=16, shuffle=False, workers=1)
+    built, reference = MemmapDataset(tmp_path / "out"), MemmapDataset(tmp_path / "clean")
+    assert [(e["source"], e["reason"]) for e in built.manifest.skipped] == [
+        (SLOW, f"decode did not finish in {SKIP_STALL_S} s (2 workers stalled on it)")]
+    assert len(built) == len(reference) == 6 and built.classes == reference.classes
+    for i in range(len(reference)):
+        assert np.array_equal(built[i].image, reference[i].image) and built[i].label == reference[i].label
+
+
 def test_an_image_two_tasks_stall_on_is_skipped_by_the_book() -> None:
-    """The skip rule on the driver's own book of tasks (`ray_tasks.TaskBook`), driven as `fill` drives it.
-    (A second SIGSTOP timed to land in the same image as the first proved flaky on this shared machine: the
-    test's stop raced the worker's decode or its first word, so the rule is held here, without Ray.)"""
+    """The skip rule on the driver's own book of tasks (`ray_tasks.TaskBook`), driven as `fill` drives it, in
+    a fraction of a second (the real-Ray test above stops workers by the pid the compile names)."""
     from dsc.compiler.engines.ray_tasks import Started, TaskBook
     from dsc.compiler.engines.supervisor import stall_reason
     from dsc.compiler.jobs import SlotResult

@@ -36,6 +36,8 @@ TINY = {
                                          "--settings", "random", "block:4/2", "block", "--cost-repeat", "1"],
     "benchmarks/sampling_cost.py": ["--batch", "4", "--repeat", "1"],
     "benchmarks/share_memory.py": ["--records", "10000", "--world-size", "1", "2", "--whole-epoch"],
+    "benchmarks/locality_scale.py": ["--records", "4096", "--records-per-shard", "64", "--world-size", "16",
+                                     "--cases", "batch"],
     "benchmarks/partner_rates.py": ["--records", "300", "--records-per-shard", "100", "--batch", "16", "--epochs", "2"],
     "benchmarks/s3_read_bench.py": ["--records", "48", "--size", "16", "--records-per-shard", "16", "--batch", "8",
                                     "--fetch-batch", "4", "--server", "moto", "--repeat", "1", "--peers"],
@@ -48,7 +50,7 @@ TINY = {
                                                "{tmp}/checkpoints"],
 }
 PATHS = {"/tmp/corpus": "{tmp}/corpus", "/tmp/scale_ds": "{tmp}/scale_ds", "out/": "{tmp}/dataset",
-         "/tmp/ab_ds": "{tmp}/dataset", "/tmp/dsc-old": str(ROOT),  # reader_ab: this checkout against itself
+         "/tmp/ab_ds": "{tmp}/dataset", "/tmp/dsc-old": str(ROOT),  # reader_ab, locality_scale: against itself
          "/tmp/c8k": "{tmp}/dataset"}
 
 

@@ -224,11 +224,15 @@ def test_merge_with_differing_class_sets_into_and_out_of_a_bucket(server: S3Serv
     assert "5 shard(s) (5 reused by server-side copy/upload, 0 copied)" in into.stdout, into.stdout
     merged, here = MemmapDataset(f"s3://{BUCKET}/{where}/M"), MemmapDataset(tmp_path / "M")
     assert merged.classes == here.classes == ["class_0", "class_1", "eel"] and len(merged) == 14
-    assert [(t.file, t.count) for t in merged.manifest.shard_tables] == [(fmt.SHARD_TABLE_FILE, 5)]  # format 1.4
+    build = merged.manifest.index["labels"].file.rsplit("/", 1)[0]  # builds/<tag>: a name of this merge's own
+    assert fmt.is_dataset_folder_name(build) and build.startswith(f"{fmt.BUILDS_DIR}/")
+    assert [(t.file, t.count) for t in merged.manifest.shard_tables] == [(f"{build}/{fmt.SHARD_TABLE_FILE}", 5)]
     assert np.array_equal(pixels(merged), pixels(here)) and merged.labels.tolist() == here.labels.tolist()
     bucket = Bucket(f"s3://{BUCKET}/{where}/M")
+    assert [e.file for e in merged.manifest.files] == [f"{build}/{e.file}" for e in here.manifest.files]
     for entry in here.manifest.files:  # object bytes = the local merge's file bytes
-        assert bucket.get(entry.file)[0] == (tmp_path / "M" / entry.file).read_bytes(), entry.file
+        assert bucket.get(f"{build}/{entry.file}")[0] == (tmp_path / "M" / entry.file).read_bytes(), entry.file
+    assert storage.dataset_versions(f"s3://{BUCKET}/{where}/M") == [1]
     storage.verify_checksums(merged.path, merged.manifest)
     # out of a bucket, shifted off the shard boundary (pieces fetched by ranged GETs) into a folder
     make_folder(tmp_path / "a7", classes=1, per_class=7)
@@ -240,7 +244,7 @@ def test_merge_with_differing_class_sets_into_and_out_of_a_bucket(server: S3Serv
     assert len(m2) == 15 and np.array_equal(pixels(m2)[7:], pixels(b))
     storage.verify_checksums(m2.path, m2.manifest)
     again = runner.invoke(app, ["merge", a_url, b_url, f"s3://{BUCKET}/{where}/M"])
-    assert again.exit_code == 1 and "already holds objects" in again.output
+    assert again.exit_code == 1 and "already holds a dataset" in again.output
     inside = runner.invoke(app, ["merge", a_url, b_url, f"{a_url}/sub"])
     assert inside.exit_code == 1 and "would lie one inside the other" in inside.output, inside.output
     assert not Bucket(f"{a_url}/sub").list()
@@ -273,7 +277,7 @@ def test_prune_in_a_bucket_deletes_only_objects_no_kept_version_lists(server: S3
         storage.verify_checksums(url, ds.manifest)
     with pytest.raises(DatasetError, match="has no version 1 .*versions 2 to 3"):
         MemmapDataset(url, version=1)
-    monkeypatch.setattr(bucket_versions, "ABANDONED_AFTER_S", 0.0)  # the upload is now old: abandoned
+    monkeypatch.setattr(bucket_versions.bp, "ABANDONED_AFTER_S", 0.0)  # the upload is now old: abandoned
     bucket_versions.prune(url, 2)
     names = {o.name for o in Bucket(url).list()}
     assert uploading not in names and set(foreign) <= names

@@ -22,7 +22,6 @@ from hypothesis import strategies as st
 
 import dsc
 from dsc.reader import MemmapDataset, progress
-from dsc.reader import order as orders
 from dsc.reader import sampling as samplers
 from dsc.reader.reference import reference_batches
 from dsc.testing import make_image_folder
@@ -352,7 +351,7 @@ def test_states_no_run_could_have_produced_are_refused_before_any_replay(ds: Mem
     def replayed(*args, **kwargs):
         raise AssertionError("replayed a state before checking it")
 
-    for name in ("shard_round", "first_round_share"):
+    for name in ("shard_rest", "first_round_share"):
         monkeypatch.setattr(progress.Epoch, name, replayed)
     monkeypatch.setattr(progress, "replay", replayed)
     with pytest.raises(ValueError, match=message):
@@ -372,14 +371,3 @@ def test_a_plausible_state_still_loads_and_a_later_round_is_bounded_too(ds: Memm
     with pytest.raises(ValueError, match=r"the 6 rounds of this loader state served at least 27 samples for the "
                                          r"first time, more than the epoch's 24"):
         ds.loader(4, order="block", seed=1).load_state_dict(state)
-
-
-@pytest.mark.parametrize("n, per_shard, world, drop_last", [(21, 4, 3, False), (21, 4, 5, True), (100, 7, 16, False),
-                                                            (100, 30, 16, True), (9, 9, 9, False), (5, 2, 7, False)])
-def test_every_ranks_shard_share_at_once_is_each_ranks_own(n: int, per_shard: int, world: int, drop_last: bool) -> None:
-    """A resumed locality="shard" epoch replays every rank's share; computed together (units sorted by group
-    once) they are what each rank serves (a scan of every unit per rank made that O(world_size²))."""
-    for epoch in range(3):
-        each = [orders.shard_share(n, per_shard, 4, epoch, r, world, 3, drop_last) for r in range(world)]
-        assert np.array_equal(orders.shard_shares(n, per_shard, 4, epoch, world, 3, drop_last),
-                              np.array(each, dtype=np.int64).reshape(world, -1))

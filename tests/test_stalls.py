@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
+from stopping import children, run_stopping
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for the worker processes")
 
@@ -47,41 +45,16 @@ def slow_folder(tmp_path_factory) -> Path:
     return src
 
 
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(p) for p in f.read().split()]
-    except OSError:
-        return []
-
-
 def _compile_stopping(src: Path, out: Path, workers_to_stop: int) -> tuple[dict, str, list[int]]:
     """Run a compile, SIGSTOP the first `workers_to_stop` worker processes the moment they appear."""
-    proc = subprocess.Popen([sys.executable, "-c", COMPILE, str(src), str(out)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    stopped: list[int] = []
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while len(stopped) < workers_to_stop and proc.poll() is None and time.monotonic() < deadline:
-            for host in _children(proc.pid):
-                for worker in _children(host):
-                    if worker not in stopped and len(stopped) < workers_to_stop:
-                        os.kill(worker, signal.SIGSTOP)
-                        stopped.append(worker)
-            time.sleep(0.005)
-        stdout, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-        for pid in stopped:  # the compile kills them; should it not have, they must not outlive the test
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    assert proc.returncode == 0, stderr
+    def workers(pid: int, _: list[str]) -> list[int]:
+        return [worker for host in children(pid) for worker in children(host)]
+
+    done, stopped = run_stopping([sys.executable, "-c", COMPILE, str(src), str(out)], workers_to_stop, workers,
+                                 TIMEOUT_S)
+    assert done.returncode == 0, done.stderr
     assert len(stopped) == workers_to_stop
-    return json.loads(stdout.strip().splitlines()[-1]), stderr, stopped
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr, stopped
 
 
 def test_a_stopped_worker_is_replaced_and_its_work_redone(slow_folder: Path, tmp_path: Path) -> None:

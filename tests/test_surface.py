@@ -9,6 +9,7 @@ import re
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -59,6 +60,15 @@ def test_shuffle_is_understood_as_torch_means_it(ds: MemmapDataset) -> None:
         ds.loader(4, shuffle=True, order="sequential")
     with pytest.raises(TypeError, match="shuffle must be True or False"):
         ds.loader(4, shuffle="yes")
+
+
+def test_a_flag_given_as_a_string_is_refused_not_taken_as_true(ds: MemmapDataset) -> None:
+    # "no" is truthy: taken as a truth value it would silently drop every rank's last batch
+    with pytest.raises(ValueError, match="drop_last must be True or False, got 'no'"):
+        ds.loader(4, drop_last="no")
+    with pytest.raises(ValueError, match="return_index must be True or False, got 'false'"):
+        MemmapDataset(ds.path, return_index="false")
+    assert ds.loader(4, drop_last=np.bool_(True)).drop_last is True  # numpy's bools are bools
 
 
 def test_reprs_say_what_they_are(ds: MemmapDataset) -> None:

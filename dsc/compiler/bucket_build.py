@@ -2,10 +2,11 @@
 
 The driver handles only small metadata: the plan, each slot's outcome, the index. The engine's workers
 (local processes or Ray tasks) decode their chunks and write each as one chunk object; once every slot
-is done, workers assemble each shard from those objects, skipped sources closed up on the way
-(`bucket_chunks`); the driver writes the index files and commits the manifest (`bucket_publish`). Every
-object's bytes are those of the file a compile into a folder writes for the same SRC and options (only
-the manifest differs: it names them under `builds/<tag>/`).
+is done, workers assemble each shard from those objects, skipped sources closed up on the way, by
+server-side copies of their byte ranges (`bucket_chunks`: each record is uploaded once); the driver
+writes the index files and commits the manifest (`bucket_publish`). Every object's bytes are those of
+the file a compile into a folder writes for the same SRC and options (only the manifest differs: it
+names them under `builds/<tag>/`).
 
 A killed compile is continued by the same command with `--resume`: the build's work folder is listed,
 and every chunk object (by its trailer) and assembled shard (by its marker, which names the object's
@@ -30,9 +31,11 @@ from dsc.compiler.finish import NothingDecoded, Unpublishable
 from dsc.compiler.jobs import Engine, SlotResult
 from dsc.errors import CompileError, DatasetError, StorageError
 from dsc.storage.bucket import Bucket
+from dsc.storage.compose import PART_MIN
 
 ROUNDS = 3  # decoding rounds for slots whose chunk object was never written (a stalled worker's)
 CHUNK_BYTES = 64 << 20  # a chunk's records at most: a worker holds them in memory until its chunk object's PUT
+# and PART_MIN at least (where each worker still gets a chunk): a chunk whole is one part the server copies
 logger = logging.getLogger("dsc")
 
 
@@ -102,16 +105,16 @@ def _size(state: bp.PrefixState, name: str) -> int:
 
 def _stage(dataset: Bucket, state: bp.PrefixState, plan: Plan, force: bool, resume: bool) -> str | None:
     """The partial build to continue (its tag), or None for a new one; partial builds of others are named
-    (refused) or, with --force and no --resume, deleted."""
+    (refused) or, with --force, left beside the new one: deleted only when abandoned (`bp.clear_abandoned`)."""
     partial = state.partial
     if resume:
         plans = {tag: bp.read_plan(dataset, tag) for tag in partial}
         mine = [tag for tag, p in plans.items() if p and p.get("digest") == plan.digest]
         if mine:
             return mine[0]
-        for tag in [tag for tag in partial if plans[tag] is None]:  # no plan: nothing provable, as in a folder
-            bp.delete_build(dataset, state.builds[tag])
+        planned = frozenset(tag for tag in partial if plans[tag] is not None)  # the others: nothing to resume
         partial = [tag for tag in partial if plans[tag] is not None]
+        bp.clear_abandoned(dataset, bp.partial_builds(state, but=planned))
         if partial:
             saved = plans[partial[0]]
             differ = sorted(k for k in {*saved["record"], *plan.record} if saved["record"].get(k) != plan.record.get(k))
@@ -124,9 +127,8 @@ def _stage(dataset: Bucket, state: bp.PrefixState, plan: Plan, force: bool, resu
         where = dataset.at(fmt.build_folder(partial[0]))
         raise CompileError(f"an interrupted compile left a partial build at {where}/: "
                            "run the command that started it again with --resume to continue it (other options are "
-                           "refused), or pass --force to discard it")
-    for tag in partial:
-        bp.delete_build(dataset, state.builds[tag])
+                           "refused), or pass --force to compile anew (the partial build is deleted once abandoned)")
+    bp.clear_abandoned(dataset, bp.partial_builds(state))  # a younger one may be another live compile's: left
     return None
 
 
@@ -134,7 +136,8 @@ def _build(dataset: Bucket, tag: str, plan: Plan, runner: Engine, resumed: bool,
            on_skip: Callable[[str, str], None], progress: Callable[[int], None] | None
            ) -> tuple[fmt.Manifest, int, list[tuple[str, str]]]:
     work, build = bp.work_bucket(dataset, tag), bp.build_bucket(dataset, tag)
-    job = replace(plan.job, stage=work.root, max_chunk=max(1, CHUNK_BYTES // plan.job.record_bytes))
+    rb = plan.job.record_bytes
+    job = replace(plan.job, stage=work.root, max_chunk=max(1, CHUNK_BYTES // rb), min_chunk=-(-PART_MIN // rb))
     count, record_bytes = job.count, job.record_bytes
     placed = {s: p for s, p in chunks.read_chunks(work, record_bytes).items() if s < count} if resumed else {}
     done = {slot: where.result for slot, where in placed.items()}

@@ -11,9 +11,22 @@ under the same name (decoding is deterministic) — never two versions, never ha
 
 Once every slot is done, the driver knows where each kept record is (`read_chunks`) and which records
 each shard holds after skipped sources are closed up: `ShardAssembler`, run by the engine's workers like
-a chunk, streams one shard's records out of the chunk objects (ranged GETs, each record's CRC checked)
-into the shard's object (one multipart upload) and records its SHA-256 beside it (`shard_marker`). No
-record passes through the driver.
+a chunk, composes one shard's object from runs of the chunk objects' records (`dsc.storage.compose`: a
+multipart upload whose parts the server copies from byte ranges, `UploadPartCopy`) while it reads those
+records once (each record's CRC-32 checked, the shard's SHA-256 computed), and records the SHA-256 beside
+the object (`shard_marker`). No record passes through the driver, and each is uploaded once: by the
+worker that decoded it. A chunk's kept records are back to back, so skips cut no run; a run shorter than
+S3's smallest part (5 MiB: a chunk cut by a shard's start or end, or a chunk that small) is fetched and
+sent as bytes, topped up from the next run. A bucket build's chunks are made PART_MIN bytes at least
+where the work allows (`bucket_build`), so a shard's first 5 MiB at most go up twice, unless its chunks
+are smaller (less than 5 MiB of records a worker in all, archive units that small, a round's leftovers).
+
+Why copies of chunk objects rather than workers writing shard-aligned objects at their final names: a
+shard's bytes depend on every skip before it, unknown until every slot is done, so a shard written early
+is right only when nothing before it was skipped, and must else be rebuilt from what was written anyway;
+a 1 GiB shard is many chunks, so its parts would come from several processes; and its SHA-256 can only
+be computed over all its bytes in order, so one process reads them once whichever way they were written.
+Server-side copies give the same single upload of each record for any pattern of skips, with one path.
 """
 
 from __future__ import annotations
@@ -21,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +44,8 @@ import numpy as np
 
 from dsc import format as fmt
 from dsc.compiler.jobs import SlotResult
-from dsc.errors import DatasetError
+from dsc.errors import DatasetError, StorageError
+from dsc.storage import compose
 from dsc.storage.bucket import Bucket, ObjectInfo
 
 CHUNK_DIR = "chunks"
@@ -199,24 +214,62 @@ class ShardAssembler:
         """Nothing held between shards."""
 
     def assemble(self, recipe: ShardRecipe) -> None:
-        size = len(recipe.crcs) * self.job.record_bytes
-        digest = hashlib.sha256()
+        """The shard's object composed server-side from its runs (`_parts`) while this thread reads the same
+        records from the chunk objects once: each record's CRC-32 checked against the trailers (a mismatch
+        names the chunk object, and stops the upload), and the shard's SHA-256."""
+        name = fmt.shard_file(recipe.shard)
+        stop = threading.Event()
 
-        def pieces() -> Iterator[bytes]:  # called again when the upload is retried
-            digest.__init__()
-            done = 0
-            for chunk, data in self._records(recipe.runs):
-                crcs = fmt.record_checksums(data, self.job.record_bytes)
-                k = len(crcs)
-                if crcs != list(recipe.crcs[done:done + k]):
-                    raise DamagedChunk(f"{self.work.at(chunk)}: a record's CRC-32 is not the one its trailer "
-                                       "lists; the chunk object is damaged", chunk)
-                done += k
-                digest.update(data)
-                yield data
-        etag = self.build.upload(fmt.shard_file(recipe.shard), pieces)
-        marker = {"etag": etag, "bytes": size, "sha256": digest.hexdigest(), "records": recipe.digest()}
+        def parts() -> Iterator[compose.Part]:
+            for part in self._parts(recipe.runs):
+                if stop.is_set():  # the records did not check out: the upload is aborted
+                    raise DatasetError(f"{self.build.at(name)}: upload stopped")
+                yield part
+        rb, digest, done = self.job.record_bytes, hashlib.sha256(), 0
+        with ThreadPoolExecutor(1) as pool:
+            upload = pool.submit(compose.compose, self.build.bucket, self.build.key(name), parts(), self.build.at(name))
+            try:
+                for chunk, data in self._records(recipe.runs):
+                    crcs = fmt.record_checksums(data, rb)
+                    if crcs != list(recipe.crcs[done:done + len(crcs)]):
+                        raise DamagedChunk(f"{self.work.at(chunk)}: a record's CRC-32 is not the one its trailer "
+                                           "lists; the chunk object is damaged", chunk)
+                    done += len(crcs)
+                    digest.update(data)
+            except BaseException:
+                stop.set()
+                raise
+            upload.result()
+        written = self.build.head(name)
+        if written is None:
+            raise StorageError(f"{self.build.at(name)}: missing right after its upload completed")
+        marker = {"etag": written.etag, "bytes": done * rb, "sha256": digest.hexdigest(), "records": recipe.digest()}
         self.work.put(shard_marker(recipe.shard), json.dumps(marker).encode())
+
+    def _parts(self, runs: tuple[tuple[str, int, int], ...]) -> Iterator[compose.Part]:
+        """The shard's multipart parts: a run of a chunk object's records copied by the server where it is
+        PART_MIN bytes at least or the last; a shorter one (a chunk cut by the shard's start) fetched and sent
+        as bytes, topped up from the next run to PART_MIN."""
+        rb = self.job.record_bytes
+        least = -(-compose.PART_MIN // rb)  # records
+        held: list[bytes] = []
+        count = 0
+        for k, (chunk, first, n) in enumerate(runs):
+            while n:
+                if not held and (n >= least or k == len(runs) - 1):  # the last part may be short
+                    yield (self.work.key(chunk), first * rb, (first + n) * rb)
+                    break
+                take = min(n, least - count)
+                data = self.work.get_range(chunk, first * rb, (first + take) * rb)
+                if len(data) != take * rb:
+                    raise DamagedChunk(f"{self.work.at(chunk)}: shorter than its trailer says", chunk)
+                held.append(data)
+                count, first, n = count + take, first + take, n - take
+                if count >= least:
+                    yield b"".join(held)
+                    held, count = [], 0
+        if held:
+            yield b"".join(held)
 
     def _records(self, runs: tuple[tuple[str, int, int], ...]) -> Iterator[tuple[str, bytes]]:
         """(chunk object, a piece of its records) in the shard's order, READ_AHEAD pieces fetched at a time."""

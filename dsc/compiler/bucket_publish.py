@@ -10,8 +10,11 @@ build in progress. `--force` commits the new dataset as the next version; the re
 stay for its readers until `dsc prune`.
 
 A build no version lists is partial: the next compile names it, `--resume` continues the one of its own
-plan, `--force` deletes it. What a committed build left in `work/` (a kill between the commit and the
-clean-up) is deleted by the next compile, which also refreshes a `manifest.json` that lags.
+plan. No lock can show that a partial build's writer is gone (a compile or a merge still running, before
+its commit, holds none): a partial build any of whose objects is younger than ABANDONED_AFTER_S is left
+alone by every other command and named; an older one is abandoned, and `--force`, the next merge or `dsc
+prune` deletes it. What a committed build left in `work/` (a kill between the commit and the clean-up) is
+deleted by the next compile, which also refreshes a `manifest.json` that lags.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
@@ -31,6 +35,7 @@ PLAN_FILE = "plan.json"  # in the work folder: the plan's record and digest; wri
 LISTING_FILE = "sources.jsonl"
 SHOWN = 3
 DELETE_THREADS = 8  # DELETEs in flight when a build's objects go
+ABANDONED_AFTER_S = 24 * 3600.0  # an object no version lists is left this long to the writer that may be uploading it
 
 logger = logging.getLogger("dsc")
 
@@ -109,6 +114,40 @@ def check_target(dataset: Bucket, state: PrefixState, force: bool) -> None:
     if state.latest and not force:
         raise CompileError(f"output {dataset.root} already exists; pass --force to replace it (readers that opened it "
                            "keep reading it)")
+
+
+def abandoned(objects: list[ObjectInfo], now: float) -> bool:
+    """Whether every one of `objects` (a build's, not committed) was written ABANDONED_AFTER_S ago or more: its
+    writer is gone. A build with a younger object may still be written by a live process."""
+    return all(i.modified is not None and now - i.modified >= ABANDONED_AFTER_S for i in objects)
+
+
+def age_of(objects: list[ObjectInfo], now: float) -> str:
+    """How long ago the newest of `objects` was written, for a message."""
+    newest = max((i.modified for i in objects if i.modified is not None), default=now)
+    minutes = max(0, round((now - newest) / 60))
+    return f"{minutes} min" if minutes < 120 else f"{minutes // 60} h"
+
+
+def partial_builds(state: PrefixState, but: frozenset[str] = frozenset()) -> dict[str, list[ObjectInfo]]:
+    """The partial builds of `state` (tag -> objects) but those of `but`."""
+    return {tag: state.builds[tag] for tag in state.partial if tag not in but}
+
+
+def clear_abandoned(dataset: Bucket, builds: dict[str, list[ObjectInfo]]) -> list[ObjectInfo]:
+    """Delete the partial builds among `builds` (tag -> objects) that are abandoned; warn about the others,
+    which a live compile or merge may still be writing (never deleted here: `dsc prune` removes them once
+    abandoned). The objects deleted."""
+    now, deleted = time.time(), []
+    for tag, objects in sorted(builds.items()):
+        if abandoned(objects, now):
+            delete_build(dataset, objects)
+            deleted += objects
+            continue
+        logger.warning("left the partial build %s/ in place: written %s ago, it may be another compile's or merge's "
+                       "still running; dsc prune deletes it once it is %d h old", dataset.at(fmt.build_folder(tag)),
+                       age_of(objects, now), ABANDONED_AFTER_S // 3600)
+    return deleted
 
 
 def build_bucket(dataset: Bucket, tag: str) -> Bucket:

@@ -8,9 +8,11 @@ list, is then replaced only by compare-and-swap (`If-Match` on the ETag read jus
 older version than it holds.
 
 An object no version lists may be an upload of an append that has not committed yet (it has no lock to
-show): prune deletes such an object only once it is ABANDONED_AFTER_S old; an object only pruned versions
-list is deleted at once. A compile's build (`builds/<tag>/`) that still holds its plan is the compile's
-(formats.md: the next compile names it, --resume continues it, --force deletes it): prune leaves it whole.
+show): prune deletes such an object only once it is `bucket_publish.ABANDONED_AFTER_S` old; an object only
+pruned versions list is deleted at once. A build (`builds/<tag>/`, a compile's or a merge's) that no version
+lists is partial: prune deletes it whole, its work objects included, once every object of it is that old
+(its writer is gone), else leaves it whole for its writer or its --resume. A prefix where a killed merge or
+compile left partial builds but no dataset is pruned of its abandoned builds only.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from dsc.storage import parse_manifest
 from dsc.storage.bucket import Bucket
 
 REFRESH_ATTEMPTS = 8  # compare-and-swaps of manifest.json lost to other writers before leaving it to the next one
-ABANDONED_AFTER_S = 24 * 3600.0  # an object no version lists is left this long to the append that uploads it
 
 
 def versions(bucket: Bucket) -> list[int]:
@@ -98,8 +99,15 @@ def prune(url: str, keep: int) -> Pruned:
     the objects with names dsc gives that no kept version lists (module docstring), never another object."""
     if keep < 1:
         raise CompileError(f"--keep must be at least 1 (the latest version), got {keep}")
-    parse_manifest(url)  # a dataset, whole: refuse anything else before deleting anything
     bucket = Bucket(url)
+    try:
+        parse_manifest(url)  # a dataset, whole: refuse anything else before deleting anything
+    except DatasetError:
+        state = bp.survey(bucket)
+        if state.latest or state.foreign or not state.builds:
+            raise
+        gone = bp.clear_abandoned(bucket, bp.partial_builds(state))  # a killed merge's or compile's, no dataset yet
+        return Pruned([], [], [o.name for o in gone], sum(o.size for o in gone))
     refresh_copy(bucket)
     found = versions(bucket)
     texts = manifests(bucket, found)
@@ -114,14 +122,21 @@ def prune(url: str, keep: int) -> Pruned:
     objects = bucket.list()
     listed |= _committed_since(bucket, found)
     building = bp.unfinished(objects)
+    committed = {bp._tag_of(name) for name in listed} | {None}  # None: a name outside builds/
+    partial: dict[str, list] = {}
+    for obj in objects:
+        if (tag := bp._tag_of(obj.name)) not in committed:
+            partial.setdefault(tag, []).append(obj)
     for obj in objects:
         name = obj.name
-        if name in listed or not fmt.is_dataset_file_name(name) or name.startswith(f"{fmt.VERSIONS_DIR}/"):
+        if name in listed or not fmt.is_dataset_file_name(name) or name.startswith(f"{fmt.VERSIONS_DIR}/") \
+                or bp._tag_of(name) in partial:
             continue
-        if name not in obsolete and (obj.modified is None or now - obj.modified < ABANDONED_AFTER_S
+        if name not in obsolete and (obj.modified is None or now - obj.modified < bp.ABANDONED_AFTER_S
                                      or bp._tag_of(name) in building):
-            continue  # listed by no version: maybe an append's upload not committed yet, or a compile's build
+            continue  # listed by no version: maybe an append's upload not committed yet
         bucket.delete(name)
         removed.append(name)
         freed += obj.size
-    return Pruned(kept or [1], dropped, removed, freed)
+    gone = bp.clear_abandoned(bucket, partial)
+    return Pruned(kept or [1], dropped, removed + [o.name for o in gone], freed + sum(o.size for o in gone))

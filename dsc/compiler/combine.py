@@ -330,14 +330,16 @@ def joined_inputs(inputs: list[str | os.PathLike]) -> tuple[list[storage.OpenedD
     return datasets, joined, [run for d in datasets for run in runs_of(d)]
 
 
-def merged_manifest(stage: Path, first: fmt.Manifest, joined: Joined, shards: list[fmt.ShardEntry]) -> fmt.Manifest:
+def merged_manifest(stage: Path, first: fmt.Manifest, joined: Joined, shards: list[fmt.ShardEntry],
+                    folder: str = "") -> fmt.Manifest:
     """Write the joined index, (1.4) the shard table and (1.5) the class counts of its one index segment into
-    `stage`; the merged dataset's manifest (records shaped as `first`'s)."""
-    index, fields, warnings, skip_list = write_index(stage, "", joined)
-    checksums = write_checksums(stage, "", joined)
+    `stage`/`folder` (a merge into a bucket writes under `builds/<tag>`); the merged dataset's manifest (records
+    shaped as `first`'s)."""
+    index, fields, warnings, skip_list = write_index(stage, folder, joined)
+    checksums = write_checksums(stage, folder, joined)
     manifest = fmt.Manifest(height=first.height, width=first.width, count=len(joined.labels),
                             records_per_shard=first.records_per_shard, classes=tuple(joined.classes),
                             shards=tuple(shards), index=index, skipped=tuple(joined.skipped[:fmt.SKIPPED_IN_MANIFEST]),
                             compile=first.compile, fields=fields, skipped_list=skip_list, warnings=warnings,
                             parts=joined.parts, checksums=checksums)
-    return output.write_segment(stage, "", output.write_shard_table(stage, "", manifest))
+    return output.write_segment(stage, folder, output.write_shard_table(stage, folder, manifest))

@@ -82,8 +82,9 @@ def decode_all(job: WriteJob, plan: Plan, engine: Engine, strict: bool, done: di
 
 def make_chunks(job: WriteJob, plan: Plan, slots: list[int], workers: int):
     """The chunks that fill `slots`: runs of consecutive ones, or for archives the format's units, each
-    read in stored order; at most `job.max_chunk` sources each."""
-    size = chunk_size(len(slots), workers)
+    read in stored order; at most `job.max_chunk` sources each, and `job.min_chunk` at least unless that
+    would leave a worker without a chunk."""
+    size = max(chunk_size(len(slots), workers), min(job.min_chunk, -(-len(slots) // max(1, workers))))
     if job.max_chunk is not None:
         size = min(size, job.max_chunk)
     if isinstance(plan.found, archives.ArchiveDiscovery):

@@ -35,6 +35,7 @@ class WriteJob:
     decode_mode: str = "faithful"  # format.DECODE_MODES
     alpha: str = "black"  # format.ALPHA
     max_chunk: int | None = None  # sources per chunk at most (a bucket build's worker holds a chunk in memory)
+    min_chunk: int = 1  # and at least, where each worker still gets a chunk (a bucket build's: S3's smallest part)
 
     @property
     def record_bytes(self) -> int:

@@ -4,13 +4,18 @@ The joined index is written in a private temporary folder on this machine and up
 that is a whole shard of an input is reused: copied server-side when the input is in OUT's bucket (no byte
 through this machine), uploaded from its file when it is local; any other shard is assembled in the
 temporary folder (from files, or by bounded ranged GETs) and uploaded, then deleted there, one at a time.
-`manifest.json` is written last, create-only (`If-None-Match: *`): readers see the whole dataset or none.
-OUT must hold no object at all when the merge starts (no dataset is replaced in a bucket).
+Every object goes under a fresh `builds/<tag>/`, as a compile's (server-side copies and multipart uploads
+are not create-only: a name of its own is what keeps two merges racing into one prefix from overwriting
+each other's shards), and the merge commits as a compile does: version 1 by a create-only PUT of
+`versions/00000001.json`, then `manifest.json` (`bucket_publish.commit`). Of two racing merges one commits;
+the other deletes its build. A killed merge leaves a partial build no version lists: the next merge names
+it and merges beside it, deleting it once abandoned, as `dsc prune` does. OUT must hold no dataset.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import tempfile
 import time
@@ -19,6 +24,7 @@ from pathlib import Path
 
 from dsc import format as fmt
 from dsc import storage
+from dsc.compiler import bucket_publish as bp
 from dsc.compiler import combine
 from dsc.compiler.append_bucket import upload_file
 from dsc.compiler.combine import MergeSummary, joined_inputs, merged_manifest
@@ -39,32 +45,46 @@ def merge_into_bucket(inputs: list[str | os.PathLike], out: str, force: bool, st
         if given.startswith(f"{bucket.root}/") or bucket.root.startswith(f"{given}/"):
             raise CompileError(f"the output {bucket.root} and the dataset {given} would lie one inside the other; "
                                "give OUT a prefix of its own")
-    if bucket.list():
-        raise CompileError(f"{bucket.root}: already holds objects; a merge writes a new dataset into an empty prefix")
+    state = bp.survey(bucket)
+    if state.latest or state.foreign:
+        raise CompileError(f"{bucket.root}: already holds {'a dataset' if state.latest else 'objects'}; a merge "
+                           "writes a new dataset into a prefix holding none: give another prefix")
+    bp.clear_abandoned(bucket, bp.partial_builds(state))  # a killed merge's or compile's; a younger one: named
     datasets, joined, runs = joined_inputs(inputs)
     first = datasets[0].manifest
+    folder = fmt.build_folder(secrets.token_hex(fmt.APPEND_TAG_HEX // 2))
     stage = Path(tempfile.mkdtemp(prefix="dsc-merge-"))
     try:
-        shards, how = _shards(bucket, stage, runs, first)
-        manifest = merged_manifest(stage, first, joined, shards)
+        shards, how = _shards(bucket, stage, folder, runs, first)
+        manifest = replace(merged_manifest(stage, first, joined, shards, folder), dataset_version=1)
         text = manifest.to_json().encode("ascii")
         storage.check_manifest_text(stage, text, {e.file: e.bytes for e in shards})  # never publish what readers refuse
         for path in sorted(p for p in stage.rglob("*") if p.is_file()):
             upload_file(bucket, path.relative_to(stage).as_posix(), path)
-        if not bucket.create(fmt.MANIFEST_FILE, text):
-            raise CompileError(f"{bucket.at(fmt.MANIFEST_FILE)}: another writer published a dataset there meanwhile; "
-                               "this merge's objects may have mixed with its: check it with dsc verify")
+        _commit(bucket, folder, text)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     return MergeSummary(bucket.root, manifest.count, joined.classes, how, time.perf_counter() - started)
 
 
-def _shards(bucket: Bucket, stage: Path, runs: list[combine.Run], first: fmt.Manifest) -> tuple[list, list[str]]:
-    """Write OUT's shards into the bucket, each the cheapest way (module docstring); their entries, and how."""
+def _commit(bucket: Bucket, folder: str, text: bytes) -> None:
+    """Commit the merged dataset (its manifest's bytes) as version 1 of OUT, create-only, then `manifest.json`;
+    when another writer committed a version 1 first, delete this merge's build (no version lists it) and say so."""
+    if not bucket.create(fmt.version_file(1), text):
+        bp.delete_build(bucket, bucket.list(folder))
+        raise CompileError(f"{bucket.root}: another merge or compile committed a dataset there first; this merge's "
+                           "objects were deleted and that dataset is untouched: merge into another prefix")
+    bp.refresh_manifest(bucket, text, 1)
+
+
+def _shards(bucket: Bucket, stage: Path, folder: str, runs: list[combine.Run],
+            first: fmt.Manifest) -> tuple[list, list[str]]:
+    """Write OUT's shards into the bucket under `folder`, each the cheapest way (module docstring); their
+    entries, and how."""
     entries, how = [], []
     whole_bucket = Bucket(f"s3://{bucket.bucket}")  # names whole keys: a server-side copy between prefixes
     for k, pieces in enumerate(combine.layout(runs, first.records_per_shard)):
-        name, whole = fmt.shard_file(k), combine.whole_file(pieces)
+        name, whole = f"{folder}/{fmt.shard_file(k)}", combine.whole_file(pieces)
         source = _object_of(whole)
         if source is not None and source[0] == bucket.bucket:
             whole_bucket.copy(source[1], bucket.key(name))
@@ -72,7 +92,8 @@ def _shards(bucket: Bucket, stage: Path, runs: list[combine.Run], first: fmt.Man
             how.append("server-side copy")
             continue
         part = [replace(r, first=start, count=n) for r, start, n in pieces]
-        (entry,), _ = combine.write_shards(stage, fmt.SHARD_DIR, k, part, first.records_per_shard, first.record_bytes)
+        (entry,), _ = combine.write_shards(stage, f"{folder}/{fmt.SHARD_DIR}", k, part, first.records_per_shard,
+                                           first.record_bytes)
         upload_file(bucket, name, stage / name)
         (stage / name).unlink()
         entries.append(entry)

@@ -22,7 +22,7 @@ import numpy as np
 
 from dsc import format as fmt
 from dsc import storage
-from dsc.arguments import check_int
+from dsc.arguments import check_bool, check_int
 from dsc.compiler import classes as classes_module
 from dsc.compiler import journal, output, publish
 from dsc.compiler import labels as labels_module
@@ -176,8 +176,7 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
     target = Target(*parse_size(size), fit=fit)
     workers = check_workers(workers)
     seed = check_int("seed", seed, 0, error=CompileError)
-    if not isinstance(fast_decode, bool):
-        raise CompileError(f"fast_decode must be True or False, got {fast_decode!r}")
+    fast_decode = check_bool("fast_decode", fast_decode, CompileError)
     if alpha not in fmt.ALPHA:
         raise CompileError(f"unknown alpha {alpha!r}; choose one of {', '.join(fmt.ALPHA)}")
     record_bytes = target.height * target.width * fmt.CHANNELS

@@ -35,7 +35,7 @@ from torch.utils.data import Dataset, get_worker_info
 
 from dsc import format as fmt
 from dsc import storage
-from dsc.arguments import check_int
+from dsc.arguments import check_bool, check_int
 from dsc.errors import DatasetError
 from dsc.reader.gather import check_indices, fill, out_of_range
 
@@ -194,7 +194,7 @@ class MemmapDataset(Dataset):
             raise ValueError(f"target={target!r}: {self.path} has no such field; choose 'label' or one of "
                              f"{sorted(self._data.fields) or 'its fields (it has none)'}")
         self.target, self.transform, self.target_transform = target, transform, target_transform
-        self.return_index = bool(return_index)
+        self.return_index = check_bool("return_index", return_index)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"path": str(self.path), "cache_dir": self.cache_dir, "cache_bytes": self.cache_bytes,

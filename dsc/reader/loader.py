@@ -333,7 +333,7 @@ class Loader:
         else:
             raise ValueError(f"not a dsc loader state of version {STATE_VERSION}: keys {sorted(state)}")
         epoch = check_int("epoch", state.get("epoch"), 0)
-        progress.check_order_version(state.get("order_version", 1), self.order, epoch, rounds)
+        progress.check_order_version(state.get("order_version", 1), self.order, epoch, rounds, self._split())
         for r in rounds:
             try:
                 orders.check_locality(self.order, r.split.locality)

@@ -51,12 +51,15 @@ per shard straight into its segment. The batch's ``index`` entry says what is wh
   ``(seed, epoch, group)``. All ranks serve the largest group's count (drop_last=False: a rank
   with fewer records repeats the start of its own order, so it stays on its own shards) or the
   smallest group's count cut to whole batches (drop_last=True).
+- Cost: the deal is arithmetic on runs of equal-sized units (`deal`; `shard_units` gives at most
+  four sizes), and a rank orders only its own group, so a first batch does not wait on the world
+  size. What a first round leaves for a resume on another split (`ShardRest`, `progress`) is
+  computed from the groups a rank's share falls in, `ShardRest.SEGMENTS` groups at most per chunk.
 """
 
 from __future__ import annotations
 
 import functools
-import heapq
 
 import numpy as np
 
@@ -66,7 +69,7 @@ ORDERS = ("sequential", "block", "random")
 LOCALITIES = ("shard",)  # values of the loader's `locality` besides None
 BLOCK_RECORDS = 64  # ~10 MB at 224×224: large enough for fast reads from a cold disk
 WINDOW_BLOCKS = 32  # blocks whose records are mixed together: a batch of 256 is 1/8 of a window
-ORDER_VERSION = 2  # of the orders a seed gives: 2 since random order became `permuted` (issue 27)
+ORDER_VERSION = 3  # of the orders a seed gives: 2 since random order became `permuted`, 3 since `ShardRest` (issue 27)
 FEISTEL_ROUNDS = 6  # Luby-Rackoff: 4 rounds of random functions give a pseudo-random permutation; 2 more of margin
 CHUNK = 1 << 20  # positions of an order computed at once (8 MB of int64): a rank's memory does not grow with n
 POSITIONS_STREAM = 1 << 32  # `generator` stream of the arrangement within batches (shard groups use 0..world_size-1)
@@ -256,20 +259,38 @@ def order_slice(n: int, order: str, seed: int, epoch: int, start: int, stop: int
     return out
 
 
-class LazyShare:
-    """Positions [start, stop) of an epoch's order repeated end to end (`order_slice`), or the runs of its
-    positions `runs` names (what a resumed epoch has left, `progress.Left`), computed when sliced, at
-    least `CHUNK` positions at a time, the last chunk kept: what a rank holds while it serves its share
-    is one chunk (8 MB), not the share (0.8 GB at 10^8 records on one rank). Batches are sliced in
-    order, so each chunk is computed once; slices only (`batch_indices`), step 1."""
+class EpochOrder:
+    """An epoch's order as a `LazyShare` source: positions [a, b) computed on their own (`order_slice`)."""
 
-    def __init__(self, n: int, order: str, seed: int, epoch: int, start: int = 0, stop: int = 0,
-                 runs: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+    def __init__(self, n: int, order: str, seed: int, epoch: int) -> None:
         if order not in _ORDER_FUNCTIONS:
             raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
         self.n, self.order, self.seed, self.epoch = n, order, seed, epoch
-        if runs is None:  # [start, stop) of the order repeated: runs of [0, n)
-            pieces = wrapped(start, stop, n) if n else []
+
+    def __len__(self) -> int:
+        return self.n
+
+    def slice(self, a: int, b: int) -> np.ndarray:
+        return order_slice(self.n, self.order, self.seed, self.epoch, a, b)
+
+    def reach(self, a: int, b: int) -> int:
+        """Where a chunk begun at `a` should end, at most `b`: any length costs the same per position."""
+        return b
+
+
+class LazyShare:
+    """Positions [start, stop) of a sequence repeated end to end (an `EpochOrder`: `order_slice`; or a
+    `ShardRest`), or the runs of its positions `runs` names (what a resumed epoch has left, `progress.Left`),
+    computed when sliced, at least `CHUNK` positions at a time (fewer where the source's `reach` says a chunk
+    costs more per position), the last chunk kept: what a rank holds while it serves its share is one chunk
+    (8 MB), not the share (0.8 GB at 10^8 records on one rank). Batches are sliced in order, so each chunk is
+    computed once; slices only (`batch_indices`), step 1."""
+
+    def __init__(self, source: EpochOrder | ShardRest, start: int = 0, stop: int = 0,
+                 runs: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        self.source = source
+        if runs is None:  # [start, stop) of the sequence repeated: runs of [0, len(source))
+            pieces = wrapped(start, stop, len(source)) if len(source) else []
             runs = (np.array([a for a, _ in pieces], dtype=np.int64), np.array([b for _, b in pieces], dtype=np.int64))
         self._starts, self._ends = runs[0], np.cumsum(runs[1] - runs[0])  # where each run ends in the share
         self._chunk: tuple[int, np.ndarray] = (0, np.empty(0, dtype=np.int64))  # swapped whole: thread-safe
@@ -286,22 +307,25 @@ class LazyShare:
         b = max(a, b)
         first, chunk = self._chunk
         if not (first <= a and b <= first + len(chunk)):
-            first = a
-            chunk = self._compute(a, max(b, min(len(self), a + CHUNK)))
+            first, chunk = a, self._compute(a, b)
             self._chunk = (first, chunk)
         return chunk[a - first:b - first]
 
     def _compute(self, a: int, b: int) -> np.ndarray:
-        """Share positions [a, b): the order at each run's part of them."""
+        """Share positions [a, c) for some c >= b: up to a + CHUNK, or where the source's chunk ends past b."""
         if b <= a:
             return np.empty(0, dtype=np.int64)
-        first, last = np.searchsorted(self._ends, [a, b - 1], side="right").tolist()
-        pieces = []
-        for k in range(first, last + 1):
-            begins = int(self._ends[k - 1]) if k else 0  # where run k begins in the share
-            low, high = max(a, begins) - begins, min(b, int(self._ends[k])) - begins
-            start = int(self._starts[k])
-            pieces.append(order_slice(self.n, self.order, self.seed, self.epoch, start + low, start + high))
+        stop = max(b, min(len(self), a + CHUNK))
+        pieces, at = [], a
+        k = int(np.searchsorted(self._ends, a, side="right"))
+        while at < stop:
+            shift = int(self._starts[k]) - (int(self._ends[k - 1]) if k else 0)  # sequence position - share position
+            run_end = min(stop, int(self._ends[k]))
+            end = max(min(b, run_end), min(run_end, self.source.reach(at + shift, run_end + shift) - shift))
+            pieces.append(self.source.slice(at + shift, end + shift))
+            if end < run_end:  # past b, where the source's chunk ends
+                break
+            at, k = end, k + 1
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
 
@@ -309,7 +333,7 @@ def share_length(n: int, world_size: int, batch_size: int, drop_last: bool, *,
                  locality: str | None = None, records_per_shard: int = 0) -> int:
     """How many indices each rank serves per epoch (see `rank_share`, or `shard_share` with locality)."""
     if locality is not None:
-        sizes = group_sizes(*shard_groups(n, records_per_shard, world_size), world_size)
+        sizes = shard_group_sizes(n, records_per_shard, world_size)
         return int(sizes.min()) // batch_size * batch_size if drop_last else int(sizes.max())
     if drop_last:
         return n // world_size // batch_size * batch_size
@@ -397,7 +421,7 @@ def lazy_share(n: int, order: str, seed: int, epoch: int, rank: int, world_size:
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must lie in [0, world_size={world_size}), got {rank}")
     per_rank = share_length(n, world_size, batch_size, drop_last)
-    return LazyShare(n, order, seed, epoch, rank * per_rank, (rank + 1) * per_rank)
+    return LazyShare(EpochOrder(n, order, seed, epoch), rank * per_rank, (rank + 1) * per_rank)
 
 
 # ----------------------------------------------------------------------------- locality="shard"
@@ -424,31 +448,78 @@ def shard_units(n: int, records_per_shard: int, world_size: int) -> np.ndarray:
     parts = -(-world_size // shards)
     while True:  # the short last shard may give fewer non-empty parts: cut finer (ends at one record a unit)
         cuts = shard_edges[:-1, None] + sizes * np.arange(parts) // parts
-        edges = np.unique(np.r_[cuts.ravel(), n])
+        edges = np.append(cuts.ravel(), n)  # non-decreasing already (each shard's cuts inside it): drop repeats
+        edges = edges[np.insert(edges[1:] != edges[:-1], 0, True)]
         if len(edges) - 1 >= min(world_size, n):
             return edges
         parts += 1
 
 
-@functools.lru_cache(maxsize=16)  # len(loader) and every epoch ask again; a loop over the units
+@functools.lru_cache(maxsize=16)  # len(loader) and every epoch ask again
 def shard_groups(n: int, records_per_shard: int, world_size: int) -> tuple[np.ndarray, np.ndarray]:
     """(unit edges, group of every unit), read-only: units dealt largest first to the smallest group."""
     units = shard_units(n, records_per_shard, world_size)
-    sizes = np.diff(units)
-    heap = [(0, g) for g in range(world_size)]  # (records so far, group): the smallest pops first
-    group_of = np.empty(len(sizes), dtype=np.int64)
-    for u in np.argsort(-sizes, kind="stable"):
-        load, g = heapq.heappop(heap)
-        group_of[u] = g
-        heapq.heappush(heap, (load + int(sizes[u]), g))
+    group_of = deal(np.diff(units), world_size)
     units.setflags(write=False)
     group_of.setflags(write=False)
     return units, group_of
 
 
+def deal(sizes: np.ndarray, groups: int) -> np.ndarray:
+    """The group of every unit when the units, largest first (ties: lower unit first), each go to the group with
+    the fewest records so far (ties: lowest group), computed a run of equal sizes at a time, not a unit at a time
+    (a heap's loop took 2 s at 2^20 groups; `shard_units` gives at most four sizes).
+
+    Units of one size x fill the groups as water: group g offers slots at loads[g], loads[g] + x, ... and the
+    k units of the run take the k smallest slots by (value, group), in that order, as the heap would hand
+    them out one by one."""
+    order = np.argsort(-sizes, kind="stable")
+    ordered = sizes[order]
+    group_of = np.empty(len(sizes), dtype=np.int64)
+    loads = np.zeros(groups, dtype=np.int64)
+    runs = [0, *(np.flatnonzero(ordered[1:] != ordered[:-1]) + 1).tolist(), len(order)]
+    for a, b in zip(runs[:-1], runs[1:]):
+        x, k = int(ordered[a]), b - a
+        levels, counts = np.unique(loads, return_counts=True)
+        if len(levels) == 1:  # equal loads: a round robin from group 0
+            taken = np.arange(k, dtype=np.int64) % groups
+        else:
+            last = _kth_slot(levels, counts, x, k)
+            below = np.where(loads < last, (last - 1 - loads) // x + 1, 0)  # each group's slots under `last`
+            taken = np.repeat(np.arange(groups, dtype=np.int64), below)
+            values = loads[taken] + (np.arange(len(taken)) - np.repeat(np.cumsum(below) - below, below)) * x
+            at_last = np.flatnonzero((loads <= last) & ((last - loads) % x == 0))[:k - len(taken)]
+            taken, values = np.concatenate([taken, at_last]), np.concatenate([values, np.full(len(at_last), last)])
+            taken = taken[np.lexsort((taken, values))]
+        group_of[order[a:b]] = taken
+        loads += np.bincount(taken, minlength=groups) * x
+    return group_of
+
+
+def _kth_slot(levels: np.ndarray, counts: np.ndarray, x: int, k: int) -> int:
+    """The value of the k-th smallest slot when `counts[i]` groups hold `levels[i]` records (`deal`)."""
+    low, high = int(levels[0]), int(levels[0]) + (k - 1) * x  # the least loaded group alone offers k by `high`
+    while low < high:
+        mid = (low + high) // 2
+        under = levels <= mid
+        if int((counts[under] * ((mid - levels[under]) // x + 1)).sum()) >= k:
+            high = mid
+        else:
+            low = mid + 1
+    return low
+
+
 def group_sizes(units: np.ndarray, group_of: np.ndarray, world_size: int) -> np.ndarray:
     """Records per group."""
     return np.bincount(group_of, weights=np.diff(units), minlength=world_size).astype(np.int64)
+
+
+@functools.lru_cache(maxsize=16)  # len(loader), every epoch and every replay ask again
+def shard_group_sizes(n: int, records_per_shard: int, world_size: int) -> np.ndarray:
+    """Records per group of `shard_groups`, read-only."""
+    sizes = group_sizes(*shard_groups(n, records_per_shard, world_size), world_size)
+    sizes.setflags(write=False)
+    return sizes
 
 
 def group_records(units: np.ndarray, group_of: np.ndarray, group: int) -> np.ndarray:
@@ -499,22 +570,84 @@ def shard_share(n: int, records_per_shard: int, seed: int, epoch: int, rank: int
     return _group_share(group_records(units, group_of, g), g, n, seed, epoch, per_rank)
 
 
-def shard_shares(n: int, records_per_shard: int, seed: int, epoch: int, world_size: int, batch_size: int,
-                 drop_last: bool) -> np.ndarray:
-    """Every rank's `shard_share`, as rows [world_size, per_rank], the units sorted by group once: a resumed
-    epoch replays all of them, and a scan of every unit per rank cost O(world_size²) (4.6 s at 10,000 ranks)."""
+@functools.lru_cache(maxsize=16)  # every `ShardRest` of a world asks again
+def group_index(n: int, records_per_shard: int, world_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The units sorted by group once, read-only: (first record of each, its first position in its group's
+    records as `group_records` lists them, where each group's units begin [world_size + 1])."""
     units, group_of = shard_groups(n, records_per_shard, world_size)
-    per_rank = share_length(n, world_size, batch_size, drop_last, locality="shard",
-                            records_per_shard=records_per_shard)
     by_group = np.argsort(group_of, kind="stable")  # each group's units in record order, as `group_records`
+    lengths = units[by_group + 1] - units[by_group]
     bounds = np.searchsorted(group_of[by_group], np.arange(world_size + 1))
-    shares = np.empty((world_size, per_rank), dtype=np.int64)
-    for rank in range(world_size):
-        g = shard_group(rank, world_size, seed, epoch)
-        mine = by_group[bounds[g]:bounds[g + 1]]
-        shares[rank] = _group_share(expand_runs(units[mine], units[mine + 1] - units[mine]), g, n, seed, epoch,
-                                    per_rank)
-    return shares
+    before = np.cumsum(lengths) - lengths
+    local = before - np.repeat(before[bounds[:-1]], np.diff(bounds))
+    out = (units[by_group], local, bounds)
+    for x in out:
+        x.setflags(write=False)
+    return out
+
+
+@functools.lru_cache(maxsize=2)  # a load's check for Lightning users and its plan replay the same round
+def shard_rest(n: int, records_per_shard: int, seed: int, epoch: int, world_size: int, batch_size: int,
+               drop_last: bool, taken: int) -> ShardRest:
+    return ShardRest(n, records_per_shard, seed, epoch, world_size, batch_size, drop_last, taken)
+
+
+class ShardRest:
+    """What a first round under locality="shard" leaves once every rank took `taken` samples of its share, in
+    the order it comes (`progress`): each rank's untaken part of its group's order (`shard_share` before its
+    padding), in rank order, then what drop_last cut from each rank's group, in rank order. A `LazyShare`
+    source: positions [a, b) are computed from the groups they fall in (`slice`), never every rank's share
+    (16 s at 2^16 ranks before; `ORDER_VERSION` 3 put the drop_last part in rank order, not record order,
+    for that)."""
+
+    SEGMENTS = 256  # groups whose order one chunk computes at most (~25 ms): a group is a Python call
+
+    def __init__(self, n: int, records_per_shard: int, seed: int, epoch: int, world_size: int, batch_size: int,
+                 drop_last: bool, taken: int) -> None:
+        self.n, self.records_per_shard, self.seed, self.epoch = n, records_per_shard, seed, epoch
+        self.world_size = world_size
+        if n < world_size:  # empty groups pad with the global order (`_group_share`): no run resumes from that
+            raise ValueError(f"no first round over {world_size} ranks of {n} records leaves a rest to resume")
+        sizes = shard_group_sizes(n, records_per_shard, world_size)
+        per_rank = share_length(n, world_size, batch_size, drop_last, locality="shard",
+                                records_per_shard=records_per_shard)
+        group = (np.arange(world_size, dtype=np.int64) + (seed + epoch) % world_size) % world_size  # `shard_group`
+        size = sizes[group]
+        served = np.minimum(per_rank, size)  # the group's records its share holds (the rest: padding)
+        start, stop = np.concatenate([np.minimum(taken, served), served]), np.concatenate([served, size])
+        keep = stop > start
+        self._sizes = sizes
+        self._group, self._start = np.concatenate([group, group])[keep], start[keep]
+        self._ends = np.cumsum(stop[keep] - start[keep])  # where each segment ends in the sequence
+
+    def __len__(self) -> int:
+        return int(self._ends[-1]) if len(self._ends) else 0
+
+    def slice(self, a: int, b: int) -> np.ndarray:
+        """Positions [a, b) of the sequence (0 <= a <= b <= len)."""
+        if b <= a:
+            return np.empty(0, dtype=np.int64)
+        first, last = np.searchsorted(self._ends, [a, b - 1], side="right").tolist()
+        pieces = []
+        for k in range(first, last + 1):
+            begins = int(self._ends[k - 1]) if k else 0
+            low = int(self._start[k]) + max(a, begins) - begins
+            high = low + min(b, int(self._ends[k])) - max(a, begins)
+            pieces.append(self._group_slice(int(self._group[k]), low, high))
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+    def reach(self, a: int, b: int) -> int:
+        """Where a chunk begun at `a` ends: at most `SEGMENTS` segments on, at most `b`."""
+        k = int(np.searchsorted(self._ends, a, side="right")) + self.SEGMENTS - 1
+        return b if k >= len(self._ends) else min(b, int(self._ends[k]))
+
+    def _group_slice(self, g: int, low: int, high: int) -> np.ndarray:
+        """Records at positions [low, high) of group g's order: `block` over its records (`_group_share`)."""
+        firsts, local, bounds = group_index(self.n, self.records_per_shard, self.world_size)
+        mine = slice(int(bounds[g]), int(bounds[g + 1]))
+        at = block_slice(int(self._sizes[g]), self.seed, self.epoch, low, high, stream=(g,))
+        unit = np.searchsorted(local[mine], at, side="right") - 1
+        return firsts[mine][unit] + at - local[mine][unit]
 
 
 def _group_share(records: np.ndarray, g: int, n: int, seed: int, epoch: int, per_rank: int) -> np.ndarray:

@@ -15,7 +15,8 @@ slice"; it says which samples of the epoch have been served, as a list of *round
   it stopped: the same batches an uninterrupted run would have served.
 - A loader with another split starts a new round over the samples not served yet, kept in the
   order they would have come (every rank's untaken part in rank order, then what no share
-  held, i.e. drop_last tails) and cut by `order.rank_shares`. Nothing is lost and nothing is
+  held, i.e. drop_last tails; after a locality="shard" round, each rank's group's drop_last tail
+  in rank order: `order.ShardRest`) and cut by `order.rank_shares`. Nothing is lost and nothing is
   served twice, except each round's padding (drop_last=False: at most world_size - 1 samples
   repeated, as with DistributedSampler; under locality="shard", which applies to an epoch's
   first round only, what `order.shard_share` pads: up to the difference between shard groups).
@@ -38,8 +39,11 @@ version 2 removed, for states of one release.
 itself stays a handful of integers. What a round leaves is the sequence it was cut from less what its
 ranks served, in the sequence's own order (`Left.after`), so the replay is arithmetic on runs of the
 first round's positions, O(world size) per round; the share is computed a chunk at a time as it is
-served (`order.LazyShare` over those runs), never an array of the epoch (1.4 GB at 2^24 records before;
-a first round under locality="shard" is still replayed on arrays). A `Planner` turns that into the
+served (`order.LazyShare` over those runs), never an array of the epoch (1.4 GB at 2^24 records before).
+What a first round under locality="shard" left is `order.ShardRest`, whose positions are computed from
+the groups they fall in (before `ORDER_VERSION` 3, every rank's share was built: 16 s at 2^16 ranks;
+the drop_last tails then came in record order, which needs every group's order, so a state of that
+version whose round would be replayed is refused by `check_order_version`). A `Planner` turns that into the
 loader's passes: the batches one iteration takes, and the epochs after it.
 """
 
@@ -138,23 +142,10 @@ class Epoch:
                                   split.batch_size, split.drop_last, locality=split.locality,
                                   records_per_shard=self.records_per_shard)
 
-    def shard_round(self, split: Split) -> tuple[np.ndarray, np.ndarray]:
-        """Every rank's share of a first round under locality="shard" [world_size, per_rank] (shard groups, not
-        slices of one sequence), and the records they are drawn from."""
-        shares = orders.shard_shares(self.count, self.records_per_shard, self.seed, self.epoch, split.world_size,
-                                     split.batch_size, split.drop_last)
-        return shares, np.arange(self.count, dtype=np.int64)
-
-
-def unserved(shares: np.ndarray, taken: int, base: np.ndarray, count: int) -> np.ndarray:
-    """The samples of `base` that no share's first `taken` entries hold, in the order they would have come
-    (a first round under locality="shard", whose shares are not slices of one sequence)."""
-    served = np.zeros(count, dtype=bool)
-    served[shares[:, :taken]] = True
-    queue = np.concatenate([shares[:, taken:].ravel(), base])
-    _, first = np.unique(queue, return_index=True)  # each sample once, where it first comes
-    queue = queue[np.sort(first)]
-    return queue[~served[queue]]
+    def shard_rest(self, split: Split, taken: int) -> orders.ShardRest:
+        """What a first round under locality="shard" leaves once every rank took `taken` samples."""
+        return orders.shard_rest(self.count, self.records_per_shard, self.seed, self.epoch, split.world_size,
+                                 split.batch_size, split.drop_last, taken)
 
 
 @dataclass(frozen=True)
@@ -181,11 +172,21 @@ class Left:
         come in the order they would have come: every rank's untaken part in rank order, then what no share
         held. Each sample of the sequence comes once in it and the shares are its consecutive slices, so that
         order is the sequence's own: what is left is the sequence less the samples the shares' heads served."""
+        gaps = self._unserved(split, batches)
+        return self if gaps is None else self.take(*gaps)
+
+    def count_after(self, split: Split, batches: int) -> int:
+        """len(self.after(split, batches)), without the runs (a Lightning user's check needs only counts)."""
+        gaps = self._unserved(split, batches)
+        return len(self) if gaps is None else int((gaps[1] - gaps[0]).sum())
+
+    def _unserved(self, split: Split, batches: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """The sequence places [a[k], b[k]) that no share's first `batches` batches hold; None: all of them."""
         n = len(self)
         per_rank = orders.share_length(n, split.world_size, split.batch_size, split.drop_last)
         taken = min(batches * split.batch_size, per_rank)
         if not n or not taken:
-            return self
+            return None
         head = np.arange(split.world_size, dtype=np.int64) * per_rank % n  # heads [head, head + taken), mod n
         end = head + taken  # taken <= per_rank <= n: a head wraps past the sequence's end at most once
         starts = np.concatenate([head, np.zeros(int((end > n).sum()), dtype=np.int64)])
@@ -195,7 +196,7 @@ class Left:
         gaps_from = np.concatenate([[0], stops])  # the served runs' complement in [0, n): gaps between them
         gaps_to = np.concatenate([starts, [n]])
         keep = gaps_to > gaps_from
-        return self.take(gaps_from[keep], gaps_to[keep])
+        return gaps_from[keep], gaps_to[keep]
 
     def take(self, a: np.ndarray, b: np.ndarray) -> Left:
         """The runs of positions at sequence places [a[k], b[k]), increasing and disjoint."""
@@ -231,17 +232,19 @@ class Left:
         return orders.expand_runs(self.starts, self.stops - self.starts)
 
 
-def replay(epoch: Epoch, done: list[Round]) -> tuple[Left, np.ndarray | None]:
+def replay(epoch: Epoch, done: list[Round]) -> tuple[Left, np.ndarray | orders.EpochOrder | orders.ShardRest]:
     """What the finished rounds `done` (at least one) left unserved, in the order it would have come: runs of
-    positions of the first round's sequence, and that sequence when it is an array (None: the epoch's order)."""
+    positions of the first round's sequence, and that sequence (an array when sampled)."""
     first = done[0].split
-    if first.locality is not None:  # shard groups, not slices of one sequence: the first round's arrays
-        shares, base = epoch.shard_round(first)
-        sequence = unserved(shares, done[0].batches * first.batch_size, base, epoch.positions(first))
+    if first.locality is not None:  # shard groups, not slices of one sequence: what the first round left
+        sequence = epoch.shard_rest(first, done[0].batches * first.batch_size)
         left, rest = Left.whole(len(sequence)), done[1:]
+    elif epoch.sampling is not None:
+        sequence, rest = epoch.records(first, slice(None)), done  # the sampled sequence
+        left = Left.whole(len(sequence))
     else:
-        sequence = None if epoch.sampling is None else epoch.records(first, slice(None))  # the sampled sequence
-        left, rest = Left.whole(epoch.positions(first)), done
+        sequence, rest = orders.EpochOrder(epoch.count, epoch.order, epoch.seed, epoch.epoch), done
+        left = Left.whole(epoch.count)
     for past in rest:
         left = left.after(past.split, past.batches)
     return left, sequence
@@ -253,9 +256,9 @@ def remaining_share(epoch: Epoch, done: list[Round], split: Split, rank: int) ->
         return epoch.first_round_share(split, rank)
     left, sequence = replay(epoch, done)
     share = left.share(split, rank)
-    if sequence is None:  # the epoch's order: computed a chunk at a time as it is served
-        return orders.LazyShare(epoch.count, epoch.order, epoch.seed, epoch.epoch, runs=(share.starts, share.stops))
-    return sequence[share.positions()]
+    if isinstance(sequence, np.ndarray):
+        return sequence[share.positions()]
+    return orders.LazyShare(sequence, runs=(share.starts, share.stops))  # computed a chunk at a time as served
 
 
 def cut_off(epoch: Epoch, rounds: list[Round], split: Split, batches: int) -> tuple[int, int]:
@@ -267,14 +270,14 @@ def cut_off(epoch: Epoch, rounds: list[Round], split: Split, batches: int) -> tu
         left = replay(epoch, done)[0]
     elif split.locality is None:
         left = Left.whole(epoch.positions(split))
-    else:  # the first round under locality="shard": its shard groups' arrays
-        shares, base = epoch.shard_round(split)
-        count = epoch.positions(split)
-        whole = len(unserved(shares, shares.shape[1], base, count))
-        return (len(unserved(shares, (start + batches) * split.batch_size, base, count)) - whole,
-                len(unserved(shares, start * split.batch_size, base, count)) - whole)
-    whole = len(left.after(split, 1 << 62))
-    return len(left.after(split, start + batches)) - whole, len(left.after(split, start)) - whole
+    else:  # the first round under locality="shard": lengths of what it leaves
+        per_rank = orders.share_length(epoch.count, split.world_size, split.batch_size, split.drop_last,
+                                       locality=split.locality, records_per_shard=epoch.records_per_shard)
+        whole = len(epoch.shard_rest(split, per_rank))
+        return (len(epoch.shard_rest(split, min(per_rank, (start + batches) * split.batch_size))) - whole,
+                len(epoch.shard_rest(split, min(per_rank, start * split.batch_size))) - whole)
+    whole = left.count_after(split, 1 << 62)
+    return left.count_after(split, start + batches) - whole, left.count_after(split, start) - whole
 
 
 def check_rounds(epoch: Epoch, rounds: list[Round]) -> None:
@@ -307,9 +310,10 @@ def check_rounds(epoch: Epoch, rounds: list[Round]) -> None:
                          f"first time, more than the epoch's {n}: past the epoch's end")
 
 
-def check_order_version(version: Any, order: str, epoch: int, rounds: list[Round]) -> None:
-    """Refuse a state whose rounds name samples of another version's order (module docstring); `version` is the
-    state's ``order_version`` (1 when absent: saved before it was recorded)."""
+def check_order_version(version: Any, order: str, epoch: int, rounds: list[Round], live: Split) -> None:
+    """Refuse a state whose rounds name samples of another version's order (module docstring), as the loader
+    splitting like `live` would replay them; `version` is the state's ``order_version`` (1 when absent: saved
+    before it was recorded)."""
     if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= orders.ORDER_VERSION:
         raise ValueError(f"a loader state's order_version must be an integer from 1 to {orders.ORDER_VERSION} "
                          f"(this dsc's), got {version!r}: a state saved by a newer dsc cannot be resumed here")
@@ -319,6 +323,18 @@ def check_order_version(version: Any, order: str, epoch: int, rounds: list[Round
                          f"(order_version {orders.ORDER_VERSION}), so resuming would serve some samples of the epoch "
                          "twice and skip others. Resume from a state saved at an epoch's end, or finish epoch "
                          f"{epoch} with the dsc that saved this state")
+    first = rounds[0].split if rounds else None
+    if version < 3 and first is not None and first.locality is not None and first.drop_last \
+            and resume_point(rounds, live)[0]:
+        same = (f"resume on the split that saved it (world_size={first.world_size}, batch_size={first.batch_size}, "
+                f"drop_last=True, locality={first.locality!r}: its round goes on as it was), "
+                if len(rounds) == 1 else "")
+        raise ValueError(f"this loader state was saved in the middle of epoch {epoch} by a dsc whose locality="
+                         f"{first.locality!r} rounds with drop_last=True left what drop_last cut in record order "
+                         f"(order_version {version}); this dsc leaves it in rank order (order_version "
+                         f"{orders.ORDER_VERSION}), so replaying the round on this split would serve some samples "
+                         f"of the epoch twice and skip others. To continue, {same}resume from a state saved at an "
+                         f"epoch's end, or finish epoch {epoch} with the dsc that saved this state")
 
 
 def resume_point(rounds: list[Round], split: Split) -> tuple[list[Round], int]:

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from dsc.arguments import check_int, is_int
+from dsc.arguments import check_bool, check_int, is_int
 from dsc.reader import order as orders
 
 CUSTOM = "custom"  # the loader's order name when `order=` is a callable
@@ -235,8 +235,7 @@ def checked(records: int, order: Any, *, indices: Any = None, weights: Any = Non
     if locality is not None:
         raise ValueError(f"locality={locality!r} deals whole shard groups to ranks and does not combine with "
                          f"{', '.join(given)}; drop locality to sample")
-    if replacement is not None and not isinstance(replacement, bool):
-        raise ValueError(f"replacement must be True or False, got {replacement!r}")
+    replacement = None if replacement is None else check_bool("replacement", replacement)
     if weights is not None and replacement is None:
         raise ValueError("weights= needs replacement=True (independent draws, records may repeat) or "
                          "replacement=False (each record of positive weight once, in a weighted order)")

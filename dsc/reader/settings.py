@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from dsc.arguments import check_int
+from dsc.arguments import check_bool, check_int
 from dsc.reader import order as orders
 from dsc.reader import sampling as samplers
 
@@ -124,8 +124,7 @@ def order_for_shuffle(order: str | None, shuffle: bool | None, default: str = "b
     """torch's spelling: `shuffle=True` is order "random", `shuffle=False` "sequential"; else `default`."""
     if shuffle is None:
         return default if order is None else order
-    if not isinstance(shuffle, bool):
-        raise TypeError(f"shuffle must be True or False, got {shuffle!r}")
+    shuffle = check_bool("shuffle", shuffle, TypeError)
     wanted = "random" if shuffle else "sequential"
     if order is not None and (order == "sequential") == shuffle:
         raise ValueError(f"shuffle={shuffle} contradicts order={order!r}; give one of them (orders: "
@@ -174,7 +173,7 @@ class LoaderConfig:
             orders.check_locality(order, locality)
         resolve_world(rank, world_size)  # bad explicit values fail here, not at the first epoch
         seed = None if seed is None else check_int("seed", seed, 0)
-        return cls(check_int("batch_size", batch_size, 1), order, seed, bool(drop_last),
+        return cls(check_int("batch_size", batch_size, 1), order, seed, check_bool("drop_last", drop_last),
                    resolve_device(device), check_int("prefetch", prefetch, 1),
                    default_threads() if num_threads is None else check_int("num_threads", num_threads, 1),
                    (rank, world_size), locality, check_as_tuple(as_tuple), sampled)
