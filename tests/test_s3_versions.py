@@ -224,7 +224,7 @@ def test_merge_with_differing_class_sets_into_and_out_of_a_bucket(server: S3Serv
     assert "5 shard(s) (5 reused by server-side copy/upload, 0 copied)" in into.stdout, into.stdout
     merged, here = MemmapDataset(f"s3://{BUCKET}/{where}/M"), MemmapDataset(tmp_path / "M")
     assert merged.classes == here.classes == ["class_0", "class_1", "eel"] and len(merged) == 14
-    build = merged.manifest.index["labels"].file.rsplit("/", 1)[0]  # builds/<tag>: a name of this merge's own
+    build = merged.manifest.segments[0].index["labels"].file.rsplit("/", 1)[0]  # builds/<tag>: this merge's own
     assert fmt.is_dataset_folder_name(build) and build.startswith(f"{fmt.BUILDS_DIR}/")
     assert [(t.file, t.count) for t in merged.manifest.shard_tables] == [(f"{build}/{fmt.SHARD_TABLE_FILE}", 5)]
     assert np.array_equal(pixels(merged), pixels(here)) and merged.labels.tolist() == here.labels.tolist()
