@@ -489,8 +489,9 @@ def info_command(
     options = {k: v for k, v in s["compile"].items() if k not in ("source_root", "jpeg_decoder", "source_order")}
     typer.echo("compiled with: " + _clean(", ".join(f"{k}={v}" for k, v in options.items())))
     typer.echo(_clean(f"from: {s['compile'].get('source_root')}; JPEG decoder: {s['jpeg_decoder']}"))
-    uncounted = [] if s["counted"] else [what for what, there in (("records per class", s["labeled"]), (
-        "field values", s["fields"]), ("decoder warnings", s["has_warnings"])) if there]
+    uncounted = [] if s["counted"] else [what for what, there in (
+        ("records per class", s["labeled"] and s["unlabeled"] is None),  # 1.5 stores them: shown uncounted too
+        ("field values", s["fields"]), ("decoder warnings", s["has_warnings"])) if there]
     if uncounted:
         typer.echo(f"not counted: {', '.join(uncounted)} (dsc info --counts reads every one of the {s['records']:,} "
                    "records' values)")

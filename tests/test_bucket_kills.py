@@ -118,7 +118,7 @@ def assert_a_clean_append(url: str, clean: Path) -> None:
     equal to file bytes (the append's folder tag aside)."""
     remote, here = storage.parse_manifest(url), storage.parse_manifest(clean)
     assert remote.dataset_version == here.dataset_version == 2
-    theirs, ours = (m.index["labels"].file.split("/")[1] for m in (remote, here))
+    theirs, ours = (m.index_segments[-1].index["labels"].file.split("/")[1] for m in (remote, here))
     assert [e.file.replace(theirs, ours) for e in remote.files] == [e.file for e in here.files]
     for mine, local in zip(remote.files, here.files):
         assert Bucket(url).get(mine.file)[0] == (clean / local.file).read_bytes(), mine.file

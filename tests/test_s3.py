@@ -153,7 +153,7 @@ def test_a_missing_object_is_named(server: S3Server, env: Path, url: str) -> Non
         remote.__getitems__([15])
     name = fmt.LABELS_FILE
     server.delete(BUCKET, f"{url.split('/', 3)[3]}/{name}")
-    with pytest.raises(DatasetError, match=rf"{url}/{name}: missing \(index.labels in the manifest\)"):
+    with pytest.raises(DatasetError, match=rf"{url}/{name}: missing \(segments\[0\].index.labels in the manifest\)"):
         MemmapDataset(url, cache_dir=env.parent / "other-cache")
 
 

@@ -526,12 +526,12 @@ class S3Dataset:
     def _check_budget(self) -> None:
         """Before anything is fetched: `cache_bytes` must hold the manifest, the index and one unit of
         records (a record, or with no per-record checksums a shard); say the minimum where it does not."""
-        unit = self._manifest.record_bytes if self._manifest.checksums is not None else \
+        unit = self._manifest.record_bytes if self._manifest.has_checksums else \
             max(e.bytes for e in self._manifest.shards)
         need = self.base_bytes() + unit
         if self.budget() < need:
             raise DatasetError(f"{self.root}: cache_bytes={self.budget()} cannot hold this dataset's index and one "
-                               f"{'record' if self._manifest.checksums is not None else 'shard'}: at least {need} "
+                               f"{'record' if self._manifest.has_checksums else 'shard'}: at least {need} "
                                "bytes are needed; give a larger cache_bytes (or free space in the cache folder "
                                f"{self.cache}, whose default share is {DEFAULT_SHARE:.0%} of its free space)")
 
@@ -542,13 +542,15 @@ class S3Dataset:
         self._parsed()
         self._check_budget()
         crcs = None
-        if manifest.checksums is not None:
-            fd = self.open(manifest.checksums.file, "checksums")
-            with os.fdopen(fd, "rb") as f:
-                crcs = np.frombuffer(f.read(manifest.checksums.bytes + 1), fmt.CHECKSUM_DTYPE)
-            if len(crcs) != manifest.count:
-                raise DatasetError(f"{self.local_path(manifest.checksums.file)}: {len(crcs)} checksums for "
-                                   f"{manifest.count} records; the cached copy is damaged")
+        if manifest.has_checksums:  # (1.5) every segment's, joined
+            pieces = []
+            for segment in manifest.index_segments:
+                with os.fdopen(self.open(segment.checksums.file, "checksums"), "rb") as f:
+                    pieces.append(np.frombuffer(f.read(segment.checksums.bytes + 1), fmt.CHECKSUM_DTYPE))
+                if len(pieces[-1]) != segment.count:
+                    raise DatasetError(f"{self.local_path(segment.checksums.file)}: {len(pieces[-1])} checksums for "
+                                       f"{segment.count} records; the cached copy is damaged")
+            crcs = np.concatenate(pieces)
         return RecordCache(manifest, self.local_folder(), self.budget(), self.base_bytes(),
                            self.get_range, self._at, crcs)
 
