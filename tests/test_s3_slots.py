@@ -101,10 +101,13 @@ def test_punched_holes_give_the_disk_back(env: Path, url: str, local: MemmapData
     path = files.path(0)
     full = os.stat(path).st_blocks * 512
     assert full >= PER_SHARD * RECORD_BYTES and os.stat(path).st_size == PER_SHARD * RECORD_BYTES
-    files.remove_all(np.arange(0, PER_SHARD, 2))  # every other record: blocks shared with a neighbour stay
-    half = os.stat(path).st_blocks * 512
-    assert half < full
-    files.remove_all(np.arange(1, PER_SHARD, 2))  # the rest: every block free
+    files.remove_all(np.arange(0, PER_SHARD, 2))  # every other record: each block still holds one
+    assert os.stat(path).st_blocks * 512 == full
+    files.remove_all(np.arange(0, PER_SHARD // 2))  # the first half: only the blocks the second half touches stay
+    block = files.block
+    touched = -(-PER_SHARD * RECORD_BYTES // block) - PER_SHARD // 2 * RECORD_BYTES // block
+    assert os.stat(path).st_blocks * 512 == touched * block < full
+    files.remove_all(np.arange(PER_SHARD // 2, PER_SHARD))  # the rest: every block free
     assert os.stat(path).st_blocks == 0
     assert not any(files.present(u) for u in range(PER_SHARD))
 
@@ -114,16 +117,16 @@ def test_a_write_cut_short_counts_as_nothing_and_its_blocks_are_reclaimed(env: P
     budget = index_bytes(local) + COUNT * COST
     remote = MemmapDataset(url, cache_dir=env, cache_bytes=budget)
     files = remote.opened.records.files
-    remote.__getitems__([0])
-    path = files.path(150)  # shard 1: a writer killed between its write and its mark leaves these bytes
+    remote.__getitems__([100])  # record 0 of shard 1
+    path = files.path(150)  # a writer killed between its write and its mark leaves bytes of records 150-159
     with open(path, "r+b") as f:
         f.seek(50 * RECORD_BYTES)
         f.write(b"\1" * (10 * RECORD_BYTES))
-    assert os.stat(path).st_blocks > 0
+    assert os.stat(path).st_blocks * 512 > files.block
     again = MemmapDataset(url, cache_dir=env, cache_bytes=budget)
     records = again.opened.records
-    assert records.used == index_bytes(local) + COST  # record 0 only
-    assert os.stat(path).st_blocks == 0  # reclaimed at open
+    assert records.used == index_bytes(local) + COST  # record 100 only
+    assert os.stat(path).st_blocks * 512 == files.block  # reclaimed at open: the block record 100 touches stays
     picks = list(range(145, 165))
     assert np.array_equal(again.__getitems__(picks).images.numpy(), local.__getitems__(picks).images.numpy())
 

@@ -304,7 +304,8 @@ class RecordSlots:
         lo_pos, hi_pos = chunk * self._chunk_records(), min(n, (chunk + 1) * self._chunk_records())
         absent = (self.state[first + lo_pos:first + hi_pos] & 1) == 0
 
-        def clear(a: int, b: int) -> bool:  # records [a, b) of the shard: all in this chunk and not present
+        def clear(a: int, b: int) -> bool:  # records [a, b) of the shard (none past its end): in this chunk, absent
+            b = min(b, n)
             return lo_pos <= a and b <= hi_pos and bool(absent[a - lo_pos:b - lo_pos].all())
 
         ranges = []
@@ -313,7 +314,7 @@ class RecordSlots:
             down = start // blk * blk
             if down < start and clear(down // rb, pos):
                 start = down
-            up = min(-(-end // blk) * blk, self.manifest.shards[shard].bytes)
+            up = -(-end // blk) * blk  # past the file's end too: a block the file ends in is freed whole
             if up > end and clear(pos + 1, -(-up // rb)):
                 end = up
             if ranges and ranges[-1][1] >= start:
