@@ -331,7 +331,7 @@ def test_a_1_2_dataset_is_cached_a_whole_checked_shard_at_a_time(server: S3Serve
             assert folder_bytes(folder, cache=remote.opened.records) <= budget
         same(got, [tensors(b) for b in local.loader(4, order=order, seed=9)])
     held = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*.bin") if "shards" in p.parts)
-    assert 0 < len(held) <= 8 and not (folder / "records").exists()
+    assert 0 < len(held) <= 8 and not (folder / slots.SLOT_DIR).exists()
     with pytest.raises(DatasetError, match=rf"too small for batches of 16 fetched 2 batches ahead: at least "
                                            rf"{index_bytes(MemmapDataset(old)) + 20 * shard_bytes} bytes"):
         remote.loader(16)  # random batches of 16 can touch every one of the 20 shards
@@ -434,3 +434,18 @@ def test_with_locality_a_rank_fetches_only_its_own_shards(env: Path, url: str, l
     assert mine <= cached <= mine | soon  # nothing of the other ranks' groups
     fetched = remote.opened.records.stats.fetched_bytes  # each record once (neighbours read soon join a GET)
     assert len(np.unique(read)) * RECORD_BYTES <= fetched <= len(mine | soon) * PER_SHARD * RECORD_BYTES
+
+
+def test_a_temporary_a_killed_writer_left_is_removed_by_the_next_writer_of_its_shard(
+        server: S3Server, env: Path, local: MemmapDataset, tmp_path: Path) -> None:
+    old = as_version_1_2(Path(local.path), tmp_path / "old")
+    url = server.upload(old, BUCKET, f"cache/old-{next(_uploads)}")
+    remote = MemmapDataset(url, cache_dir=env)
+    shards = remote.opened.local_root / fmt.SHARD_DIR
+    shards.mkdir(parents=True, exist_ok=True)
+    stale = shards / ".00004.bin.0123456789abcdef.tmp"  # the name a writer of shard 4 gives its temporary
+    foreign = [shards / ".00004.bin.mine.tmp", shards / ".00005.bin.0123456789abcdef.tmp"]  # not one / not shard 4's
+    for path in (stale, *foreign):
+        path.write_bytes(b"partial")
+    assert torch.equal(remote[400].image, local[400].image)  # fetches shard 4, under its lock
+    assert not stale.exists() and all(p.read_bytes() == b"partial" for p in foreign)

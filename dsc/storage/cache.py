@@ -1,8 +1,9 @@
 """A bounded node-local cache of a remote dataset's records that follows the order they will be read in.
 
-Its units, and how each is fetched once per node, checked and read back, are `dsc.storage.units`: a
-record (format 1.3, checked by its CRC-32) or a whole shard (older formats, by its SHA-256). This module
-decides what to fetch and what to let go.
+Its units, and how each is fetched once per node, checked and read back, are `dsc.storage.slots` (a
+record, format 1.3+, checked by its CRC-32: a sparse file per shard and a shared state word per record)
+or `dsc.storage.units` (a whole shard, older formats, by its SHA-256). This module decides what to fetch
+and what to let go.
 
 The loader tells the cache the sequence of batches this process reads next (`follow`: its share of
 the epoch, then of the next epoch, whose order is known, and the batch size); `fill` then makes one
@@ -13,13 +14,14 @@ runs of neighbouring records in one shard coalesced into one ranged GET on a bou
 random order). Room is made by evicting the unit needed furthest in the future (Belady's rule; a unit
 the followed sequence never reads again goes first), never one needed before the unit being fetched: prefetching
 stops there instead. The bytes the folder holds (the manifest and index files, the units, what is
-being fetched) never exceed `budget`. It deletes only units (`UnitFiles.remove`); anything else in
-the folder is never touched.
+being fetched) never exceed `budget` (a record counts as the blocks it can pin, `slots.record_cost`). It
+lets go only of units (`remove_all`: a record's bytes punched out of its slot file, a shard's file
+deleted); anything else in the folder is never touched.
 
-Every record is checked before it is served: a record unit against its CRC-32, a shard unit against
-its SHA-256, the first time this process reads the unit's file and whenever the file changed since
-(`UnitFiles.read`). A unit that fails is fetched again; a fetch still
-wrong is an error naming the object and the record, never a wrong batch.
+Every record is checked before it is served: a record against its CRC-32 the first time this process
+reads it under its state word (`RecordSlots.gather`), a shard against its SHA-256 the first time this
+process reads its file and whenever the file changed since (`UnitFiles.read`). A unit that fails is
+fetched again; a fetch still wrong is an error naming the object and the record, never a wrong batch.
 
 The count of bytes held is this process's: processes that share a folder share its units, but each
 counts only what it has seen, so the folder of a node whose L processes share it stays under L times

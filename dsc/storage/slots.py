@@ -41,6 +41,7 @@ import mmap
 import os
 import secrets
 import stat
+import weakref
 import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
@@ -125,6 +126,7 @@ class RecordSlots:
         self.state = self._map_state()
         self._checked = np.zeros(self.count, dtype=STATE_DTYPE)  # the word under which this process checked each
         self._fds: dict[int, int] = {}  # shard -> read-write descriptor of its slot file
+        weakref.finalize(self, _close_all, self._fds)  # (a map keeps a descriptor of its own)
         self._maps: list[np.ndarray | None] = [None] * len(manifest.shards)  # shard -> [records, H, W, 3] view
 
     # --------------------------------------------------------------------- sizes and names
@@ -416,10 +418,12 @@ class RecordSlots:
             self._checked[record] = word
         return None
 
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds = {}
+
+
+def _close_all(fds: dict[int, int]) -> None:
+    for fd in fds.values():
+        os.close(fd)
+    fds.clear()
 
 
 def _write(fd: int, data, offset: int) -> None:
