@@ -57,7 +57,7 @@ from dsc.storage.units import FETCHES, GET_BYTES, fetch_range
 
 SLOT_DIR = "slots"
 STATE_FILE = "state.bin"
-STATE_DTYPE = np.dtype("<u4")  # a record's word: bit 0 present, bits 1.. how often it was let go
+STATE_DTYPE = np.dtype(np.uint32)  # a record's word (native order: node-local): bit 0 present, bits 1.. let go
 RETRIES = 8  # copies of a record that changed while it was copied, before it is read as gone
 _PUNCH = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
 _OPEN_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # never a link, never wait on a FIFO
