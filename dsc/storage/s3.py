@@ -511,23 +511,29 @@ class S3Dataset:
         return [e for e in self._manifest.files if e.file not in shards]
 
     def base_bytes(self) -> int:
-        """What the cache holds besides records: the manifest's copy and the files cached whole."""
-        return len(self._text or b"") + sum(e.bytes for e in self._whole_files())
+        """What the cache holds besides records: the manifest's copy, the files cached whole and (records
+        cached one by one) the state of the records (`dsc.storage.slots`)."""
+        from dsc.storage.slots import state_bytes
+
+        state = state_bytes(self._manifest.count) if self._manifest.has_checksums else 0
+        return len(self._text or b"") + sum(e.bytes for e in self._whole_files()) + state
 
     def budget(self) -> int:
         """`cache_bytes`, or by default DEFAULT_SHARE of the cache's free space at the first open, split between
         the node's ranks (each counts what it holds: `cache`), plus what this dataset's folder holds already."""
         if self.cache_bytes is None:
             folder = self.local_folder()
-            held = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
+            held = sum(_disk_bytes(p) for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
             self.cache_bytes = int(free_bytes(folder) * DEFAULT_SHARE / _local_ranks()) + held
         return self.cache_bytes
 
     def _check_budget(self) -> None:
         """Before anything is fetched: `cache_bytes` must hold the manifest, the index and one unit of
         records (a record, or with no per-record checksums a shard); say the minimum where it does not."""
-        unit = self._manifest.record_bytes if self._manifest.has_checksums else \
-            max(e.bytes for e in self._manifest.shards)
+        from dsc.storage.slots import block_size, record_cost
+
+        unit = record_cost(self._manifest.record_bytes, block_size(self.local_folder())) \
+            if self._manifest.has_checksums else max(e.bytes for e in self._manifest.shards)
         need = self.base_bytes() + unit
         if self.budget() < need:
             raise DatasetError(f"{self.root}: cache_bytes={self.budget()} cannot hold this dataset's index and one "
@@ -657,6 +663,12 @@ class S3Dataset:
         except FileNotFoundError as e:
             raise DatasetError(f"{self._at(name)}: {missing}") from e
 
+
+
+def _disk_bytes(path: Path) -> int:
+    """A file's bytes, or the disk its blocks take where that is less (a sparse file of the record cache)."""
+    st = path.stat()
+    return min(st.st_size, st.st_blocks * 512)
 
 
 def _verified(path: Path, entry: fmt.FileEntry) -> bytes | None:
