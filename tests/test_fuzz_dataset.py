@@ -333,7 +333,7 @@ def check_reads_or_refusals(root: Path, ds: dsc.MemmapDataset) -> None:
     """An opened dataset with a wrong index value (refused by `open_dataset`): each read serves what the files
     hold, with values the format allows, or fails with DatasetError; the wrong file refuses to be read whole."""
     m = ds.manifest
-    labels = np.frombuffer(read_exact(root / m.index["labels"].file, 0, 8 * m.count), "<i8")
+    labels = np.frombuffer(read_exact(root / m.index_segments[0].index["labels"].file, 0, 8 * m.count), "<i8")
     low, high = fmt.label_range(m)
     for i in range(len(ds)):
         with contextlib.suppress(dsc.DatasetError):
