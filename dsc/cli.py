@@ -445,8 +445,9 @@ def prune_command(
         s = _versioned_command(lambda: prune(dataset, keep), dataset)
     kept = (f"kept version(s) {s.kept[0]}" + (f" to {s.kept[-1]}" if len(s.kept) > 1 else "") if s.kept
             else "no dataset yet (only partial builds)")
+    aborted = f"; aborted {_count(len(s.aborted_uploads), 'unfinished upload')}" if s.aborted_uploads else ""
     typer.echo(f"{kept} of {dataset}; removed {_count(len(s.removed_versions), 'version')} and "
-               f"{_count(len(s.removed_files), 'file')} ({_human_bytes(s.bytes_freed)})")
+               f"{_count(len(s.removed_files), 'file')} ({_human_bytes(s.bytes_freed)}){aborted}")
 
 
 @app.command("info")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dsc import format as fmt
@@ -45,6 +45,7 @@ class Pruned:
     removed_versions: list[int]
     removed_files: list[str]
     bytes_freed: int
+    aborted_uploads: list[str] = field(default_factory=list)  # (a bucket) killed writers' unfinished uploads
 
 
 def compile_options(manifest: fmt.Manifest, root: Path | str) -> dict:
