@@ -81,7 +81,7 @@ def index_bytes(local: MemmapDataset) -> int:
     """What the cache holds besides records: the manifest's copy, every file but the shards and the state of
     the records (a word each, 1.3+)."""
     files = [e for e in local.manifest.files if not e.file.startswith(f"{fmt.SHARD_DIR}/")]
-    state = slots.state_bytes(local.manifest.count) if local.manifest.checksums is not None else 0
+    state = slots.state_bytes(local.manifest.count) if local.manifest.has_checksums else 0
     return len((Path(local.path) / fmt.MANIFEST_FILE).read_bytes()) + sum(e.bytes for e in files) + state
 
 
