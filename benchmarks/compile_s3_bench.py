@@ -65,7 +65,8 @@ def same_bytes(local: Path, url: str) -> int:
 
     bucket = Bucket(url)
     manifest = json.loads(bucket.get(fmt.MANIFEST_FILE)[0])
-    base = manifest["index"]["labels"]["file"].rsplit("/", 1)[0] + "/"  # builds/<tag>/ (1.4 lists no shards)
+    index = manifest["segments"][0]["index"]  # (1.5) the compile's one index segment
+    base = index["labels"]["file"].rsplit("/", 1)[0] + "/"  # builds/<tag>/ (1.4 lists no shards)
     files = [p for p in local.rglob("*") if p.is_file() and p.name != fmt.MANIFEST_FILE]
     return sum(bucket.get(base + p.relative_to(local).as_posix())[0] != p.read_bytes() for p in files)
 

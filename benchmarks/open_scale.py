@@ -9,7 +9,7 @@ that of zeros), index files real (random labels over 1,000 classes, names like `
 1,000 skipped sources. Each figure is measured in a fresh process, page cache warm (the build just wrote
 the index):
 
-  manifest       the manifest's size (format 1.4: a few KB whatever the shards; 1.3 listed ~150 bytes a shard)
+  manifest       the manifest's size (format 1.4 on: a few KB whatever the shards; 1.3 listed ~150 bytes a shard)
   parse s, MB    `storage.parse_manifest(path)` alone, and the anonymous memory it adds: what the manifest
                  costs every process that opens the dataset (1.3 lists every shard in it: --versions 1.3 1.4)
   open s         `MemmapDataset(path)`: manifest parsed, files mapped (shards past a few thousand: on first use);
@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -100,10 +101,11 @@ BUILD_CHUNK = 1 << 20  # records made and written at a time: the build's memory 
 
 
 def build(root: Path, count: int, side: int, records_per_shard: int | None,
-          version: str = fmt.FORMAT_VERSION) -> fmt.Manifest:
+          version: str = fmt.FORMAT_VERSION, compile_options: dict | None = None) -> fmt.Manifest:
     """A valid dataset of `count` records with sparse shards, through the format's own writer: the index
     payloads (`fmt.encode_sources`, `fmt.encoded_index_payloads`) made a chunk of records at a time and
-    appended to their files, so that building 10^8 records needs no more memory than building 10^6."""
+    appended to their files, so that building 10^8 records needs no more memory than building 10^6.
+    `compile_options`: the manifest's `compile` (a real compile's, for a dataset `dsc append` can grow)."""
     record_bytes = side * side * fmt.CHANNELS
     per_shard = records_per_shard or max(1, (1 << 30) // record_bytes)
     (root / fmt.SHARD_DIR).mkdir(parents=True)
@@ -117,7 +119,9 @@ def build(root: Path, count: int, side: int, records_per_shard: int | None,
             digests[size] = zeros_sha256(size)
         shards.append(fmt.ShardEntry(fmt.shard_file(i), size, digests[size], n))
     rng = np.random.default_rng(0)
-    files = {key: open(root / name, "wb") for key, name in fmt.INDEX_FILES.items()}
+    names_of = {**fmt.INDEX_FILES, "checksums": fmt.CHECKSUMS_FILE}  # every record's CRC-32: that of zeros
+    zero_crc = zlib.crc32(bytes(record_bytes))
+    files = {key: open(root / name, "wb") for key, name in names_of.items()}
     hashes = {key: hashlib.sha256() for key in files}
     end = 0
     try:
@@ -128,6 +132,7 @@ def build(root: Path, count: int, side: int, records_per_shard: int | None,
             offsets, blob = fmt.encode_sources(names)
             offsets = offsets if first == 0 else offsets[1:]  # one offsets file: each chunk's after the previous end
             payloads = fmt.encoded_index_payloads(labels, sizes, offsets + np.uint64(end), blob)
+            payloads["checksums"] = ("", np.full(len(labels), zero_crc, fmt.CHECKSUM_DTYPE).tobytes())
             for key, (_, payload) in payloads.items():
                 files[key].write(payload)
                 hashes[key].update(payload)
@@ -136,13 +141,16 @@ def build(root: Path, count: int, side: int, records_per_shard: int | None,
         for f in files.values():
             f.close()
     index = {key: fmt.FileEntry(name, (root / name).stat().st_size, hashes[key].hexdigest())
-             for key, name in fmt.INDEX_FILES.items()}
+             for key, name in names_of.items()}
+    checksums = index.pop("checksums")
     skips = [{"source": f"bad/{i:06d}.jpg", "reason": "not a recognised image file"} for i in range(SKIPS)]
     manifest = fmt.Manifest(height=side, width=side, count=count, records_per_shard=per_shard,
                             classes=tuple(f"c{k}" for k in range(CLASSES)), shards=tuple(shards), index=index,
-                            compile={"size": [side, side], "fit": "center-crop", "source_root": "/nonexistent"},
+                            compile=compile_options or {"size": [side, side], "fit": "center-crop",
+                                                        "source_root": "/nonexistent"},
                             skipped=tuple(skips[:fmt.SKIPPED_IN_MANIFEST]),
-                            skipped_list=output.write_skip_list(root, skips), version=version)
+                            skipped_list=output.write_skip_list(root, skips), version=version,
+                            checksums=checksums if fmt.minor_version(version) >= 3 else None)
     return output.write_manifest(root, manifest)
 
 
@@ -161,8 +169,9 @@ def main() -> None:
     p.add_argument("--side", type=int, default=32)
     p.add_argument("--records-per-shard", type=int, default=None)
     p.add_argument("--dir", type=Path, default=None, help="where to build [default: a temporary folder]")
-    p.add_argument("--versions", nargs="+", default=[fmt.FORMAT_VERSION], choices=["1.3", fmt.FORMAT_VERSION],
-                   help="format versions to write, side by side (1.3: every shard listed in the manifest)")
+    p.add_argument("--versions", nargs="+", default=[fmt.FORMAT_VERSION], choices=["1.3", "1.4", fmt.FORMAT_VERSION],
+                   help="format versions to write, side by side (1.3: every shard listed in the manifest; 1.4: "
+                        "the index whole, not in segments)")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="open_scale_", dir=args.dir))
     print(f"{'records':>12} {'shards':>7} {'format':>6} {'manifest':>9} {'parse s':>7} {'parse MB':>8} {'open s':>7} "

@@ -111,7 +111,9 @@ def with_fields(ds: MemmapDataset, out: Path) -> MemmapDataset:
          rng.integers(0, 2, (m.count, 20))),
         (fmt.FieldEntry("", 0, "", "box", "float", (4,)), rng.random((m.count, 4))),
         (fmt.FieldEntry("", 0, "", "year", "int", ()), rng.integers(1990, 2025, m.count))])
-    output.write_manifest(out, dataclasses.replace(m, fields=fields, version=fmt.FORMAT_VERSION))
+    (one,) = m.index_segments  # a compile's one index, and the fields added to it: one segment again (format 1.5)
+    output.write_manifest(out, dataclasses.replace(m, fields=fields, version=fmt.FORMAT_VERSION, segments=(),
+                                                   index=one.index, checksums=one.checksums, warnings=one.warnings))
     return MemmapDataset(out)
 
 

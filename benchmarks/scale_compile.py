@@ -163,7 +163,7 @@ def measure(src: Path, out: Path, engine: str, workers: int) -> dict:
             "driver MB": memory.driver / 1e6, "worker MB": memory.worker / 1e6, "tree MB": memory.tree / 1e6,
             "index B/rec": sum((out / n).stat().st_size for n in INDEX_FILES) / count,
             "manifest KB": ((out / "manifest.json").stat().st_size + extra) / 1e3, "open ms": open_ms(out),
-            "digest": {k: manifest[k] for k in ("shard_tables", "index", "count")}}
+            "digest": {k: manifest[k] for k in ("shard_tables", "segments", "count")}}
 
 
 COLUMNS = ("s", "img/s", "driver MB", "worker MB", "tree MB", "index B/rec", "manifest KB", "open ms")
@@ -220,7 +220,7 @@ def kill_and_resume(src: Path, out: Path, engine: str, workers: int, files: int)
     manifest = json.loads((out / "manifest.json").read_text())
     return {"killed after s": killed_s, "journalled": at, "resume s": resumed_s,
             "resume driver MB": memory.driver / 1e6,
-            "digest": {k: manifest[k] for k in ("shard_tables", "index", "count")}}
+            "digest": {k: manifest[k] for k in ("shard_tables", "segments", "count")}}
 
 
 def main() -> None:

@@ -445,8 +445,9 @@ def prune_command(
         s = _versioned_command(lambda: prune(dataset, keep), dataset)
     kept = (f"kept version(s) {s.kept[0]}" + (f" to {s.kept[-1]}" if len(s.kept) > 1 else "") if s.kept
             else "no dataset yet (only partial builds)")
+    aborted = f"; aborted {_count(len(s.aborted_uploads), 'unfinished upload')}" if s.aborted_uploads else ""
     typer.echo(f"{kept} of {dataset}; removed {_count(len(s.removed_versions), 'version')} and "
-               f"{_count(len(s.removed_files), 'file')} ({_human_bytes(s.bytes_freed)})")
+               f"{_count(len(s.removed_files), 'file')} ({_human_bytes(s.bytes_freed)}){aborted}")
 
 
 @app.command("info")
@@ -489,8 +490,9 @@ def info_command(
     options = {k: v for k, v in s["compile"].items() if k not in ("source_root", "jpeg_decoder", "source_order")}
     typer.echo("compiled with: " + _clean(", ".join(f"{k}={v}" for k, v in options.items())))
     typer.echo(_clean(f"from: {s['compile'].get('source_root')}; JPEG decoder: {s['jpeg_decoder']}"))
-    uncounted = [] if s["counted"] else [what for what, there in (("records per class", s["labeled"]), (
-        "field values", s["fields"]), ("decoder warnings", s["has_warnings"])) if there]
+    uncounted = [] if s["counted"] else [what for what, there in (
+        ("records per class", s["labeled"] and s["unlabeled"] is None),  # 1.5 stores them: shown uncounted too
+        ("field values", s["fields"]), ("decoder warnings", s["has_warnings"])) if there]
     if uncounted:
         typer.echo(f"not counted: {', '.join(uncounted)} (dsc info --counts reads every one of the {s['records']:,} "
                    "records' values)")

@@ -1,4 +1,4 @@
-"""The dsc dataset format, version 1.4: the only module that knows the on-disk layout.
+"""The dsc dataset format, version 1.5: the only module that knows the on-disk layout.
 
 The contract is ``formats.md`` at the repository root; this module uses the same
 names for the same things. In short::
@@ -15,6 +15,7 @@ names for the same things. In short::
       warnings.bin          (1.2, only when a record has one) uint16 LE [count] decoder warnings per record
       checksums.bin         (1.3, optional) uint32 LE [count]: CRC-32 of each record's bytes
       shard_table.bin       (1.4) each shard's SHA-256, 32 raw bytes a shard (`with_shard_table`, `ShardList`)
+      class_counts.bin      (1.5) int64 LE [K + 1]: a segment's records labeled -1, then each class
       versions/00000002.json (1.3) the manifest of version 2 (an append), committed create-only
       appends/<16 hex>/...  (1.3) the files an append wrote (its shards, a new index), named by its versions
       builds/<16 hex>/...   (1.3, object storage) the files a compile into a bucket wrote, same names
@@ -29,6 +30,11 @@ commits its build (`builds/<tag>/`) the same way; with --force as version N+1, a
 Shard tables (1.4): the manifest no longer lists the shards (~150 bytes each: 60 MB at 400k
 shards, parsed by every process); its `shard_tables` say which folder holds each run of shards and
 which rows of a table file hold their SHA-256s, and `ShardList` makes a shard's entry when asked.
+
+Index segments (1.5): the per-record files (index, fields, checksums, warnings) are listed by `segments`, each
+those of one run of records with its class counts (`Segment`, `with_segment`), so an append writes a segment
+of its new records and lists the earlier ones unchanged; a version before 1.5 is one segment
+(`Manifest.index_segments`).
 
 The manifest (formats.md, "manifest.json") names every other file with its size and SHA-256,
 and (1.2) carries its own SHA-256, taken with that value as 64 '0's (`sealed`, `seal_problem`);
@@ -61,7 +67,7 @@ import numpy as np
 from dsc.errors import DatasetError, UnsupportedVersionError
 
 FORMAT_NAME = "dsc"
-FORMAT_VERSION = "1.4"  # MAJOR.MINOR: a reader refuses another MAJOR; MINOR only adds keys.
+FORMAT_VERSION = "1.5"  # MAJOR.MINOR: a reader refuses another MAJOR; MINOR only adds keys.
 MANIFEST_FILE = "manifest.json"
 SHARD_DIR = "shards"
 LABELS_FILE = "labels.bin"
@@ -74,6 +80,7 @@ _SEAL_PLACEHOLDER = "0" * 64
 WARNINGS_FILE = "warnings.bin"  # 1.2: decoder warnings per record (a kept but damaged source)
 CHECKSUMS_FILE = "checksums.bin"  # 1.3: CRC-32 per record, so a fetched byte range can be checked on its own
 SHARD_TABLE_FILE = "shard_table.bin"  # 1.4: each shard's SHA-256, 32 raw bytes a shard: the manifest stays small
+CLASS_COUNTS_FILE = "class_counts.bin"  # 1.5: a segment's records per label (-1 first), so info need not count
 DIGEST_BYTES = 32  # a raw SHA-256
 SKIPPED_IN_MANIFEST = 100  # 1.1: the manifest's "skipped" holds only the first ones (it must stay small)
 INDEX_FILES = {"labels": LABELS_FILE, "sizes": SIZES_FILE,
@@ -97,6 +104,7 @@ OFFSET_DTYPE = np.dtype("<u8")
 UNLABELED = -1
 WARNING_DTYPE = np.dtype("<u2")
 CHECKSUM_DTYPE = np.dtype("<u4")  # zlib.crc32 of the record's H*W*3 bytes
+COUNT_DTYPE = np.dtype("<i8")  # 1.5: class_counts.bin, [K_s + 1]: records labeled -1, then 0 .. K_s - 1
 # Per-record fields (1.1): each kind has one on-disk dtype. class: an index into the field's
 # classes; multilabel: multi-hot [K] over its classes; float / int: numbers.
 FIELD_DTYPES = {"class": np.dtype("<i8"), "multilabel": np.dtype("u1"), "float": np.dtype("<f4"),
@@ -234,6 +242,39 @@ class Part:
 
 
 @dataclass(frozen=True)
+class Segment:
+    """(1.5) The index of records [first, first + count): its own files, each sealed by the manifest (size and
+    SHA-256), so an append writes a segment for its new records and keeps every earlier one by name. Its
+    source offsets start at 0 (the segment's own sources file); `fields` follow the manifest's field order;
+    `class_counts` holds how many of its records carry each label (-1 first), so counting needs no labels.
+    A dataset before 1.5 has one segment: its whole-dataset files (`Manifest.index_segments`)."""
+
+    first: int
+    count: int
+    index: dict[str, FileEntry]
+    fields: tuple[FileEntry, ...] = ()
+    checksums: FileEntry | None = None
+    warnings: FileEntry | None = None
+    class_counts: FileEntry | None = None  # None only in the one segment of a version before 1.5
+
+    @property
+    def files(self) -> list[FileEntry]:
+        return [*self.index.values(), *self.fields, *filter(None, [self.checksums, self.warnings, self.class_counts])]
+
+    def to_dict(self) -> dict[str, Any]:
+        doc = {"first": self.first, "count": self.count, "index": {k: asdict(v) for k, v in self.index.items()},
+               "fields": [_file_dict(f) for f in self.fields], "checksums": _file_dict(self.checksums),
+               "class_counts": _file_dict(self.class_counts)}
+        if self.warnings is not None:
+            doc["warnings"] = _file_dict(self.warnings)
+        return doc
+
+
+def _file_dict(entry: FileEntry) -> dict[str, Any]:
+    return {"file": entry.file, "bytes": entry.bytes, "sha256": entry.sha256}
+
+
+@dataclass(frozen=True)
 class Manifest:
     """Everything `manifest.json` says (see formats.md, "manifest.json")."""
 
@@ -254,6 +295,20 @@ class Manifest:
     parts: tuple[Part, ...] = ()  # 1.3: how each run of records was made; () = one part, `compile`
     checksums: FileEntry | None = None  # 1.3: CRC-32 per record (optional: older datasets have none)
     shard_tables: tuple[ShardTable, ...] = ()  # 1.4: where the shards' SHA-256s are (`with_shard_table`)
+    # 1.5: the index in segments (`with_segment`); then `index` is {}, `checksums` and `warnings` None and the
+    # fields' file entries empty: every per-record file is a segment's (`index_segments`)
+    segments: tuple[Segment, ...] = ()
+
+    @property
+    def index_segments(self) -> tuple[Segment, ...]:
+        """The index by runs of records: 1.5's segments, or before it one segment of the whole-dataset files."""
+        return self.segments or (Segment(0, self.count, dict(self.index), tuple(
+            FileEntry(f.file, f.bytes, f.sha256) for f in self.fields), self.checksums, self.warnings),)
+
+    @property
+    def has_checksums(self) -> bool:
+        """Whether every record has its CRC-32 stored (1.3 on; optional before 1.5)."""
+        return all(s.checksums is not None for s in self.index_segments)
 
     @property
     def record_parts(self) -> tuple[Part, ...]:
@@ -280,6 +335,9 @@ class Manifest:
     def files(self) -> list[FileEntry]:
         """Every file the manifest names, with its size and SHA-256."""
         tables = list({t.file: FileEntry(t.file, t.bytes, t.sha256) for t in self.shard_tables}.values())
+        if self.segments:
+            return [*self.shards, *tables, *(f for s in self.segments for f in s.files),
+                    *filter(None, [self.skipped_list])]
         return [*self.shards, *tables, *self.index.values(), *self.fields,
                 *filter(None, [self.skipped_list, self.warnings, self.checksums])]
 
@@ -291,8 +349,10 @@ class Manifest:
     def to_json(self) -> str:
         # Before 1.4, and while the shards' digests are in no table yet (`with_shard_table` puts them in one),
         # the shards are listed inline, as 1.3 does: what a writer that writes no table file still produces.
+        # Likewise (1.5) the index is in segments only once `with_segment` made them; before, it is 1.4's.
         tabled = bool(self.shard_tables) and minor_version(self.version) >= 4
-        version = self.version if tabled or minor_version(self.version) < 4 else "1.3"
+        segmented = tabled and bool(self.segments) and minor_version(self.version) >= 5
+        version = self.version if segmented or minor_version(self.version) < 4 else "1.4" if tabled else "1.3"
         doc = {
             "format": FORMAT_NAME,
             "version": version,
@@ -303,17 +363,18 @@ class Manifest:
             "classes": list(self.classes),
             **({"shard_tables": [asdict(t) for t in self.shard_tables]} if tabled else
                {"shards": [asdict(s) for s in self.shards]}),
-            "index": {k: asdict(v) for k, v in self.index.items()},
+            **({"segments": [s.to_dict() for s in self.segments]} if segmented else
+               {"index": {k: asdict(v) for k, v in self.index.items()}}),
             "skipped": [dict(s) for s in self.skipped],
             "compile": self.compile,
         }
         if version != "1.0":
-            doc["fields"] = [f.to_dict() for f in self.fields]
+            doc["fields"] = [_spec_dict(f) if segmented else f.to_dict() for f in self.fields]
         if self.skipped_list is not None:
             doc["skipped_list"] = asdict(self.skipped_list)
-        if self.warnings is not None:
+        if self.warnings is not None and not segmented:
             doc["warnings"] = asdict(self.warnings)
-        if self.checksums is not None:
+        if self.checksums is not None and not segmented:
             doc["checksums"] = asdict(self.checksums)
         if self.dataset_version != 1:
             doc["dataset_version"] = self.dataset_version
@@ -323,6 +384,14 @@ class Manifest:
             doc[SEAL_KEY] = _SEAL_PLACEHOLDER
             return sealed(json.dumps(doc, indent=1, ensure_ascii=True) + "\n")
         return json.dumps(doc, indent=1, ensure_ascii=True) + "\n"
+
+
+def _spec_dict(f: FieldEntry) -> dict[str, Any]:
+    """(1.5) A field as the manifest lists it: what it is; its files are the segments'."""
+    doc = f.to_dict()
+    for key in _FILE_KEYS:
+        del doc[key]
+    return doc
 
 
 def minor_version(version: str) -> int:
@@ -498,6 +567,37 @@ def with_shard_table(manifest: Manifest, name: str, base: Manifest | None = None
     return replace(manifest, shard_tables=tuple(tables)), payload
 
 
+def count_labels(labels: np.ndarray, classes: int) -> np.ndarray:
+    """(1.5) How many of `labels` are -1, then each label 0 .. classes - 1 ([classes + 1]), SCAN_ITEMS at a time."""
+    counts = np.zeros(classes + 1, np.int64)
+    for start in range(0, len(labels), SCAN_ITEMS):
+        counts += np.bincount(np.asarray(labels[start:start + SCAN_ITEMS], np.int64) + 1, minlength=classes + 1)
+    return counts
+
+
+def class_counts_payload(counts: np.ndarray) -> tuple[str, bytes]:
+    """(1.5) A segment's class counts file's (file name, bytes), from `count_labels` of its records' labels."""
+    return CLASS_COUNTS_FILE, np.ascontiguousarray(counts, COUNT_DTYPE).tobytes()
+
+
+def with_segment(manifest: Manifest, class_counts: FileEntry | None, kept: Sequence[Segment] = ()) -> Manifest:
+    """(1.5) `manifest` with its index in segments: `kept` (a 1.5 version's, records 0 .. c - 1, listed by
+    their names unchanged), then one new segment of the files `manifest` names as its index, fields, checksums
+    and decoder warnings, which hold records c .. count - 1 only; `class_counts` is that segment's counts file."""
+    first = sum(s.count for s in kept)
+    if kept and (kept[0].first != 0 or any(a.first + a.count != b.first for a, b in zip(kept, kept[1:]))
+                 or any(s.checksums is None or s.class_counts is None for s in kept)):
+        raise ValueError("kept segments must follow each other from record 0, each with its checksums and counts")
+    if manifest.checksums is None or class_counts is None:
+        raise ValueError("a segment has its records' checksums and class counts")
+    new = Segment(first, manifest.count - first, dict(manifest.index),
+                  tuple(FileEntry(f.file, f.bytes, f.sha256) for f in manifest.fields),
+                  manifest.checksums, manifest.warnings, class_counts)
+    fields = tuple(replace(f, file="", bytes=0, sha256="") for f in manifest.fields)
+    return replace(manifest, version=FORMAT_VERSION, segments=(*kept, new), index={}, fields=fields,
+                   checksums=None, warnings=None)
+
+
 def checksums_payload(crcs: np.ndarray) -> tuple[str, bytes]:
     """The checksums file's (file name, bytes) (1.3): each record's CRC-32, in record order."""
     return CHECKSUMS_FILE, np.ascontiguousarray(crcs, CHECKSUM_DTYPE).tobytes()
@@ -564,6 +664,10 @@ _OPTIONAL_KEYS = {0: frozenset(), 1: frozenset({"skipped_list"}),  # optional, b
                   2: frozenset({"skipped_list", "warnings"}),
                   3: frozenset({"skipped_list", "warnings", "dataset_version", "parts", "checksums"})}
 _OPTIONAL_KEYS[4] = _OPTIONAL_KEYS[3]
+_MANIFEST_KEYS[5] = _MANIFEST_KEYS[4] - {"index"} | {"segments"}  # 1.5: the index in segments
+_OPTIONAL_KEYS[5] = _OPTIONAL_KEYS[4] - {"warnings", "checksums"}  # a segment's, from 1.5 on
+_SEGMENT_KEYS = {"first", "count", "index", "fields", "checksums", "class_counts"}  # and optional "warnings"
+_FIELD_SPEC_KEYS = {"name", "kind", "dtype", "shape", "classes"}  # 1.5: a field's files are the segments'
 _TABLE_KEYS = {"file", "bytes", "sha256", "first", "count", "row", "folder"}
 _PART_KEYS = {"first", "count", "compile"}
 _RECORD_KEYS = {"shape", "dtype", "layout", "color", "bytes"}
@@ -658,7 +762,8 @@ def is_dataset_file_name(name: str) -> bool:
     """Whether dsc gives a dataset's file this '/'-path: the manifest, an index file, the skip list,
     the decoder warnings, the record checksums, a shard or a field (what a build of dsc may hold, before its
     manifest lists it)."""
-    if name in (MANIFEST_FILE, SKIP_LIST_FILE, WARNINGS_FILE, CHECKSUMS_FILE, SHARD_TABLE_FILE, *INDEX_FILES.values()):
+    if name in (MANIFEST_FILE, SKIP_LIST_FILE, WARNINGS_FILE, CHECKSUMS_FILE, SHARD_TABLE_FILE, CLASS_COUNTS_FILE,
+                *INDEX_FILES.values()):
         return True
     folder, _, base = name.partition("/")
     if folder == VERSIONS_DIR:
@@ -691,9 +796,8 @@ def listed_files(text: bytes) -> set[str]:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         return set()
 
-    entries = [*_items(doc.get("shards")), *_items(doc.get("shard_tables")), *_items(doc.get("index")),
-               *_items(doc.get("fields")), doc.get("skipped_list"), doc.get("warnings"), doc.get("checksums")]
-    return {e["file"] for e in entries if isinstance(e, dict) and file_name_problem(e.get("file")) is None} \
+    return {e["file"] for e in _declared_entries(doc)
+            if isinstance(e, dict) and file_name_problem(e.get("file")) is None} \
         | set(_declared_shards(doc))
 
 
@@ -708,6 +812,17 @@ def declared_shard_tables(text: bytes) -> dict[str, FileEntry]:
     return {t["file"]: FileEntry(t["file"], t["bytes"], t["sha256"]) for t in tables
             if isinstance(t, dict) and file_name_problem(t.get("file")) is None and isinstance(t.get("bytes"), int)
             and not isinstance(t.get("bytes"), bool) and _is_hex_digest(t.get("sha256"))}
+
+
+def _declared_entries(doc: dict) -> list:
+    """Every file entry of manifest JSON (its shards' aside), unchecked: (1.5) the segments' among them."""
+    entries = [*_items(doc.get("shards")), *_items(doc.get("shard_tables")), *_items(doc.get("index")),
+               *_items(doc.get("fields")), doc.get("skipped_list"), doc.get("warnings"), doc.get("checksums")]
+    for seg in _items(doc.get("segments")):
+        if isinstance(seg, dict):
+            entries += [*_items(seg.get("index")), *_items(seg.get("fields")), seg.get("checksums"),
+                        seg.get("warnings"), seg.get("class_counts")]
+    return entries
 
 
 def _items(value: Any) -> list:
@@ -740,11 +855,9 @@ def declared_sizes(text: bytes) -> dict[str, int]:
         return {}
     if not isinstance(doc, dict):
         return {}
-
-    entries = [*_items(doc.get("shards")), *_items(doc.get("shard_tables")), *_items(doc.get("index")),
-               *_items(doc.get("fields")), doc.get("skipped_list"), doc.get("warnings"), doc.get("checksums")]
     return {**_declared_shards(doc), **{
-        e["file"]: e["bytes"] for e in entries if isinstance(e, dict) and file_name_problem(e.get("file")) is None
+        e["file"]: e["bytes"] for e in _declared_entries(doc)
+        if isinstance(e, dict) and file_name_problem(e.get("file")) is None
         and isinstance(e.get("bytes"), int) and not isinstance(e.get("bytes"), bool)}}
 
 
@@ -831,21 +944,16 @@ def parse_manifest(text: bytes, root: Any, size_of: SizeOf, read: ReadFile | Non
     else:
         shards = _parse_shards(stored, doc, count, per_shard, record_bytes, newer)
 
-    index_doc = doc["index"]
-    _expect_keys(root, index_doc, set(INDEX_FILES), "index: ", newer)
-    index_bytes = {"labels": count * LABEL_DTYPE.itemsize, "sizes": count * 2 * SIZE_DTYPE.itemsize,
-                   "source_offsets": (count + 1) * OFFSET_DTYPE.itemsize, "sources": None}
-    index = {}
-    for key in INDEX_FILES:
-        entry = _file_entry(stored, index_doc[key], f"index.{key}", index_bytes[key], newer)
-        index[key] = FileEntry(entry["file"], entry["bytes"], entry["sha256"])
+    segmented = minor >= 5
+    fields = _parse_fields(stored, doc.get("fields", []), count, newer, with_files=not segmented)
+    index = {} if segmented else _parse_index(stored, doc["index"], count, "index", newer)
+    segments = _parse_segments(stored, doc, count, len(classes), fields, newer) if segmented else ()
 
     if minor >= 2:
         _expect_hex_digest(root, doc, SEAL_KEY, "")
     skipped = _expect(root, doc, "skipped", list)
     if not all(_is_skip(s, newer) for s in skipped):
         raise _fail(root, "'skipped' must be a list of {\"source\": str, \"reason\": str} objects")
-    fields = _parse_fields(stored, doc.get("fields", []), count, newer)
     return Manifest(height=height, width=width, count=count, records_per_shard=per_shard,
                     classes=tuple(classes), shards=shards, index=index,
                     skipped=tuple({"source": s["source"], "reason": s["reason"]} for s in skipped),
@@ -856,7 +964,60 @@ def parse_manifest(text: bytes, root: Any, size_of: SizeOf, read: ReadFile | Non
                     if "dataset_version" in doc else 1,
                     parts=_parse_parts(root, doc.get("parts", []), count, newer),
                     checksums=_checksums_entry(stored, doc, count, newer),
-                    shard_tables=shards.tables if isinstance(shards, ShardList) else ())
+                    shard_tables=shards.tables if isinstance(shards, ShardList) else (), segments=segments)
+
+
+def _parse_index(stored: _Stored, index_doc: Any, count: int, where: str, newer: bool) -> dict[str, FileEntry]:
+    """The four index files of `count` records (the whole dataset's before 1.5, a segment's from 1.5 on)."""
+    _expect_keys(stored.root, index_doc, set(INDEX_FILES), f"{where}: ", newer)
+    index_bytes = {"labels": count * LABEL_DTYPE.itemsize, "sizes": count * 2 * SIZE_DTYPE.itemsize,
+                   "source_offsets": (count + 1) * OFFSET_DTYPE.itemsize, "sources": None}
+    index = {}
+    for key in INDEX_FILES:
+        entry = _file_entry(stored, index_doc[key], f"{where}.{key}", index_bytes[key], newer)
+        index[key] = FileEntry(entry["file"], entry["bytes"], entry["sha256"])
+    return index
+
+
+def _parse_segments(stored: _Stored, doc: dict, count: int, classes: int, fields: tuple[FieldEntry, ...],
+                    newer: bool) -> tuple[Segment, ...]:
+    """1.5: the index segments, in record order, covering every record exactly once; each segment's files
+    sized by its own record count (their values are `check_index`'s, their SHA-256s verification's)."""
+    root = stored.root
+    segments_doc = _expect(root, doc, "segments", list)
+    if not segments_doc or len(segments_doc) > count:
+        raise _fail(root, f"'segments' has {len(segments_doc)} segment(s) for {count} record(s)")
+    segments, first = [], 0
+    for i, seg in enumerate(segments_doc):
+        where = f"segments[{i}]"
+        _expect_keys(root, seg, _SEGMENT_KEYS, f"{where}: ", newer, frozenset({"warnings"}))
+        if _expect_int(root, seg, "first", 0, MAX_RECORDS, f"{where}: ") != first:
+            raise _fail(root, f"{where}: 'first' = {seg['first']}, expected {first} (segments follow each other)")
+        n = _expect_int(root, seg, "count", 1, count - first, f"{where}: ")
+        index = _parse_index(stored, seg["index"], n, f"{where}.index", newer)
+        files = _expect(root, seg, "fields", list, f"{where}: ")
+        if len(files) != len(fields):
+            raise _fail(root, f"{where}: 'fields' lists {len(files)} file(s), the dataset has {len(fields)} field(s)")
+        field_files = tuple(_entry(stored, e, f"{where}.fields[{k}] ({f.name})",
+                                   n * f.dtype.itemsize * (f.shape[0] if f.shape else 1), newer)
+                            for k, (e, f) in enumerate(zip(files, fields)))
+        checksums = _entry(stored, seg["checksums"], f"{where}.checksums", n * CHECKSUM_DTYPE.itemsize, newer)
+        warnings = _entry(stored, seg["warnings"], f"{where}.warnings", n * WARNING_DTYPE.itemsize, newer) \
+            if "warnings" in seg else None
+        counts = _entry(stored, seg["class_counts"], f"{where}.class_counts", None, newer)
+        if counts.bytes % COUNT_DTYPE.itemsize or not 1 <= counts.bytes // COUNT_DTYPE.itemsize <= classes + 1:
+            raise _fail(root, f"{where}.class_counts: {counts.bytes} bytes is not {COUNT_DTYPE.itemsize} bytes "
+                              f"for each of 1 .. {classes + 1} labels (-1 and the dataset's {classes} classes)")
+        segments.append(Segment(first, n, index, field_files, checksums, warnings, counts))
+        first += n
+    if first != count:
+        raise _fail(root, f"'segments' cover {first} record(s), the dataset has {count}")
+    return tuple(segments)
+
+
+def _entry(stored: _Stored, doc: Any, where: str, expected_bytes: int | None, newer: bool) -> FileEntry:
+    entry = _file_entry(stored, doc, where, expected_bytes, newer)
+    return FileEntry(entry["file"], entry["bytes"], entry["sha256"])
 
 
 def _parse_shards(stored: _Stored, doc: dict, count: int, per_shard: int, record_bytes: int,
@@ -998,15 +1159,17 @@ def _skip_list_entry(stored: _Stored, doc: dict, newer: bool) -> SkipListEntry |
     return SkipListEntry(entry["file"], entry["bytes"], entry["sha256"], count)
 
 
-def _parse_fields(stored: _Stored, fields_doc: Any, count: int, newer: bool) -> tuple[FieldEntry, ...]:
-    """Validate the 1.1 "fields" list: names, kinds, dtypes, shapes and vocabularies, each file's size."""
+def _parse_fields(stored: _Stored, fields_doc: Any, count: int, newer: bool,
+                  with_files: bool = True) -> tuple[FieldEntry, ...]:
+    """Validate the 1.1 "fields" list: names, kinds, dtypes, shapes and vocabularies, each file's size
+    (1.5: `with_files` False, the files are the segments')."""
     root = stored.root
     if not isinstance(fields_doc, list):
         raise _fail(root, f"'fields' must be list, found {type(fields_doc).__name__}")
     fields, names = [], set()
     for i, entry in enumerate(fields_doc):
         where = f"fields[{i}]"
-        _expect_keys(root, entry, _FIELD_KEYS, f"{where}: ", newer)
+        _expect_keys(root, entry, _FIELD_KEYS if with_files else _FIELD_SPEC_KEYS, f"{where}: ", newer)
         name = entry["name"]
         problem = field_name_problem(name)
         if problem:
@@ -1037,6 +1200,9 @@ def _parse_fields(stored: _Stored, fields_doc: Any, count: int, newer: bool) -> 
                               f"found {shape}")
         if kind in ("float", "int") and classes:
             raise _fail(root, f"{where}: a {kind} field has no classes")
+        if not with_files:
+            fields.append(FieldEntry("", 0, "", name, kind, tuple(shape), tuple(classes)))
+            continue
         per_record = FIELD_DTYPES[kind].itemsize * (shape[0] if shape else 1)
         _file_entry(stored, entry, where, count * per_record, newer, _FIELD_KEYS)
         fields.append(FieldEntry(entry["file"], entry["bytes"], entry["sha256"], name, kind, tuple(shape),
@@ -1044,47 +1210,63 @@ def _parse_fields(stored: _Stored, fields_doc: Any, count: int, newer: bool) -> 
     return tuple(fields)
 
 
-def check_index(manifest: Manifest, root: Any, values_of: ValuesOf) -> None:
+def check_index(manifest: Manifest, root: Any, values_of: ValuesOf, trusted: int = 0) -> None:
     """Labels in range (a class index, or -1: no label — in a labeled dataset from 1.2 on), source
     offsets rising from 0 to the size of sources.bin, original sizes of at least 1 pixel a side, field
-    values their kind allows: checked piece by
-    piece as `values_of` hands them in, so the cost follows the bytes really stored, not what a
-    manifest claims (a 1 KB manifest may claim 2^40 records over sparse files)."""
+    values their kind allows: checked piece by piece as `values_of` hands them in, segment by segment (1.5;
+    their class counts: `check_class_counts`), so the cost follows the bytes really stored,
+    not what a manifest claims (a 1 KB manifest may claim 2^40 records over sparse files). The first
+    `trusted` segments are skipped: a writer's new version keeps them from one already checked."""
     for key in checked_values(manifest):
-        check_values(manifest, key, root, values_of)
+        check_values(manifest, key, root, values_of, trusted)
 
 
 def checked_values(manifest: Manifest) -> list[str]:
-    """What `check_values` checks, by key: the index's labels, source offsets and sizes, then each field's file
-    (a field may be named "labels"; no index key holds a '/')."""
-    return ["labels", "source_offsets", "sizes", *(f.file for f in manifest.fields)]
+    """What `check_values` checks, by key: the index's labels, source offsets and sizes, then each field's
+    values (`field_key`)."""
+    return ["labels", "source_offsets", "sizes", *(field_key(f.name) for f in manifest.fields)]
 
 
-def check_values(manifest: Manifest, key: str, root: Any, values_of: ValuesOf) -> None:
-    """`check_index` for one of `checked_values`: what a reader that checks each file only when it is first
-    used whole runs (a batch checks just the values it takes: `taken_values_problem`)."""
-    index = manifest.index
-    if key == "labels":
-        low, high = label_range(manifest)
-        found_low, found_high = high, low
-        for values in values_of(index["labels"].file, LABEL_DTYPE, manifest.count):
-            found_low, found_high = min(found_low, int(values.min())), max(found_high, int(values.max()))
-        if found_low < low or found_high > high:
-            raise DatasetError(f"{_at(root, index['labels'].file)}: "
-                               f"{_label_rule(manifest, f', found [{found_low}, {found_high}]')}")
-    elif key == "source_offsets":
-        previous, rising = None, True
-        for values in values_of(index["source_offsets"].file, OFFSET_DTYPE, manifest.count + 1):
-            joined = values[0] == 0 if previous is None else values[0] >= previous
-            rising = rising and bool(joined) and bool(np.all(values[1:] >= values[:-1]))
-            previous = int(values[-1])
-        if not rising or previous != index["sources"].bytes:
-            raise DatasetError(f"{_at(root, index['source_offsets'].file)}: offsets must rise from 0 to the "
-                               f"size of {index['sources'].file} ({index['sources'].bytes})")
-    elif key == "sizes":
-        _check_sizes(index["sizes"].file, manifest.count, root, values_of)
-    else:
-        _check_field(_field(manifest, key), manifest.count, root, values_of)
+def field_key(name: str) -> str:
+    """The key of field `name`'s values (a field may be named "labels"; no index key holds a '/')."""
+    return f"fields/{name}"
+
+
+def segment_file(manifest: Manifest, segment: Segment, key: str) -> str:
+    """The file of one of `checked_values` (or "sources") in `segment`."""
+    if key in segment.index:
+        return segment.index[key].file
+    return segment.fields[[field_key(f.name) for f in manifest.fields].index(key)].file
+
+
+def check_values(manifest: Manifest, key: str, root: Any, values_of: ValuesOf, trusted: int = 0) -> None:
+    """`check_index` for one of `checked_values`, in every segment but the first `trusted`: what a reader that
+    checks each file only when it is first used whole runs (a batch checks just the values it takes:
+    `taken_values_problem`)."""
+    for segment in manifest.index_segments[trusted:]:
+        file, n = segment_file(manifest, segment, key), segment.count
+        if key == "labels":
+            low, high = label_range(manifest)
+            found_low, found_high = high, low
+            for values in values_of(file, LABEL_DTYPE, n):
+                found_low, found_high = min(found_low, int(values.min())), max(found_high, int(values.max()))
+            if found_low < low or found_high > high:
+                found = f", found [{found_low}, {found_high}]"
+                raise DatasetError(f"{_at(root, file)}: {_label_rule(manifest, found)}")
+        elif key == "source_offsets":
+            previous, rising = None, True
+            for values in values_of(file, OFFSET_DTYPE, n + 1):
+                joined = values[0] == 0 if previous is None else values[0] >= previous
+                rising = rising and bool(joined) and bool(np.all(values[1:] >= values[:-1]))
+                previous = int(values[-1])
+            sources = segment.index["sources"]
+            if not rising or previous != sources.bytes:
+                raise DatasetError(f"{_at(root, file)}: offsets must rise from 0 to the size of {sources.file} "
+                                   f"({sources.bytes})")
+        elif key == "sizes":
+            _check_sizes(file, n, root, values_of)
+        else:
+            _check_field(replace(_field(manifest, key), file=file), n, root, values_of)
 
 
 def label_range(manifest: Manifest) -> tuple[int, int]:
@@ -1100,8 +1282,8 @@ def _label_rule(manifest: Manifest, found: str = "") -> str:
             + (f"; {UNLABELED} (no label) is allowed too" if k and low == UNLABELED else ""))
 
 
-def _field(manifest: Manifest, file: str) -> FieldEntry:
-    return next(f for f in manifest.fields if f.file == file)
+def _field(manifest: Manifest, key: str) -> FieldEntry:
+    return next(f for f in manifest.fields if field_key(f.name) == key)
 
 
 def taken_values_problem(manifest: Manifest, key: str, values: np.ndarray, records: np.ndarray) -> str | None:
@@ -1142,6 +1324,52 @@ def _field_rule(entry: FieldEntry) -> str:
     """What a field's kind allows, in words."""
     return {"class": f"must lie in [0, {len(entry.classes) - 1}]", "multilabel": "must be 0 or 1",
             "float": "must be finite"}[entry.kind]
+
+
+def check_class_counts(manifest: Manifest, root: Any, values_of: ValuesOf) -> None:
+    """(1.5) Each segment's stored class counts are its labels' (classes after its K_s count none): a second
+    pass over the labels, made by verification (`dsc verify`), not at every open; labels checked in range first
+    (`check_index`)."""
+    for segment in manifest.segments:
+        counts = np.zeros(len(manifest.classes) + 1, np.int64)
+        for values in values_of(segment.index["labels"].file, LABEL_DTYPE, segment.count):
+            counts += np.bincount(values + 1, minlength=len(counts))
+        _check_class_counts(segment, counts, root, values_of)
+
+
+def _check_class_counts(segment: Segment, counts: np.ndarray, root: Any, values_of: ValuesOf) -> None:
+    entry = segment.class_counts
+    stored = np.zeros_like(counts)
+    at = 0
+    for values in values_of(entry.file, COUNT_DTYPE, entry.bytes // COUNT_DTYPE.itemsize):
+        stored[at:at + len(values)] = values
+        at += len(values)
+    if not np.array_equal(stored, counts):
+        wrong = int(np.flatnonzero(stored != counts)[0]) - 1
+        raise DatasetError(f"{_at(root, entry.file)}: the class counts say {int(stored[wrong + 1])} record(s) of label "
+                           f"{wrong}, the segment's labels ({segment.index['labels'].file}) hold "
+                           f"{int(counts[wrong + 1])}; the dataset is damaged")
+
+
+def class_counts(manifest: Manifest, read: ReadFile, root: Any) -> np.ndarray | None:
+    """(1.5) Records per label over the dataset, -1 first ([K + 1]), from the segments' stored counts, each
+    file checked against its size and SHA-256 and its sum against its segment's records; None when a segment
+    stores none (older versions: count the labels)."""
+    total = np.zeros(len(manifest.classes) + 1, np.int64)
+    for segment in manifest.index_segments:
+        entry = segment.class_counts
+        if entry is None:
+            return None
+        data = read(entry.file, entry.bytes + 1)
+        if len(data) != entry.bytes or hashlib.sha256(data).hexdigest() != entry.sha256:
+            raise DatasetError(f"{_at(root, entry.file)}: the class counts do not match their size and SHA-256 in "
+                               f"{MANIFEST_FILE}; the dataset is damaged")
+        counts = np.frombuffer(data, COUNT_DTYPE)
+        if counts.min() < 0 or int(counts.sum()) != segment.count:
+            raise DatasetError(f"{_at(root, entry.file)}: the class counts sum to {int(counts.sum())}, not to the "
+                               f"segment's {segment.count} records; the dataset is damaged")
+        total[:len(counts)] += counts
+    return total
 
 
 def _check_sizes(file: str, count: int, root: Any, values_of: ValuesOf) -> None:

@@ -73,14 +73,28 @@ def ref_box(draws: torch.Tensor, height: int, width: int, scale, ratio) -> tuple
     return (height - h) // 2, (width - w) // 2, h, w
 
 
+def whole_index_doc(doc: dict) -> dict:
+    """Manifest JSON of one index segment (format 1.5, as a compile writes it) as 1.4 and before wrote it: the
+    segment's files as the whole dataset's `index`, `checksums`, `warnings` and fields' files; version 1.4."""
+    doc = dict(doc)
+    (segment,) = doc.pop("segments")
+    doc["index"] = segment["index"]
+    doc["checksums"] = segment["checksums"]
+    if "warnings" in segment:
+        doc["warnings"] = segment["warnings"]
+    doc["fields"] = [{**f, **e} for f, e in zip(doc["fields"], segment["fields"])]
+    return {**doc, "version": "1.4"}
+
+
 def listed_shards_doc(root: Path) -> dict:
     """The dataset's manifest as format 1.3 wrote it, every shard listed in it (1.4 keeps their digests in a
-    shard table): what a test that edits a shard's entry starts from; dsc still reads 1.3."""
+    shard table), its index whole (1.5 keeps it in segments): what a test that edits a shard's or an index
+    file's entry starts from; dsc still reads 1.3."""
     import dataclasses
 
     from dsc import storage
 
-    doc = json.loads((root / fmt.MANIFEST_FILE).read_text())
+    doc = whole_index_doc(json.loads((root / fmt.MANIFEST_FILE).read_text()))
     doc.pop("shard_tables", None)
     return {**doc, "version": "1.3", "shards": [dataclasses.asdict(s) for s in storage.parse_manifest(root).shards]}
 

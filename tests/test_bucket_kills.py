@@ -118,7 +118,7 @@ def assert_a_clean_append(url: str, clean: Path) -> None:
     equal to file bytes (the append's folder tag aside)."""
     remote, here = storage.parse_manifest(url), storage.parse_manifest(clean)
     assert remote.dataset_version == here.dataset_version == 2
-    theirs, ours = (m.index["labels"].file.split("/")[1] for m in (remote, here))
+    theirs, ours = (m.index_segments[-1].index["labels"].file.split("/")[1] for m in (remote, here))
     assert [e.file.replace(theirs, ours) for e in remote.files] == [e.file for e in here.files]
     for mine, local in zip(remote.files, here.files):
         assert Bucket(url).get(mine.file)[0] == (clean / local.file).read_bytes(), mine.file
@@ -312,3 +312,32 @@ def test_force_leaves_the_partial_build_of_a_compile_still_running(server: S3Ser
     for v in (1, 2):
         storage.verify_checksums(url, storage.parse_manifest(url, version=v))
     assert json.loads(Bucket(url).get(fmt.MANIFEST_FILE)[0])["dataset_version"] == 2
+
+
+def test_prune_aborts_the_unfinished_uploads_a_killed_writer_left_once_abandoned(
+        server: S3Server, env: dict[str, str], tmp_path: Path, monkeypatch) -> None:
+    """A writer killed in a multipart upload (a shard being composed, an append's large file) leaves parts that
+    no listing of objects shows, stored and billed: `dsc prune` aborts those under the dataset once they are as
+    old as an abandoned build, and never one for a name dsc does not give, nor a young one."""
+    from dsc.storage import compose
+
+    where = prefix()
+    a, _, _, _ = two_datasets(tmp_path, server, where)
+    client, root = compose.client(), f"{where}/A"
+    mine, foreign = f"{root}/builds/0123456789abcdef/shards/00000.bin", f"{root}/notes/upload.bin"
+    for key in (mine, foreign):  # as a killed writer leaves them: created, a part sent, never completed
+        upload = client.create_multipart_upload(Bucket=BUCKET, Key=key)["UploadId"]
+        client.upload_part(Bucket=BUCKET, Key=key, UploadId=upload, PartNumber=1, Body=b"x" * 1024)
+
+    def uploads() -> list[dict]:
+        return client.list_multipart_uploads(Bucket=BUCKET, Prefix=f"{root}/").get("Uploads", [])
+    assert {u["Key"] for u in uploads()} == {mine, foreign}
+    # moto reports one fixed initiation time (in 2010) for every upload: "young" is a grace longer than that age
+    age = time.time() - min(u["Initiated"].timestamp() for u in uploads())
+    monkeypatch.setattr(bucket_publish, "ABANDONED_AFTER_S", age + 3600)
+    assert bucket_versions.prune(a, 1).aborted_uploads == [] and len(uploads()) == 2  # young: maybe still writing
+    pruned = dsc(["prune", a, "--keep", "1"], env)  # the real grace (a day) against moto's age: abandoned
+    said = pruned.communicate(timeout=RUN_S)
+    assert pruned.returncode == 0 and "aborted 1 unfinished upload" in said[0], said
+    assert [u["Key"] for u in uploads()] == [foreign]  # a name dsc does not give: never
+    assert records(a) is not None  # the dataset itself untouched

@@ -352,7 +352,10 @@ def test_a_compile_into_a_bucket_writes_format_1_4_with_its_shard_table(src: Pat
     compile_folder(src, url, workers=1, on_skip=lambda s, r: None, **OPTIONS)
     bucket = Bucket(url)
     doc = json.loads(bucket.get(fmt.MANIFEST_FILE)[0])
-    assert doc["version"] == "1.4" and "shards" not in doc and len(doc["shard_tables"]) == 1
+    assert doc["version"] == fmt.FORMAT_VERSION and "shards" not in doc and len(doc["shard_tables"]) == 1
+    (segment,) = doc["segments"]  # (1.5) the index in one segment, its files the build's, as the shards are
+    assert all(e["file"].startswith(f"{fmt.BUILDS_DIR}/") for e in [*segment["index"].values(), segment["checksums"],
+                                                                   segment["class_counts"]])
     table = doc["shard_tables"][0]
     assert table["file"].endswith(f"/{fmt.SHARD_TABLE_FILE}") and table["count"] == 6  # 26 records, 5 a shard
     shards = sorted(i.name for i in bucket.list(table["folder"]))

@@ -127,7 +127,8 @@ def _compile_in_a_process(src: Path, out: Path, hide_turbojpeg: bool) -> dict:
 
 def _digests(root: Path, manifest: fmt.Manifest) -> dict[str, str]:
     """Every file the manifest lists (shards, index, skip list, warnings.bin) by its SHA-256."""
-    entries = [*manifest.shards, *manifest.index.values(), *filter(None, [manifest.skipped_list, manifest.warnings])]
+    (one,) = manifest.index_segments
+    entries = [*manifest.shards, *one.index.values(), *filter(None, [manifest.skipped_list, one.warnings])]
     return {e.file: hashlib.sha256((root / e.file).read_bytes()).hexdigest() for e in entries}
 
 
@@ -149,7 +150,7 @@ def test_the_same_dataset_with_and_without_the_system_libjpeg_turbo(tmp_path: Pa
     a, b = storage.open_dataset(tmp_path / "turbo"), storage.open_dataset(tmp_path / "pillow")
     assert a.manifest.count == b.manifest.count == 4  # the file missing only its EOI is kept by both
     assert [a.source(i) for i in range(4)] == [b.source(i) for i in range(4)]
-    assert a.manifest.warnings is not None and b.manifest.warnings is not None
+    assert a.manifest.index_segments[0].warnings is not None and b.manifest.index_segments[0].warnings is not None
     # records, index, skips, warnings: byte for byte; the manifest differs only in naming the decoder
     assert _digests(a.root, a.manifest) == _digests(b.root, b.manifest)
     assert sorted(p.name for p in a.root.iterdir()) == sorted(p.name for p in b.root.iterdir())
@@ -179,7 +180,7 @@ def test_decoder_warnings_are_counted_shown_and_refused_by_strict(tmp_path: Path
     out = tmp_path / "out"
     dsc.compile_folder(src, out, size=32, workers=1)
     ds = storage.open_dataset(out)
-    assert ds.manifest.version == fmt.FORMAT_VERSION and ds.manifest.warnings is not None
+    assert ds.manifest.version == fmt.FORMAT_VERSION and ds.manifest.index_segments[0].warnings is not None
     counts = {ds.source(i): int(n) for i, n in enumerate(storage.read_warnings(out, ds.manifest))}
     assert counts["cat/no_eoi.jpg"] == 1 and counts["cat/whole.jpg"] == counts["dog/whole_too.jpg"] == 0
     assert counts["dog/flipped.jpg"] == 1  # libjpeg-turbo's warning, through jpeg4py or simplejpeg
@@ -204,7 +205,7 @@ def test_a_dataset_without_warnings_writes_nothing_new(tmp_path: Path) -> None:
     (tmp_path / "src" / "cat" / "a.jpg").write_bytes(PHOTO.read_bytes())
     dsc.compile_folder(tmp_path / "src", tmp_path / "out", size=16, workers=1)
     manifest = storage.parse_manifest(tmp_path / "out")
-    assert manifest.version == fmt.FORMAT_VERSION and manifest.warnings is None
+    assert manifest.version == fmt.FORMAT_VERSION and manifest.index_segments[0].warnings is None
     assert not (tmp_path / "out" / fmt.WARNINGS_FILE).exists()
     assert "warnings" not in json.loads((tmp_path / "out" / fmt.MANIFEST_FILE).read_text())
 

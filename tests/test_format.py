@@ -17,6 +17,7 @@ import pytest
 from dsc import ChecksumError, DatasetError, MemmapDataset, UnsupportedVersionError, compile_folder, storage
 from dsc import format as fmt
 from dsc.compiler import output
+from dsc.compiler.append import append
 from dsc.errors import LoaderError
 
 from conftest import make_folder
@@ -63,7 +64,8 @@ GOLDEN = {
     "fields/box.bin": "10fdafd06acfb09568faa775cb9d6cd3eecb7bfaa125203ea1abaafe0cb46a0a",
     "fields/tags.bin": "3d8948cc9de9c6b7d11fc57d32d1dd6e14a8728c218628fefe407ac23cf19869",
     "labels.bin": "e767c3048cadc9f414dfb85f7706ab1f32ecc03c54f37168b4f708590881ae72",
-    "manifest.json": "2c85afd367fea819d3881172a82762070a2c6cebc97a2774637902cf0e1ef726",
+    "class_counts.bin": "18433020b92352c3460d1df099af07c0fb20539428b5d409d0f3920c2ba3fa6d",
+    "manifest.json": "3a4cd4d554a2353963b73caff0829a79dbca4b8deb731810cf420d2512b5ad20",
     "shard_table.bin": "444fe98c90a3dbf1602386f6918ef0ecfc8aaa7c6f30258deeaf7a367846d560",
     "shards/00000.bin": "5d7e2d9b1dcbc85e7c890036a2cf2f9fe7b66554f2df08cec6aa9c0a25c99c21",
     "shards/00001.bin": "b6bda3532894fe14e260b28b68309d9947fee600de07ed4353412be70dc13b21",
@@ -73,6 +75,7 @@ GOLDEN = {
     "source_offsets.bin": "483522e75ed72d00fac2f6e3a20ded926f889cb8cff3d4d766c79f9183936270",
     "sources.bin": "9194c5e233d3775ab5854e88eac9c23da5133244e6470ce8c13ff5b49de11ec0",
 }
+GOLDEN_1_4_MANIFEST = "2c85afd367fea819d3881172a82762070a2c6cebc97a2774637902cf0e1ef726"  # as dsc wrote 1.4
 GOLDEN_1_0_MANIFEST = "4a1301d9fa462a874250d998dd46f94cfde2d0c05381dabdefbced8ce0ea34ff"  # as dsc wrote 1.0
 GOLDEN_1_3_MANIFEST = "2377333884749a733c811d67badf92ebcafefe08a7a2b68968c23e36e10b5af7"  # as dsc wrote 1.3
 GOLDEN_1_2_MANIFEST = "cc701e24f860ea2f1be8af9834791c91441c07040926da91c1990577bd3c151a"  # as dsc wrote 1.2
@@ -94,9 +97,17 @@ def test_golden_bytes(tiny: Path) -> None:
     assert digests(tiny) == GOLDEN
     assert (tiny / "fields/tags.bin").read_bytes() == bytes([1, 0, 0, 0, 1, 1, 0, 0, 0, 1, 1, 1, 0, 0, 1])
     assert (tiny / "fields/box.bin").read_bytes()[:8] == np.float32(0.5).tobytes() + np.float32(-1).tobytes()
-    assert json.loads((tiny / "manifest.json").read_text())["fields"][0] == {
-        "name": "tags", "kind": "multilabel", "dtype": "|u1", "shape": [3], "classes": ["x", "y", "z"],
-        "file": "fields/tags.bin", "bytes": 15, "sha256": GOLDEN["fields/tags.bin"]}
+    doc = json.loads((tiny / "manifest.json").read_text())
+    assert doc["fields"][0] == {"name": "tags", "kind": "multilabel", "dtype": "|u1", "shape": [3],
+                                "classes": ["x", "y", "z"]}  # 1.5: what the field is; its files, the segments'
+    entry = {name: {"file": name, "bytes": (tiny / name).stat().st_size, "sha256": GOLDEN[name]} for name in GOLDEN}
+    assert doc["segments"] == [{  # 1.5: one segment of every record, its files sealed as any file
+        "first": 0, "count": 5, "index": {k: entry[f] for k, f in fmt.INDEX_FILES.items()},
+        "fields": [entry["fields/tags.bin"], entry["fields/box.bin"]], "checksums": entry["checksums.bin"],
+        "class_counts": entry["class_counts.bin"]}]
+    assert "index" not in doc and "checksums" not in doc
+    # records per label, -1 first: none unlabeled, 3 of class 0 ("a"), 2 of class 1 ("b")
+    assert (tiny / "class_counts.bin").read_bytes() == b"".join(v.to_bytes(8, "little") for v in [0, 3, 2])
     # ...and the bytes are the ones formats.md describes, spelled out independently:
     assert (tiny / "labels.bin").read_bytes() == b"".join(v.to_bytes(8, "little", signed=True) for v in [0, 0, 1, 0, 1])
     assert (tiny / "sizes.bin").read_bytes()[:8] == (10).to_bytes(4, "little") + (20).to_bytes(4, "little")
@@ -110,13 +121,25 @@ def test_golden_bytes(tiny: Path) -> None:
     pixels = bytes(range(90))  # 1.3: each record's CRC-32, uint32 little-endian
     assert (tiny / "checksums.bin").read_bytes() == b"".join(
         zlib.crc32(pixels[18 * i:18 * (i + 1)]).to_bytes(4, "little") for i in range(5))
-    assert manifest["checksums"] == {"file": "checksums.bin", "bytes": 20, "sha256": GOLDEN["checksums.bin"]}
+    assert manifest["segments"][0]["checksums"] == {"file": "checksums.bin", "bytes": 20,
+                                                    "sha256": GOLDEN["checksums.bin"]}
     # 1.4: no shard in the manifest; each shard's raw SHA-256 in the shard table, in shard order
     assert "shards" not in manifest and manifest["shard_tables"] == [
         {"file": "shard_table.bin", "bytes": 96, "sha256": GOLDEN["shard_table.bin"], "first": 0, "count": 3,
          "row": 0, "folder": "shards"}]
     assert (tiny / "shard_table.bin").read_bytes() == b"".join(
         bytes.fromhex(GOLDEN[f"shards/0000{k}.bin"]) for k in range(3))
+
+
+def test_a_1_4_dataset_opens_as_written_with_its_index_whole(tmp_path: Path) -> None:
+    write_tiny(tmp_path / "old", version="1.4")
+    assert digests(tmp_path / "old")["manifest.json"] == GOLDEN_1_4_MANIFEST
+    assert "class_counts.bin" not in digests(tmp_path / "old")
+    opened = storage.open_dataset(tmp_path / "old")
+    assert opened.manifest.segments == () and len(opened.manifest.index_segments) == 1
+    assert opened.labels.tolist() == [0, 0, 1, 0, 1] and opened.manifest.has_checksums
+    assert fmt.class_counts(opened.manifest, None, tmp_path) is None  # counted from the labels instead
+    storage.verify_checksums(tmp_path / "old", opened.manifest)
 
 
 def test_a_1_3_dataset_opens_as_written_with_its_shards_in_the_manifest(tmp_path: Path) -> None:
@@ -133,7 +156,7 @@ def test_a_1_2_dataset_opens_as_written_without_record_checksums(tmp_path: Path)
     write_tiny(tmp_path / "old", version="1.2")
     assert digests(tmp_path / "old")["manifest.json"] == GOLDEN_1_2_MANIFEST
     opened = storage.open_dataset(tmp_path / "old")
-    assert opened.manifest.checksums is None and "checksums.bin" not in digests(tmp_path / "old")
+    assert not opened.manifest.has_checksums and "checksums.bin" not in digests(tmp_path / "old")
     storage.verify_checksums(tmp_path / "old", opened.manifest)
 
 
@@ -173,9 +196,11 @@ def formats_md_script() -> str:
     return section[section.index("```python\n") + 10:section.index("\n```", section.index("```python"))]
 
 
-@pytest.mark.parametrize("with_fields", [False, True])
-def test_the_numpy_script_of_formats_md_reads_records_without_dsc(tmp_path: Path, with_fields: bool) -> None:
-    """Also a 1.1 dataset with fields: the 1.x script ignores what it does not know."""
+@pytest.mark.parametrize("with_fields,appended", [(False, False), (True, False), (False, True)])
+def test_the_numpy_script_of_formats_md_reads_records_without_dsc(tmp_path: Path, with_fields: bool,
+                                                                  appended: bool) -> None:
+    """Also a 1.1 dataset with fields (the 1.x script ignores what it does not know), and (1.5) one appended
+    to, whose index is in two segments."""
     src = make_folder(tmp_path / "src", classes=2, per_class=4)
     table = None
     if with_fields:
@@ -184,6 +209,9 @@ def test_the_numpy_script_of_formats_md_reads_records_without_dsc(tmp_path: Path
         table.write_text("path,label,score\n" + "".join(f"{n},{n.split('/')[0]},{k / 2}\n"
                                                         for k, n in enumerate(names)))
     compile_folder(src, tmp_path / "out", size=(12, 10), records_per_shard=3, workers=1, labels=table)
+    if appended:
+        append(tmp_path / "out", make_folder(tmp_path / "more", classes=2, per_class=2, seed=5), workers=1)
+        assert len(storage.parse_manifest(tmp_path / "out").segments) == 2
     assert bool(storage.open_dataset(tmp_path / "out").fields) == with_fields
     script = formats_md_script()
     assert len(script.splitlines()) <= 30 and "dsc" not in script.replace('"dsc"', "").replace("dsc 1.x", "")
@@ -191,7 +219,7 @@ def test_the_numpy_script_of_formats_md_reads_records_without_dsc(tmp_path: Path
              + "\nprint(json.dumps([label, source, name, list(image.shape),"
                " hashlib.sha256(image.tobytes()).hexdigest()]))\nassert 'dsc' not in sys.modules\n")
     ds = storage.open_dataset(tmp_path / "out")
-    for i in range(8):
+    for i in range(ds.manifest.count):
         run = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "out"), str(i)], capture_output=True,
                              text=True, check=True)
         label, source, name, shape, sha = json.loads(run.stdout)
@@ -242,11 +270,28 @@ def set_key(*keys_and_value):
     (set_key("shard_tables", 0, "sha256", "0" * 64), DatasetError, "shard table does not match its size and SHA-256"),
     (set_key("shard_tables", 0, "sha256", "xyz"), DatasetError, "64 lowercase hex"),
     (set_key("shard_tables", 0, "file", "shards/00001.bin"), DatasetError, "file is 36 bytes, the manifest says 96"),
-    (lambda d: d["index"]["sources"].update(file="shards/00002.bin", bytes=18), DatasetError,
-     "index.sources: file 'shards/00002.bin' is also a shard file"),
+    (lambda d: d["segments"][0]["index"]["sources"].update(file="shards/00002.bin", bytes=18), DatasetError,
+     r"segments\[0\].index.sources: file 'shards/00002.bin' is also a shard file"),
     (set_key("shard_tables", []), DatasetError, r"'shard_tables' has 0 table\(s\) for 3 shard\(s\)"),
-    (set_key("index", "labels", "bytes", 8), DatasetError, "declares 8 bytes"),
-    (set_key("index", "sizes", "file", "labels.bin"), DatasetError, "declares 40 bytes|also used"),
+    (set_key("segments", 0, "index", "labels", "bytes", 8), DatasetError, "declares 8 bytes"),
+    (set_key("segments", 0, "index", "sizes", "file", "labels.bin"), DatasetError, "declares 40 bytes|also used"),
+    # 1.5: the segments cover every record once, in order, each file sized by its segment's records
+    (set_key("segments", []), DatasetError, r"'segments' has 0 segment\(s\) for 5 record\(s\)"),
+    (set_key("segments", 0, "first", 1), DatasetError, r"segments\[0\]: 'first' = 1, expected 0"),
+    (set_key("segments", 0, "count", 4), DatasetError, r"segments\[0\].index.labels: declares 40 bytes, but its "
+                                                       "record count needs 32"),
+    (set_key("segments", 0, "count", 6), DatasetError, r"segments\[0\]: 'count' = 6 is outside \[1, 5\]"),
+    (lambda d: d["segments"].append(d["segments"][0]), DatasetError, r"segments\[1\]: 'first' = 0, expected 5"),
+    (lambda d: d["segments"][0]["fields"].pop(), DatasetError, r"'fields' lists 1 file\(s\), the dataset has 2"),
+    (set_key("segments", 0, "checksums", None), DatasetError, r"segments\[0\].checksums: +must be a JSON object"),
+    (lambda d: d["segments"][0].pop("class_counts"), DatasetError, r"segments\[0\]: missing key\(s\) \['class_cou"),
+    (lambda d: d["segments"][0]["class_counts"].update(file="checksums.bin", bytes=20), DatasetError,
+     "'checksums.bin' is listed twice"),
+    (set_key("segments", 0, "class_counts", "bytes", 20), DatasetError, "file is 24 bytes, the manifest says 20"),
+    (lambda d: d.update(index=d["segments"][0]["index"]), DatasetError,
+     r"unknown key\(s\) \['index'\] for version 1.5"),
+    (lambda d: d["fields"][0].update(file="fields/tags.bin"), DatasetError,
+     r"fields\[0\]: unknown key\(s\) \['file'\]"),
     (set_key("classes", ["a", "a"]), DatasetError, "distinct"),
     (set_key("skipped", ["x"]), DatasetError, "'skipped' must be a list of"),
     (set_key("compile", []), DatasetError, "'compile' must be dict"),
@@ -319,8 +364,8 @@ def write_field(root: Path, name: str, values: np.ndarray) -> None:
     """Overwrite a field file and its manifest entry's hash: only the value checks can catch it."""
     payload = values.tobytes()
     (root / "fields" / f"{name}.bin").write_bytes(payload)
-    edit_manifest(root, lambda d: [f.update(sha256=hashlib.sha256(payload).hexdigest()) for f in d["fields"]
-                                   if f["name"] == name])
+    edit_manifest(root, lambda d: [e.update(sha256=hashlib.sha256(payload).hexdigest())
+                                   for f, e in zip(d["fields"], d["segments"][0]["fields"]) if f["name"] == name])
 
 
 @pytest.mark.parametrize(("change", "match"), [
@@ -333,14 +378,14 @@ def write_field(root: Path, name: str, values: np.ndarray) -> None:
     (set_key("fields", 0, "classes", [str(k) for k in range(70000)]), "at most 65536 distinct"),
     (set_key("fields", 0, "dtype", "<f4"), r"'dtype' of a multilabel field must be '\|u1'"),
     (set_key("fields", 0, "shape", [2]), r"multilabel field has shape \[len\(classes\)\] = \[3\]"),
-    (set_key("fields", 1, "shape", [3]), r"fields\[1\]: declares 40 bytes, but its record count needs 60"),
+    (set_key("fields", 1, "shape", [3]), r"fields\[1\] \(box\): declares 40 bytes, but its record count needs 60"),
     (set_key("fields", 1, "shape", [1, 2]), r"'shape' must be \[\] or \[k\]"),
     (set_key("fields", 1, "classes", ["q"]), "a float field has no classes"),
     (set_key("fields", 1, "name", "tags"), "field 'tags' is listed twice"),
     (set_key("fields", 1, "name", "label"), "'label' is reserved"),
     (set_key("fields", 1, "name", "../x"), "not a valid field name"),
-    (set_key("fields", 1, "file", "labels.bin"), "declares 80 bytes|also used elsewhere"),
-    (set_key("fields", 0, "file", "fields/gone.bin"), "missing"),
+    (set_key("segments", 0, "fields", 1, "file", "labels.bin"), "declares 80 bytes|also used elsewhere"),
+    (set_key("segments", 0, "fields", 0, "file", "fields/gone.bin"), "missing"),
     (set_key("fields", 0, "extra", 1), r"unknown key\(s\) \['extra'\]"),
 ])
 def test_a_lying_field_entry_is_refused(tiny: Path, change, match) -> None:
@@ -364,7 +409,10 @@ def test_a_class_field_out_of_its_vocabulary_is_refused(tmp_path: Path) -> None:
     write_tiny(root)
     entry = output.write_fields(root, [(fmt.FieldEntry("", 0, "", "kind", "class", (), ("p", "q")),
                                      np.array([0, 1, 2, 0, 1]))])[0]
-    edit_manifest(root, lambda d: d["fields"].append(entry.to_dict()))
+    edit_manifest(root, lambda d: (d["fields"].append({k: v for k, v in entry.to_dict().items()  # (1.5) what it is
+                                                       if k not in ("file", "bytes", "sha256")}),
+                                   d["segments"][0]["fields"].append(  # and (1.5) the segment's file of it
+                                       {"file": entry.file, "bytes": entry.bytes, "sha256": entry.sha256})))
     with pytest.raises(DatasetError, match=r"values of field 'kind' must lie in \[0, 1\], found \[0, 2\]"):
         storage.open_dataset(root)
 

@@ -56,10 +56,15 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 # ----------------------------------------------------------------------------- a fresh copy to attack
 
+def index_of(doc: dict) -> dict:
+    """The index files' entries of the base manifest: its one segment's (format 1.5)."""
+    return doc["segments"][0]["index"]
+
+
 def data_files(doc: dict) -> list[str]:
     """The relative names of every file the base manifest lists (shards, the shard table, then index files)."""
     shards = sorted(n for n in fmt.listed_files(json.dumps(doc).encode()) if n.startswith(f"{fmt.SHARD_DIR}/"))
-    return shards + [t["file"] for t in doc["shard_tables"]] + [e["file"] for e in doc["index"].values()]
+    return shards + [t["file"] for t in doc["shard_tables"]] + [e["file"] for e in index_of(doc).values()]
 
 
 def fresh_copy(base: Path, tmp: Path) -> Path:
@@ -219,7 +224,7 @@ def two(data: st.DataObject, n: int) -> list[int]:
 def mutate_structure(data: st.DataObject, doc: dict) -> None:
     """One mutation that keeps the document well-typed but makes its parts disagree: what a
     buggy writer or a hand edit would produce, and only cross-checks can catch."""
-    tables, index = doc["shard_tables"], doc["index"]  # format 1.4: shards named by their tables
+    tables, index = doc["shard_tables"], index_of(doc)  # format 1.4: shards named by their tables; 1.5: segments
     files = [*tables, *index.values()]
     op = data.draw(st.sampled_from(["split a shard table", "shift a table's rows", "move a table's folder",
                                     "share a file", "reshape, same bytes", "reshape", "count", "records_per_shard",
@@ -288,13 +293,14 @@ def check_reads(root: Path, ds: dsc.MemmapDataset) -> None:
     assert [s.records for s in m.shards] == fmt.shard_records(m.count, m.records_per_shard)
     for s in m.shards:
         assert os.stat(root / s.file).st_size == s.bytes == s.records * m.record_bytes
-    labels = np.frombuffer(read_exact(root / m.index["labels"].file, 0, 8 * m.count), "<i8")
+    index = m.index_segments[0].index  # (1.5) its one segment's
+    labels = np.frombuffer(read_exact(root / index["labels"].file, 0, 8 * m.count), "<i8")
     k = len(m.classes)
     no_label_ok = fmt.minor_version(m.version) >= 2  # 1.2: -1 (no label) in a labeled dataset too
     assert ((labels >= (fmt.UNLABELED if no_label_ok else 0)) & (labels < k)).all() if k else \
         (labels == fmt.UNLABELED).all()
-    offsets = np.frombuffer(read_exact(root / m.index["source_offsets"].file, 0, 8 * (m.count + 1)), "<u8")
-    sources_size = os.stat(root / m.index["sources"].file).st_size
+    offsets = np.frombuffer(read_exact(root / index["source_offsets"].file, 0, 8 * (m.count + 1)), "<u8")
+    sources_size = os.stat(root / index["sources"].file).st_size
     assert offsets[0] == 0 and offsets[-1] == sources_size and (np.diff(offsets.astype(np.int64)) >= 0).all()
     records = []
     for i in range(len(ds)):
@@ -303,7 +309,7 @@ def check_reads(root: Path, ds: dsc.MemmapDataset) -> None:
         raw = read_exact(root / m.shards[shard].file, pos * m.record_bytes, m.record_bytes)
         assert image.permute(1, 2, 0).contiguous().numpy().tobytes() == raw
         assert label == labels[i]
-        assert os.fsencode(ds.opened.source(i)) == read_exact(root / m.index["sources"].file, int(offsets[i]),
+        assert os.fsencode(ds.opened.source(i)) == read_exact(root / index["sources"].file, int(offsets[i]),
                                                               int(offsets[i + 1] - offsets[i]))
         records.append(raw)
     backwards = ds.__getitems__(list(range(len(ds) - 1, -1, -1)))  # the unsorted gather path
@@ -327,7 +333,7 @@ def check_reads_or_refusals(root: Path, ds: dsc.MemmapDataset) -> None:
     """An opened dataset with a wrong index value (refused by `open_dataset`): each read serves what the files
     hold, with values the format allows, or fails with DatasetError; the wrong file refuses to be read whole."""
     m = ds.manifest
-    labels = np.frombuffer(read_exact(root / m.index["labels"].file, 0, 8 * m.count), "<i8")
+    labels = np.frombuffer(read_exact(root / m.index_segments[0].index["labels"].file, 0, 8 * m.count), "<i8")
     low, high = fmt.label_range(m)
     for i in range(len(ds)):
         with contextlib.suppress(dsc.DatasetError):
@@ -423,7 +429,7 @@ def resync(root: Path, doc: dict, name: str) -> None:
                 and not table.is_symlink():
             write_at(table, 32 * (t["row"] + shard - t["first"]), bytes.fromhex(local.sha256_file(root / name)))
             resync(root, doc, t["file"])
-    for entry in [*doc["shard_tables"], *doc["index"].values()]:
+    for entry in [*doc["shard_tables"], *index_of(doc).values()]:
         if entry["file"] == name:
             entry["bytes"] = (root / name).stat().st_size
             entry["sha256"] = local.sha256_file(root / name)
@@ -438,9 +444,9 @@ def mutate_file(data: st.DataObject, root: Path, doc: dict) -> None:
     path = root / name
     size = path.stat().st_size
     ops = ["truncate", "extend", "overwrite", "replace"]
-    if name == doc["index"]["labels"]["file"]:
+    if name == index_of(doc)["labels"]["file"]:
         ops += ["label"] * 3
-    if name == doc["index"]["source_offsets"]["file"]:
+    if name == index_of(doc)["source_offsets"]["file"]:
         ops += ["offset"] * 3
     op = data.draw(st.sampled_from(ops), label="op")
     tally(f"file op: {op}")
@@ -471,7 +477,7 @@ def mutate_file(data: st.DataObject, root: Path, doc: dict) -> None:
         record = data.draw(st.integers(0, COUNT - 1), label="record")
         write_at(path, 8 * record, value.to_bytes(8, "little", signed=True))
     elif op == "offset":
-        target = root / doc["index"]["sources"]["file"]
+        target = root / index_of(doc)["sources"]["file"]
         sources = target.stat().st_size if target.is_file() else 0  # an earlier mutation may have removed it
         value = data.draw(st.sampled_from([0, 1, 5, max(0, sources - 1), sources, sources + 1, 2**63, 2**64 - 1]),
                           label="value")
@@ -579,7 +585,7 @@ def test_a_fifo_is_refused_without_blocking(base: Path, where: str) -> None:
 
 
 @pytest.mark.parametrize(("keys", "value"), [
-    (("shard_tables", 0, "folder"), "shards/\ud800"), (("index", "sources", "file"), "\ud800"),
+    (("shard_tables", 0, "folder"), "shards/\ud800"), (("segments", 0, "index", "sources", "file"), "\ud800"),
     (("classes", 0), "bad\ud800name"), (("skipped",), [{"source": "\ud800", "reason": "x"}]),
     (("compile", "fit"), "\ud800"), (("compile", "dsc_version"), "\udcff"),
 ])

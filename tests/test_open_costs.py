@@ -4,6 +4,7 @@ which the manifest holds, so the skip list file — whose size grows with the sk
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from dsc import format as fmt
 from dsc.cli import SHOW_SKIPPED, app
 from dsc.errors import DatasetError, LoaderError
 
-from conftest import make_folder
+from conftest import make_folder, rewrite_manifest, whole_index_doc
 from test_scale_limits import sparse_dataset
 
 runner = CliRunner(env={"COLUMNS": "250", "TERMINAL_WIDTH": "250", "NO_COLOR": "1"})
@@ -132,6 +133,10 @@ def test_info_reads_no_label_of_a_large_dataset_unless_asked(with_fields: Path, 
     shutil.copytree(with_fields, root)
     set_value(root, fmt.LABELS_FILE, "<i8", DAMAGED, 7)
     monkeypatch.setattr(inspect_dataset, "COUNTED_UNASKED", 7)  # the dataset has 8 records
+    text = runner.invoke(app, ["info", str(root)])  # format 1.5: its stored class counts, no label read
+    assert text.exit_code == 0 and "2 classes: class_0 (4), class_1 (4)\n" in text.stdout, text.stderr
+    rewrite_manifest(root, whole_index_doc(json.loads((root / fmt.MANIFEST_FILE).read_text())))  # as 1.4 wrote it
+    (root / fmt.CLASS_COUNTS_FILE).unlink()
     text = runner.invoke(app, ["info", str(root)])
     assert text.exit_code == 0, text.stderr
     assert "2 classes: class_0, class_1\n" in text.stdout  # the names only: no count was read

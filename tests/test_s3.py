@@ -24,7 +24,7 @@ from dsc import format as fmt
 from dsc.cli import app
 from dsc.errors import DatasetError
 from dsc.reader import order as orders
-from dsc.storage import open_dataset, s3
+from dsc.storage import open_dataset, s3, slots
 
 from conftest import in_forked_child, tiny_dataset
 from s3server import S3Server, closed_port, serving  # skips this module when the server packages are missing
@@ -90,16 +90,24 @@ def read_all(ds: MemmapDataset) -> torch.Tensor:
     return ds.__getitems__(list(range(len(ds)))).images
 
 
+def held_records(cache: Path) -> set[int]:
+    """The records the cache under `cache` holds (its one dataset's state of the records)."""
+    states = list(cache.rglob(f"{slots.SLOT_DIR}/{slots.STATE_FILE}"))
+    assert len(states) <= 1
+    return set(np.flatnonzero(np.fromfile(states[0], slots.STATE_DTYPE) & 1).tolist()) if states else set()
+
+
 def test_the_cache_is_keyed_by_the_manifest_and_holds_each_record_read(env: Path, url: str,
                                                                        local: MemmapDataset) -> None:
     remote = MemmapDataset(url)  # cache_dir from $DSC_CACHE_DIR
     folder = env / hashlib.sha256((Path(local.path) / fmt.MANIFEST_FILE).read_bytes()).hexdigest()
     assert remote.opened.local_root == folder
-    assert not (folder / "records").exists()  # opening fetches the index, no record
+    assert held_records(env) == set()  # opening fetches the index, no record
     assert torch.equal(remote.__getitems__([7, 3]).images, local.__getitems__([7, 3]).images)
-    assert sorted(p.relative_to(folder).as_posix() for p in (folder / "records").rglob("*.bin")) == \
-        ["records/00000/3.bin", "records/00001/2.bin"]  # record 7 is record 2 of shard 1
-    assert (folder / "records/00001/2.bin").read_bytes() == local.opened.shards[1][2].tobytes()
+    assert held_records(env) == {3, 7}
+    assert sorted(p.name for p in (folder / slots.SLOT_DIR).glob("*.bin")) == ["00000.bin", "00001.bin", "state.bin"]
+    rb = local.manifest.record_bytes  # record 7 is record 2 of shard 1, at its offset in the shard
+    assert (folder / "slots/00001.bin").read_bytes()[2 * rb:3 * rb] == local.opened.shards[1][2].tobytes()
 
 
 def test_a_second_open_on_the_node_downloads_nothing(server: S3Server, env: Path, url: str,
@@ -117,17 +125,20 @@ def test_a_second_open_on_the_node_downloads_nothing(server: S3Server, env: Path
 def test_a_damaged_cached_record_is_fetched_again(env: Path, url: str, local: MemmapDataset) -> None:
     remote = MemmapDataset(url, cache_dir=env)
     read_all(remote)
-    record = remote.opened.local_root / "records/00002/1.bin"  # record 11
-    data = bytearray(record.read_bytes())
-    data[5] ^= 0xFF  # same size: only its CRC-32 can tell
-    record.write_bytes(bytes(data))
-    again = MemmapDataset(url, cache_dir=env)
-    assert torch.equal(again.__getitems__([10, 11]).images, local.__getitems__([10, 11]).images)
-    assert record.read_bytes() == local.opened.shards[2][1].tobytes()  # put right in place
-    with open(record, "r+b") as f:  # damaged in place after this process checked it: checked again
-        f.write(bytes(data[:8]))
-    assert torch.equal(again.__getitems__([11]).images, local.__getitems__([11]).images)
-    assert record.read_bytes() == local.opened.shards[2][1].tobytes()
+    path, rb = remote.opened.local_root / "slots/00002.bin", local.manifest.record_bytes  # record 11: 1 of shard 2
+
+    def damage() -> None:
+        with open(path, "r+b") as f:
+            f.seek(rb + 5)
+            f.write(bytes([f.read(1)[0] ^ 0xFF]))  # same size: only its CRC-32 can tell
+            f.seek(rb + 5)
+
+    for _ in range(2):  # damaged in place, then read by a process that has not checked it: checked, fetched again
+        damage()
+        again = MemmapDataset(url, cache_dir=env)
+        assert torch.equal(again.__getitems__([10, 11]).images, local.__getitems__([10, 11]).images)
+        assert path.read_bytes()[rb:2 * rb] == local.opened.shards[2][1].tobytes()  # put right in place
+        assert again.opened.records.stats.fetched_bytes == rb
 
 
 def test_a_corrupted_object_is_named_and_never_served(server: S3Server, env: Path, url: str,
@@ -153,7 +164,7 @@ def test_a_missing_object_is_named(server: S3Server, env: Path, url: str) -> Non
         remote.__getitems__([15])
     name = fmt.LABELS_FILE
     server.delete(BUCKET, f"{url.split('/', 3)[3]}/{name}")
-    with pytest.raises(DatasetError, match=rf"{url}/{name}: missing \(index.labels in the manifest\)"):
+    with pytest.raises(DatasetError, match=rf"{url}/{name}: missing \(segments\[0\].index.labels in the manifest\)"):
         MemmapDataset(url, cache_dir=env.parent / "other-cache")
 
 
@@ -179,7 +190,8 @@ def test_plain_http_is_refused_for_an_endpoint_off_this_machine(env: Path, monke
 def test_a_cache_too_small_for_the_index_is_refused_at_open_naming_the_minimum(env: Path, url: str,
                                                                               local: MemmapDataset) -> None:
     files = [e for e in local.manifest.files if not e.file.startswith("shards/")]
-    need = len((Path(local.path) / fmt.MANIFEST_FILE).read_bytes()) + sum(e.bytes for e in files) + 192
+    need = len((Path(local.path) / fmt.MANIFEST_FILE).read_bytes()) + sum(e.bytes for e in files) + \
+        slots.state_bytes(local.manifest.count) + slots.record_cost(192, slots.block_size(env.parent))
     with pytest.raises(DatasetError, match=rf"cache_bytes={need - 1} cannot hold this dataset's index and one "
                                            rf"record: at least {need} bytes are needed"):
         MemmapDataset(url, cache_dir=env, cache_bytes=need - 1)
@@ -238,12 +250,11 @@ def test_a_link_planted_at_a_cached_name_is_refused_not_followed(env: Path, url:
         MemmapDataset(url, cache_dir=env)
     assert target.read_bytes() == b"precious" and link.is_symlink()
     link.unlink()
-    record = env / key / "records/00000/0.bin"
+    record = env / key / "slots/00000.bin"  # the slot file of shard 0
     record.parent.mkdir(parents=True)
     record.symlink_to(target)
-    remote = MemmapDataset(url, cache_dir=env)
-    with pytest.raises(DatasetError, match="0.bin: not a regular file; the cache of .* leaves it alone"):
-        remote.__getitems__([0])
+    with pytest.raises(DatasetError, match="00000.bin: not a regular file; the cache of .* leaves it alone"):
+        MemmapDataset(url, cache_dir=env).__getitems__([0])
     assert target.read_bytes() == b"precious" and record.is_symlink()
 
 
@@ -267,14 +278,14 @@ def test_dataloader_workers_fetch_records_not_cached(env: Path, url: str, local:
     forked ones (whose parent started obstore's runtime, which fork does not carry) through a helper process."""
     remote = MemmapDataset(url, cache_dir=env)
     assert s3._runtime_pid == os.getpid()  # this process has used the client: a forked child cannot
-    assert not list(env.rglob("records/*/*.bin"))  # no record cached yet
+    assert held_records(env) == set()  # no record cached yet
     order = torch.randperm(24, generator=torch.Generator().manual_seed(3)).tolist() * 2
     loader = DataLoader(remote, batch_size=4, sampler=order, num_workers=2, multiprocessing_context=context,
                         timeout=JOIN_S)
     images = torch.cat([b[0] for b in loader])
     assert torch.equal(images, local.__getitems__(order).images)
     assert remote.opened.records.stats.fetched_bytes == 0  # the workers fetched every record, not this process
-    assert len(list(env.rglob("records/*/*.bin"))) == 24
+    assert held_records(env) == set(range(24))
 
 
 def _process_gone(pid: int) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import tempfile
 import time
 from pathlib import Path
 
@@ -21,12 +22,14 @@ from dsc import format as fmt
 from dsc.compiler import output
 from dsc.errors import DatasetError
 from dsc.reader import order as orders
+from dsc.storage import slots
 
 from s3server import S3Server, serving  # skips this module when the server packages are missing
 
 BUCKET = "dsc-cache-tests"
 COUNT, PER_SHARD, SIDE = 2000, 100, 16  # 20 shards of 100 records of 768 bytes
 RECORD_BYTES = SIDE * SIDE * 3
+COST = slots.record_cost(RECORD_BYTES, slots.block_size(Path(tempfile.gettempdir())))  # a record in the budget
 BATCH = 16
 
 server = serving(BUCKET)
@@ -75,13 +78,16 @@ def url(server: S3Server, local: MemmapDataset) -> str:
 
 
 def index_bytes(local: MemmapDataset) -> int:
-    """What the cache holds besides records: the manifest's copy and every file but the shards."""
+    """What the cache holds besides records: the manifest's copy, every file but the shards and the state of
+    the records (a word each, 1.3+)."""
     files = [e for e in local.manifest.files if not e.file.startswith(f"{fmt.SHARD_DIR}/")]
-    return len((Path(local.path) / fmt.MANIFEST_FILE).read_bytes()) + sum(e.bytes for e in files)
+    state = slots.state_bytes(local.manifest.count) if local.manifest.has_checksums else 0
+    return len((Path(local.path) / fmt.MANIFEST_FILE).read_bytes()) + sum(e.bytes for e in files) + state
 
 
 def folder_bytes(folder: Path, foreign: set[Path] = frozenset(), cache=None) -> int:
-    """The bytes of every file in the folder (what `du --apparent-size` adds up), besides `foreign` ones.
+    """The bytes of every file in the folder besides `foreign` ones: what `du --apparent-size` adds up, but for
+    the record cache's sparse slot files the disk their blocks take (`st_blocks`), holes punched not counted.
 
     Listing a folder is no snapshot: while the cache works, a file may be listed and then let go while
     another is placed in a folder listed later (both counted), or listed as a temporary and again under
@@ -96,7 +102,8 @@ def folder_bytes(folder: Path, foreign: set[Path] = frozenset(), cache=None) -> 
             except FileNotFoundError:
                 continue
             if path not in foreign and not path.is_dir():
-                sizes[st.st_ino] = st.st_size
+                sparse = path.parent.name == slots.SLOT_DIR and path.name != slots.STATE_FILE
+                sizes[st.st_ino] = st.st_blocks * 512 if sparse else st.st_size
     return sum(sizes.values())
 
 
@@ -143,27 +150,28 @@ def belady_misses(sequence: np.ndarray, capacity: int, counted_from: int) -> int
                                              ("block", "shard")])
 def test_a_small_cache_serves_the_local_batches_and_never_passes_its_limit(env: Path, url: str, local: MemmapDataset,
                                                                            order: str, locality: str | None) -> None:
-    budget = index_bytes(local) + COUNT * RECORD_BYTES // 4  # a quarter of the records
+    budget = index_bytes(local) + COUNT * COST // 4  # a quarter of the records
     remote = MemmapDataset(url, cache_dir=env, cache_bytes=budget)
     folder = remote.opened.local_root
     kwargs = {"order": order, "seed": 5, "locality": locality, "rank": 1, "world_size": 2} if locality else \
         {"order": order, "seed": 5}
     loader, reference = remote.loader(BATCH, **kwargs), local.loader(BATCH, **kwargs)
-    largest = 0
+    largest = counted = 0
     for _ in range(2):  # two epochs
         got = []
         for batch in loader:
             got.append(tensors(batch))
-            largest = max(largest, folder_bytes(folder, cache=remote.opened.records))
-            assert largest <= budget
+            largest = max(largest, folder_bytes(folder, cache=remote.opened.records))  # the disk it takes
+            counted = max(counted, remote.opened.records.used)
+            assert largest <= budget and counted <= budget
         same(got, [tensors(b) for b in reference])
-    assert largest > budget - 50 * RECORD_BYTES  # it did fill up: the limit was what held it back
+    assert counted > budget - 50 * COST  # it did fill up: the limit was what held it back
 
 
 def test_the_second_epoch_fetches_within_5_percent_of_the_belady_optimum(env: Path, url: str,
                                                                          local: MemmapDataset) -> None:
     capacity = COUNT // 2
-    remote = MemmapDataset(url, cache_dir=env, cache_bytes=index_bytes(local) + capacity * RECORD_BYTES)
+    remote = MemmapDataset(url, cache_dir=env, cache_bytes=index_bytes(local) + capacity * COST)
     for order in ("random", "block"):
         loader, reference = remote.loader(BATCH, order=order, seed=11), local.loader(BATCH, order=order, seed=11)
         sequence = []
@@ -185,7 +193,7 @@ def test_the_next_epochs_first_batch_is_fetched_before_the_epoch_ends(env: Path,
     """Its order is known ((seed, epoch + 1)): while the producer makes an epoch's last batch, the cache
     fetches the next epoch's first one. The producer is held right after that last batch (nothing else asks
     for the next epoch), and the first batch's records must still land in the folder."""
-    remote = MemmapDataset(url, cache_dir=env, cache_bytes=index_bytes(local) + COUNT * RECORD_BYTES // 4)
+    remote = MemmapDataset(url, cache_dir=env, cache_bytes=index_bytes(local) + COUNT * COST // 4)
     loader, reference = remote.loader(BATCH, order=order, seed=8), local.loader(BATCH, order=order, seed=8)
     last = len(loader) - 1
     want = [[tensors(b) for b in reference] for _ in range(2)]
@@ -216,7 +224,7 @@ def test_at_an_epochs_end_the_cache_holds_what_the_next_epoch_reads_first(env: P
     optimum. A cache that sees only the epoch it serves keeps records the next epoch reads at random
     (then, at 50%, ~9% more than the optimum in the second epoch of 150 KB records, batch 64)."""
     capacity = COUNT // 2
-    remote = MemmapDataset(url, cache_dir=env, cache_bytes=index_bytes(local) + capacity * RECORD_BYTES)
+    remote = MemmapDataset(url, cache_dir=env, cache_bytes=index_bytes(local) + capacity * COST)
     loader = remote.loader(64, order=order, seed=2)
     assert sum(len(b["index"]) for b in loader) == COUNT  # epoch 0; the producer goes on into epoch 1
     loader.close()  # nothing more is asked for
@@ -234,29 +242,30 @@ def test_at_an_epochs_end_the_cache_holds_what_the_next_epoch_reads_first(env: P
 
 def test_a_record_is_checked_once_when_fetched_not_again_when_read_back(env: Path, url: str, local: MemmapDataset,
                                                                          monkeypatch) -> None:
-    """A fetched record's CRC-32 is checked before it is placed; reading that same file back (same inode and
-    mtime) needs no second check. A copy renamed over it by someone else is checked again (below)."""
-    from dsc.storage import units
-
-    crc32, checked = units.zlib.crc32, []
-    monkeypatch.setattr(units.zlib, "crc32", lambda data, *a: checked.append(1) or crc32(data, *a))
-    remote = MemmapDataset(url, cache_dir=env, cache_bytes=index_bytes(local) + COUNT * RECORD_BYTES)
-    loader, reference = remote.loader(BATCH, order="random", seed=3), local.loader(BATCH, order="random", seed=3)
-    same([tensors(b) for b in loader], [tensors(b) for b in reference])
-    assert len(checked) == COUNT
-    records = remote.opened.records
-    path = records.files.path(7)
-    damaged = bytearray(path.read_bytes())
-    damaged[0] ^= 0xFF
-    path.with_name("planted").write_bytes(damaged)
-    path.with_name("planted").replace(path)  # another inode at the record's name: checked, found wrong, fetched again
+    """A fetched record's CRC-32 is checked before it is placed; reading it back (its state word unchanged)
+    needs no second check. A process that has not checked it yet (another open) checks it: damaged in
+    place, it is found wrong and fetched again."""
+    crc32, checked = slots.zlib.crc32, []
+    monkeypatch.setattr(slots.zlib, "crc32", lambda data, *a: checked.append(1) or crc32(data, *a))
+    budget = index_bytes(local) + COUNT * COST
+    remote = MemmapDataset(url, cache_dir=env, cache_bytes=budget)
+    for _ in range(2):
+        loader, reference = remote.loader(BATCH, order="random", seed=3), local.loader(BATCH, order="random", seed=3)
+        same([tensors(b) for b in loader], [tensors(b) for b in reference])
+        assert len(checked) == COUNT
+    path = remote.opened.records.files.path(7)
+    with open(path, "r+b") as f:  # damaged in place, under the same state word
+        f.seek(7 * RECORD_BYTES)
+        f.write(bytes(16))
+    other = MemmapDataset(url, cache_dir=env, cache_bytes=budget)
     row = np.empty((SIDE, SIDE, 3), np.uint8)
-    records.fill(row[None], np.array([7]))
+    other.opened.records.fill(row[None], np.array([7]))
     assert np.array_equal(row, local.opened.shards[0][7]) and len(checked) > COUNT
+    assert other.opened.records.stats.fetched_bytes == RECORD_BYTES  # found wrong, fetched again
 
 
 def test_an_elastic_resume_serves_what_the_local_dataset_serves(env: Path, url: str, local: MemmapDataset) -> None:
-    budget = index_bytes(local) + COUNT * RECORD_BYTES // 5
+    budget = index_bytes(local) + COUNT * COST // 5
 
     def run(ds_of) -> list[dict]:
         first = [ds_of().loader(BATCH, order="block", seed=3, rank=r, world_size=2) for r in range(2)]
@@ -272,7 +281,7 @@ def test_an_elastic_resume_serves_what_the_local_dataset_serves(env: Path, url: 
 # ----------------------------------------------------------------------------- what it may delete
 
 def test_files_it_did_not_create_are_never_touched(env: Path, url: str, local: MemmapDataset) -> None:
-    budget = index_bytes(local) + COUNT * RECORD_BYTES // 10
+    budget = index_bytes(local) + COUNT * COST // 10
     remote = MemmapDataset(url, cache_dir=env, cache_bytes=budget)
     folder = remote.opened.local_root
     foreign = {env / "notes.txt": b"mine", folder / "README": b"also mine",
@@ -300,7 +309,9 @@ def as_version_1_2(folder: Path, into: Path) -> Path:
     shutil.copytree(folder, into)
     (into / fmt.CHECKSUMS_FILE).unlink()
     manifest = MemmapDataset(folder).manifest
-    old = dataclasses.replace(manifest, version="1.2", checksums=None)
+    (one,) = manifest.index_segments  # (1.5) its one index segment: 1.2's whole index
+    old = dataclasses.replace(manifest, version="1.2", checksums=None, segments=(), index=one.index,
+                              warnings=one.warnings)
     (into / fmt.MANIFEST_FILE).write_text(old.to_json())
     return into
 
@@ -313,7 +324,7 @@ def test_a_1_2_dataset_is_cached_a_whole_checked_shard_at_a_time(server: S3Serve
     shard_bytes = PER_SHARD * RECORD_BYTES
     budget = index_bytes(MemmapDataset(old)) + 8 * shard_bytes  # random batches of 4, one ahead: 8 shards
     remote = MemmapDataset(url, cache_dir=env, cache_bytes=budget)
-    assert remote.manifest.checksums is None
+    assert not remote.manifest.has_checksums
     folder = remote.opened.local_root
     for order in ("block", "random"):
         got = []
@@ -322,7 +333,7 @@ def test_a_1_2_dataset_is_cached_a_whole_checked_shard_at_a_time(server: S3Serve
             assert folder_bytes(folder, cache=remote.opened.records) <= budget
         same(got, [tensors(b) for b in local.loader(4, order=order, seed=9)])
     held = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*.bin") if "shards" in p.parts)
-    assert 0 < len(held) <= 8 and not (folder / "records").exists()
+    assert 0 < len(held) <= 8 and not (folder / slots.SLOT_DIR).exists()
     with pytest.raises(DatasetError, match=rf"too small for batches of 16 fetched 2 batches ahead: at least "
                                            rf"{index_bytes(MemmapDataset(old)) + 20 * shard_bytes} bytes"):
         remote.loader(16)  # random batches of 16 can touch every one of the 20 shards
@@ -346,7 +357,7 @@ def test_a_damaged_shard_of_a_1_2_dataset_is_named(server: S3Server, env: Path, 
 
 def test_a_cache_too_small_for_the_batches_ahead_is_refused_naming_the_minimum(env: Path, url: str,
                                                                               local: MemmapDataset) -> None:
-    need = index_bytes(local) + (2 + 1) * BATCH * RECORD_BYTES  # the index, the batch made and 2 ahead
+    need = index_bytes(local) + (2 + 1) * BATCH * COST  # the index, the batch made and 2 ahead
     remote = MemmapDataset(url, cache_dir=env, cache_bytes=need - 1)
     with pytest.raises(DatasetError, match=rf"cache_bytes={need - 1} is too small for batches of {BATCH} fetched 2 "
                                            rf"batches ahead: at least {need} bytes are needed"):
@@ -356,7 +367,7 @@ def test_a_cache_too_small_for_the_batches_ahead_is_refused_naming_the_minimum(e
 
 
 def test_records_read_in_random_order_fetch_ranges_not_shards(env: Path, url: str, local: MemmapDataset) -> None:
-    remote = MemmapDataset(url, cache_dir=env, cache_bytes=index_bytes(local) + COUNT * RECORD_BYTES // 10)
+    remote = MemmapDataset(url, cache_dir=env, cache_bytes=index_bytes(local) + COUNT * COST // 10)
     picks = np.random.default_rng(4).choice(COUNT // 2, 40, replace=False)
     assert torch.equal(remote.__getitems__(picks.tolist()).images, local.__getitems__(picks.tolist()).images)
     stats = dataclasses.replace(remote.opened.records.stats)
@@ -383,7 +394,7 @@ def test_ranks_of_a_node_download_each_byte_once(env: Path, url: str, local: Mem
 
     context = multiprocessing.get_context("spawn")  # each with its own client, as ranks have
     start, answers = context.Barrier(3), context.Queue()
-    budget = index_bytes(local) + COUNT * RECORD_BYTES
+    budget = index_bytes(local) + COUNT * COST
     ranks = [context.Process(target=_read_everything, args=(url, str(env), budget, start, answers)) for _ in range(2)]
     for rank in ranks:
         rank.start()
@@ -397,7 +408,7 @@ def test_ranks_of_a_node_download_each_byte_once(env: Path, url: str, local: Mem
 
 
 def test_loader_stats_count_what_the_network_did(env: Path, url: str, local: MemmapDataset) -> None:
-    remote = MemmapDataset(url, cache_dir=env, cache_bytes=index_bytes(local) + COUNT * RECORD_BYTES)
+    remote = MemmapDataset(url, cache_dir=env, cache_bytes=index_bytes(local) + COUNT * COST)
     loader = remote.loader(BATCH, order="block", seed=1)
     assert sum(len(b["index"]) for b in loader) == COUNT
     cold = loader.stats(reset=True)  # the producer has made the next epoch's first batches too (prefetch=2)
@@ -413,7 +424,7 @@ def test_loader_stats_count_what_the_network_did(env: Path, url: str, local: Mem
 
 
 def test_with_locality_a_rank_fetches_only_its_own_shards(env: Path, url: str, local: MemmapDataset) -> None:
-    remote = MemmapDataset(url, cache_dir=env, cache_bytes=index_bytes(local) + COUNT * RECORD_BYTES)
+    remote = MemmapDataset(url, cache_dir=env, cache_bytes=index_bytes(local) + COUNT * COST)
     loader = remote.loader(BATCH, order="block", seed=4, locality="shard", rank=1, world_size=4)
     read = np.concatenate([b["index"].numpy() for b in loader])
     mine = set(np.unique(read // PER_SHARD).tolist())
@@ -421,7 +432,22 @@ def test_with_locality_a_rank_fetches_only_its_own_shards(env: Path, url: str, l
     ahead = local.loader(BATCH, order="block", seed=4, locality="shard", rank=1, world_size=4)
     ahead.set_epoch(1)  # the producer goes on into the next epoch's first batches (prefetch=2), its next group
     soon = {int(i) // PER_SHARD for b, _ in zip(ahead, range(2)) for i in b["index"]}
-    cached = {int(p.parent.name) for p in (remote.opened.local_root / "records").rglob("*.bin")}
+    cached = set((np.flatnonzero(remote.opened.records.files.state & 1) // PER_SHARD).tolist())
     assert mine <= cached <= mine | soon  # nothing of the other ranks' groups
     fetched = remote.opened.records.stats.fetched_bytes  # each record once (neighbours read soon join a GET)
     assert len(np.unique(read)) * RECORD_BYTES <= fetched <= len(mine | soon) * PER_SHARD * RECORD_BYTES
+
+
+def test_a_temporary_a_killed_writer_left_is_removed_by_the_next_writer_of_its_shard(
+        server: S3Server, env: Path, local: MemmapDataset, tmp_path: Path) -> None:
+    old = as_version_1_2(Path(local.path), tmp_path / "old")
+    url = server.upload(old, BUCKET, f"cache/old-{next(_uploads)}")
+    remote = MemmapDataset(url, cache_dir=env)
+    shards = remote.opened.local_root / fmt.SHARD_DIR
+    shards.mkdir(parents=True, exist_ok=True)
+    stale = shards / ".00004.bin.0123456789abcdef.tmp"  # the name a writer of shard 4 gives its temporary
+    foreign = [shards / ".00004.bin.mine.tmp", shards / ".00005.bin.0123456789abcdef.tmp"]  # not one / not shard 4's
+    for path in (stale, *foreign):
+        path.write_bytes(b"partial")
+    assert torch.equal(remote[400].image, local[400].image)  # fetches shard 4, under its lock
+    assert not stale.exists() and all(p.read_bytes() == b"partial" for p in foreign)

@@ -93,8 +93,8 @@ def test_older_versions_of_a_bucket_dataset_open_by_listing_versions(server: S3S
 
 
 def tag_of(manifest) -> str:
-    """The append folder tag of a version's new files (`appends/<tag>/labels.bin`)."""
-    return manifest.index["labels"].file.split("/")[1]
+    """The append folder tag of a version's new files (`appends/<tag>/labels.bin`, its last index segment's)."""
+    return manifest.index_segments[-1].index["labels"].file.split("/")[1]
 
 
 def sealed_doc(text: bytes, tag: str, other: str) -> dict:
@@ -224,7 +224,7 @@ def test_merge_with_differing_class_sets_into_and_out_of_a_bucket(server: S3Serv
     assert "5 shard(s) (5 reused by server-side copy/upload, 0 copied)" in into.stdout, into.stdout
     merged, here = MemmapDataset(f"s3://{BUCKET}/{where}/M"), MemmapDataset(tmp_path / "M")
     assert merged.classes == here.classes == ["class_0", "class_1", "eel"] and len(merged) == 14
-    build = merged.manifest.index["labels"].file.rsplit("/", 1)[0]  # builds/<tag>: a name of this merge's own
+    build = merged.manifest.segments[0].index["labels"].file.rsplit("/", 1)[0]  # builds/<tag>: this merge's own
     assert fmt.is_dataset_folder_name(build) and build.startswith(f"{fmt.BUILDS_DIR}/")
     assert [(t.file, t.count) for t in merged.manifest.shard_tables] == [(f"{build}/{fmt.SHARD_TABLE_FILE}", 5)]
     assert np.array_equal(pixels(merged), pixels(here)) and merged.labels.tolist() == here.labels.tolist()
@@ -265,13 +265,13 @@ def test_prune_in_a_bucket_deletes_only_objects_no_kept_version_lists(server: S3
     uploading = "appends/0123456789abcdef/shards/00009.bin"  # dsc's name, no version lists it: an append's upload?
     for name, data in {**foreign, uploading: b"x"}.items():
         server.put(BUCKET, f"{key}/{name}", data)
-    v1_only = {"labels.bin", "shards/00002.bin"}  # version 1's index and its partial last shard
+    v1_only = {"shards/00002.bin"}  # version 1's partial last shard (1.5: its index is kept, segment 0)
     result = CliRunner().invoke(app, ["prune", url, "--keep", "2"])
     assert result.exit_code == 0, result.output
     assert "removed 1 version" in result.output
     names = {o.name for o in Bucket(url).list()}
     assert storage.dataset_versions(url) == [2, 3] and not names & v1_only
-    assert set(foreign) | {uploading, "shards/00000.bin"} <= names
+    assert set(foreign) | {uploading, "shards/00000.bin", "labels.bin"} <= names
     for v in (2, 3):
         ds = MemmapDataset(url, version=v)
         storage.verify_checksums(url, ds.manifest)
@@ -289,19 +289,20 @@ def test_prune_in_a_bucket_deletes_only_objects_no_kept_version_lists(server: S3
 
 def test_appends_to_a_1_4_dataset_in_a_bucket_upload_their_shard_tables_and_prune_keeps_every_used_one(
         server: S3Server, env: Path, grown, tmp_path: Path) -> None:
-    """Format 1.4 in a bucket: each append keeps the rows of the shards it keeps in the earlier tables (read from
-    the cache, where the open fetched them), uploads a table of its own new shards, and commits a 1.4 manifest;
+    """Format 1.4's shard tables in a bucket: each append keeps the rows of the shards it keeps in the earlier
+    tables (read from the cache, where the open fetched them), uploads a table of its own new shards, and commits a
+    manifest naming them (format 1.5 since: its index in segments);
     prune keeps every table a kept version names (each still backs shards of version 3)."""
     tmp, _, _, b = grown
     c = renamed_copy(b, tmp / "c")
     url = server.upload(tmp / "ds", BUCKET, prefix())
     bucket = Bucket(url)
-    assert json.loads(bucket.get("manifest.json")[0])["version"] == "1.4"
+    assert json.loads(bucket.get("manifest.json")[0])["version"] == fmt.FORMAT_VERSION
     append(url, b, workers=1)
     append(url, c, workers=1)
     for v in (2, 3):
         doc = json.loads(bucket.get(f"versions/0000000{v}.json")[0])
-        assert doc["version"] == "1.4" and "shards" not in doc
+        assert doc["version"] == fmt.FORMAT_VERSION and "shards" not in doc and len(doc["segments"]) == v
     v2, v3 = storage.parse_manifest(url, version=2), storage.parse_manifest(url)
     tables = [(t.file, t.first, t.count, t.row) for t in v3.shard_tables]  # 30 records, 5 a shard
     assert tables == [("shard_table.bin", 0, 2, 0), (f"appends/{tag_of(v2)}/shard_table.bin", 2, 2, 0),

@@ -139,6 +139,8 @@ def test_assert_roundtrip_fails_naming_the_altered_record(tmp_path: Path, damage
     if damage is invert_record:  # ...and (format 1.3) the record whose CRC-32 is wrong
         assert len(lines) == 4 and lines[3].endswith("record(s) 7 do not match their CRC-32 in checksums.bin; the "
                                                      "records are damaged")
+    elif damage is relabel:  # ...and (format 1.5) its segment's class counts, which the labels now contradict
+        assert len(lines) == 4 and "the class counts say" in lines[3]
     else:
         assert len(lines) == 3
 

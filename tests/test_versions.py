@@ -31,7 +31,7 @@ from dsc.compiler.pipeline import compile_folder
 from dsc.errors import CompileError, DatasetError
 from dsc.reader.dataset import MemmapDataset
 
-from conftest import make_folder, rewrite_manifest
+from conftest import make_folder, rewrite_manifest, whole_index_doc
 
 SIZE = 16
 
@@ -233,13 +233,15 @@ def test_prune_keeps_what_kept_versions_need(grown) -> None:
     append(tmp / "ds", b, workers=1)
     append(tmp / "ds", c, workers=1)
     (tmp / "ds" / "notes.txt").write_text("mine")
-    v1_only = {"labels.bin", "shards/00002.bin"}  # version 1's index and its partial last shard
+    v1_only = {"shards/00002.bin"}  # version 1's partial last shard (1.5: its index is kept, segment 0)
     result = CliRunner().invoke(app, ["prune", str(tmp / "ds"), "--keep", "2"])
     assert result.exit_code == 0, result.output
     assert "removed 1 version" in result.output
     assert storage.dataset_versions(tmp / "ds") == [2, 3]
     assert not any((tmp / "ds" / name).exists() for name in v1_only)
     assert (tmp / "ds" / "notes.txt").read_text() == "mine" and (tmp / "ds" / "shards/00000.bin").exists()
+    segments = [s.index["labels"].file for s in storage.parse_manifest(tmp / "ds").segments]
+    assert len(segments) == 3 and segments[0] == fmt.LABELS_FILE and (tmp / "ds" / fmt.LABELS_FILE).exists()
     for v in (2, 3):
         ds = MemmapDataset(tmp / "ds", version=v)
         storage.verify_checksums(tmp / "ds", ds.manifest)
@@ -256,7 +258,7 @@ def test_append_upgrades_a_1_2_dataset_in_place_and_its_readers_see_no_change(tm
     make_folder(tmp_path / "a", classes=2, per_class=3)
     make_folder(tmp_path / "b", classes=2, per_class=2, seed=3)
     compile_folder(tmp_path / "a", tmp_path / "ds", size=SIZE, workers=1)
-    doc = json.loads((tmp_path / "ds" / fmt.MANIFEST_FILE).read_text())
+    doc = whole_index_doc(json.loads((tmp_path / "ds" / fmt.MANIFEST_FILE).read_text()))  # one index, as 1.2's
     shards = [dataclasses.asdict(s) for s in storage.parse_manifest(tmp_path / "ds").shards]  # listed, as 1.2 did
     rewrite_manifest(tmp_path / "ds", {**{k: v for k, v in doc.items() if k not in ("checksums", "shard_tables")},
                                        "version": "1.2", "shards": shards})
@@ -281,7 +283,7 @@ def record_checksums_match(ds: MemmapDataset) -> None:
     import zlib
 
     crcs = storage.record_checksums(ds.opened)
-    assert ds.manifest.checksums is not None and len(crcs) == len(ds)
+    assert ds.manifest.has_checksums and len(crcs) == len(ds)
     assert crcs.tolist() == [zlib.crc32(ds[i].image.permute(1, 2, 0).contiguous().numpy().tobytes())
                              for i in range(len(ds))]
     storage.verify_checksums(ds.path, ds.manifest)
@@ -372,6 +374,15 @@ def test_append_by_label_table_keeps_field_indices_and_widens_new_tags(tmp_path:
         row = {r[0]: r for r in new_rows}[ds.opened.source(i).removeprefix("../src/")]
         assert {names[k] for k in np.flatnonzero(tags[i])} == set(row[2].split(";"))
         assert float(ds.fields["score"][i]) == float(row[3]) and ds.classes[int(ds.labels[i])] == row[1]
+    assert len(ds.manifest.segments) == 1  # (1.5) earlier rows gained a column: the index written whole, once
+    append(tmp_path / "ds", tmp_path / "src", labels=_table(tmp_path / "again.csv", rows[:2]), workers=1)
+    again = MemmapDataset(tmp_path / "ds")  # no new tag: a segment of the 2 new records, fields read across both
+    assert [s.count for s in again.manifest.segments] == [8, 2]
+    assert np.array_equal(np.asarray(again.fields["tags"])[:8], tags)
+    for i in (8, 9):  # the new records, in their compile's order
+        row = {r[0]: r for r in rows[:2]}[again.opened.source(i).removeprefix("../src/")]
+        assert {names[k] for k in np.flatnonzero(again.fields["tags"][i])} == set(row[2].split(";"))
+        assert np.take(again.fields["score"], [i, 0]).tolist() == [float(row[3]), float(again.fields["score"][0])]
 
 
 def test_append_carries_its_skips_into_the_skip_list(grown) -> None:

@@ -25,11 +25,12 @@ from pathlib import Path
 
 from dsc import format as fmt
 from dsc import storage
-from dsc.compiler import combine, versions
+from dsc.compiler import versions
 from dsc.compiler.grow import (
     COMMIT_ATTEMPTS,
     AppendSummary,
     compile_new,
+    join_for_append,
     lost_every_race,
     next_version,
     summary,
@@ -120,14 +121,15 @@ def _commit_on_latest(root: Path, new: storage.OpenedDataset, new_classes: bool,
     writer that bypasses the lock committed that version first, start again on the new latest one."""
     for attempt in range(1, COMMIT_ATTEMPTS + 1):
         base = storage.open_dataset(root)
-        joined = combine.join_index([base, new], new_classes, [str(root), str(src)])
+        joined, kept = join_for_append(base, new, new_classes, [str(root), str(src)])
         folder = fmt.append_folder(secrets.token_hex(fmt.APPEND_TAG_HEX // 2))
-        manifest, how = next_version(root, folder, base, new, joined)
+        manifest, how = next_version(root, folder, base, new, joined, kept)
         local.fsync_dir(root / folder / fmt.SHARD_DIR)
         local.fsync_dir(root / folder)
         local.fsync_dir(root / fmt.APPENDS_DIR)
         local.fsync_dir(root)
-        storage.check_manifest_text(root, manifest.to_json().encode("ascii"))  # never commit what readers refuse
+        storage.check_manifest_text(root, manifest.to_json().encode("ascii"),  # never commit what readers refuse
+                                    kept_segments=len(kept))
         try:
             versions.commit(root, manifest)
             return manifest, how, joined

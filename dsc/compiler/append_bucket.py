@@ -21,7 +21,7 @@ from pathlib import Path
 
 from dsc import format as fmt
 from dsc import storage
-from dsc.compiler import bucket_versions, combine, grow
+from dsc.compiler import bucket_versions, grow
 from dsc.compiler.grow import AppendSummary, VersionTaken
 from dsc.errors import CompileError
 from dsc.storage.bucket import UPLOAD_PART_BYTES, Bucket
@@ -56,15 +56,16 @@ def _commit_on_latest(bucket: Bucket, new: storage.OpenedDataset, new_classes: b
     """Join the compiled records after the latest version's, write version N + 1's new files in `stage`,
     upload them and commit; VersionTaken (its uploads deleted again) when another writer committed N + 1."""
     base = storage.open_dataset(bucket.root)
-    joined = combine.join_index([base, new], new_classes, [bucket.root, str(src)])
+    joined, kept_segments = grow.join_for_append(base, new, new_classes, [bucket.root, str(src)])
     folder = fmt.append_folder(secrets.token_hex(fmt.APPEND_TAG_HEX // 2))
     stage.mkdir()
-    manifest, how = grow.next_version(stage, folder, base, new, joined)
+    manifest, how = grow.next_version(stage, folder, base, new, joined, kept_segments)
     kept = {e.file: e.bytes for e in base.manifest.files}
     for table in {t.file for t in base.manifest.shard_tables}:  # (1.4) rows it keeps: read where it validates
         (stage / table).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(base.local_root / table, stage / table)  # fetched into the cache whole, as the index
-    storage.check_manifest_text(stage, manifest.to_json().encode("ascii"), kept)  # never commit what readers refuse
+    storage.check_manifest_text(stage, manifest.to_json().encode("ascii"), kept,  # never commit what readers refuse
+                                len(kept_segments))
     names = sorted(p.relative_to(stage).as_posix() for p in (stage / folder).rglob("*") if p.is_file())
     try:
         for name in names:

@@ -220,6 +220,8 @@ def _write_index(build: Bucket, dataset: Bucket, tag: str, plan: Plan, results: 
         fields=tuple(fields), warnings=put(*fmt.warnings_payload(warned)) if warned.any() else None,
         checksums=put(*fmt.checksums_payload(crcs)))
     manifest, table = fmt.with_shard_table(manifest, f"{fmt.build_folder(tag)}/{fmt.SHARD_TABLE_FILE}")
+    manifest = fmt.with_segment(manifest, put(*fmt.class_counts_payload(  # (1.5) the index as one segment
+        fmt.count_labels(plan.found.labels[plan.order][ok], len(plan.found.classes)))))
     put(fmt.SHARD_TABLE_FILE, table)  # (1.4) the shards' SHA-256s, uploaded before the manifest is committed
     _check(manifest, dataset, tag, payloads)
     return manifest

@@ -107,7 +107,7 @@ def prune(url: str, keep: int) -> Pruned:
         if state.latest or state.foreign or not state.builds:
             raise
         gone = bp.clear_abandoned(bucket, bp.partial_builds(state))  # a killed merge's or compile's, no dataset yet
-        return Pruned([], [], [o.name for o in gone], sum(o.size for o in gone))
+        return Pruned([], [], [o.name for o in gone], sum(o.size for o in gone), _abort_abandoned_uploads(bucket))
     refresh_copy(bucket)
     found = versions(bucket)
     texts = manifests(bucket, found)
@@ -140,4 +140,14 @@ def prune(url: str, keep: int) -> Pruned:
         removed.append(name)
         freed += obj.size
     gone = bp.clear_abandoned(bucket, partial)
-    return Pruned(kept or [1], dropped, removed + [o.name for o in gone], freed + sum(o.size for o in gone))
+    return Pruned(kept or [1], dropped, removed + [o.name for o in gone], freed + sum(o.size for o in gone),
+                  _abort_abandoned_uploads(bucket))
+
+
+def _abort_abandoned_uploads(bucket: Bucket) -> list[str]:
+    """The multipart uploads a killed writer left unfinished under the dataset (objects dsc names only), once
+    they are as old as an abandoned build: no listing of objects shows them, so nothing else finds them."""
+    from dsc.storage import compose
+
+    return compose.abort_abandoned(bucket.bucket, bucket.prefix, bp.ABANDONED_AFTER_S, fmt.is_dataset_file_name,
+                                   bucket.root)

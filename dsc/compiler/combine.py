@@ -120,25 +120,30 @@ def rebase(source: str, root: str, new_root: str) -> str:
     return os.path.relpath(os.path.join(root, source), new_root).replace(os.sep, "/")
 
 
-def join_index(datasets: Sequence[storage.OpenedDataset], allow_new: bool, whose: Sequence[str]) -> Joined:
+def join_index(datasets: Sequence[storage.OpenedDataset], allow_new: bool, whose: Sequence[str],
+               records_from: int = 0) -> Joined:
     """The index of `datasets`' records one after the other: the first one's vocabularies grown by the
-    others' (`whose[k]` names dataset k in a refusal), labels and class fields remapped onto them."""
+    others' (`whose[k]` names dataset k in a refusal), labels and class fields remapped onto them. The
+    per-record values are those of datasets[records_from:] only (an append that keeps the earlier records'
+    index segments, format 1.5, reads nothing of theirs); classes, skips and parts are every dataset's."""
     check_shapes(datasets)
     vocabulary = Vocabulary(list(datasets[0].manifest.classes), allow_new, "the label")
     fields = _field_vocabularies(datasets, allow_new)
     root = datasets[0].manifest.compile.get("source_root")
     root = root if isinstance(root, str) else None
     labels, sizes, sources, values, warned, skipped, parts, first, crcs = [], [], [], {}, [], [], [], 0, []
-    for d, name in zip(datasets, whose):
+    for position, (d, name) in enumerate(zip(datasets, whose)):
         m = d.manifest
-        labels.append(_relabel(d.labels, vocabulary.remap(m.classes, name)))
-        sizes.append(np.asarray(d.sizes))
-        sources.append(_rebased(d, root))
-        for f in m.fields:
-            remap = fields[f.name].remap(f.classes, name) if f.name in fields else None
-            values.setdefault(f.name, []).append((f, np.asarray(d.fields[f.name]), remap))
-        warned.append(storage.read_warnings(d.root, m))
-        crcs.append(storage.record_checksums(d))
+        remap = vocabulary.remap(m.classes, name)
+        remaps = {f.name: fields[f.name].remap(f.classes, name) if f.name in fields else None for f in m.fields}
+        if position >= records_from:
+            labels.append(_relabel(d.labels, remap))
+            sizes.append(np.asarray(d.sizes))
+            sources.append(_rebased(d, root))
+            for f in m.fields:
+                values.setdefault(f.name, []).append((f, np.asarray(d.fields[f.name]), remaps[f.name]))
+            warned.append(storage.read_warnings(d.root, m))
+            crcs.append(storage.record_checksums(d))
         mine = m.compile.get("source_root")
         skipped += [{"source": rebase(s["source"], mine, root) if root and isinstance(mine, str) and mine != root
                      else s["source"], "reason": s["reason"]} for s in storage.read_skipped(d.root, m)]
@@ -195,7 +200,7 @@ def runs_of(d: storage.OpenedDataset, first_record: int = 0) -> list[Run]:
     if storage.is_url(d.root):
         from dsc.storage.bucket import Bucket  # the s3 client, imported only for a dataset in a bucket
 
-        bucket, crcs = Bucket(str(d.root)), storage.record_checksums(d) if m.checksums is not None else None
+        bucket, crcs = Bucket(str(d.root)), storage.record_checksums(d) if m.has_checksums else None
         per_shard = m.records_per_shard
         return [Run(None, lo, hi - lo, m.shards[shard].records, m.shards[shard].sha256,
                     partial(bucket.get_range, m.shards[shard].file), bucket.at(m.shards[shard].file),
@@ -327,8 +332,9 @@ def joined_inputs(inputs: list[str | os.PathLike]) -> tuple[list[storage.OpenedD
 
 def merged_manifest(stage: Path, first: fmt.Manifest, joined: Joined, shards: list[fmt.ShardEntry],
                     folder: str = "") -> fmt.Manifest:
-    """Write the joined index and (1.4) the shard table into `stage`/`folder` (a merge into a bucket writes
-    under `builds/<tag>`); the merged dataset's manifest (records shaped as `first`'s)."""
+    """Write the joined index, (1.4) the shard table and (1.5) the class counts of its one index segment into
+    `stage`/`folder` (a merge into a bucket writes under `builds/<tag>`); the merged dataset's manifest (records
+    shaped as `first`'s)."""
     index, fields, warnings, skip_list = write_index(stage, folder, joined)
     checksums = write_checksums(stage, folder, joined)
     manifest = fmt.Manifest(height=first.height, width=first.width, count=len(joined.labels),
@@ -336,4 +342,4 @@ def merged_manifest(stage: Path, first: fmt.Manifest, joined: Joined, shards: li
                             shards=tuple(shards), index=index, skipped=tuple(joined.skipped[:fmt.SKIPPED_IN_MANIFEST]),
                             compile=first.compile, fields=fields, skipped_list=skip_list, warnings=warnings,
                             parts=joined.parts, checksums=checksums)
-    return output.write_shard_table(stage, folder, manifest)
+    return output.write_segment(stage, folder, output.write_shard_table(stage, folder, manifest))

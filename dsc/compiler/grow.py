@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dsc import format as fmt
@@ -45,6 +45,7 @@ class Pruned:
     removed_versions: list[int]
     removed_files: list[str]
     bytes_freed: int
+    aborted_uploads: list[str] = field(default_factory=list)  # (a bucket) killed writers' unfinished uploads
 
 
 def compile_options(manifest: fmt.Manifest, root: Path | str) -> dict:
@@ -87,12 +88,28 @@ def lost_every_race(dataset: Path | str, e: Exception) -> CompileError:
                         f"({e}); nothing was added: run the command again")
 
 
+def join_for_append(base: storage.OpenedDataset, new: storage.OpenedDataset, new_classes: bool,
+                    whose: list[str]) -> tuple[combine.Joined, tuple[fmt.Segment, ...]]:
+    """(1.5) The index version N + 1 writes, and the segments of version N it keeps as they are: every one
+    (the new index holds the new records only), unless version N is older than 1.5 (its whole-dataset files
+    lack the class counts, perhaps the checksums, a segment has: the upgrade writes them once) or a multilabel
+    field gains classes, whose earlier rows would need the new columns: then none, and the new index holds
+    every record in one segment, as an append did before 1.5."""
+    if base.manifest.segments:
+        joined = combine.join_index([base, new], new_classes, whose, records_from=1)
+        before = {f.name: f.classes for f in base.manifest.fields if f.kind == "multilabel"}
+        if not any(f.kind == "multilabel" and f.classes != before[f.name] for f, _ in joined.fields):
+            return joined, base.manifest.segments
+    return combine.join_index([base, new], new_classes, whose), ()
+
+
 def next_version(root: Path, folder: str, base: storage.OpenedDataset, new: storage.OpenedDataset,
-                 joined: combine.Joined) -> tuple[fmt.Manifest, list[str]]:
+                 joined: combine.Joined, kept: tuple[fmt.Segment, ...] = ()) -> tuple[fmt.Manifest, list[str]]:
     """Write the files version N + 1 adds (`base` being version N) into `root`/`folder`: its shards from
-    version N's last full one on (a partial last shard is copied with the first new records), its whole
-    index, (1.4) the shard table of those shards (the kept ones keep their rows in N's tables); return its
-    manifest and how each new shard file was made."""
+    version N's last full one on (a partial last shard is copied with the first new records), its index
+    segment (1.5: the records after the `kept` segments of N, `join_for_append`; the skip list whole), (1.4)
+    the shard table of those shards (the kept ones keep their rows in N's tables); return its manifest and
+    how each new shard file was made."""
     m = base.manifest
     full = m.count // m.records_per_shard  # shards kept as they are; a partial last one is copied
     runs = combine.runs_of(base, full * m.records_per_shard) + combine.runs_of(new)
@@ -100,10 +117,11 @@ def next_version(root: Path, folder: str, base: storage.OpenedDataset, new: stor
                                        m.record_bytes)
     index, fields, warnings, skip_list = combine.write_index(root, folder, joined)
     checksums = combine.write_checksums(root, folder, joined)
-    manifest = fmt.Manifest(height=m.height, width=m.width, count=len(joined.labels),
+    manifest = fmt.Manifest(height=m.height, width=m.width, count=sum(s.count for s in kept) + len(joined.labels),
                             records_per_shard=m.records_per_shard, classes=tuple(joined.classes),
                             shards=(*m.shards[:full], *shards), index=index,
                             skipped=tuple(joined.skipped[:fmt.SKIPPED_IN_MANIFEST]), compile=m.compile,
                             fields=fields, skipped_list=skip_list, warnings=warnings,
                             dataset_version=m.dataset_version + 1, parts=joined.parts, checksums=checksums)
-    return output.write_shard_table(root, folder, manifest, base=m, kept=full), how
+    manifest = output.write_shard_table(root, folder, manifest, base=m, kept=full)
+    return output.write_segment(root, folder, manifest, kept), how

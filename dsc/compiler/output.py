@@ -130,8 +130,24 @@ def write_manifest(root: Path, manifest: fmt.Manifest) -> fmt.Manifest:
     dataset. Returns the manifest written."""
     if not manifest.shard_tables:
         manifest = write_shard_table(root, "", manifest)
+    if not manifest.segments:
+        manifest = write_segment(root, "", manifest)
     local.write_durably(root / fmt.MANIFEST_FILE, manifest.to_json().encode("ascii"))
     return manifest
+
+
+def write_segment(root: Path, folder: str, manifest: fmt.Manifest, kept: tuple[fmt.Segment, ...] = ()) -> fmt.Manifest:
+    """(1.5) Write `folder`/class_counts.bin, the counts of the labels `manifest`'s index file holds (records
+    after the `kept` segments'); `manifest` with its index in segments: `kept`, then that one. Before the manifest.
+    A manifest without the records' checksums (a segment has them) keeps its index whole: it is written as 1.4."""
+    if fmt.minor_version(manifest.version) < 5 or manifest.checksums is None:
+        return manifest
+    path = root / manifest.index["labels"].file
+    labels = np.memmap(path, fmt.LABEL_DTYPE, "r") if path.stat().st_size else np.zeros(0, fmt.LABEL_DTYPE)
+    name, payload = fmt.class_counts_payload(fmt.count_labels(labels, len(manifest.classes)))
+    written = _write(root / folder if folder else root, name, payload)
+    entry = fmt.FileEntry(f"{folder}/{name}" if folder else name, written.bytes, written.sha256)
+    return fmt.with_segment(manifest, entry, kept)
 
 
 def write_shard_table(root: Path, folder: str, manifest: fmt.Manifest, base: fmt.Manifest | None = None,

@@ -371,12 +371,18 @@ class MemmapDataset(Dataset):
         from tensordict import MemoryMappedTensor, TensorDict
 
         d, m = self.opened, self.manifest
+        if len(m.index_segments) > 1:
+            raise DatasetError(f"{self.path}: as_tensordict maps one labels file, and this dataset's index is in "
+                               f"{len(m.index_segments)} segments (appended to, format 1.5); read it through "
+                               "ds.loader(...) or ds[i], or open a version of one segment (MemmapDataset(path, "
+                               "version=N))")
+        (one,) = m.index_segments
         _ = d.labels, d.fields  # handed out whole below: each file's values checked whole first
-        labels = MemoryMappedTensor.from_filename(d.local_root / m.index["labels"].file, torch.int64, (m.count,),
+        labels = MemoryMappedTensor.from_filename(d.local_root / one.index["labels"].file, torch.int64, (m.count,),
                                                   mode="r")
         dtypes = {f.name: torch.from_numpy(np.empty(0, f.dtype)).dtype for f in m.fields}
-        fields = {f.name: MemoryMappedTensor.from_filename(d.local_root / f.file, dtypes[f.name], (m.count, *f.shape),
-                                                           mode="r") for f in m.fields}
+        fields = {f.name: MemoryMappedTensor.from_filename(d.local_root / e.file, dtypes[f.name], (m.count, *f.shape),
+                                                           mode="r") for f, e in zip(m.fields, one.fields)}
         shards, first = {}, 0
         for s, (path, records) in enumerate(zip(d.shard_paths(), fmt.shard_records(m.count, m.records_per_shard))):
             image = MemoryMappedTensor.from_filename(path, torch.uint8, (records, *m.record_shape), mode="r")

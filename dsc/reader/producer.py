@@ -190,7 +190,7 @@ def batch_fields(opened, idx: np.ndarray) -> dict[str, np.ndarray]:
     is taken (`storage.OpenedDataset.take`)."""
     return {"label": opened.take("labels", idx), "index": idx,
             "size": opened.take("sizes", idx).astype(np.int64),  # each source's (height, width)
-            **{f.name: opened.take(f.file, idx) for f in opened.manifest.fields}}
+            **{f.name: opened.take(opened.field_key(f.name), idx) for f in opened.manifest.fields}}
 
 
 def field_specs(opened) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:

@@ -13,6 +13,7 @@ from dsc.storage.store import (
     OpenedDataset,
     check_manifest_text,
     check_skip_list,
+    class_counts,
     dataset_versions,
     files_of_versions,
     is_dataset,
@@ -28,5 +29,5 @@ from dsc.storage.store import (
 )
 
 __all__ = ["DatasetStore", "OpenedDataset", "open_dataset", "validate", "parse_manifest", "read_skipped",
-           "read_warnings", "record_checksums", "check_skip_list", "check_manifest_text",
+           "read_warnings", "class_counts", "record_checksums", "check_skip_list", "check_manifest_text",
            "dataset_versions", "files_of_versions", "stored_and_skipped", "is_dataset", "is_url", "verify_checksums"]

@@ -1,8 +1,9 @@
 """A bounded node-local cache of a remote dataset's records that follows the order they will be read in.
 
-Its units, and how each is fetched once per node, checked and read back, are `dsc.storage.units`: a
-record (format 1.3, checked by its CRC-32) or a whole shard (older formats, by its SHA-256). This module
-decides what to fetch and what to let go.
+Its units, and how each is fetched once per node, checked and read back, are `dsc.storage.slots` (a
+record, format 1.3+, checked by its CRC-32: a sparse file per shard and a shared state word per record)
+or `dsc.storage.units` (a whole shard, older formats, by its SHA-256). This module decides what to fetch
+and what to let go.
 
 The loader tells the cache the sequence of batches this process reads next (`follow`: its share of
 the epoch, then of the next epoch, whose order is known, and the batch size); `fill` then makes one
@@ -13,13 +14,14 @@ runs of neighbouring records in one shard coalesced into one ranged GET on a bou
 random order). Room is made by evicting the unit needed furthest in the future (Belady's rule; a unit
 the followed sequence never reads again goes first), never one needed before the unit being fetched: prefetching
 stops there instead. The bytes the folder holds (the manifest and index files, the units, what is
-being fetched) never exceed `budget`. It deletes only units (`UnitFiles.remove`); anything else in
-the folder is never touched.
+being fetched) never exceed `budget` (a record counts as the blocks it can pin, `slots.record_cost`). It
+lets go only of units (`remove_all`: a record's bytes punched out of its slot file, a shard's file
+deleted); anything else in the folder is never touched.
 
-Every record is checked before it is served: a record unit against its CRC-32, a shard unit against
-its SHA-256, the first time this process reads the unit's file and whenever the file changed since
-(`UnitFiles.read`). A unit that fails is fetched again; a fetch still
-wrong is an error naming the object and the record, never a wrong batch.
+Every record is checked before it is served: a record against its CRC-32 the first time this process
+reads it under its state word (`RecordSlots.gather`), a shard against its SHA-256 the first time this
+process reads its file and whenever the file changed since (`UnitFiles.read`). A unit that fails is
+fetched again; a fetch still wrong is an error naming the object and the record, never a wrong batch.
 
 The count of bytes held is this process's: processes that share a folder share its units, but each
 counts only what it has seen, so the folder of a node whose L processes share it stays under L times
@@ -41,6 +43,7 @@ import numpy as np
 
 from dsc import format as fmt
 from dsc.errors import DatasetError
+from dsc.storage.slots import RecordSlots
 from dsc.storage.units import UnitFiles
 
 FETCH_THREADS = 8  # ranged GETs in flight at a time, per process
@@ -117,13 +120,15 @@ class RecordCache:
                  threads: int = FETCH_THREADS) -> None:
         self.stats = NetworkStats()
         self._lock = threading.RLock()  # a fetch that ends at once runs its callback inside `_request`
-        self.files = UnitFiles(manifest, folder, get, at, crcs, self._count_fetch)
+        self.files = UnitFiles(manifest, folder, get, at, self._count_fetch) if crcs is None else \
+            RecordSlots(manifest, folder, get, at, crcs, self._count_fetch)
         self.budget, self.base_bytes, self._threads = budget, base_bytes, threads
         n = self.files.count
         self._held = np.zeros(n, dtype=bool)  # counted in `used`: a file, or a fetch under way
         self._fresh = np.zeros(n, dtype=bool)  # fetched, and not read by a batch since: a miss
         self._next = np.full(n, NEVER, dtype=np.int64)  # the batch of the plan that reads each next
         self._pending: dict[int, Future] = {}
+        self._victims: Future | None = None  # records let go whose bytes are being punched (`_evict`)
         self._pool: ThreadPoolExecutor | None = None
         self._readers: ThreadPoolExecutor | None = None
         self._pool_pid = 0
@@ -131,9 +136,9 @@ class RecordCache:
         self._start = 0  # the batch number of the plan's first batch
         self._depth = DEPTH
         _caches.add(self)
-        found = self.files.scan()  # an earlier run's or another process's: held, and deletable
-        self._held[list(found)] = True
-        self.used = base_bytes + sum(found.values())
+        found, found_bytes = self.files.scan()  # an earlier run's or another process's: held, and deletable
+        self._held[found] = True
+        self.used = base_bytes + found_bytes
 
     def _count_fetch(self, nbytes: int) -> None:
         with self._lock:
@@ -240,12 +245,19 @@ class RecordCache:
         self._held[missing] = True
         self._fresh[missing] = True
         self.used += need
+        room, self._victims = self._victims, None
         for shard, first, last in self.files.runs(missing):
-            future = self._executor().submit(self.files.fetch_run, shard, first, last)
+            future = self._executor().submit(self._fetch_run, room, shard, first, last)
             for u in range(first, last):
                 self._pending[u] = future
             future.add_done_callback(lambda f, span=(first, last): self._fetched(f, span))
         return True
+
+    def _fetch_run(self, room: Future | None, shard: int, first: int, last: int) -> None:
+        """A fetch, once the records let go to make room for it are punched (`_evict`)."""
+        if room is not None:
+            room.result()
+        self.files.fetch_run(shard, first, last)
 
     def _with_neighbours(self, missing: np.ndarray, reach: int) -> np.ndarray:
         """The records not held that the followed sequence reads by batch `reach` and that extend a run of
@@ -289,15 +301,26 @@ class RecordCache:
         enough = np.searchsorted(np.cumsum(self.files.sizes(order)), over)
         if enough >= len(order):
             return False
-        for unit in order[:enough + 1].tolist():
-            self._evict(unit)
+        self._evict(order[:enough + 1])
         return True
 
-    def _evict(self, unit: int) -> None:
-        """Let a unit go: its file deleted (one of ours, at a unit's name: counted by `scan` or a fetch)."""
-        self.files.remove(unit)
-        self._held[unit] = False
-        self.used -= self.files.size(unit)
+    def _evict(self, units: np.ndarray) -> None:
+        """Let units go (ours, counted by `scan` or a fetch): a shard's file deleted now; records' bytes punched
+        on a fetch thread (under their chunks' locks, which a fetch holds while its GET runs: never waited for
+        under `_lock`), before the fetches that need the room write anything (`_fetch_run`)."""
+        if isinstance(self.files, RecordSlots):
+            earlier = self._victims
+
+            def punch() -> None:
+                if earlier is not None:
+                    earlier.result()
+                self.files.remove_all(units)
+
+            self._victims = self._executor().submit(punch)
+        else:
+            self.files.remove_all(units)
+        self._held[units] = False
+        self.used -= int(self.files.sizes(units).sum())
 
     def _executor(self) -> ThreadPoolExecutor:
         self._own_pools()
@@ -322,6 +345,7 @@ class RecordCache:
                 self._held[unit] = False
                 self.used -= self.files.size(unit)
         self._pending = {}
+        self._victims = None
 
     def _own_pools(self) -> None:
         """A forked child makes pools of its own (its parent's threads are not in it)."""
@@ -333,7 +357,14 @@ class RecordCache:
 
     def _copy(self, dst: np.ndarray, idx: np.ndarray) -> None:
         """Each record of `idx` into its row of `dst`, checked (module docstring), on READ_THREADS threads
-        (the reads and checksums release the GIL)."""
+        (the copies, reads and checksums release the GIL): records out of their memory maps in one gather
+        (`RecordSlots.gather`), those it could not serve one by one; shards' records one by one."""
+        if isinstance(self.files, RecordSlots):
+            threads = READ_THREADS if len(idx) >= READ_SPLIT else 1
+            for row in self.files.gather(dst, idx, self._reader_pool() if threads > 1 else None, threads):
+                self._read(dst[row], int(idx[row]))
+            return
+
         def part(a: int, b: int) -> None:
             for row, record in enumerate(idx[a:b].tolist(), a):
                 self._read(dst[row], record)

@@ -15,6 +15,7 @@ these requests go through botocore, configured from the same settings as obstore
 from __future__ import annotations
 
 import os
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -84,6 +85,24 @@ def compose(bucket: str, key: str, parts: Iterable[Part], where: str) -> str:
         except Exception:  # the upload stays unfinished: invisible, and the error above is the one to report
             pass
         raise
+
+
+def abort_abandoned(bucket: str, prefix: str, older_than_s: float, mine: Callable[[str], bool],
+                    where: str) -> list[str]:
+    """Abort the unfinished multipart uploads under `prefix` (keys `mine` accepts, relative to it) started
+    `older_than_s` ago or more: a killed writer's (a compose, or an append's upload of a large file). Their
+    parts are stored, and billed, though no listing of objects shows them; the keys they were for."""
+    c, now, aborted = client(), time.time(), []
+    under = f"{prefix.rstrip('/')}/" if prefix else ""
+    listed = c.get_paginator("list_multipart_uploads")
+    pages = _call(where, "ListMultipartUploads", lambda **a: list(listed.paginate(**a)), Bucket=bucket, Prefix=under)
+    for upload in (u for page in pages for u in page.get("Uploads", [])):
+        key = upload["Key"]
+        if mine(key[len(under):]) and now - upload["Initiated"].timestamp() >= older_than_s:
+            _call(where, "AbortMultipartUpload", c.abort_multipart_upload, Bucket=bucket, Key=key,
+                  UploadId=upload["UploadId"])
+            aborted.append(key[len(under):])
+    return aborted
 
 
 def _call(where: str, what: str, request: Callable[..., Any], **arguments: Any) -> Any:

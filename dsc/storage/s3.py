@@ -511,27 +511,33 @@ class S3Dataset:
         return [e for e in self._manifest.files if e.file not in shards]
 
     def base_bytes(self) -> int:
-        """What the cache holds besides records: the manifest's copy and the files cached whole."""
-        return len(self._text or b"") + sum(e.bytes for e in self._whole_files())
+        """What the cache holds besides records: the manifest's copy, the files cached whole and (records
+        cached one by one) the state of the records (`dsc.storage.slots`)."""
+        from dsc.storage.slots import state_bytes
+
+        state = state_bytes(self._manifest.count) if self._manifest.has_checksums else 0
+        return len(self._text or b"") + sum(e.bytes for e in self._whole_files()) + state
 
     def budget(self) -> int:
         """`cache_bytes`, or by default DEFAULT_SHARE of the cache's free space at the first open, split between
         the node's ranks (each counts what it holds: `cache`), plus what this dataset's folder holds already."""
         if self.cache_bytes is None:
             folder = self.local_folder()
-            held = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
+            held = sum(_disk_bytes(p) for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
             self.cache_bytes = int(free_bytes(folder) * DEFAULT_SHARE / _local_ranks()) + held
         return self.cache_bytes
 
     def _check_budget(self) -> None:
         """Before anything is fetched: `cache_bytes` must hold the manifest, the index and one unit of
         records (a record, or with no per-record checksums a shard); say the minimum where it does not."""
-        unit = self._manifest.record_bytes if self._manifest.checksums is not None else \
-            max(e.bytes for e in self._manifest.shards)
+        from dsc.storage.slots import block_size, record_cost
+
+        unit = record_cost(self._manifest.record_bytes, block_size(self.local_folder())) \
+            if self._manifest.has_checksums else max(e.bytes for e in self._manifest.shards)
         need = self.base_bytes() + unit
         if self.budget() < need:
             raise DatasetError(f"{self.root}: cache_bytes={self.budget()} cannot hold this dataset's index and one "
-                               f"{'record' if self._manifest.checksums is not None else 'shard'}: at least {need} "
+                               f"{'record' if self._manifest.has_checksums else 'shard'}: at least {need} "
                                "bytes are needed; give a larger cache_bytes (or free space in the cache folder "
                                f"{self.cache}, whose default share is {DEFAULT_SHARE:.0%} of its free space)")
 
@@ -542,13 +548,15 @@ class S3Dataset:
         self._parsed()
         self._check_budget()
         crcs = None
-        if manifest.checksums is not None:
-            fd = self.open(manifest.checksums.file, "checksums")
-            with os.fdopen(fd, "rb") as f:
-                crcs = np.frombuffer(f.read(manifest.checksums.bytes + 1), fmt.CHECKSUM_DTYPE)
-            if len(crcs) != manifest.count:
-                raise DatasetError(f"{self.local_path(manifest.checksums.file)}: {len(crcs)} checksums for "
-                                   f"{manifest.count} records; the cached copy is damaged")
+        if manifest.has_checksums:  # (1.5) every segment's, joined
+            pieces = []
+            for segment in manifest.index_segments:
+                with os.fdopen(self.open(segment.checksums.file, "checksums"), "rb") as f:
+                    pieces.append(np.frombuffer(f.read(segment.checksums.bytes + 1), fmt.CHECKSUM_DTYPE))
+                if len(pieces[-1]) != segment.count:
+                    raise DatasetError(f"{self.local_path(segment.checksums.file)}: {len(pieces[-1])} checksums for "
+                                       f"{segment.count} records; the cached copy is damaged")
+            crcs = np.concatenate(pieces)
         return RecordCache(manifest, self.local_folder(), self.budget(), self.base_bytes(),
                            self.get_range, self._at, crcs)
 
@@ -655,6 +663,12 @@ class S3Dataset:
         except FileNotFoundError as e:
             raise DatasetError(f"{self._at(name)}: {missing}") from e
 
+
+
+def _disk_bytes(path: Path) -> int:
+    """A file's bytes, or the disk its blocks take where that is less (a sparse file of the record cache)."""
+    st = path.stat()
+    return min(st.st_size, st.st_blocks * 512)
 
 
 def _verified(path: Path, entry: fmt.FileEntry) -> bytes | None:

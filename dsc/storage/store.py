@@ -28,6 +28,7 @@ import numpy as np
 
 from dsc import format as fmt
 from dsc.errors import ChecksumError, DatasetError, StorageError
+from dsc.storage.columns import Column
 from dsc.storage.local import LocalFolder, first_hole, map_file, scan_values
 from dsc.storage.shard_maps import ShardMaps
 
@@ -122,10 +123,11 @@ class OpenedDataset:
     a wrong one is a DatasetError naming the file and the record."""
 
     def __init__(self, root: Path | str, manifest: fmt.Manifest, shards: Sequence[np.ndarray],
-                 values: dict[str, np.ndarray], unchecked: dict[str, int], local: Path | None = None,
+                 values: dict[str, np.ndarray], unchecked: dict[str, dict[str, int]], local: Path | None = None,
                  records: Any = None) -> None:
-        """`values`: each index file's map by key (`fmt.checked_values`, and "sources"); `unchecked`: a
-        descriptor of each file whose values were not checked at open, by key (closed when this is collected)."""
+        """`values`: each index column's map by key (`fmt.checked_values`, and "sources"; several segments' files
+        joined, format 1.5); `unchecked`: by key, a descriptor of each of its files (by name) whose values were
+        not checked at open (closed when this is collected)."""
         self.root, self.manifest, self.shards, self.local, self.records = root, manifest, shards, local, records
         self._values, self._unchecked = values, dict(unchecked)
         self._lock = threading.Lock()
@@ -154,11 +156,12 @@ class OpenedDataset:
     @property
     def fields(self) -> dict[str, np.ndarray]:
         """The dataset's own fields (1.1), each [count, *shape], checked, by name in manifest order."""
-        return {f.name: self._whole(f.file) for f in self.manifest.fields}
+        return {f.name: self._whole(fmt.field_key(f.name)) for f in self.manifest.fields}
 
-    def field_key(self, name: str) -> str:
+    @staticmethod
+    def field_key(name: str) -> str:
         """The key of field `name`'s values (for `take`)."""
-        return next(f.file for f in self.manifest.fields if f.name == name)
+        return fmt.field_key(name)
 
     def take(self, key: str, idx: np.ndarray) -> np.ndarray:
         """The values of records `idx` (checked indices) from index file `key` ("labels", "sizes" or a field's
@@ -171,19 +174,19 @@ class OpenedDataset:
         return values
 
     def _named(self, key: str) -> str:
-        file = self.manifest.index[key].file if key in self.manifest.index else key
-        return f"{str(self.root).rstrip('/')}/{file}"
+        files = [fmt.segment_file(self.manifest, s, key) for s in self.manifest.index_segments]
+        return f"{str(self.root).rstrip('/')}/{files[0] if len(files) == 1 else key + ' (of the index segments)'}"
 
     def _whole(self, key: str) -> np.ndarray:
         if key in self._unchecked:
             with self._lock:  # one scan, whichever thread asks first
-                fd = self._unchecked.get(key)
-                if fd is not None:
+                fds = self._unchecked.get(key)
+                if fds is not None:
                     def values_of(name: str, dtype: np.dtype, count: int) -> Iterator[np.ndarray]:
-                        return scan_values(fd, dtype, count, fmt.SCAN_ITEMS)
+                        return scan_values(fds[name], dtype, count, fmt.SCAN_ITEMS)
                     fmt.check_values(self.manifest, key, self.root, values_of)
                     del self._unchecked[key]
-                    os.close(fd)
+                    _close_all(fds)
         return self._values[key]
 
     @property
@@ -197,7 +200,7 @@ class OpenedDataset:
         start, stop = int(offsets[i]), int(offsets[i + 1])
         if "source_offsets" in self._unchecked and not 0 <= start <= stop <= len(self.sources):
             raise DatasetError(f"{self._named('source_offsets')}: record {i}'s name would run from byte {start} to "
-                               f"{stop} of {self.manifest.index['sources'].file} ({len(self.sources)} bytes); the "
+                               f"{stop} of {self._named('sources')} ({len(self.sources)} bytes); the "
                                "dataset is damaged (dsc verify checks every file)")
         return os.fsdecode(self.sources[start:stop].tobytes())
 
@@ -217,9 +220,10 @@ class OpenedDataset:
         return [self.local_root / s.file for s in self.manifest.shards]
 
 
-def _close_all(fds: dict[str, int]) -> None:
+def _close_all(fds: dict[str, Any]) -> None:
+    """Close every descriptor of `fds` (by name, or by key then name)."""
     for fd in list(fds.values()):
-        os.close(fd)
+        _close_all(fd) if isinstance(fd, dict) else os.close(fd)
     fds.clear()
 
 
@@ -297,6 +301,13 @@ def _values_of(store: DatasetStore) -> Callable[[str, np.dtype, int], Iterator[n
     return values
 
 
+def _read_values(store: DatasetStore) -> Callable[[str, np.dtype, int], Iterator[np.ndarray]]:
+    """`format.ValuesOf` of a store read whole (an object store's, which verification reads without a cache)."""
+    def values(name: str, dtype: np.dtype, count: int) -> Iterator[np.ndarray]:
+        yield np.frombuffer(store.read(name, count * dtype.itemsize + 1), dtype)[:count]
+    return values
+
+
 def _validated(store: DatasetStore, version: int | None = None) -> fmt.Manifest:
     manifest = read_manifest(store, version)
     fmt.check_index(manifest, store.root, _values_of(store))
@@ -349,18 +360,20 @@ def parse_manifest(root: Location, cache_dir: str | os.PathLike | None = None,
         return read_manifest(store, version)
 
 
-def check_manifest_text(root: str | os.PathLike, text: bytes, kept: dict[str, int] | None = None) -> fmt.Manifest:
+def check_manifest_text(root: str | os.PathLike, text: bytes, kept: dict[str, int] | None = None,
+                        kept_segments: int = 0) -> fmt.Manifest:
     """Everything `validate` checks, of manifest bytes not yet committed, over the files of the folder `root`:
     what a writer of a new version runs before it commits it. `kept`: the sizes of files it keeps from an
     earlier, validated version that are not in `root` (the shards of a dataset in a bucket; its shard tables,
-    which are read, must be in `root`)."""
+    which are read, must be in `root`); `kept_segments`: (1.5) how many index segments it keeps from that
+    version, whose values are not read again (an append costs what it adds)."""
     with _opened(root) as store:
         sizes = _sizes(store)
 
         def size(name: str, where: str) -> int:
             return kept[name] if kept and name in kept else sizes(name, where)
         manifest = fmt.parse_manifest(text, store.root, size, store.read)
-        fmt.check_index(manifest, store.root, _values_of(store))
+        fmt.check_index(manifest, store.root, _values_of(store), kept_segments)
         return manifest
 
 
@@ -395,32 +408,86 @@ def _map_dataset(store: DatasetStore, version: int | None = None, check_values: 
     manifest = read_manifest(store, version)
     if check_values:
         fmt.check_index(manifest, store.root, _values_of(store))
-    n, index = manifest.count, manifest.index
-    files = {"labels": (index["labels"].file, fmt.LABEL_DTYPE, (n,)),
-             "sizes": (index["sizes"].file, fmt.SIZE_DTYPE, (n, 2)),
-             "source_offsets": (index["source_offsets"].file, fmt.OFFSET_DTYPE, (n + 1,)),
-             "sources": (index["sources"].file, np.dtype(np.uint8), (index["sources"].bytes,)),
-             **{f.file: (f.file, f.dtype, (n, *f.shape)) for f in manifest.fields}}
-    values, unchecked = {}, {}
+    held: dict[str, int] = {}  # a descriptor of each index file whose values are checked when used
+    unchecked: dict[str, dict[str, int]] = {}
+
+    def mapped(name: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        fd = store.open(name, name)
+        if not check_values:
+            held[name] = os.dup(fd)
+        return map_file(fd, dtype, shape)
+
     try:
-        for key, (name, dtype, shape) in files.items():
-            fd = store.open(name, name)
-            if not check_values and key != "sources":  # kept to check the file whole if it is asked for whole
-                unchecked[key] = os.dup(fd)
-            values[key] = map_file(fd, dtype, shape)
+        labels, sizes, offsets, sources, fields = _map_index(manifest, mapped)
+        values = {"labels": labels, "sizes": sizes, "source_offsets": offsets, "sources": sources,
+                  **{fmt.field_key(name): column for name, column in fields.items()}}
+        for key in [] if check_values else fmt.checked_values(manifest):
+            files = {fmt.segment_file(manifest, segment, key) for segment in manifest.index_segments}
+            unchecked[key] = {name: held.pop(name) for name in files}
+        _close_all(held)  # the sources' (its offsets are checked where used)
         remote = getattr(store, "record_cache", None)  # an object store: records through its bounded cache
         records = remote(manifest) if remote is not None else None
         shards: Sequence[np.ndarray] = ()
         if records is None:
-            held = store.duplicate() if hasattr(store, "duplicate") else None  # for shards mapped when first read
-            shards = ShardMaps(store.root, manifest, store.open, None, len(manifest.shards)) if held is None else \
-                ShardMaps(store.root, manifest, held.open, held.close)  # a store it cannot keep: every shard now
+            kept = store.duplicate() if hasattr(store, "duplicate") else None  # for shards mapped when first read
+            shards = ShardMaps(store.root, manifest, store.open, None, len(manifest.shards)) if kept is None else \
+                ShardMaps(store.root, manifest, kept.open, kept.close)  # a store it cannot keep: every shard now
     except BaseException:
+        _close_all(held)
         _close_all(unchecked)
         raise
     local = store.local_folder()
     return OpenedDataset(store.root, manifest, shards, values, unchecked, None if local == store.root else local,
                          records)
+
+
+def _map_index(manifest: fmt.Manifest, mapped: Callable) -> tuple:
+    """(labels, sizes, source offsets, sources, {field: values}) mapped: one segment's files as they are, several
+    (format 1.5, appended) joined without a copy (`columns.Column`), their source offsets rebased."""
+    segments = manifest.index_segments
+
+    def column(pieces, bases=None):
+        return pieces[0] if len(pieces) == 1 else Column(pieces, bases)
+    labels = column([mapped(s.index["labels"].file, fmt.LABEL_DTYPE, (s.count,)) for s in segments])
+    sizes = column([mapped(s.index["sizes"].file, fmt.SIZE_DTYPE, (s.count, 2)) for s in segments])
+    blobs = [mapped(s.index["sources"].file, np.dtype(np.uint8), (s.index["sources"].bytes,)) for s in segments]
+    bases = np.cumsum([0, *(s.index["sources"].bytes for s in segments)]).tolist()
+    offsets = [mapped(s.index["source_offsets"].file, fmt.OFFSET_DTYPE, (s.count + 1,)) for s in segments]
+    offsets = offsets[0] if len(segments) == 1 else \
+        Column([o[:-1] for o in offsets] + [np.array([bases[-1]], fmt.OFFSET_DTYPE)], [*bases[:-1], 0])
+    fields = {f.name: column([mapped(s.fields[k].file, f.dtype, (s.count, *f.shape)) for s in segments])
+              for k, f in enumerate(manifest.fields)}
+    return labels, sizes, offsets, column(blobs), fields
+
+
+def _read_column(root: Location, manifest: fmt.Manifest, entry_of: Callable, dtype: np.dtype,
+                 absent_zeros: bool = False) -> np.ndarray | None:
+    """One small per-record file of every segment (checksums, decoder warnings), read whole and joined; a
+    segment without it gives zeros (`absent_zeros`: no record of it had a warning), or the answer is None."""
+    pieces = []
+    with _opened(root) as store:
+        for segment in manifest.index_segments:
+            entry = entry_of(segment)
+            if entry is None and not absent_zeros:
+                return None
+            if entry is None:
+                pieces.append(np.zeros(segment.count, dtype))
+                continue
+            data = store.read(entry.file, entry.bytes + 1)
+            if len(data) != segment.count * dtype.itemsize:
+                raise DatasetError(f"{str(root).rstrip('/')}/{entry.file}: file is {len(data)} bytes, the manifest "
+                                   f"says {entry.bytes}; the dataset is damaged")
+            pieces.append(np.frombuffer(data, dtype))
+    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+
+def class_counts(root: Location, manifest: fmt.Manifest) -> np.ndarray | None:
+    """(format 1.5) Records per label, -1 first ([K + 1]), from the segments' stored counts, without reading a
+    label; None for a version before 1.5 (count its labels)."""
+    if not manifest.segments:
+        return None
+    with _opened(root) as store:
+        return fmt.class_counts(manifest, store.read, store.root)
 
 
 def read_skipped(root: Location, manifest: fmt.Manifest) -> list[dict[str, str]]:
@@ -435,33 +502,21 @@ def read_skipped(root: Location, manifest: fmt.Manifest) -> list[dict[str, str]]
 def record_checksums(dataset: OpenedDataset) -> np.ndarray:
     """Each record's CRC-32: the dataset's checksums.bin (format 1.3), or computed from its mapped records
     where it has none (what a writer that joins datasets needs for the joined one)."""
-    m, entry = dataset.manifest, dataset.manifest.checksums
-    if entry is None and dataset.records is not None:  # in object storage: its records a bounded piece at a time
+    m = dataset.manifest
+    stored = _read_column(dataset.root, m, lambda s: s.checksums, fmt.CHECKSUM_DTYPE)
+    if stored is not None:
+        return stored
+    if dataset.records is not None:  # in object storage: its records a bounded piece at a time
         step = max(1, VERIFY_PIECE_BYTES // m.record_bytes)
         return np.array([c for first in range(0, m.count, step) for c in fmt.record_checksums(
             dataset.read_records(range(first, min(m.count, first + step))), m.record_bytes)], fmt.CHECKSUM_DTYPE)
-    if entry is None:
-        return np.fromiter((c for shard in dataset.shards for c in fmt.record_checksums(shard, m.record_bytes)),
-                           fmt.CHECKSUM_DTYPE, m.count)
-    with _opened(dataset.root) as store:
-        data = store.read(entry.file, entry.bytes + 1)
-    if len(data) != m.count * fmt.CHECKSUM_DTYPE.itemsize:
-        raise DatasetError(f"{str(dataset.root).rstrip('/')}/{entry.file}: file is {len(data)} bytes, the manifest "
-                           f"says {entry.bytes}; the dataset is damaged")
-    return np.frombuffer(data, fmt.CHECKSUM_DTYPE)
+    return np.fromiter((c for shard in dataset.shards for c in fmt.record_checksums(shard, m.record_bytes)),
+                       fmt.CHECKSUM_DTYPE, m.count)
 
 
 def read_warnings(root: Location, manifest: fmt.Manifest) -> np.ndarray:
     """Each record's count of decoder warnings (format 1.2); zeros for a dataset without the file."""
-    entry = manifest.warnings
-    if entry is None:
-        return np.zeros(manifest.count, fmt.WARNING_DTYPE)
-    with _opened(root) as store:
-        data = store.read(entry.file, entry.bytes + 1)
-    if len(data) != manifest.count * fmt.WARNING_DTYPE.itemsize:
-        raise DatasetError(f"{str(root).rstrip('/')}/{entry.file}: file is {len(data)} bytes, the manifest says "
-                           f"{entry.bytes}; the dataset is damaged")
-    return np.frombuffer(data, fmt.WARNING_DTYPE)
+    return _read_column(root, manifest, lambda s: s.warnings, fmt.WARNING_DTYPE, absent_zeros=True)
 
 
 def check_skip_list(dataset: OpenedDataset) -> None:
@@ -532,6 +587,12 @@ def verify_checksums(root: Location, manifest: fmt.Manifest, progress: Callable[
             if problem:
                 bad.append(problem)
             first += getattr(entry, "records", 0)
+        if not holes:  # (1.5) the segments' class counts against their labels (an open does not count them)
+            try:
+                fmt.check_class_counts(manifest, store.root, _read_values(store) if _is_remote(store)
+                                       else _values_of(store))
+            except DatasetError as e:
+                bad.append(str(e))
     if bad:
         error = ChecksumError("\n".join(bad))
         error.problems = bad
@@ -539,15 +600,18 @@ def verify_checksums(root: Location, manifest: fmt.Manifest, progress: Callable[
 
 
 def _stored_checksums(store: DatasetStore, manifest: fmt.Manifest) -> np.ndarray | None:
-    """The records' CRC-32s (1.3), when the file has the size and SHA-256 the manifest says; else None (its own
-    damage is named by its SHA-256)."""
-    entry = manifest.checksums
-    if entry is None:
-        return None
-    data = store.read(entry.file, entry.bytes + 1)
-    if len(data) != entry.bytes or fmt.file_entry(entry.file, data).sha256 != entry.sha256:
-        return None
-    return np.frombuffer(data, fmt.CHECKSUM_DTYPE)
+    """The records' CRC-32s (1.3), when every segment's file has the size and SHA-256 the manifest says; else None
+    (its own damage is named by its SHA-256)."""
+    pieces = []
+    for segment in manifest.index_segments:
+        entry = segment.checksums
+        if entry is None:
+            return None
+        data = store.read(entry.file, entry.bytes + 1)
+        if len(data) != entry.bytes or fmt.file_entry(entry.file, data).sha256 != entry.sha256:
+            return None
+        pieces.append(np.frombuffer(data, fmt.CHECKSUM_DTYPE))
+    return np.concatenate(pieces)
 
 
 def _check_file(store: DatasetStore, entry: fmt.FileEntry, record_bytes: int, crcs: np.ndarray | None, first: int,

@@ -1,13 +1,13 @@
-"""The files of the record cache (`dsc.storage.cache`): what one unit is, where it lives, how it is fetched,
-checked, placed and read back.
+"""The files of the record cache (`dsc.storage.cache`) for a dataset without per-record checksums (format
+1.0-1.2): what one unit is, where it lives, how it is fetched, checked, placed and read back.
 
-A unit is what can be checked on its own: a record where the dataset has per-record checksums (format
-1.3, `checksums.bin`), else a whole shard (checked by its SHA-256). Each is one file of the dataset's
-cache folder: `records/SSSSS/P.bin` for record P of shard S (the cache's own layout, not the format's),
-or the shard file itself, `shards/SSSSS.bin`. A run of neighbouring units of one shard is fetched with
-one ranged GET (`GET_BYTES` at most, never across a lock chunk), under a lock file per chunk of the
-shard so that processes of one node fetch it once, each unit checked, written to a temporary name and
-renamed into place. Something else than a regular file at a unit's name is refused and left alone.
+A unit is what can be checked on its own: here a whole shard (checked by its SHA-256; a dataset with
+per-record checksums caches records, `dsc.storage.slots`). Each is one file of the dataset's cache folder,
+the shard file itself, `shards/SSSSS.bin`, fetched in ranged GETs of `GET_BYTES` under a lock file per
+shard so that processes of one node fetch it once, checked, written to a temporary name and renamed into
+place; a temporary that a writer killed midway left is removed by the next writer of that shard (it holds
+the lock, so no writer of that shard is alive). Something else than a regular file at a unit's name is
+refused and left alone.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import os
 import re
 import secrets
 import stat
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,66 +27,72 @@ from dsc import format as fmt
 from dsc.errors import DatasetError
 from dsc.storage.local import TEMP_SUFFIX, create_exclusive, locked, sha256_fd
 
-RECORD_DIR = "records"
-GET_BYTES = 16 << 20  # a coalesced ranged GET covers at most this much (a lock chunk of a shard)
+GET_BYTES = 16 << 20  # a shard is fetched in ranged GETs of at most this much
 FETCHES = 2  # fetches of a unit whose bytes are wrong, before it is an error
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # never a link, never wait on a FIFO
-_UNIT_NAME = re.compile(r"(?:records/(\d{5,})/(\d+)\.bin|shards/(\d{5,})\.bin)")
+_UNIT_NAME = re.compile(r"shards/(\d{5,})\.bin")
+
+
+def fetch_range(get: Callable[[str, int, int], bytes], at: Callable[[str], str], fetched: Callable[[int], None],
+                name: str, start: int, stop: int) -> memoryview:
+    """Bytes [start, stop) of a dataset file, in GETs of at most `GET_BYTES`, all of them or an error naming it."""
+    parts = []
+    for begin in range(start, stop, GET_BYTES):
+        end = min(stop, begin + GET_BYTES)
+        data = get(name, begin, end)
+        if len(data) != end - begin:
+            raise DatasetError(f"{at(name)}: asked for bytes {begin}-{end - 1}, got {len(data)} bytes; the "
+                               "object is shorter than the manifest says")
+        fetched(len(data))
+        parts.append(data)
+    return memoryview(parts[0] if len(parts) == 1 else b"".join(parts))
 
 
 class UnitFiles:
-    """The unit files of one dataset's cache folder. `get(name, start, stop)` fetches bytes of a dataset
-    file (with retries), `at(name)` names its object, `fetched(nbytes)` is told of every GET answered;
-    `crcs`: the records' CRC-32s, or None for whole-shard units."""
+    """The unit files (whole shards) of one dataset's cache folder. `get(name, start, stop)` fetches bytes of
+    a dataset file (with retries), `at(name)` names its object, `fetched(nbytes)` is told of every GET answered."""
+
+    kind = "shard"
+    crcs = None
 
     def __init__(self, manifest: fmt.Manifest, folder: Path, get: Callable[[str, int, int], bytes],
-                 at: Callable[[str], str], crcs: np.ndarray | None, fetched: Callable[[int], None]) -> None:
-        self.manifest, self.folder, self.crcs = manifest, folder, crcs
+                 at: Callable[[str], str], fetched: Callable[[int], None]) -> None:
+        self.manifest, self.folder = manifest, folder
         self._get, self._at, self._fetched = get, at, fetched
         self.root_name = at("").rstrip("/")  # the dataset's URL, for messages
         self.record_bytes, self.per_shard = manifest.record_bytes, manifest.records_per_shard
-        self.per_unit = 1 if crcs is not None else self.per_shard
-        self.count = manifest.count if crcs is not None else len(manifest.shards)
+        self.per_unit = self.per_shard
+        self.count = len(manifest.shards)
         # the file (inode, mtime) each unit was last checked in: unchanged since, it is not checked again
         self._checked_ino = np.zeros(self.count, dtype=np.int64)
         self._checked_mtime = np.zeros(self.count, dtype=np.int64)
         self._root = os.fspath(folder)  # paths as strings: a Path per record read costs more than the read
-        self._made: set[Path] = set()  # folders of unit files this process made (or found) already
 
     # --------------------------------------------------------------------- sizes and names
-
-    @property
-    def kind(self) -> str:
-        return "record" if self.crcs is not None else "shard"
 
     def of(self, records: np.ndarray) -> np.ndarray:
         """The unit of each record."""
         return np.asarray(records, dtype=np.int64) // self.per_unit
 
     def size(self, unit: int) -> int:
-        return self.record_bytes if self.crcs is not None else self.manifest.shards[unit].bytes
+        return self.manifest.shards[unit].bytes
 
     def sizes(self, units: np.ndarray) -> np.ndarray:
-        if self.crcs is not None:
-            return np.full(len(units), self.record_bytes, dtype=np.int64)
         return np.array([self.manifest.shards[int(u)].bytes for u in units], dtype=np.int64)
 
     def largest(self) -> int:
-        return self.record_bytes if self.crcs is not None else max(s.bytes for s in self.manifest.shards)
+        return max(s.bytes for s in self.manifest.shards)
 
     def path(self, unit: int) -> Path:
         return Path(self._where(unit))
 
     def _where(self, unit: int) -> str:
-        if self.crcs is None:
-            return f"{self._root}/{fmt.shard_file(unit)}"
-        shard, pos = divmod(unit, self.per_shard)
-        return f"{self._root}/{RECORD_DIR}/{shard:05d}/{pos}.bin"
+        return f"{self._root}/{fmt.shard_file(unit)}"
 
-    def scan(self) -> dict[int, int]:
-        """The units already in the folder (an earlier run's, another process's) and their sizes."""
+    def scan(self) -> tuple[np.ndarray, int]:
+        """The units already in the folder (an earlier run's, another process's) and their bytes."""
         found = {}
-        for path in [*(self.folder / RECORD_DIR).glob("*/*.bin"), *(self.folder / fmt.SHARD_DIR).glob("*.bin")]:
+        for path in (self.folder / fmt.SHARD_DIR).glob("*.bin"):
             unit = self._unit_at(path)
             if unit is None:
                 continue
@@ -97,33 +102,19 @@ class UnitFiles:
                 continue
             if stat.S_ISREG(st.st_mode) and st.st_size == self.size(unit):
                 found[unit] = st.st_size
-        return found
+        return np.array(sorted(found), dtype=np.int64), sum(found.values())
 
     def _unit_at(self, path: Path) -> int | None:
         """The unit whose name `path` has in this dataset's layout, or None (not ours)."""
         match = _UNIT_NAME.fullmatch(path.relative_to(self.folder).as_posix())
-        if match is None or (match.group(3) is None) != (self.crcs is not None):
+        if match is None:
             return None
-        if self.crcs is None:
-            shard = int(match.group(3))
-            return shard if shard < self.count and self.path(shard) == path else None
-        shard, pos = int(match.group(1)), int(match.group(2))
-        if shard >= len(self.manifest.shards) or pos >= self.manifest.shards[shard].records:
-            return None
-        unit = shard * self.per_shard + pos
-        return unit if self.path(unit) == path else None
+        shard = int(match.group(1))
+        return shard if shard < self.count and self.path(shard) == path else None
 
     def runs(self, units: np.ndarray) -> list[tuple[int, int, int]]:
-        """(shard, first unit, end unit) of each ranged GET of sorted `units`: consecutive units of one shard,
-        cut at each lock chunk (`GET_BYTES`); a shard unit is one run of its own."""
-        if self.crcs is None:
-            return [(int(u), int(u), int(u) + 1) for u in units]
-        chunk = max(1, GET_BYTES // self.record_bytes)
-        shard, pos = fmt.locate(units, self.per_shard)
-        cut = np.flatnonzero((np.diff(units) != 1) | (shard[1:] != shard[:-1])
-                             | (pos[1:] // chunk != pos[:-1] // chunk)) + 1
-        edges = [0, *cut.tolist(), len(units)]
-        return [(int(shard[a]), int(units[a]), int(units[b - 1]) + 1) for a, b in zip(edges[:-1], edges[1:])]
+        """(shard, first unit, end unit) of each fetch of sorted `units`: a shard unit is one run of its own."""
+        return [(int(u), int(u), int(u) + 1) for u in units]
 
     # --------------------------------------------------------------------- on disk
 
@@ -145,6 +136,10 @@ class UnitFiles:
         except DatasetError:
             return False
 
+    def remove_all(self, units: np.ndarray) -> None:
+        for unit in np.asarray(units).tolist():
+            self.remove(unit)
+
     def remove(self, unit: int) -> None:
         """Delete a unit's file: a regular file at a unit's name (a link there is left alone)."""
         path = self.path(unit)
@@ -162,54 +157,26 @@ class UnitFiles:
     # --------------------------------------------------------------------- fetching and checking
 
     def fetch_run(self, shard: int, first: int, last: int) -> None:
-        """Fetch units [first, last) of one shard, under the lock of their chunk, skipping those another
-        process placed meanwhile; each checked, placed by rename."""
-        lock_path = self._lock_path(shard, first)
+        """Fetch shard `shard` under its lock, unless another process placed it meanwhile; checked, placed by
+        rename (temporaries a killed writer of this shard left are removed first)."""
+        lock_path = self.folder / fmt.SHARD_DIR / f".{shard:05d}.bin.lock"
         lock_path.parent.mkdir(parents=True, exist_ok=True)
         with locked(lock_path):
-            wanted = [u for u in range(first, last) if not self.present(u)]
-            if wanted:
-                self.fetch_again(shard, wanted[0], wanted[-1] + 1)
+            self._remove_stale_temporaries(shard)
+            if not self.present(shard):
+                self.fetch_again(shard, first, last)
+
+    def _remove_stale_temporaries(self, shard: int) -> None:
+        """The temporaries of this shard's unit (`_place`'s names): their writer held this lock and is gone."""
+        pattern = re.compile(rf"\.{shard:05d}\.bin\.[0-9a-f]{{16}}{re.escape(TEMP_SUFFIX)}")
+        for temp in (self.folder / fmt.SHARD_DIR).glob(f".{shard:05d}.bin.*{TEMP_SUFFIX}"):
+            with contextlib.suppress(FileNotFoundError):
+                if pattern.fullmatch(temp.name) and stat.S_ISREG(os.lstat(temp).st_mode):
+                    os.unlink(temp)
 
     def fetch_again(self, shard: int, first: int, last: int) -> None:
-        """Units [first, last) of `shard` fetched and put in place (a rename over what is there)."""
-        if self.crcs is None:
-            self._fetch_shard(shard)
-        else:
-            self._fetch_records(shard, first, last)
-
-    def _lock_path(self, shard: int, unit: int) -> Path:
-        if self.crcs is None:
-            return self.folder / fmt.SHARD_DIR / f".{shard:05d}.bin.lock"
-        chunk = (unit - shard * self.per_shard) // max(1, GET_BYTES // self.record_bytes)
-        return self.folder / RECORD_DIR / f"{shard:05d}" / f".{chunk}.lock"
-
-    def _fetch_records(self, shard: int, first: int, last: int) -> None:
-        """One ranged GET of records [first, last) (all of shard `shard`), each checked against its CRC-32
-        (fetched again once when wrong), then each placed as its own file."""
-        name, rb = self.manifest.shards[shard].file, self.record_bytes
-        start = (first - shard * self.per_shard) * rb
-        data = self._ranged(name, start, start + (last - first) * rb)
-        for unit in range(first, last):
-            piece = data[(unit - first) * rb:(unit - first + 1) * rb]
-            if zlib.crc32(piece) != int(self.crcs[unit]):
-                piece = self._refetch(unit)
-            self._placed(unit, self._place(self.path(unit), piece))
-
-    def _refetch(self, unit: int) -> memoryview:
-        """Record `unit` fetched again on its own; still not matching its CRC-32: an error naming it."""
-        shard, pos = fmt.locate(unit, self.per_shard)
-        name, rb = self.manifest.shards[shard].file, self.record_bytes
-        piece = self._ranged(name, pos * rb, (pos + 1) * rb)
-        found = zlib.crc32(piece)
-        if found != int(self.crcs[unit]):
-            raise DatasetError(f"{self._at(name)}: record {unit} (bytes {pos * rb}-{(pos + 1) * rb - 1} of the object) "
-                               f"has CRC-32 {found:08x}, but {fmt.CHECKSUMS_FILE} says {int(self.crcs[unit]):08x}; "
-                               f"fetched {FETCHES} times, wrong each time: the object in the bucket is damaged")
-        return piece
-
-    def _fetch_shard(self, shard: int) -> None:
-        """A whole shard, in ranged GETs of `GET_BYTES`, checked against its SHA-256 (fetched again once)."""
+        """A whole shard, in ranged GETs of `GET_BYTES`, checked against its SHA-256 (fetched again once), put
+        in place (a rename over what is there)."""
         entry, problems = self.manifest.shards[shard], []
         for _ in range(FETCHES):
             data = self._ranged(entry.file, 0, entry.bytes)
@@ -222,23 +189,10 @@ class UnitFiles:
                            "the object in the bucket is damaged")
 
     def _ranged(self, name: str, start: int, stop: int) -> memoryview:
-        """Bytes [start, stop) of a dataset file, in GETs of at most `GET_BYTES`, all of them or an error."""
-        parts = []
-        for at in range(start, stop, GET_BYTES):
-            end = min(stop, at + GET_BYTES)
-            data = self._get(name, at, end)
-            if len(data) != end - at:
-                raise DatasetError(f"{self._at(name)}: asked for bytes {at}-{end - 1}, got {len(data)} bytes; the "
-                                   "object is shorter than the manifest says")
-            self._fetched(len(data))
-            parts.append(data)
-        return memoryview(parts[0] if len(parts) == 1 else b"".join(parts))
+        return fetch_range(self._get, self._at, self._fetched, name, start, stop)
 
     def _place(self, path: Path, data) -> os.stat_result:
         """Write `data` to a new temporary name beside `path`, then rename it into place; the file's status."""
-        if path.parent not in self._made:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._made.add(path.parent)
         temp = path.with_name(f".{path.name}.{secrets.token_hex(8)}{TEMP_SUFFIX}")
         try:
             fd = create_exclusive(temp)
@@ -264,8 +218,8 @@ class UnitFiles:
     # --------------------------------------------------------------------- reading
 
     def read(self, row: np.ndarray, record: int) -> str | None:
-        """Record `record` from its unit's file into `row`, checked: None, or what was wrong ("gone", a
-        checksum); something else than a regular file at the unit's name is refused. A unit is checked the
+        """Record `record` from its shard's file into `row`, checked: None, or what was wrong ("gone", a
+        checksum); something else than a regular file at the shard's name is refused. A shard is checked the
         first time this process reads its file, and again whenever the file changed since (another inode: a
         copy renamed over it; another mtime: written in place); a copy this process placed was checked before it
         was placed, and is not checked again while its file is the same (`_placed`)."""
@@ -283,7 +237,7 @@ class UnitFiles:
             if not stat.S_ISREG(st.st_mode):
                 raise self._foreign(Path(path))
             checked = self._checked_ino[unit] == st.st_ino and self._checked_mtime[unit] == st.st_mtime_ns
-            if self.crcs is None and not checked:
+            if not checked:
                 problem = self._check_shard(fd, unit)
                 if problem is not None:
                     return problem
@@ -292,10 +246,6 @@ class UnitFiles:
             os.close(fd)
         if got != self.record_bytes:
             return f"{got} bytes where the record has {self.record_bytes}"
-        if self.crcs is not None and not checked:
-            found, want = zlib.crc32(view), int(self.crcs[record])
-            if found != want:
-                return f"CRC-32 {found:08x}, {fmt.CHECKSUMS_FILE} says {want:08x}"
         self._checked_ino[unit], self._checked_mtime[unit] = st.st_ino, st.st_mtime_ns
         return None
 

@@ -35,7 +35,11 @@ def summary(path: str | os.PathLike, every_skip: bool = True, version: int | Non
     d = storage.open_dataset(path, version=version, check_values=False)
     m = d.manifest
     counted = m.count <= COUNTED_UNASKED if counts is None else counts
-    per_class, unlabeled = _label_counts(d.labels, len(m.classes)) if counted else ([None] * len(m.classes), None)
+    stored = storage.class_counts(d.root, m)  # (1.5) each segment's, summed: no label is read
+    if stored is not None:
+        per_class, unlabeled = stored[1:], int(stored[0])
+    else:
+        per_class, unlabeled = _label_counts(d.labels, len(m.classes)) if counted else ([None] * len(m.classes), None)
     return {
         "path": os.fspath(path) if storage.is_url(path) else str(Path(path).absolute()),
         "format_version": m.version, "records": m.count,
@@ -47,7 +51,8 @@ def summary(path: str | os.PathLike, every_skip: bool = True, version: int | Non
         "skipped_count": m.skipped_count,
         "warned": [{"record": int(i), "source": d.source(int(i)), "warnings": int(n)}
                    for i, n in zip(*_warned(storage.read_warnings(d.root, m)))] if counted else None,
-        "has_warnings": m.warnings is not None,  # written only when some record has a decoder warning
+        # a warnings file is written only when some record of its segment has a decoder warning
+        "has_warnings": any(s.warnings is not None for s in m.index_segments),
         "shards": len(m.shards), "records_per_shard": m.records_per_shard,
         "bytes_on_disk": sum(f.bytes for f in m.files) + (d.local_root / fmt.MANIFEST_FILE).stat().st_size,
         "jpeg_decoder": m.compile.get("jpeg_decoder"), "compile": m.compile,
