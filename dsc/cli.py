@@ -458,7 +458,8 @@ def info_command(
                                 help="Which version of a dataset grown by dsc append [default: the latest]."),
     counts: bool = typer.Option(False, "--counts",
                                 help=f"Read every record's label, fields and warnings to count them (done unasked "
-                                     f"up to {COUNTED_UNASKED:,} records, and by --json)."),
+                                     f"up to {COUNTED_UNASKED:,} records, and by --json); format 1.5 stores its "
+                                     "records per class, so those are not read again (dsc verify checks them)."),
 ) -> None:
     """Summarise a dataset: records, shape, classes, skipped files, size, shards, compile options."""
     try:

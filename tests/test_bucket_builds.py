@@ -1,4 +1,6 @@
-"""review33: adversarial checks of this session's merged work."""
+"""What belongs to a build in a bucket, against a real S3 server on 127.0.0.1 (moto): the folder markers the S3
+console creates are no sources; a version prune drops has its build deleted at once; an object under builds/ that
+dsc did not write is never deleted."""
 
 from __future__ import annotations
 
