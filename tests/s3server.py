@@ -88,6 +88,15 @@ class S3Server:
         self.env = {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": self.key,
                     "AWS_SECRET_ACCESS_KEY": self.secret, "AWS_REGION": self.region}
 
+    def point_at(self, monkeypatch, endpoint: str | None = None) -> None:
+        """Point dsc (and obstore, and child processes) of this test at the server, or at `endpoint` (a fault
+        proxy in front of it), through the standard AWS environment; no S3-only endpoint overrides it."""
+        for name, value in self.env.items():
+            monkeypatch.setenv(name, value)
+        if endpoint is not None:
+            monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+        monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+
     def stop(self) -> None:
         if self.server is not None:  # an external server is left running, as it was found
             self.server.stop()

@@ -21,9 +21,7 @@ _prefixes = iter(range(1 << 30))
 
 @pytest.fixture
 def env(server: S3Server, monkeypatch) -> None:
-    for name, value in server.env.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    server.point_at(monkeypatch)
 
 
 @pytest.fixture
@@ -75,10 +73,7 @@ def test_copy_is_server_side_and_whole(objects: Bucket) -> None:
 @pytest.fixture
 def proxied(server: S3Server, monkeypatch) -> FaultProxy:
     proxy = FaultProxy(server.endpoint)
-    for name, value in server.env.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
-    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    server.point_at(monkeypatch, proxy.endpoint)
     yield proxy
     proxy.kill()
 

@@ -59,9 +59,7 @@ def reference(src: Path, tmp_path_factory) -> Path:
 
 @pytest.fixture
 def env(server: S3Server, monkeypatch, tmp_path: Path) -> dict[str, str]:
-    for name, value in server.env.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    server.point_at(monkeypatch)
     monkeypatch.setenv("DSC_CACHE_DIR", str(tmp_path / "cache"))
     return {**server.env, "DSC_CACHE_DIR": str(tmp_path / "cache")}
 

@@ -56,9 +56,7 @@ def sources(out: Path) -> list[str]:
 @pytest.fixture
 def env(server: S3Server, monkeypatch) -> dict[str, str]:
     """The AWS environment pointing at the loopback server (also for child processes)."""
-    for name, value in server.env.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    server.point_at(monkeypatch)
     return {**os.environ}
 
 

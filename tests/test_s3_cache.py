@@ -63,9 +63,7 @@ def local(tmp_path_factory) -> MemmapDataset:
 
 @pytest.fixture
 def env(server: S3Server, monkeypatch, tmp_path: Path) -> Path:
-    for name, value in server.env.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    server.point_at(monkeypatch)
     return tmp_path / "cache"
 
 

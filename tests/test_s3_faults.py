@@ -62,10 +62,7 @@ def local(tmp_path_factory):
 @pytest.fixture
 def env(server: S3Server, proxy: FaultProxy, monkeypatch, tmp_path: Path) -> Path:
     """The AWS environment pointing dsc at the proxy (not the server), and a fresh cache (returned)."""
-    for name, value in server.env.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
-    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    server.point_at(monkeypatch, proxy.endpoint)
     monkeypatch.delenv(s3.TIMEOUT_ENV, raising=False)
     cache = tmp_path / "cache"
     monkeypatch.setenv("DSC_CACHE_DIR", str(cache))

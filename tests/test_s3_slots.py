@@ -16,35 +16,15 @@ from dsc import MemmapDataset
 from dsc.errors import DatasetError
 from dsc.storage import slots
 
-from s3server import S3Server, serving  # skips this module when the server packages are missing
+from s3server import serving  # skips this module when the server packages are missing
 
-from test_s3_cache import COST, COUNT, PER_SHARD, RECORD_BYTES, index_bytes, synthetic  # isort: skip
+from test_s3_cache import (BUCKET, COST, COUNT, PER_SHARD, RECORD_BYTES, env, index_bytes,  # isort: skip
+                           local, url)
 
-BUCKET = "dsc-slot-tests"
-server = serving(BUCKET)
+server = serving(BUCKET)  # the cache tests' fixtures (a dataset, the environment, its upload), on a server of its own
 RACE_S = 6.0  # how long the reader races the evicting process
 SHM = Path("/dev/shm")
-
-
-@pytest.fixture(scope="module")
-def local(tmp_path_factory) -> MemmapDataset:
-    return MemmapDataset(synthetic(tmp_path_factory.mktemp("slots-local") / "ds", COUNT, PER_SHARD, seed=3))
-
-
-@pytest.fixture
-def env(server: S3Server, monkeypatch, tmp_path: Path) -> Path:
-    for name, value in server.env.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
-    return tmp_path / "cache"
-
-
-_uploads = iter(range(1 << 30))
-
-
-@pytest.fixture
-def url(server: S3Server, local: MemmapDataset) -> str:
-    return server.upload(local.path, BUCKET, f"slots/set-{next(_uploads)}")
+__all__ = ["env", "local", "url"]  # pytest fixtures, used by name
 
 
 def _evict_and_fetch_again(url: str, cache: str, budget: int, ready, stop) -> None:
