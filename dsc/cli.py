@@ -385,6 +385,9 @@ def append_command(
     workers: int = typer.Option(None, "--workers", "-j", min=1, max=MAX_WORKERS, metavar="N",
                                 help="Worker processes [default: all cores]."),
     strict: bool = typer.Option(False, "--strict", help="Fail on the first bad image instead of skipping it."),
+    again: bool = typer.Option(False, "--again", help="Append even when the dataset's last append added the same "
+                               "images of SRC [default: refuse, as a re-run after a kill that hid the commit would "
+                               "add them twice]."),
 ) -> None:
     """Add the images of SRC to a dataset as its next version, decoding only SRC, with the dataset's options."""
     from dsc.compiler.append import append
@@ -399,7 +402,7 @@ def append_command(
     with _log_lines(lambda line: bar.write(f"warning: {_clean(line)}")):
         s = _versioned_command(lambda: append(
             dataset, src, labels=labels, columns=kinds or None, new_classes=new_classes, workers=workers,
-            strict=strict, on_total=bar.total, progress=bar.advance,
+            strict=strict, on_total=bar.total, progress=bar.advance, again=again,
             on_skip=lambda source, reason: bar.write(f"skipped {_clean(source)}: {_clean(reason)}")), dataset)
     bar.close()
     if s.new_classes:

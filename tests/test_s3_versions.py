@@ -25,7 +25,7 @@ from dsc import storage
 from dsc.cli import app
 from dsc.compiler.append import append
 from dsc.compiler.pipeline import compile_folder
-from dsc.errors import DatasetError
+from dsc.errors import CompileError, DatasetError
 from dsc.reader.dataset import MemmapDataset
 from dsc.storage.bucket import Bucket
 
@@ -127,6 +127,9 @@ def test_an_append_to_a_bucket_writes_the_objects_a_local_append_writes(server: 
         {k: v for k, v in before.items() if k != "manifest.json"}  # nothing published was rewritten
     assert all(k.startswith(f"appends/{tag_of(remote)}/") for k in set(after) - set(before) - {
         "versions/00000001.json", "versions/00000002.json"})
+    with pytest.raises(CompileError, match="version 2 already ends with these 9 images"):  # run again: refused
+        append(url, b, workers=1)
+    assert storage.parse_manifest(url).dataset_version == 2
     assert np.array_equal(pixels(MemmapDataset(url)), pixels(MemmapDataset(tmp / "ds")))
     storage.verify_checksums(url, remote)
 

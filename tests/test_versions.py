@@ -308,7 +308,8 @@ def test_kill_9_during_append_leaves_the_dataset_at_n_and_intact(tmp_path: Path)
         if ds.version > 1:
             break
     assert killed >= 1
-    summary = append(tmp_path / "ds", tmp_path / "b", workers=1)  # the next append clears what kills left
+    # the next append clears what kills left (b may have landed already: added once more, on purpose)
+    summary = append(tmp_path / "ds", tmp_path / "b", workers=1, again=True)
     listed = versions.listed_by_versions(tmp_path / "ds")
     stray = [p for p in (tmp_path / "ds" / fmt.APPENDS_DIR).rglob("*")
              if p.is_file() and p.relative_to(tmp_path / "ds").as_posix() not in listed]
@@ -426,8 +427,13 @@ def test_a_kill_at_the_commit_leaves_one_whole_version_and_the_next_writer_tidie
     assert all(p.relative_to(tmp / "ds").as_posix() in listed for p in (tmp / "ds" / fmt.APPENDS_DIR).rglob("*.bin"))
     assert json.loads((tmp / "ds" / fmt.MANIFEST_FILE).read_text()).get("dataset_version", 1) == ds.version
     assert len(list(tmp.glob(".ds.dsc-append-*"))) == 1  # the killed append's scratch folder, until the next append
-    append(tmp / "ds", b, workers=1)
+    if moment == "before-commit":
+        append(tmp / "ds", b, workers=1)
+    else:  # the same command again, its commit having landed: refused, never b's images twice
+        with pytest.raises(CompileError, match="already ends with these 9 images .* pass --again"):
+            append(tmp / "ds", b, workers=1)
     assert not list(tmp.glob(".ds.dsc-append-*"))
+    assert (MemmapDataset(tmp / "ds").version, len(MemmapDataset(tmp / "ds"))) == (2, 21)
 
 
 def test_an_append_beside_which_nothing_can_be_written_is_one_line(tmp_path: Path) -> None:
@@ -502,7 +508,7 @@ def test_a_local_append_that_loses_its_version_to_a_writer_without_the_lock_buil
         calls.append(manifest.dataset_version)
         if len(calls) == 1:  # the other writer, bypassing the lock: its whole append, committed first
             monkeypatch.setattr(versions, "commit", real)
-            append_module._commit_on_latest(root, storage.open_dataset(tmp / "c_compiled"), False, c)
+            append_module._commit_on_latest(root, storage.open_dataset(tmp / "c_compiled"), False, c, False)
             monkeypatch.setattr(versions, "commit", other_writer_first)
         return real(root, manifest)
     monkeypatch.setattr(versions, "commit", other_writer_first)
@@ -549,3 +555,25 @@ def test_an_append_writes_the_digests_of_its_own_shards_only(grown) -> None:
     assert list(after.shards[:full]) == list(before.shards[:full])
     storage.verify_checksums(root, after)
     storage.verify_checksums(root, storage.parse_manifest(root, version=1))  # its replaced shard's row still used
+
+
+def test_an_append_run_again_after_its_commit_is_refused_not_added_twice(grown) -> None:
+    """A kill or a lost connection can hide that an append's commit landed; the same command run again would
+    serve each of those images twice an epoch: it is refused, naming the records, unless --again."""
+    tmp, _, a, b = grown
+    def contents() -> tuple:
+        ds = MemmapDataset(tmp / "ds")
+        return ds.version, ds.opened.read_records(range(len(ds))).tobytes(), ds.labels.tolist()
+    append(tmp / "ds", b, workers=1)
+    once = contents()
+    with pytest.raises(CompileError, match=r"version 2 already ends with these 9 images of .*/b \(records 12 to "
+                                           r"20: the same sources, of the same sizes\).*nothing was added.*--again"):
+        append(tmp / "ds", b, workers=1)
+    assert contents() == once and once[0] == 2
+    result = CliRunner().invoke(app, ["append", str(tmp / "ds"), str(b), "-j", "1"])
+    assert result.exit_code == 1 and "pass --again" in result.stderr and "Traceback" not in result.output
+    compile_folder(a, tmp / "fresh", size=SIZE, records_per_shard=5, workers=1)
+    with pytest.raises(CompileError, match="version 1 already ends with these 12 images"):  # the compile's SRC too
+        append(tmp / "fresh", a, workers=1)
+    result = CliRunner().invoke(app, ["append", str(tmp / "ds"), str(b), "-j", "1", "--again"])
+    assert result.exit_code == 0 and "version 3, 9 new records (30 in all)" in result.stdout, result.output

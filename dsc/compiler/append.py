@@ -33,6 +33,7 @@ from dsc.compiler.grow import (
     join_for_append,
     lost_every_race,
     next_version,
+    refuse_a_repeat,
     summary,
 )
 from dsc.errors import CompileError
@@ -89,17 +90,18 @@ def append(dataset: str | os.PathLike, src: str | os.PathLike, *, labels: str | 
            columns: dict[str, str] | None = None, new_classes: bool = False, workers: int | None = None,
            strict: bool = False, on_total: Callable[[int], None] | None = None,
            progress: Callable[[int], None] | None = None,
-           on_skip: Callable[[str, str], None] | None = None) -> AppendSummary:
+           on_skip: Callable[[str, str], None] | None = None, again: bool = False) -> AppendSummary:
     """Add the images of `src` (or the rows of the label table `labels`) to the dataset `dataset` (a folder, or
     an s3:// URL: `append_bucket`) as its next version; see `dsc append --help`. Raises CompileError; the
-    dataset is then unchanged."""
+    dataset is then unchanged, also when its last append added the same images of `src` (a re-run after a
+    kill that hid the commit), unless `again`."""
     started = time.perf_counter()
     compiling = {"labels": labels, "columns": columns, "workers": workers, "strict": strict, "on_total": on_total,
                  "progress": progress, "on_skip": on_skip}
     if storage.is_url(dataset):
         from dsc.compiler.append_bucket import append_to_bucket
 
-        return append_to_bucket(os.fspath(dataset), src, new_classes, compiling, started)
+        return append_to_bucket(os.fspath(dataset), src, new_classes, compiling, started, again)
     root = Path(dataset).absolute()
     base = storage.parse_manifest(root)
     scratch = _Scratch(root)
@@ -107,7 +109,7 @@ def append(dataset: str | os.PathLike, src: str | os.PathLike, *, labels: str | 
         new = compile_new(base, root, src, scratch.path / "new", **compiling)
         with versions.writing(root):
             try:
-                version, how, joined = _commit_on_latest(root, new, new_classes, src)
+                version, how, joined = _commit_on_latest(root, new, new_classes, src, again)
             except OSError as e:  # a full disk, a permission: nothing is committed
                 raise CompileError(f"writing the next version of {root} failed ({e}); it is still at its previous "
                                    "version, and what was written is cleared by the next append or prune") from e
@@ -116,11 +118,13 @@ def append(dataset: str | os.PathLike, src: str | os.PathLike, *, labels: str | 
     return summary(root, base, new, version, joined, how, started)
 
 
-def _commit_on_latest(root: Path, new: storage.OpenedDataset, new_classes: bool, src) -> tuple:
+def _commit_on_latest(root: Path, new: storage.OpenedDataset, new_classes: bool, src, again: bool) -> tuple:
     """Under the lock: join the compiled records after the latest version's, write them, commit; where a
     writer that bypasses the lock committed that version first, start again on the new latest one."""
     for attempt in range(1, COMMIT_ATTEMPTS + 1):
         base = storage.open_dataset(root)
+        if not again:
+            refuse_a_repeat(root, base, new)
         joined, kept = join_for_append(base, new, new_classes, [str(root), str(src)])
         folder = fmt.append_folder(secrets.token_hex(fmt.APPEND_TAG_HEX // 2))
         manifest, how = next_version(root, folder, base, new, joined, kept)

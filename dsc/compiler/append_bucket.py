@@ -30,7 +30,7 @@ SMALL_OBJECT_BYTES = UPLOAD_PART_BYTES  # uploaded by one create-only PUT; large
 
 
 def append_to_bucket(url: str, src: str | os.PathLike, new_classes: bool, compiling: dict,
-                     started: float) -> AppendSummary:
+                     started: float, again: bool = False) -> AppendSummary:
     """`append.append` for a dataset at an s3:// URL; `compiling` holds compile_folder's options for SRC."""
     base = storage.parse_manifest(url)
     scratch = Path(tempfile.mkdtemp(prefix="dsc-append-"))
@@ -39,7 +39,8 @@ def append_to_bucket(url: str, src: str | os.PathLike, new_classes: bool, compil
         bucket = Bucket(url)
         for attempt in range(1, grow.COMMIT_ATTEMPTS + 1):
             try:
-                version, how, joined = _commit_on_latest(bucket, new, new_classes, src, scratch / f"try{attempt}")
+                version, how, joined = _commit_on_latest(bucket, new, new_classes, src, scratch / f"try{attempt}",
+                                                         again)
                 break
             except VersionTaken as e:
                 if attempt == grow.COMMIT_ATTEMPTS:
@@ -52,10 +53,13 @@ def append_to_bucket(url: str, src: str | os.PathLike, new_classes: bool, compil
     return grow.summary(bucket.root, base, new, version, joined, how, started)
 
 
-def _commit_on_latest(bucket: Bucket, new: storage.OpenedDataset, new_classes: bool, src, stage: Path) -> tuple:
+def _commit_on_latest(bucket: Bucket, new: storage.OpenedDataset, new_classes: bool, src, stage: Path,
+                      again: bool) -> tuple:
     """Join the compiled records after the latest version's, write version N + 1's new files in `stage`,
     upload them and commit; VersionTaken (its uploads deleted again) when another writer committed N + 1."""
     base = storage.open_dataset(bucket.root)
+    if not again:
+        grow.refuse_a_repeat(bucket.root, base, new)
     joined, kept_segments = grow.join_for_append(base, new, new_classes, [bucket.root, str(src)])
     folder = fmt.append_folder(secrets.token_hex(fmt.APPEND_TAG_HEX // 2))
     stage.mkdir()

@@ -6,9 +6,12 @@ N + 1 adds, and what an append or a prune reports.
 from __future__ import annotations
 
 import os
+import posixpath
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from dsc import format as fmt
 from dsc import storage
@@ -86,6 +89,35 @@ def summary(dataset: Path | str, base: fmt.Manifest, new: storage.OpenedDataset,
 def lost_every_race(dataset: Path | str, e: Exception) -> CompileError:
     return CompileError(f"{dataset}: {COMMIT_ATTEMPTS} times another writer committed the version this append built "
                         f"({e}); nothing was added: run the command again")
+
+
+def refuse_a_repeat(dataset: Path | str, base: storage.OpenedDataset, new: storage.OpenedDataset) -> None:
+    """Refuse to add `new`'s records when version N's last part (its compile's, or its last append's) holds
+    the same ones: the same SRC, the same sources in the same order, of the same original sizes. That is what
+    running an append again does when a kill or a lost connection hid that its commit had landed, and it
+    would serve every one of those images twice an epoch. Cheap: the last part's records only."""
+    b, n = base.manifest, new.manifest
+    last = b.record_parts[-1]
+    if not n.count or last.count != n.count or \
+            last.compile.get("source_root") != n.compile.get("source_root"):
+        return
+    mine = np.arange(last.first, last.first + last.count)
+    theirs = np.arange(n.count)
+    if [_source_at(b, base.source(int(i))) for i in mine] != [_source_at(n, new.source(int(i))) for i in theirs] or \
+            not np.array_equal(base.take("sizes", mine), new.take("sizes", theirs)):
+        return
+    raise CompileError(f"{dataset}: its version {b.dataset_version} already ends with these {n.count:,} images "
+                       f"of {n.compile.get('source_root')} (records {last.first:,} to {b.count - 1:,}: the same "
+                       "sources, of the same sizes), added by an earlier run; nothing was added. To add them "
+                       "a second time, pass --again")
+
+
+def _source_at(manifest: fmt.Manifest, relative: str) -> str:
+    """Where a record's source was: its path (relative to the dataset's first `source_root`, perhaps through
+    `..` for an appended folder) made whole, a URL's without folding its `s3://`."""
+    root = str(manifest.compile.get("source_root", ""))
+    scheme, sep, rest = root.rpartition("://")
+    return f"{scheme}{sep}{posixpath.normpath(f'{rest}/{relative}')}"
 
 
 def join_for_append(base: storage.OpenedDataset, new: storage.OpenedDataset, new_classes: bool,

@@ -272,13 +272,15 @@ class MemmapDataset(Dataset):
 
     @property
     def labels(self) -> np.ndarray:
-        """All labels, int64 [N], read-only (-1 everywhere for an unlabeled dataset)."""
-        return self.opened.labels
+        """All labels, int64 [N], read-only (-1 everywhere for an unlabeled dataset): the map of the labels file,
+        or for an index in several segments (format 1.5, appended) their joined copy."""
+        return _array(self.opened.labels)
 
     @property
     def fields(self) -> dict[str, np.ndarray]:
-        """The dataset's own per-record fields (format 1.1), each read-only [N, *shape], by name."""
-        return dict(self.opened.fields)
+        """The dataset's own per-record fields (format 1.1), each read-only [N, *shape], by name (joined copies
+        where the index is in several segments, as `labels`)."""
+        return {name: _array(values) for name, values in self.opened.fields.items()}
 
     def field_classes(self, name: str) -> list[str]:
         """The vocabulary of a class or multilabel field: value k (or multi-hot position k) is its k-th name."""
@@ -423,3 +425,12 @@ class MemmapDataset(Dataset):
                       num_threads=num_threads, rank=rank, world_size=world_size, locality=locality, shuffle=shuffle,
                       as_tuple=as_tuple, indices=indices, weights=weights, replacement=replacement, repeats=repeats,
                       samples_per_epoch=samples_per_epoch)
+
+
+def _array(values) -> np.ndarray:
+    """A column as a read-only numpy array: a map as it is, a `Column` of several segments' maps joined."""
+    if isinstance(values, np.ndarray):
+        return values
+    joined = np.asarray(values)
+    joined.flags.writeable = False
+    return joined
