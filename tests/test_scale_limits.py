@@ -4,6 +4,7 @@ memory, and discovery's own stamps of the sources."""
 
 from __future__ import annotations
 
+import gc
 import json
 import multiprocessing
 import os
@@ -279,6 +280,7 @@ def test_more_shards_than_the_map_bound_are_mapped_on_first_use_and_read_right(m
     batches, two copy threads, `ds[i]` and `__getitems__` give the records the shards hold, and the process never
     holds more shard maps than the bound and one per copy thread (the map a thread is copying out of, which the
     cache may have let go meanwhile: it is unmapped only once that copy is done)."""
+    gc.collect()  # datasets earlier tests left in reference cycles hold maps of the process's bound till then
     from dsc import MemmapDataset
     from dsc.storage import shard_maps
 
@@ -308,6 +310,7 @@ def test_more_shards_than_the_map_bound_are_mapped_on_first_use_and_read_right(m
 def test_a_shard_gone_before_its_first_use_is_an_error_naming_it(many: Path, tmp_path: Path, monkeypatch) -> None:
     """Mapped on first use, a shard deleted meanwhile (the folder removed under a reader) is said, never read
     as something else."""
+    gc.collect()  # datasets earlier tests left in reference cycles hold maps of the process's bound till then
     from dsc import MemmapDataset
     from dsc.storage import shard_maps
 

@@ -123,7 +123,7 @@ class ShardMaps(Sequence):
         with _LOCK:
             mapped = _HELD.setdefault(key, mapped)  # another thread may have mapped it meanwhile: keep one
             _HELD.move_to_end(key)
-            while _HELD and len(_HELD) + _WHOLE[0] > self.limit:
+            while len(_HELD) > 1 and len(_HELD) + _WHOLE[0] > self.limit:  # the shard just read stays
                 _HELD.popitem(last=False)  # unmapped once no gather holds it (module docstring)
         return mapped
 
