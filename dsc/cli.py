@@ -500,6 +500,8 @@ def info_command(
     if uncounted:
         typer.echo(f"not counted: {', '.join(uncounted)} (dsc info --counts reads every one of the {s['records']:,} "
                    "records' values)")
+    if s["stored_counts_problem"]:
+        typer.echo(_clean(f"stored class counts not used: {s['stored_counts_problem']} (dsc verify checks the rest)"))
     if s["warned"]:
         typer.echo(f"{len(s['warned'])} record(s) kept despite decoder warnings "
                    f"({sum(w['warnings'] for w in s['warned'])} in all; see the compile's log for what they said):")

@@ -168,6 +168,13 @@ def test_damaged_class_counts_are_named_by_verify_and_never_summed(grown: Path) 
         storage.class_counts(ds, manifest)
     with pytest.raises(ChecksumError, match="class_counts.bin: SHA-256 is"):
         storage.verify_checksums(ds, manifest)
+    labels = np.asarray(MemmapDataset(ds).opened.labels)
+    for json_or_text in (["--json"], []):  # info shows what opens: the labels counted instead, the damage named
+        result = CliRunner().invoke(app, ["info", str(ds), *json_or_text])
+        assert result.exit_code == 0, result.output
+        assert "class counts do not match their size and SHA-256" in result.output
+    summary = json.loads(CliRunner().invoke(app, ["info", str(ds), "--json"]).output)
+    assert list(summary["classes"].values()) == np.bincount(labels, minlength=len(manifest.classes)).tolist()
 
 
 def test_a_damaged_segment_of_an_append_is_named_by_verify(grown: Path) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 
 from dsc import format as fmt
 from dsc import storage
+from dsc.errors import DatasetError
 
 COUNT_PIECE = 1 << 22  # labels counted at a time (32 MiB of int64)
 COUNTED_UNASKED = 10_000_000  # records whose values `summary` reads unasked: ~0.1 s of labels; more only if asked
@@ -35,7 +36,10 @@ def summary(path: str | os.PathLike, every_skip: bool = True, version: int | Non
     d = storage.open_dataset(path, version=version, check_values=False)
     m = d.manifest
     counted = m.count <= COUNTED_UNASKED if counts is None else counts
-    stored = storage.class_counts(d.root, m)  # (1.5) each segment's, summed: no label is read
+    try:
+        stored, damaged = storage.class_counts(d.root, m), None  # (1.5) each segment's, summed: no label is read
+    except DatasetError as e:  # a summary file damaged: the labels (checked as read) are counted instead
+        stored, damaged = None, str(e)
     if stored is not None:
         per_class, unlabeled = stored[1:], int(stored[0])
     else:
@@ -45,6 +49,7 @@ def summary(path: str | os.PathLike, every_skip: bool = True, version: int | Non
         "format_version": m.version, "records": m.count,
         "record_shape": list(m.record_shape), "dtype": "uint8", "labeled": m.labeled,
         "counted": counted,
+        "stored_counts_problem": damaged,  # (1.5) why the stored class counts were not used, or None
         "classes": {name: None if n is None else int(n) for name, n in zip(m.classes, per_class)},
         "unlabeled": unlabeled,  # label -1: every record of an unlabeled dataset
         "skipped": storage.read_skipped(d.root, m) if every_skip else [dict(s) for s in m.skipped],
