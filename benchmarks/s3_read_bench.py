@@ -3,7 +3,7 @@ disk and the peers, in one run (issue 22's figures).
 
     python benchmarks/s3_read_bench.py [--records 2000] [--size 224] [--records-per-shard 500] [--batch 256]
         [--server ministack|moto] [--endpoint http://127.0.0.1:PORT] [--fetch-batch 64] [--parallel 8]
-        [--repeat 2] [--peers litdata streaming]
+        [--repeat 2] [--peers litdata streaming] [--link 2400mbit]
 
 A dataset of `--records` records is compiled here (copies of dsc.testing's pictures), uploaded to
 a server started on 127.0.0.1 (`s3_servers.py`: MiniStack by default, in its own environment;
@@ -29,6 +29,11 @@ AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY), and read back; every row is measured
 
 then the issue's targets as ratios: cold >= 0.8x raw, warm >= 0.9x local disk, second-epoch
 fetches <= the optimum + 5%, samples/s >= 2x each peer.
+
+Unshaped, loopback has no network limit: the raw row is as fast as two cores can serve and receive, and a
+cold epoch (which also checks, writes and gathers every byte) is bound by the same cores. `--link RATE`
+(root, tc) shapes loopback to a network link's rate for the whole run (s3_servers.shaped_loopback): the
+raw row is then the link's, and cold/raw says whether dsc keeps that link busy.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from pathlib import Path
 import numpy as np
 from cache_sim import belady, lru
 from peer_bench import PeerEnv, run
-from s3_servers import MINISTACK, CountingRelay, Server
+from s3_servers import MINISTACK, CountingRelay, Server, shaped_loopback
 
 import dsc
 from dsc.reader import MemmapDataset
@@ -238,6 +243,8 @@ def main() -> None:
                         help="peers beside dsc [default: both]; --peers alone: none")
     parser.add_argument("--cache", type=Path, default=Path(os.environ.get("DSC_BENCH_CACHE", "~/.cache/dsc/s3-bench")),
                         help="where MiniStack's environment is kept")
+    parser.add_argument("--link", metavar="RATE", help="shape loopback to this rate for the run (tc's units: "
+                        "2400mbit, 5gbit; root only): a network link's limit instead of the CPUs'")
     parser.add_argument("--peer-cache", type=Path, default=Path(os.environ.get("DSC_PEER_CACHE", "~/.cache/dsc/peers")))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="dsc-s3-bench-") as tmp:
@@ -247,7 +254,8 @@ def main() -> None:
         try:
             os.environ.update(server.env)
             server.create_bucket(BUCKET)
-            report(args, server, local, work)
+            with shaped_loopback(args.link):
+                report(args, server, local, work)
         finally:
             server.stop()
 
@@ -259,7 +267,8 @@ def report(args, server: Server, local: Path, work: Path) -> None:
     n = len(MemmapDataset(local))
     name = MINISTACK if server.kind == "ministack" else server.kind
     print(f"{n} records of {args.size}x{args.size}x3 ({shard_bytes / 1e6:.1f} MB in {len(shards)} shards), batch "
-          f"{args.batch}, {os.cpu_count()} cores, server {name} on {server.endpoint}; "
+          f"{args.batch}, {os.cpu_count()} cores, server {name} on {server.endpoint}"
+          f"{f', loopback shaped to {args.link}' if args.link else ''}; "
           f"{time.strftime('%Y-%m-%d %H:%M')}")
     keys = [f"dsc/shards/{p.name}" for p in shards]
     raws = {p: max(raw_rate(server, keys, p) for _ in range(args.repeat)) for p in sorted({1, args.parallel})}

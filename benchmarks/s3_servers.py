@@ -9,6 +9,9 @@
 - an endpoint already running (e.g. radosgw from scripts/radosgw_s3_tests.sh), given by URL.
 
 Every address is 127.0.0.1 (or the loopback URL given); nothing else is ever contacted.
+`shaped_loopback` limits the loopback device's rate for a run (tc's token bucket; root only): a link
+slower than this machine's CPUs, so that a row measures what a client does at a network's limit rather
+than which of client and server gets the two cores.
 `CountingRelay` forwards TCP connections to an endpoint and counts the bytes the server sent
 (answers, HTTP headers included): what a cache really fetched, measured outside the client; and the
 bytes the clients sent (requests, headers included): what a compile into a bucket really uploaded.
@@ -16,9 +19,11 @@ bytes the clients sent (requests, headers included): what a compile into a bucke
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -155,6 +160,29 @@ def ministack_python(cache: Path) -> Path:
                 raise SystemExit(f"installing {MINISTACK} into {python.parent.parent} failed: "
                                  f"{(done.stderr.strip().splitlines() or ['?'])[-1]} (--server moto needs no install)")
     return python
+
+
+@contextlib.contextmanager
+def shaped_loopback(rate: str | None):
+    """The loopback device limited to `rate` (tc's units: 2400mbit, 5gbit) while the block runs, then as it was;
+    nothing when `rate` is None. Every loopback connection of the machine is shaped meanwhile. Needs root and
+    tc; a loopback already shaped (a root qdisc other than noqueue) is refused, never replaced."""
+    if rate is None:
+        yield
+        return
+    if os.geteuid() != 0 or shutil.which("tc") is None:
+        raise SystemExit("--link shapes the loopback device with tc: run as root on Linux, with iproute2's tc")
+    shown = subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True).stdout
+    if shown.strip() and "noqueue" not in shown.split("\n")[0]:
+        raise SystemExit(f"--link: the loopback device is shaped already ({shown.strip()}); left as it is")
+    add = ["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", rate, "burst", "2mb", "latency", "100ms"]
+    done = subprocess.run(add, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"--link {rate}: {' '.join(add)} failed: {done.stderr.strip()}")
+    try:
+        yield
+    finally:
+        subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True)
 
 
 class CountingRelay:

@@ -24,7 +24,7 @@ from dsc import format as fmt
 from dsc.cli import app
 from dsc.errors import StorageError
 from dsc.reader import order as orders
-from dsc.storage import s3
+from dsc.storage import s3, slots
 
 from conftest import in_forked_child, tiny_dataset
 from s3server import S3Server, serving  # skips this module when the server packages are missing
@@ -124,6 +124,43 @@ def test_a_short_delay_within_the_timeout_is_no_error(env: Path, url: str, local
     proxy.delay(0.5, 1, match=key(url, fmt.shard_file(0)))
     same_batches(MemmapDataset(url, cache_dir=env), local)
     assert proxy.count("GET", key(url, fmt.shard_file(0))) == 1  # answered late, not retried
+
+
+def test_an_open_asks_for_the_index_files_together_not_one_by_one(env: Path, url: str, local,
+                                                                  proxy: FaultProxy) -> None:
+    """Each request waits a round trip (tens of ms to a real endpoint, 44 ms to radosgw on loopback), so an open
+    asks for the index files together: held at the proxy, they are all in flight at once (asked one by one, the
+    first held would hold up the others)."""
+    index = [e.file for e in local.manifest.files if e.bytes and not e.file.startswith(f"{fmt.SHARD_DIR}/")
+             and not e.file.endswith(fmt.SHARD_TABLE_FILE)]  # (the shard table is read to parse the manifest)
+    assert len(index) >= 4
+    for name in index:
+        proxy.hold(1, match=key(url, name))
+    opened: list[MemmapDataset] = []
+    opener = threading.Thread(target=lambda: opened.append(MemmapDataset(url, cache_dir=env)), daemon=True)
+    opener.start()
+    together = min(len(index), s3.OPEN_REQUESTS)
+    deadline = time.monotonic() + QUICK_S
+    while proxy.count("GET", action="hold") < together and time.monotonic() < deadline:
+        time.sleep(0.05)
+    held = proxy.count("GET", action="hold")
+    proxy.release()
+    opener.join(timeout=60)
+    assert held == together  # asked before any of them was answered
+    same_batches(opened[0], local)
+
+
+def test_a_run_of_records_is_fetched_in_pieces_each_placed_as_it_comes(env: Path, url: str, local,
+                                                                      proxy: FaultProxy, monkeypatch) -> None:
+    """A coalesced run is asked for in GETs of `slots.PIECE_BYTES` (fewer, longer answers left the client and
+    the server waiting on each other), and the records are the local dataset's."""
+    monkeypatch.setattr(slots, "PIECE_BYTES", 2 * local.manifest.record_bytes)
+    remote = MemmapDataset(url, cache_dir=env)
+    assert torch.equal(read_all(remote), read_all(local))  # one run per shard of 5 records: pieces of 2, 2, 1
+    pieces = [-(-e.bytes // slots.PIECE_BYTES) for e in local.manifest.shards]
+    assert pieces == [3, 3, 3, 3, 2]  # (the last shard holds 4 records)
+    assert [proxy.count("GET", key(url, fmt.shard_file(s))) for s in range(5)] == pieces
+    same_batches(remote, local)
 
 
 # ----------------------------------------------------------------------------- persistent faults

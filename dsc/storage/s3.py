@@ -29,6 +29,7 @@ import secrets
 import shutil
 import stat
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -53,6 +54,8 @@ LOCAL_RANKS_ENV = "LOCAL_WORLD_SIZE"  # the ranks of this node (torchrun sets it
 LOCK_SUFFIX = ".lock"
 TABLES_DIR = "shard-tables"  # (1.4) <cache>/shard-tables/<SHA-256>: the node's copy of each shard table it read
 
+OPEN_REQUESTS = 8  # an open's small requests (HEADs, index files) in flight at a time: each is a round trip
+# (~20-50 ms to a real endpoint, 44 ms to radosgw on loopback), so an open asks them together, not one by one
 HELPER_WAIT_S = 30.0  # how much longer than a request's own limit a forked child waits for its helper's answer
 
 
@@ -327,10 +330,8 @@ class S3Dataset:
         if fd is not None:
             return fd
         self._check_budget()
-        self._fetch(entry)
-        for other in self._whole_files():  # the index, whole, once per node: a forked child finds it all
-            if other.file != name:
-                self._fetch(other)
+        others = [other for other in self._whole_files() if other.file != name]
+        _together(self._fetch, [entry, *others])  # the index, whole, once per node: a forked child finds it all
         fd = self._cached(name, entry.bytes)
         if fd is None:
             raise DatasetError(f"{self.local_path(name)}: the cached copy of {self._at(name)} vanished or changed "
@@ -458,9 +459,32 @@ class S3Dataset:
         if self._manifest is None:
             if self._text is None:
                 self._read_manifest(fmt.MAX_MANIFEST_BYTES + 1)
+            self._ask_sizes()
             self._manifest = fmt.parse_manifest(self._text, self.root, self.size, self.read)
             self._keep_manifest()
         return self._manifest
+
+    def _ask_sizes(self) -> None:
+        """The HEADs validation will ask (the files the manifest lists but the shards, not cached at their declared
+        size), asked together beforehand; one that fails is asked again by `size`, which names what went wrong."""
+        if _forked() or self._unreachable is not None:
+            return
+        todo = []
+        for name, declared in fmt.declared_sizes(self._text or b"").items():
+            if _is_shard(name) or name in self._sizes:
+                continue
+            fd = self._cached(name, declared)
+            if fd is None:
+                todo.append(name)
+            else:
+                os.close(fd)
+
+        def ask(name: str) -> None:
+            try:
+                self._sizes[name] = int(head(self.bucket, self._key_of(name))["size"])
+            except Exception:  # left to `size`, whose retries and message are the reader's
+                pass
+        _together(ask, todo)
 
     def _entry(self, name: str, where: str) -> fmt.FileEntry:
         for entry in self._parsed().files:
@@ -663,6 +687,19 @@ class S3Dataset:
         except FileNotFoundError as e:
             raise DatasetError(f"{self._at(name)}: {missing}") from e
 
+
+
+def _together(call, items: list) -> None:
+    """`call(item)` for each item, OPEN_REQUESTS at a time (requests that each wait a round trip); the first
+    failure, in the items' order, is raised once all have ended."""
+    if len(items) <= 1:
+        for item in items:
+            call(item)
+        return
+    with ThreadPoolExecutor(min(OPEN_REQUESTS, len(items)), "dsc-open") as pool:
+        futures = [pool.submit(call, item) for item in items]
+    for future in futures:
+        future.result()
 
 
 def _disk_bytes(path: Path) -> int:

@@ -59,6 +59,10 @@ SLOT_DIR = "slots"
 STATE_FILE = "state.bin"
 STATE_DTYPE = np.dtype(np.uint32)  # a record's word (native order: node-local): bit 0 present, bits 1.. let go
 RETRIES = 8  # copies of a record that changed while it was copied, before it is read as gone
+# a run is fetched in GETs of this much: each piece is checked and written while the next ones are in flight on
+# the other fetch threads (16 MiB GETs, a lock chunk whole, took 1.5x as long on loopback: fewer, longer answers
+# leave the server and the client waiting on each other; benchmarks/s3_read_bench.py)
+PIECE_BYTES = 4 << 20
 _PUNCH = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
 _OPEN_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # never a link, never wait on a FIFO
 
@@ -343,6 +347,17 @@ class RecordSlots:
             self._fetch_records(shard, first, last, None)
 
     def _fetch_records(self, shard: int, first: int, last: int, only: np.ndarray | None) -> None:
+        """Records [first, last) of `shard` (`only`: of those, the ones to place) in ranged GETs of
+        `PIECE_BYTES`, each piece checked, written and marked before the next is asked for (`_fetch_piece`)."""
+        step = max(1, PIECE_BYTES // self.record_bytes)
+        wanted = np.arange(first, last) if only is None else np.asarray(only, dtype=np.int64)
+        for start in range(first, last, step):
+            units = wanted[(wanted >= start) & (wanted < start + step)]
+            if len(units):
+                lo, hi = int(units[0]), int(units[-1]) + 1
+                self._fetch_piece(shard, lo, hi, units if len(units) < hi - lo else None)
+
+    def _fetch_piece(self, shard: int, first: int, last: int, only: np.ndarray | None) -> None:
         """One ranged GET of records [first, last) of `shard` (`only`: of those, the ones to place); each
         checked against its CRC-32 (fetched again once when wrong), written, then marked present."""
         name, rb, fd = self.manifest.shards[shard].file, self.record_bytes, self._fd(shard)
