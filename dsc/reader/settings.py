@@ -5,7 +5,6 @@ generator and agreed by every rank of a process group, the default order of a da
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,13 +13,7 @@ import torch
 from dsc.arguments import check_bool, check_int
 from dsc.reader import order as orders
 from dsc.reader import sampling as samplers
-
-MAX_DEFAULT_THREADS = 4  # copies saturate memory bandwidth with a few threads
-
-
-def default_threads() -> int:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(MAX_DEFAULT_THREADS, cores))
+from dsc.reader.gather import default_threads
 
 
 def resolve_world(rank: int | None, world_size: int | None) -> tuple[int, int]:

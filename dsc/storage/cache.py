@@ -43,11 +43,12 @@ import numpy as np
 
 from dsc import format as fmt
 from dsc.errors import DatasetError
+from dsc.reader.gather import default_threads
 from dsc.storage.slots import RecordSlots
 from dsc.storage.units import UnitFiles
 
 FETCH_THREADS = 8  # ranged GETs in flight at a time, per process
-READ_THREADS = 4  # records of a batch read out of the cache (and checked) by this many threads at a time
+READ_THREADS = default_threads()  # records of a batch read out of the cache (and checked) by this many threads
 READ_SPLIT = 32  # a batch of fewer records is read on the caller's thread alone
 DEPTH = 2  # batches fetched ahead of the one being made
 AHEAD_RECORDS = 4096  # neighbours read within this many records (two of block order's windows) join a GET

@@ -23,9 +23,9 @@ from dsc import format as fmt
 from dsc import storage
 from dsc.errors import DscError
 from dsc.reader import MemmapDataset
-from dsc.reader.gather import split
+from dsc.reader.gather import default_threads, split
 from dsc.reader.producer import LoaderStats
-from dsc.reader.settings import default_threads, resolve_device
+from dsc.reader.settings import resolve_device
 
 ORDERS = ("sequential", "block", "random")
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from dsc.reader import MemmapDataset
-from dsc.reader.settings import default_threads
+from dsc.reader.gather import default_threads
 from dsc.storage import cache, s3, units
 from dsc.tools.bench import BenchReport, Rate, _timed, memory_bytes
 
