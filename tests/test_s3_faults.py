@@ -238,6 +238,36 @@ def test_a_server_killed_mid_download_leaves_nothing_partial_and_a_later_open_co
     assert leftovers(env) == []
 
 
+def _open_only(url: str, cache: str) -> None:
+    MemmapDataset(url, cache_dir=cache)
+
+
+def test_a_temporary_a_process_killed_mid_download_left_is_removed_by_the_next_download(
+        env: Path, url: str, local, proxy: FaultProxy) -> None:
+    """A rank killed while its GET of an index file hangs leaves that file's temporary; the next process to
+    download the file (under its lock, which every download holds while it writes) removes it. A file at a
+    name of that shape that is not a regular file, or a name dsc does not make, is left alone."""
+    labels = local.manifest.index_segments[0].index["labels"].file
+    proxy.hold(1, match=key(url, labels))
+    rank = multiprocessing.get_context("spawn").Process(target=_open_only, args=(url, str(env)), daemon=True)
+    rank.start()
+    deadline = time.monotonic() + 60
+    while proxy.count("GET", key(url, labels), action="hold") < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    rank.kill()
+    rank.join(timeout=30)
+    proxy.release()
+    left = sorted(env.rglob(f".{Path(labels).name}.*{s3.TEMP_SUFFIX}"))
+    assert len(left) == 1 and left[0].is_file()  # the killed download's
+    folder = left[0].parent
+    planted = folder / f".{Path(labels).name}.{'0' * 16}{s3.TEMP_SUFFIX}"
+    planted.mkdir()  # dsc's shape of name, but a folder: not dsc's
+    foreign = folder / f".{Path(labels).name}.notes{s3.TEMP_SUFFIX}"
+    foreign.write_text("mine")
+    same_batches(MemmapDataset(url, cache_dir=env), local)
+    assert not left[0].exists() and planted.is_dir() and foreign.read_text() == "mine"
+
+
 def test_a_server_killed_after_open_does_not_disturb_the_epoch(env: Path, url: str, local,
                                                                proxy: FaultProxy) -> None:
     remote = MemmapDataset(url, cache_dir=env)

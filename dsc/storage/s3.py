@@ -593,6 +593,7 @@ class S3Dataset:
             if fd is not None:  # another process of the node fetched it while this one waited
                 os.close(fd)
                 return
+            _remove_dead_temporaries(path)
             problems = []
             for _ in range(FETCHES):
                 problem = self._place(path, lambda f: self._download(entry, f), entry)
@@ -614,6 +615,7 @@ class S3Dataset:
         path.parent.mkdir(parents=True, exist_ok=True)
         with locked(path.with_name(f".{path.name}{LOCK_SUFFIX}")):
             if _verified(path, entry) is None:  # else another process of the node fetched it while this one waited
+                _remove_dead_temporaries(path)
                 problem = self._place(path, lambda f: self._download(entry, f), entry)
                 if problem is not None:  # the parse names the damage, as it does for any table read
                     return self._get(entry.file, 0, entry.bytes + 1, "GET")
@@ -700,6 +702,24 @@ def _together(call, items: list) -> None:
         futures = [pool.submit(call, item) for item in items]
     for future in futures:
         future.result()
+
+
+def _remove_dead_temporaries(path: Path) -> None:
+    """Remove the temporaries of `path` that `_place` made (`.NAME.<16 hex>.tmp`, regular files) and a process
+    killed while it downloaded left. Called under `path`'s lock, which every download of it holds while it
+    writes its temporary: none of them is being written now."""
+    made = re.compile(rf"\.{re.escape(path.name)}\.[0-9a-f]{{16}}{re.escape(TEMP_SUFFIX)}")
+    try:
+        names = [name for name in os.listdir(path.parent) if made.fullmatch(name)]
+    except FileNotFoundError:
+        return
+    for name in names:
+        left = path.parent / name
+        try:
+            if stat.S_ISREG(os.lstat(left).st_mode):  # never a link or anything else planted at such a name
+                os.unlink(left)
+        except FileNotFoundError:
+            pass
 
 
 def _disk_bytes(path: Path) -> int:
