@@ -5,6 +5,7 @@ which the manifest holds, so the skip list file — whose size grows with the sk
 from __future__ import annotations
 
 import json
+import multiprocessing
 import shutil
 from pathlib import Path
 
@@ -151,3 +152,28 @@ def test_info_reads_no_label_of_a_large_dataset_unless_asked(with_fields: Path, 
     text = runner.invoke(app, ["info", str(root)])
     assert text.exit_code == 0 and "2 classes: class_0 (4), class_1 (4)\n" in text.stdout
     assert "not counted" not in text.stdout
+
+
+def _labels_sum(ds: MemmapDataset, done) -> None:
+    done.put(int(np.asarray(ds.opened.labels).sum()))
+
+
+def test_a_process_forked_while_a_whole_file_was_being_checked_checks_it_again(with_fields: Path) -> None:
+    """DataLoader's fork workers inherit the dataset: forked while another thread of the parent held the lock of
+    a whole-file check (`ds.labels` asked in a thread), a worker asking for the labels must not wait for ever on
+    a lock no thread of its own will release."""
+    ds = MemmapDataset(with_fields)
+    want = int(np.fromfile(with_fields / fmt.segment_file(ds.manifest, ds.manifest.index_segments[0], "labels"),
+                           np.int64).sum())
+    context = multiprocessing.get_context("fork")
+    done = context.Queue()
+    with ds.opened._lock:  # as a thread checking the labels holds it
+        child = context.Process(target=_labels_sum, args=(ds, done))
+        child.start()
+    try:
+        assert done.get(timeout=30) == want
+    finally:
+        child.join(5)
+        if child.is_alive():
+            child.kill()
+            child.join()

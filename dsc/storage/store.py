@@ -109,6 +109,19 @@ def _opened(location: Location, cache_dir: str | os.PathLike | None = None) -> I
         store.close()
 
 
+_checking: weakref.WeakSet = weakref.WeakSet()  # the OpenedDatasets with files still to check whole (`_whole`)
+
+
+def _after_fork() -> None:
+    """A child forked (DataLoader's fork workers inherit the dataset) while a thread of the parent checked a whole
+    file under a dataset's lock has no thread to release it: a fresh lock, and the check is done again if asked."""
+    for opened in list(_checking):
+        opened._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
 class OpenedDataset:
     """A validated dataset: its manifest, read-only memory maps of its index files, and its shards
     (`ShardMaps`: mapped at open, or on first use past a few thousand).
@@ -133,6 +146,7 @@ class OpenedDataset:
         self._lock = threading.Lock()
         if unchecked:  # the descriptors still held when this goes (`_whole` closes each one it is done with)
             weakref.finalize(self, _close_all, self._unchecked)
+            _checking.add(self)
 
     @property
     def labels(self) -> np.ndarray:
