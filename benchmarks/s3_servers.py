@@ -174,7 +174,8 @@ def shaped_loopback(rate: str | None):
         raise SystemExit("--link shapes the loopback device with tc: run as root on Linux, with iproute2's tc")
     shown = subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True).stdout
     if shown.strip() and "noqueue" not in shown.split("\n")[0]:
-        raise SystemExit(f"--link: the loopback device is shaped already ({shown.strip()}); left as it is")
+        raise SystemExit(f"--link: the loopback device is shaped already ({shown.strip()}); left as it is (one "
+                         "a killed run left goes with `tc qdisc del dev lo root`)")
     add = ["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", rate, "burst", "2mb", "latency", "100ms"]
     done = subprocess.run(add, capture_output=True, text=True)
     if done.returncode:

@@ -142,9 +142,10 @@ def test_an_open_asks_for_the_index_files_together_not_one_by_one(env: Path, url
     opener.start()
     together = min(len(index), s3.OPEN_REQUESTS)
     deadline = time.monotonic() + QUICK_S
-    while proxy.count("GET", action="hold") < together and time.monotonic() < deadline:
+    ours = key(url, "")
+    while proxy.count("GET", ours, action="hold") < together and time.monotonic() < deadline:
         time.sleep(0.05)
-    held = proxy.count("GET", action="hold")
+    held = proxy.count("GET", ours, action="hold")
     proxy.release()
     opener.join(timeout=60)
     assert held == together  # asked before any of them was answered

@@ -9,7 +9,8 @@ The loader tells the cache the sequence of batches this process reads next (`fol
 the epoch, then of the next epoch, whose order is known, and the batch size); `fill` then makes one
 batch's units local and copies its records out.
 Ahead of the batch being made it fetches the next `depth` batches' missing units, in order, with
-runs of neighbouring records in one shard coalesced into one ranged GET on a bounded pool of threads
+runs of neighbouring records in one shard coalesced, each run fetched by ranged GETs of `files.request_bytes`
+on a bounded pool of threads
 (neighbours read a little later join it where there is free room: block order reads a window in a
 random order). Room is made by evicting the unit needed furthest in the future (Belady's rule; a unit
 the followed sequence never reads again goes first), never one needed before the unit being fetched: prefetching

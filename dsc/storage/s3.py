@@ -309,11 +309,7 @@ class S3Dataset:
         """The cached copy's size where it has the size the manifest declares, else the object's (HEAD);
         a shard's declared size as it is (its ranges are fetched later, each checked for length and content)."""
         declared = fmt.declared_sizes(self._text or b"").get(name)
-        if declared is not None and _is_shard(name):
-            return declared
-        fd = self._cached(name, declared) if declared is not None else None
-        if fd is not None:
-            os.close(fd)
+        if declared is not None and (_is_shard(name) or self._has_copy(name, declared)):
             return declared
         if name not in self._sizes:
             meta = self._call("HEAD", name, lambda: head(self.bucket, self._key_of(name)),
@@ -469,15 +465,8 @@ class S3Dataset:
         size), asked together beforehand; one that fails is asked again by `size`, which names what went wrong."""
         if _forked() or self._unreachable is not None:
             return
-        todo = []
-        for name, declared in fmt.declared_sizes(self._text or b"").items():
-            if _is_shard(name) or name in self._sizes:
-                continue
-            fd = self._cached(name, declared)
-            if fd is None:
-                todo.append(name)
-            else:
-                os.close(fd)
+        todo = [name for name, declared in fmt.declared_sizes(self._text or b"").items()
+                if not _is_shard(name) and name not in self._sizes and not self._has_copy(name, declared)]
 
         def ask(name: str) -> None:
             try:
@@ -528,6 +517,14 @@ class S3Dataset:
                                    "dsc did not put there, and leaves it alone: move it away")
             return None
         return fd
+
+    def _has_copy(self, name: str, size: int) -> bool:
+        """Whether the cache holds a copy of `name` of `size` bytes (then nobody need ask the bucket its size)."""
+        fd = self._cached(name, size)
+        if fd is None:
+            return False
+        os.close(fd)
+        return True
 
     def _whole_files(self) -> list[fmt.FileEntry]:
         """The files cached whole: every one but the shards (whose records `record_cache` fetches)."""

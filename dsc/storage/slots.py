@@ -4,12 +4,12 @@ shared by the processes of a node, read through memory maps.
 Why not a file per record (what this replaced): creating, writing and renaming a file per record cost the
 client 0.5-0.8 s of CPU per 300 MB epoch (plain GETs: 0.1 s), and reading one back was open + fstat + pread +
 close (~17 µs a record, twice a memory-map gather). Here a shard's records live in `slots/SSSSS.bin`, a file of
-the shard's size created once (`ftruncate`, so sparse), each record at its own offset in the shard: a fetched
-run is written with one `pwrite` after its records' CRC-32s are checked, and a batch is gathered straight out
-of a memory map of these files (kept mapped for the life of the process) by the local reader's own gather
-(`dsc.reader.gather`, the same layout as a shard). Evicting a record punches its bytes out of the file
-(`fallocate(PUNCH_HOLE)`), which gives the disk blocks back at once; a file system that cannot punch holes
-is refused at open, naming the folder.
+the shard's size created once (`ftruncate`, so sparse), each record at its own offset in the shard: a run
+is fetched in GETs of `PIECE_BYTES`, each written with one `pwrite` once its records' CRC-32s are checked;
+a batch is gathered straight out of a memory map of these files (kept mapped for the life of the process) by
+the local reader's own gather (`dsc.reader.gather`, the same layout as a shard). Evicting a record punches its
+bytes out of the file (`fallocate(PUNCH_HOLE)`), which gives the disk blocks back at once; a file system that
+cannot punch holes is refused at open, naming the folder.
 
 Which records are there: `slots/state.bin`, one uint32 word per record, memory-mapped by every process of
 the node. Its low bit says the record's bytes are in place and were checked; the rest counts the times it
@@ -115,6 +115,11 @@ class RecordSlots:
 
     kind = "record"
     per_unit = 1
+
+    @property
+    def request_bytes(self) -> int:
+        """The most bytes one ranged GET of these files asks for."""
+        return PIECE_BYTES
 
     def __init__(self, manifest: fmt.Manifest, folder: Path, get: Callable[[str, int, int], bytes],
                  at: Callable[[str], str], crcs: np.ndarray, fetched: Callable[[int], None]) -> None:

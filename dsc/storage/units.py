@@ -53,6 +53,7 @@ class UnitFiles:
     a dataset file (with retries), `at(name)` names its object, `fetched(nbytes)` is told of every GET answered."""
 
     kind = "shard"
+    request_bytes = GET_BYTES  # the most bytes one ranged GET of these files asks for
     crcs = None
 
     def __init__(self, manifest: fmt.Manifest, folder: Path, get: Callable[[str, int, int], bytes],

@@ -1,7 +1,7 @@
 """`dsc bench s3://...`: the loader over a dataset in object storage, beside the network's own limit.
 
 The limit row is raw ranged GETs of the same client to the same endpoint, of the size and as many at a
-time as the cache makes them (`units.GET_BYTES`, `cache.FETCH_THREADS`), over the shards in order, with
+time as the cache makes them (its files' `request_bytes`, `cache.FETCH_THREADS`), over the shards in order, with
 nothing written. The loader rows read into a new cache folder of their own (removed at the end): a cold
 epoch (everything fetched), then warm epochs (everything local, when `cache_bytes` holds the dataset).
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from dsc.reader import MemmapDataset
 from dsc.reader.gather import default_threads
-from dsc.storage import cache, s3, units
+from dsc.storage import cache, s3
 from dsc.tools.bench import BenchReport, Rate, _timed, memory_bytes
 
 
@@ -26,8 +26,8 @@ def network_limit(url: str, folder: Path, budget_s: float) -> Rate:
     store = s3.open_store(url, folder)
     ds = MemmapDataset(url, cache_dir=folder)
     m = ds.manifest
-    pieces = [(s.file, a, min(s.bytes, a + units.GET_BYTES))
-              for s in m.shards for a in range(0, s.bytes, units.GET_BYTES)]
+    step = ds.opened.records.files.request_bytes
+    pieces = [(s.file, a, min(s.bytes, a + step)) for s in m.shards for a in range(0, s.bytes, step)]
     fetched, start = 0, time.perf_counter()
     with ThreadPoolExecutor(cache.FETCH_THREADS) as pool:
         while True:
@@ -72,8 +72,9 @@ def run(url: str, batch_size: int = 256, threads: int | None = None, budget_s: f
             log(f"warm {order}")
             report.warm.append(loader_epochs(ds, order, batch_size, threads, budget_s, "", warm=True))
         fits = ds.opened.records.budget >= ds.opened.records.base_bytes + report.dataset_bytes
+        step = ds.opened.records.files.request_bytes
         report.notes.append(
-            f"the limit is the endpoint's: ranged GETs of up to {units.GET_BYTES >> 20} MiB, {cache.FETCH_THREADS} at "
+            f"the limit is the endpoint's: ranged GETs of up to {step >> 20} MiB, {cache.FETCH_THREADS} at "
             "a time, nothing written; a cold epoch fetches every record once, into the cache"
             + ("" if fits else f"; cache_bytes ({ds.opened.records.budget} bytes) holds less than the dataset, so "
                "warm epochs fetch too (see loader.stats())"))
