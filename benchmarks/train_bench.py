@@ -1,6 +1,7 @@
 """Does training ever wait for data? Real models trained on a GPU from four feeds, side by side in one run.
 
     python benchmarks/train_bench.py DATASET SRC [--steps 200] [--batch 256] [--workers 8]
+        [--models resnet50,resnet18] [--feeds synthetic,dsc,b,c] [--switch-intervals off,0.001]
 
 DATASET is SRC compiled by dsc at 224 (`dsc compile SRC DATASET --size 224`); SRC an ImageFolder
 tree. For each model (resnet50 at 224, resnet18 at 160; bf16 autocast, channels_last, SGD) it
@@ -13,13 +14,15 @@ trains `--steps` steps after `--warmup` untimed ones, fed by:
 
 and prints samples/s, the ratio to synthetic and the share of the time the training loop spent
 waiting for the next batch. Targets (issue 10): dsc >= 0.97x synthetic for resnet50@224, >= 0.9x
-for resnet18@160. Needs CUDA and torchvision.
+for resnet18@160. `--switch-intervals` runs the dsc feed once per value of DSC_SWITCH_INTERVAL
+(dsc.reader.turns; "off" leaves the interpreter's 5 ms alone). Needs CUDA and torchvision.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -30,18 +33,21 @@ from torch.utils.data import DataLoader
 
 from dsc import MemmapDataset
 from dsc import transforms as T
+from dsc.reader import turns
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-MODELS = (("resnet50", 224), ("resnet18", 160))
+MODELS = {"resnet50": 224, "resnet18": 160}
+DSC = "dsc loader + dsc.transforms"
 
 
 def gpu_augment(size: int) -> Callable[[torch.Tensor, torch.Generator], torch.Tensor]:
     return T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.Normalize(MEAN, STD)])
 
 
-def feeds(ds: MemmapDataset, src: Path, size: int, batch: int, workers: int,
-          device: torch.device) -> dict[str, Callable[[], Iterator[tuple[torch.Tensor, torch.Tensor]]]]:
-    """Each feed: a function giving an endless iterator of (float images on the GPU, labels on the GPU)."""
+def feeds(ds: MemmapDataset, src: Path, size: int, batch: int, workers: int, device: torch.device
+          ) -> dict[str, tuple[str, Callable[[], Iterator[tuple[torch.Tensor, torch.Tensor]]]]]:
+    """Each feed by its key: its row label and a function giving an endless iterator of (float images on
+    the GPU, labels on the GPU)."""
     import torchvision
     from torchvision import transforms as tv
 
@@ -72,11 +78,15 @@ def feeds(ds: MemmapDataset, src: Path, size: int, batch: int, workers: int,
                     yield (gpu_transform(images) if gpu_transform else images), labels
         return endless
 
-    folder = torchvision.datasets.ImageFolder(str(src), transform=tv.Compose([
-        tv.RandomResizedCrop(size), tv.RandomHorizontalFlip(), tv.ToTensor(), tv.Normalize(MEAN, STD)]))
-    return {"synthetic (ceiling)": synthetic, "dsc loader + dsc.transforms": dsc_loader,
-            f"(b) DataLoader(MemmapDataset), {workers} workers": torch_loader(ds, lambda x: augment(x, generator)),
-            f"(c) DataLoader(ImageFolder + torchvision), {workers} workers": torch_loader(folder, None)}
+    def folder_loader():
+        folder = torchvision.datasets.ImageFolder(str(src), transform=tv.Compose([
+            tv.RandomResizedCrop(size), tv.RandomHorizontalFlip(), tv.ToTensor(), tv.Normalize(MEAN, STD)]))
+        return torch_loader(folder, None)()
+
+    return {"synthetic": ("synthetic (ceiling)", synthetic), "dsc": (DSC, dsc_loader),
+            "b": (f"(b) DataLoader(MemmapDataset), {workers} workers",
+                  torch_loader(ds, lambda x: augment(x, generator))),
+            "c": (f"(c) DataLoader(ImageFolder + torchvision), {workers} workers", folder_loader)}
 
 
 def train(model_name: str, classes: int, batches: Iterator, steps: int, warmup: int,
@@ -113,6 +123,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--models", default=",".join(MODELS), help="of " + ",".join(MODELS))
+    parser.add_argument("--feeds", default="synthetic,dsc,b,c", help="of synthetic,dsc,b,c (synthetic always runs)")
+    parser.add_argument("--switch-intervals", default="",
+                        help="run the dsc feed once per DSC_SWITCH_INTERVAL value (comma-separated; 'off' = 5 ms)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("train_bench needs a CUDA GPU")
@@ -121,9 +135,18 @@ def main() -> None:
     ds = MemmapDataset(args.dataset)
     print(f"{torch.cuda.get_device_name(device)}; dataset {len(ds)} records of {ds.record_shape}; batch {args.batch}; "
           f"{args.steps} steps after {args.warmup}")
-    for model_name, size in MODELS:
-        rows = {}
-        for name, feed in feeds(ds, args.src, size, args.batch, args.workers, device).items():
+    keys = ["synthetic", *[k for k in args.feeds.split(",") if k != "synthetic"]]
+    intervals = [v for v in args.switch_intervals.split(",") if v] or [os.environ.get(turns.ENV, "")]
+    for model_name in args.models.split(","):
+        size, rows = MODELS[model_name], {}
+        made = feeds(ds, args.src, size, args.batch, args.workers, device)
+        runs = [(made[k][0], made[k][1], None) for k in keys if k != "dsc"]
+        if "dsc" in keys:
+            runs[1:1] = [(f"{DSC}" + (f" (DSC_SWITCH_INTERVAL={v})" if v else ""), made["dsc"][1], v)
+                         for v in intervals]
+        for name, feed, interval in runs:
+            if interval is not None:
+                os.environ[turns.ENV] = interval
             rows[name] = train(model_name, len(ds.classes), feed(), args.steps, args.warmup, device)
             print(f"  {model_name}@{size} {name}: {rows[name][0]:,.0f} samples/s", flush=True)
         ceiling = rows["synthetic (ceiling)"][0]
@@ -131,8 +154,11 @@ def main() -> None:
         for name, (rate, wait) in rows.items():
             print(f"{name:<60}{rate:>12,.0f}{rate / ceiling:>13.3f}{wait:>11.1%}")
         target = 0.97 if model_name == "resnet50" else 0.9
-        ratio = rows["dsc loader + dsc.transforms"][0] / ceiling
-        print(f"dsc / synthetic: {ratio:.3f} (target >= {target}) {'ok' if ratio >= target else 'MISSED'}\n")
+        for name, (rate, _) in rows.items():
+            if name.startswith(DSC):
+                print(f"{name} / synthetic: {rate / ceiling:.3f} (target >= {target}) "
+                      f"{'ok' if rate / ceiling >= target else 'MISSED'}")
+        print()
 
 
 if __name__ == "__main__":
