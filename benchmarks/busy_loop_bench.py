@@ -1,6 +1,7 @@
 """Does the loader keep up with a training loop that keeps the GIL busy? Both switch intervals, side by side.
 
-    python benchmarks/busy_loop_bench.py DATASET [--batch 64] [--busy-ms 2,5,12] [--steps 200] [--device cuda] [--also 0.0005]
+    python benchmarks/busy_loop_bench.py DATASET [--batch 64] [--busy-ms 2,5,12] [--steps 200]
+        [--device cuda] [--also 0.0005]
 
 A loop that launches kernels as fast as it can (a small model on a fast GPU) runs Python nearly all
 the time. Here each step is `--busy-ms` of pure Python work (no GPU needed). For each busy time the
