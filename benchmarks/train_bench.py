@@ -1,7 +1,7 @@
 """Does training ever wait for data? Real models trained on a GPU from four feeds, side by side in one run.
 
     python benchmarks/train_bench.py DATASET SRC [--steps 200] [--batch 256] [--workers 8]
-        [--models resnet50,resnet18] [--feeds synthetic,dsc,b,c] [--switch-intervals off,0.001]
+        [--models resnet50,resnet18] [--feeds synthetic,dsc,b,c]
 
 DATASET is SRC compiled by dsc at 224 (`dsc compile SRC DATASET --size 224`); SRC an ImageFolder
 tree. For each model (resnet50 at 224, resnet18 at 160; bf16 autocast, channels_last, SGD) it
@@ -12,17 +12,17 @@ trains `--steps` steps after `--warmup` untimed ones, fed by:
   (b)         DataLoader(MemmapDataset, workers, pin_memory) + dsc.transforms on the GPU
   (c)         DataLoader(ImageFolder + torchvision transforms, workers, pin_memory)
 
-and prints samples/s, the ratio to synthetic and the share of the time the training loop spent
-waiting for the next batch. Targets (issue 10): dsc >= 0.97x synthetic for resnet50@224, >= 0.9x
-for resnet18@160. `--switch-intervals` runs the dsc feed once per value of DSC_SWITCH_INTERVAL
-(dsc.reader.turns; "off" leaves the interpreter's 5 ms alone). Needs CUDA and torchvision.
+and prints samples/s, the ratio to synthetic and the share of the loop's time spent in the feed
+(taking the next batch and augmenting it: synthetic's share is the augmentation's alone).
+Targets (issue 10): dsc >= 0.97x synthetic for resnet50@224, >= 0.9x for resnet18@160. After each
+dsc feed its `loader.stats()` is printed (how long the loop waited in next(), and the producer's
+time per batch). Needs CUDA and torchvision.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -33,7 +33,6 @@ from torch.utils.data import DataLoader
 
 from dsc import MemmapDataset
 from dsc import transforms as T
-from dsc.reader import turns
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 MODELS = {"resnet50": 224, "resnet18": 160}
@@ -61,12 +60,32 @@ def feeds(ds: MemmapDataset, src: Path, size: int, batch: int, workers: int, dev
         while True:
             yield augment(images, generator), labels
 
-    def dsc_loader():
-        loader = ds.loader(batch, order="block", device=device, drop_last=True)
-        for epoch in itertools.count():
-            loader.set_epoch(epoch)
-            for b in loader:
-                yield augment(b["image"], generator), b["label"]
+    def dsc_loader(num_threads=None, upload_here=False):
+        """dsc's feed; `upload_here`: host batches, copied to the GPU by the loop (as (b) does)."""
+        def endless():
+            loader = ds.loader(batch, order="block", device=None if upload_here else device, drop_last=True,
+                               num_threads=num_threads)
+            try:
+                for epoch in itertools.count():
+                    loader.set_epoch(epoch)
+                    for b in loader:
+                        images, labels = b["image"], b["label"]
+                        if upload_here:
+                            images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+                        yield augment(images, generator), labels
+            finally:
+                print(f"    loader: {loader.stats()}")
+        return endless
+
+    def preloaded():
+        """8 batches gathered before the run into pinned memory, uploaded and augmented by the loop: the feed
+        with no thread beside the loop (for diagnosis: what a fresh batch costs the loop itself)."""
+        loader = ds.loader(batch, order="block", drop_last=True)
+        held = [(b["image"].clone().pin_memory(), b["label"].clone().pin_memory())
+                for b in itertools.islice(loader, 8)]
+        loader.close()
+        for images, labels in itertools.cycle(held):
+            yield augment(images.to(device, non_blocking=True), generator), labels.to(device, non_blocking=True)
 
     def torch_loader(dataset, gpu_transform):
         def endless():
@@ -83,7 +102,10 @@ def feeds(ds: MemmapDataset, src: Path, size: int, batch: int, workers: int, dev
             tv.RandomResizedCrop(size), tv.RandomHorizontalFlip(), tv.ToTensor(), tv.Normalize(MEAN, STD)]))
         return torch_loader(folder, None)()
 
-    return {"synthetic": ("synthetic (ceiling)", synthetic), "dsc": (DSC, dsc_loader),
+    return {"synthetic": ("synthetic (ceiling)", synthetic), "dsc": (DSC, dsc_loader()),
+            "dsc1": (f"{DSC}, num_threads=1", dsc_loader(num_threads=1)),
+            "pre": ("8 batches preloaded, pinned (no thread)", preloaded),
+            "dsch": (f"{DSC}, host batches uploaded by the loop", dsc_loader(upload_here=True)),
             "b": (f"(b) DataLoader(MemmapDataset), {workers} workers",
                   torch_loader(ds, lambda x: augment(x, generator))),
             "c": (f"(c) DataLoader(ImageFolder + torchvision), {workers} workers", folder_loader)}
@@ -91,7 +113,7 @@ def feeds(ds: MemmapDataset, src: Path, size: int, batch: int, workers: int, dev
 
 def train(model_name: str, classes: int, batches: Iterator, steps: int, warmup: int,
           device: torch.device) -> tuple[float, float]:
-    """(samples/s, share of wall time spent waiting for batches) over `steps` timed steps."""
+    """(samples/s, share of wall time spent in the feed: next batch and its augmentation) over `steps` steps."""
     import torchvision
 
     model = getattr(torchvision.models, model_name)(num_classes=classes).to(device, memory_format=torch.channels_last)
@@ -124,9 +146,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--models", default=",".join(MODELS), help="of " + ",".join(MODELS))
-    parser.add_argument("--feeds", default="synthetic,dsc,b,c", help="of synthetic,dsc,b,c (synthetic always runs)")
-    parser.add_argument("--switch-intervals", default="",
-                        help="run the dsc feed once per DSC_SWITCH_INTERVAL value (comma-separated; 'off' = 5 ms)")
+    parser.add_argument("--feeds", default="synthetic,dsc,b,c",
+                        help="of synthetic,dsc,b,c (synthetic always runs); for diagnosis also dsc1 (one copy "
+                        "thread), dsch (host batches, uploaded by the loop), pre (no thread)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("train_bench needs a CUDA GPU")
@@ -136,21 +158,14 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name(device)}; dataset {len(ds)} records of {ds.record_shape}; batch {args.batch}; "
           f"{args.steps} steps after {args.warmup}")
     keys = ["synthetic", *[k for k in args.feeds.split(",") if k != "synthetic"]]
-    intervals = [v for v in args.switch_intervals.split(",") if v] or [os.environ.get(turns.ENV, "")]
     for model_name in args.models.split(","):
         size, rows = MODELS[model_name], {}
         made = feeds(ds, args.src, size, args.batch, args.workers, device)
-        runs = [(made[k][0], made[k][1], None) for k in keys if k != "dsc"]
-        if "dsc" in keys:
-            runs[1:1] = [(f"{DSC}" + (f" (DSC_SWITCH_INTERVAL={v})" if v else ""), made["dsc"][1], v)
-                         for v in intervals]
-        for name, feed, interval in runs:
-            if interval is not None:
-                os.environ[turns.ENV] = interval
+        for name, feed in (made[k] for k in keys):
             rows[name] = train(model_name, len(ds.classes), feed(), args.steps, args.warmup, device)
             print(f"  {model_name}@{size} {name}: {rows[name][0]:,.0f} samples/s", flush=True)
         ceiling = rows["synthetic (ceiling)"][0]
-        print(f"\n{model_name} @ {size}{'samples/s':>52}{'x synthetic':>13}{'data wait':>11}")
+        print(f"\n{model_name} @ {size}{'samples/s':>52}{'x synthetic':>13}{'in feed':>11}")
         for name, (rate, wait) in rows.items():
             print(f"{name:<60}{rate:>12,.0f}{rate / ceiling:>13.3f}{wait:>11.1%}")
         target = 0.97 if model_name == "resnet50" else 0.9

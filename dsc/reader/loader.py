@@ -29,7 +29,7 @@ from dsc import fits
 from dsc.arguments import check_int
 from dsc.errors import LoaderError
 from dsc.reader import order as orders
-from dsc.reader import progress, turns
+from dsc.reader import progress
 from dsc.reader import sampling as samplers
 from dsc.reader.frameworks import PassTracker
 from dsc.reader.host import Batch, HostSink
@@ -133,7 +133,6 @@ class Loader:
                                             world_size=world_size, locality=locality, shuffle=shuffle,
                                             as_tuple=as_tuple, sorted_records=stored_sorted(dataset.manifest),
                                             records=len(dataset), sampling=sampling)
-        turns.target()  # a bad DSC_SWITCH_INTERVAL is refused here, not on the producer thread
         if self._config.order == "block" and stored_sorted(dataset.manifest):
             warnings.warn(sorted_block_warning(dataset, self._config.batch_size), stacklevel=3)
         specs = field_specs(dataset.opened)

@@ -18,7 +18,7 @@ import numpy as np
 
 from dsc.errors import LoaderError
 from dsc.reader import order as orders
-from dsc.reader import progress, turns
+from dsc.reader import progress
 from dsc.reader.gather import fill_parallel
 
 POLL_S = 0.1  # how often blocked queue waits look at the stop event / the producer's health
@@ -116,10 +116,6 @@ class Producer:
         return False
 
     def _run(self) -> None:
-        with turns.lowered():  # a busy training loop would otherwise hold the GIL up to 5 ms at each turn
-            self._make_all()
-
-    def _make_all(self) -> None:
         job = None
         try:
             self._prepare()
