@@ -4,8 +4,10 @@ which the manifest holds, so the skip list file — whose size grows with the sk
 
 from __future__ import annotations
 
+import gc
 import json
 import multiprocessing
+import os
 import shutil
 from pathlib import Path
 
@@ -177,3 +179,27 @@ def test_a_process_forked_while_a_whole_file_was_being_checked_checks_it_again(w
         if child.is_alive():
             child.kill()
             child.join()
+
+
+def _open_descriptors() -> set[int]:
+    return {int(fd) for fd in os.listdir("/proc/self/fd")}
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
+def test_opening_reading_and_compiling_many_times_leaves_no_descriptor_open(tmp_path: Path) -> None:
+    """A training job that opens its validation set every epoch, or a service that compiles again and again,
+    must not run out of descriptors. Each open left two (its folder and shards/, listed through a duplicate
+    that scandir duplicated again), until after ~500 opens a `ulimit -n` of 1024 was reached (and select()
+    refused descriptors past 1023)."""
+    src = make_folder(tmp_path / "src", classes=2, per_class=3)
+    dsc.compile_folder(src, tmp_path / "ds", size=8, workers=1, records_per_shard=2)
+    gc.collect()
+    before = _open_descriptors()
+    for k in range(20):
+        ds = MemmapDataset(tmp_path / "ds")
+        assert sum(len(b["index"]) for b in ds.loader(4, order="random", seed=k)) == len(ds)
+        del ds
+    for k in range(3):
+        dsc.compile_folder(src, tmp_path / f"again{k}", size=8, workers=1)
+    gc.collect()
+    assert _open_descriptors() - before == set()

@@ -123,7 +123,7 @@ class LocalFolder:
         try:
             for part in folder.split("/") if folder else []:
                 dirs.append(os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=(dirs or [self.fd])[-1]))
-            with os.scandir(os.dup((dirs or [self.fd])[-1])) as entries:
+            with os.scandir((dirs or [self.fd])[-1]) as entries:  # it reads a duplicate, and closes that
                 stats = {e.name: e.stat(follow_symlinks=False) for e in entries}
         except OSError:
             return {}
