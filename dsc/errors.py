@@ -38,3 +38,13 @@ class NotReplaceableError(CompileError, DatasetError):
     """OUT (or a folder dsc would delete) holds something that is not a dsc dataset of its own: a
     user's files are never replaced or deleted, even with --force. A CompileError, as every refusal
     of a compile is, and a DatasetError: what was found is not (only) a dataset."""
+
+
+def quoted(value: object, limit: int) -> str:
+    """`value`'s repr for a message, at most `limit` characters: a longer one keeps its start and end around
+    a '…', so a long path still shows its file name, and a cut value never looks whole."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    head = (limit - 1) // 2
+    return text[:head] + "…" + text[len(text) - (limit - 1 - head):]

@@ -64,7 +64,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from dsc.errors import DatasetError, UnsupportedVersionError
+from dsc.errors import DatasetError, UnsupportedVersionError, quoted
 
 FORMAT_NAME = "dsc"
 FORMAT_VERSION = "1.5"  # MAJOR.MINOR: a reader refuses another MAJOR; MINOR only adds keys.
@@ -213,7 +213,7 @@ def field_name_problem(name: Any) -> str | None:
     """Why `name` cannot name a field (it becomes a batch key and a file name), or None."""
     if not isinstance(name, str) or not name or len(name) > MAX_FIELD_NAME or not name.isascii() \
             or not (name[0].isalpha() or name[0] == "_") or not all(c.isalnum() or c == "_" for c in name):
-        return (f"{name!r:.80} is not a valid field name (letters, digits and '_', starting with a letter or "
+        return (f"{quoted(name, 80)} is not a valid field name (letters, digits and '_', starting with a letter or "
                 f"'_', at most {MAX_FIELD_NAME} characters)")
     if name in RESERVED_FIELD_NAMES:
         return f"{name!r} is reserved (every batch has {', '.join(RESERVED_FIELD_NAMES)})"
@@ -688,7 +688,7 @@ def _expect(root: Path, doc: dict, key: str, kind: type | tuple[type, ...], wher
     value = doc[key]
     if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
         names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-        raise _fail(root, f"{where}{key!r} must be {names}, found {type(value).__name__} {value!r:.60}")
+        raise _fail(root, f"{where}{key!r} must be {names}, found {type(value).__name__} {quoted(value, 60)}")
     return value
 
 
@@ -725,11 +725,11 @@ def _is_hex_digest(value: Any) -> bool:
 def _check_version(root: Path, doc: dict) -> int:
     """Return the MINOR version (one newer than ours may add keys; they are then allowed)."""
     if doc.get("format") != FORMAT_NAME:
-        raise _fail(root, f"'format' must be {FORMAT_NAME!r}, found {doc.get('format')!r:.60}")
+        raise _fail(root, f"'format' must be {FORMAT_NAME!r}, found {quoted(doc.get('format'), 60)}")
     version = doc.get("version")
     parts = version.split(".") if isinstance(version, str) else []
     if len(parts) != 2 or not all(p.isdigit() for p in parts):
-        raise _fail(root, f"'version' must be 'MAJOR.MINOR', found {version!r:.60}")
+        raise _fail(root, f"'version' must be 'MAJOR.MINOR', found {quoted(version, 60)}")
     major, minor = (int(p) for p in parts)
     ours_major, ours_minor = (int(p) for p in FORMAT_VERSION.split("."))
     if major != ours_major:
@@ -743,9 +743,9 @@ def file_name_problem(name: Any) -> str | None:
     """Why `name` cannot name a file of a dataset (a plain relative '/'-separated path inside it), or None."""
     if not isinstance(name, str) or not name or name.startswith("/") or "\\" in name or "\0" in name \
             or not name.isprintable():
-        return f"has an invalid file name {name!r:.80}"
+        return f"has an invalid file name {quoted(name, 80)}"
     if any(part in ("", ".", "..") for part in name.split("/")):
-        return f"file name {name!r:.80} must be a plain relative path without '.' or '..'"
+        return f"file name {quoted(name, 80)} must be a plain relative path without '.' or '..'"
     return None
 
 
@@ -924,14 +924,14 @@ def parse_manifest(text: bytes, root: Any, size_of: SizeOf, read: ReadFile | Non
     if len(shape) != 3 or any(isinstance(s, bool) or not isinstance(s, int) for s in shape) \
             or shape[2] != CHANNELS or not all(1 <= s <= MAX_SIDE for s in shape[:2]):
         raise _fail(root, f"record: 'shape' must be [H, W, {CHANNELS}] with 1 <= H, W <= {MAX_SIDE}, "
-                          f"found {shape!r:.60}")
+                          f"found {quoted(shape, 60)}")
     for key, want in (("dtype", "uint8"), ("layout", "HWC"), ("color", "RGB")):
         if record[key] != want:
-            raise _fail(root, f"record: {key!r} must be {want!r}, found {record[key]!r:.60}")
+            raise _fail(root, f"record: {key!r} must be {want!r}, found {quoted(record[key], 60)}")
     height, width = shape[0], shape[1]
     record_bytes = height * width * CHANNELS
     if isinstance(record["bytes"], bool) or not isinstance(record["bytes"], int) or record["bytes"] != record_bytes:
-        raise _fail(root, f"record: 'bytes' = {record['bytes']!r:.30} but shape {shape} needs {record_bytes}")
+        raise _fail(root, f"record: 'bytes' = {quoted(record['bytes'], 30)} but shape {shape} needs {record_bytes}")
 
     count = _expect_int(root, doc, "count", 1, MAX_RECORDS)
     per_shard = _expect_int(root, doc, "records_per_shard", 1, MAX_RECORDS)
@@ -1179,15 +1179,15 @@ def _parse_fields(stored: _Stored, fields_doc: Any, count: int, newer: bool,
         names.add(name)
         kind = entry["kind"]
         if not isinstance(kind, str) or kind not in FIELD_DTYPES:
-            raise _fail(root, f"{where}: 'kind' must be one of {', '.join(FIELD_DTYPES)}, found {kind!r:.40}")
+            raise _fail(root, f"{where}: 'kind' must be one of {', '.join(FIELD_DTYPES)}, found {quoted(kind, 40)}")
         if entry["dtype"] != FIELD_DTYPES[kind].str:
             raise _fail(root, f"{where}: 'dtype' of a {kind} field must be {FIELD_DTYPES[kind].str!r}, "
-                              f"found {entry['dtype']!r:.40}")
+                              f"found {quoted(entry['dtype'], 40)}")
         shape = _expect(root, entry, "shape", list, f"{where}: ")
         if len(shape) > 1 or any(isinstance(d, bool) or not isinstance(d, int) or not 1 <= d <= MAX_FIELD_VALUES
                                  for d in shape):
             raise _fail(root, f"{where}: 'shape' must be [] or [k] with 1 <= k <= {MAX_FIELD_VALUES}, "
-                              f"found {shape!r:.60}")
+                              f"found {quoted(shape, 60)}")
         classes = _expect(root, entry, "classes", list, f"{where}: ")
         if not all(isinstance(c, str) and c for c in classes) or len(set(classes)) != len(classes) \
                 or len(classes) > MAX_FIELD_VALUES:

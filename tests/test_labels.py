@@ -452,6 +452,20 @@ def test_an_absolute_path_inside_src_is_the_relative_one(flat, tmp_path: Path) -
         dsc.compile_folder(src, tmp_path / "out2", size=8, workers=1, labels=table)
 
 
+def test_a_long_path_outside_src_is_shown_with_its_file_name_and_a_mark_where_it_is_cut(flat, tmp_path: Path) -> None:
+    """Paths were cut at 80 characters with no mark (under a deep temporary folder the test above read
+    '.../elsewhe leaves the source folder'): a cut path must say so, and keep its file name."""
+    src, paths = flat
+    deep = "/data/" + "/".join(f"level_{k:02d}" for k in range(40)) + "/photo_17.jpg"
+    table = tmp_path / "t.csv"
+    table.write_text(f"path,label\n{deep},cat\n")
+    with pytest.raises(CompileError) as refused:
+        dsc.compile_folder(src, tmp_path / "out", size=8, workers=1, labels=table)
+    message = str(refused.value)
+    assert re.search(r"image path '/data/level_00/\S*…\S*/photo_17\.jpg' leaves the source folder", message), message
+    assert len(message) < len(deep) + 200
+
+
 def test_the_path_and_label_columns_take_no_other_kind(flat, tmp_path: Path) -> None:
     src, paths = flat
     table = write_csv(tmp_path / "t.csv", rows_for(paths))  # its path column is named 'filename'

@@ -16,7 +16,7 @@ from typing import Any
 
 from dsc import format as fmt
 from dsc import storage
-from dsc.errors import CompileError, DatasetError
+from dsc.errors import CompileError, DatasetError, quoted
 from dsc.files import RefusedFile, TooLarge, read_regular
 
 MAX_CLASSES_FILE_BYTES = 1 << 30  # a list of class names larger than this is another file given by mistake
@@ -91,7 +91,7 @@ def check_classes(names: list[Any], where: str) -> list[str]:
         raise CompileError(f"{where}: no class names")
     for name in names:
         if not isinstance(name, str) or not name or not name.isprintable():
-            raise CompileError(f"{where}: class names must be non-empty printable text, found {name!r:.60}")
+            raise CompileError(f"{where}: class names must be non-empty printable text, found {quoted(name, 60)}")
     seen = set()
     for name in names:
         if name in seen:

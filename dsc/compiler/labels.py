@@ -45,7 +45,7 @@ import numpy as np
 from dsc import format as fmt
 from dsc.arguments import is_int
 from dsc.compiler.discover import Discovery, Tree, check_source_folder, folder_tree, is_image_name
-from dsc.errors import CompileError
+from dsc.errors import CompileError, quoted
 from dsc.files import RefusedFile, TooLarge, read_regular
 
 KINDS = tuple(fmt.FIELD_DTYPES)
@@ -88,7 +88,7 @@ def _clean_source(table_path: Path, line: int, value: Any, roots: tuple[Path, ..
     """A table path as a relative, '/'-separated path that stays inside SRC. An absolute path inside
     SRC (any of its spellings in `roots`) is made relative to it: both spellings of an image are one source."""
     if not isinstance(value, str) or not value.strip():
-        raise _problem(table_path, line, f"the image path must be non-empty text, found {value!r:.60}")
+        raise _problem(table_path, line, f"the image path must be non-empty text, found {quoted(value, 60)}")
     path = value.strip()
     normal = posixpath.normpath(path)
     if path.startswith("/"):
@@ -97,7 +97,7 @@ def _clean_source(table_path: Path, line: int, value: Any, roots: tuple[Path, ..
                 path = normal = Path(normal).relative_to(base).as_posix()
                 break
     if path.startswith("/") or normal == ".." or normal.startswith("../") or "\0" in path:
-        raise _problem(table_path, line, f"image path {value!r:.80} leaves the source folder (give paths "
+        raise _problem(table_path, line, f"image path {quoted(value, 240)} leaves the source folder (give paths "
                                          "relative to SRC, without '..')")
     return normal
 
@@ -171,8 +171,8 @@ def _check_header_is_names(path: Path, header: list[str], roots: tuple[Path, ...
             what = "an image path"
         else:
             continue
-        raise _problem(path, 1, f"the header cell {cell!r:.80} is {what}, so the table seems to have no header row; "
-                       "add one as its first line (e.g. 'path,label': the image path column, then names)")
+        raise _problem(path, 1, f"the header cell {quoted(cell, 80)} is {what}, so the table seems to have no header "
+                       "row; add one as its first line (e.g. 'path,label': the image path column, then names)")
 
 
 def _is_dir(path: Path) -> bool:
@@ -215,7 +215,7 @@ def _read_jsonl(path: Path, text: str) -> tuple[list[str], list[tuple[int, Any, 
         try:
             row = json.loads(raw, object_pairs_hook=_unique_keys)
         except _RepeatedKey as e:
-            raise _problem(path, line, f"key {e.key!r:.80} is given twice in one object; keep one") from None
+            raise _problem(path, line, f"key {quoted(e.key, 80)} is given twice in one object; keep one") from None
         except ValueError as e:
             raise _problem(path, line, f"not valid JSON ({e})") from e
         if not isinstance(row, dict) or "path" not in row:
@@ -298,7 +298,7 @@ def infer_kind(table: Table, name: str) -> str:
         return "float"
     if any(numbers):
         line, item = items[numbers.index(False)]
-        raise _problem(table, line, f"{item!r:.40} is not a number, but the column's other values are; fix "
+        raise _problem(table, line, f"{quoted(item, 40)} is not a number, but the column's other values are; fix "
                        f"the cell, or give --column {name}:class (or multilabel) to read the values as names", name)
     if multi or any(isinstance(v, str) and not v.strip() for v in values):
         return "multilabel"
@@ -346,7 +346,7 @@ def _numbers(table: Table, name: str, kind: str) -> tuple[np.ndarray, tuple[int,
                     if not math.isfinite(number) or abs(number) > float(np.finfo(np.float32).max):
                         raise ValueError
             except (ValueError, OverflowError):
-                raise _problem(table, line, f"{item!r:.40} is not a{'n integer' if kind == 'int' else ' finite'}"
+                raise _problem(table, line, f"{quoted(item, 40)} is not a{'n integer' if kind == 'int' else ' finite'}"
                                f" number{' in float32 range' if kind == 'float' else ''}", name) from None
             numbers.append(number)
         if not numbers:
@@ -366,7 +366,7 @@ def _class_indices(table: Table, name: str, classes: Sequence[str] | None) -> tu
     for line, value in zip(table.lines, table.columns[name]):
         class_name = _class_name(value)
         if class_name is None:
-            raise _problem(table, line, f"a class name or integer is needed, found {value!r:.40}", name)
+            raise _problem(table, line, f"a class name or integer is needed, found {quoted(value, 40)}", name)
         names.append(class_name)
     vocabulary = list(classes) if classes is not None else _vocabulary(set(names))
     index = {c: i for i, c in enumerate(vocabulary)}
@@ -379,7 +379,7 @@ def _multi_hot(table: Table, name: str, classes: Sequence[str] | None = None) ->
     for line, value in zip(table.lines, table.columns[name]):
         items = _items(value)
         if not all(isinstance(i, str) and i.strip() for i in items):
-            raise _problem(table, line, f"tags must be text, found {value!r:.60}", name)
+            raise _problem(table, line, f"tags must be text, found {quoted(value, 60)}", name)
         tags.append({i.strip() for i in items})
     vocabulary = list(classes) if classes is not None else sorted(set().union(*tags))
     if not vocabulary:

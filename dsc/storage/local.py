@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dsc.errors import DatasetError
+from dsc.errors import DatasetError, quoted
 
 HASH_CHUNK = 8 << 20
 AT_FDCWD = -100  # linux/fcntl.h: a path relative to the working directory
@@ -79,7 +79,7 @@ class LocalFolder:
         `where` says what named it, for messages."""
         parts = name.split("/")
         if name.startswith("/") or "\0" in name or any(part in ("", ".", "..") for part in parts):
-            raise DatasetError(f"{self.root}: refusing to open {name!r:.80} ({where}): not a plain relative path")
+            raise DatasetError(f"{self.root}: refusing to open {quoted(name, 80)} ({where}): not a plain relative path")
         dirs = []  # (the path is joined only for a message: joining it for every shard took a third of an open)
         try:
             for part in parts[:-1]:

@@ -31,7 +31,7 @@ from dsc.compiler.sources.common import (
     too_large,
     unsafe_name,
 )
-from dsc.errors import CompileError, ImageError
+from dsc.errors import CompileError, ImageError, quoted
 
 END_OF_ARCHIVE = 2 * tarfile.BLOCKSIZE  # two zero blocks end a tar
 
@@ -54,7 +54,7 @@ def _label(data: bytes, suffix: str, json_field: str | None) -> int | str:
         document = json.loads(text)
         value = document.get(json_field) if isinstance(document, dict) else None
         if isinstance(value, bool) or not isinstance(value, (int, str)) or value == "":
-            raise ValueError(f"field {json_field!r} is {value!r:.40}, not an integer or a class name")
+            raise ValueError(f"field {json_field!r} is {quoted(value, 40)}, not an integer or a class name")
         return value
     if suffix == "cls":
         return int(text)
@@ -65,7 +65,7 @@ def _label(data: bytes, suffix: str, json_field: str | None) -> int | str:
 
 def _not_regular(info: tarfile.TarInfo) -> str:
     if info.issym() or info.islnk():
-        return f"not a regular file (a {'symbolic' if info.issym() else 'hard'} link to {info.linkname!r:.80})"
+        return f"not a regular file (a {'symbolic' if info.issym() else 'hard'} link to {quoted(info.linkname, 80)})"
     return "not a regular file (a device, pipe or folder)"
 
 
@@ -81,7 +81,7 @@ def _group(members: list[tarfile.TarInfo],
             group = {}
         key = k
         if suffix in group:
-            skipped.append((repeated(info.name, 2), f"sample {k!r:.80} already has a .{suffix} member (the first "
+            skipped.append((repeated(info.name, 2), f"sample {quoted(k, 80)} already has a .{suffix} member (the first "
                             "is kept)"))
             continue
         group[suffix] = info
@@ -230,7 +230,7 @@ def _sample(f, size: int, key: str, group: dict[str, tarfile.TarInfo], key_spec:
     try:
         label = _label(_small_member(f, label_info), label_suffix, json_field)
     except ValueError as e:  # UnicodeDecodeError and json's errors are ValueErrors
-        skipped.append((info.name, f"unreadable label member {label_info.name!r:.80}: {e}"))
+        skipped.append((info.name, f"unreadable label member {quoted(label_info.name, 80)}: {e}"))
         return None
     return Sample(info.name, member, label)
 
@@ -262,7 +262,7 @@ def _field_values(f, sample: Sample, group: dict[str, tarfile.TarInfo], fields: 
             else:
                 sample.values[spec] = text
         except ValueError as e:  # UnicodeDecodeError and json's errors are ValueErrors
-            skipped.append((sample.name, f"unreadable member {info.name!r:.80} (--column {spec}): {e}"))
+            skipped.append((sample.name, f"unreadable member {quoted(info.name, 80)} (--column {spec}): {e}"))
             return False
     return True
 
