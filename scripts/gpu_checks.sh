@@ -9,7 +9,10 @@
 #    without a working GPU cannot pass it;
 # 2. SRC (an ImageFolder tree; default the bundled examples/images) compiled at 224, then
 #    `dsc bench --device cuda` on it: the pinned host->device copy limit beside the loader's rows;
-# 3. benchmarks/train_bench.py on it (needs torchvision): does a real model's training wait for data?
+# 3. benchmarks/train_bench.py on it, merged with itself (`dsc merge`, no decoding) up to 16 times, to
+#    4,096 records or more, so that an epoch holds many batches (needs torchvision): does a real model's training wait
+#    for data? Its feeds: $TRAIN_FEEDS (default dsc,pre,dsch,b: beside the (b) DataLoader, the ones that
+#    tell where a loop's time goes; add c for torchvision's ImageFolder, which takes minutes).
 #
 # Each step's output goes to OUT (tests.log, bench.log, train.log) as well as the terminal; the exit
 # status is the tests'. Run from the repository root with dsc importable (pip install -e . or PYTHONPATH).
@@ -39,6 +42,17 @@ fi
 
 python3 -m dsc compile "$src" "$work/ds" --size 224 2>&1 | tail -n 3 | tee "$out/compile.log"
 python3 -m dsc bench "$work/ds" --device cuda 2>&1 | tee "$out/bench.log"
-python3 benchmarks/train_bench.py "$work/ds" "$src" --steps "${TRAIN_STEPS:-100}" --warmup 20 \
-    --workers "$(( $(nproc) > 12 ? 12 : $(nproc) ))" 2>&1 | tee "$out/train.log"
+records=$(python3 -c "import sys, dsc; print(len(dsc.MemmapDataset(sys.argv[1])))" "$work/ds" 2>/dev/null)
+if [ -z "$records" ] || [ "$records" -eq 0 ]; then
+    echo "gpu_checks: $src gave no dataset to train on (see compile.log)"
+    exit 1
+fi
+copies=$(( (4096 + records - 1) / records )); copies=$(( copies > 16 ? 16 : copies ))
+if [ "$copies" -gt 1 ]; then
+    python3 -m dsc merge $(for _ in $(seq "$copies"); do printf '%s ' "$work/ds"; done) "$work/train_ds" 2>&1 | tail -n 1
+else
+    ln -s "$work/ds" "$work/train_ds"
+fi
+python3 benchmarks/train_bench.py "$work/train_ds" "$src" --steps "${TRAIN_STEPS:-100}" --warmup 20 \
+    --feeds "${TRAIN_FEEDS:-dsc,pre,dsch,b}" --workers "$(( $(nproc) > 12 ? 12 : $(nproc) ))" 2>&1 | tee "$out/train.log"
 exit "$status"
