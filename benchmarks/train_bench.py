@@ -60,8 +60,8 @@ def feeds(ds: MemmapDataset, src: Path, size: int, batch: int, workers: int, dev
         while True:
             yield augment(images, generator), labels
 
-    def dsc_loader(num_threads=None, upload_here=False):
-        """dsc's feed; `upload_here`: host batches, copied to the GPU by the loop (as (b) does)."""
+    def dsc_loader(label, num_threads=None, upload_here=False):
+        """dsc's feed; `upload_here`: host batches (not pinned), copied to the GPU by the loop."""
         def endless():
             loader = ds.loader(batch, order="block", device=None if upload_here else device, drop_last=True,
                                num_threads=num_threads)
@@ -74,7 +74,7 @@ def feeds(ds: MemmapDataset, src: Path, size: int, batch: int, workers: int, dev
                             images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
                         yield augment(images, generator), labels
             finally:
-                print(f"    loader: {loader.stats()}")
+                print(f"    ({label}: loader {loader.stats()})")
         return endless
 
     def preloaded():
@@ -102,10 +102,10 @@ def feeds(ds: MemmapDataset, src: Path, size: int, batch: int, workers: int, dev
             tv.RandomResizedCrop(size), tv.RandomHorizontalFlip(), tv.ToTensor(), tv.Normalize(MEAN, STD)]))
         return torch_loader(folder, None)()
 
-    return {"synthetic": ("synthetic (ceiling)", synthetic), "dsc": (DSC, dsc_loader()),
-            "dsc1": (f"{DSC}, num_threads=1", dsc_loader(num_threads=1)),
+    return {"synthetic": ("synthetic (ceiling)", synthetic), "dsc": (DSC, dsc_loader(DSC)),
+            "dsc1": (f"{DSC}, num_threads=1", dsc_loader(f"{DSC}, num_threads=1", num_threads=1)),
             "pre": ("8 batches preloaded, pinned (no thread)", preloaded),
-            "dsch": (f"{DSC}, host batches uploaded by the loop", dsc_loader(upload_here=True)),
+            "dsch": (f"{DSC}, host batches uploaded by the loop", dsc_loader("host batches", upload_here=True)),
             "b": (f"(b) DataLoader(MemmapDataset), {workers} workers",
                   torch_loader(ds, lambda x: augment(x, generator))),
             "c": (f"(c) DataLoader(ImageFolder + torchvision), {workers} workers", folder_loader)}
@@ -155,6 +155,13 @@ def main() -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     torch.backends.cudnn.benchmark = True
     ds = MemmapDataset(args.dataset)
+    if len(ds) < 4 * args.batch:  # drop_last: fewer than one batch would leave every epoch empty
+        raise SystemExit(f"train_bench needs at least 4 batches of {args.batch} records; {args.dataset} has {len(ds)} "
+                         "(dsc merge DATASET DATASET ... BIGGER joins copies without decoding)")
+    unknown = sorted({*args.models.split(",")} - set(MODELS)) + sorted(
+        {*args.feeds.split(",")} - {"synthetic", "dsc", "dsc1", "dsch", "pre", "b", "c"})
+    if unknown:
+        raise SystemExit(f"train_bench: unknown --models or --feeds {unknown}")
     print(f"{torch.cuda.get_device_name(device)}; dataset {len(ds)} records of {ds.record_shape}; batch {args.batch}; "
           f"{args.steps} steps after {args.warmup}")
     keys = ["synthetic", *[k for k in args.feeds.split(",") if k != "synthetic"]]
