@@ -63,6 +63,8 @@ def main() -> None:
     args = parser.parse_args()
     ds = MemmapDataset(args.dataset)
     intervals = [float(v) for v in args.switch_intervals.split(",")]
+    if not all(0 < v <= 1 for v in intervals):
+        parser.error(f"--switch-intervals: seconds between 0 and 1, got {args.switch_intervals}")
     sys.setswitchinterval(intervals[0])
     idle_ms = 1e3 / run(ds, args, 0.0)[1]
     print(f"{len(ds)} records of {ds.record_shape}, batch {args.batch}, random order, {os.cpu_count()} cores, "

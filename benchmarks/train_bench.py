@@ -37,6 +37,7 @@ from dsc import transforms as T
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 MODELS = {"resnet50": 224, "resnet18": 160}
 DSC = "dsc loader + dsc.transforms"
+FEEDS = ("synthetic", "dsc", "dsc1", "pre", "dsch", "b", "c")  # the keys of `feeds`, for --feeds
 
 
 def gpu_augment(size: int) -> Callable[[torch.Tensor, torch.Generator], torch.Tensor]:
@@ -61,7 +62,7 @@ def feeds(ds: MemmapDataset, src: Path, size: int, batch: int, workers: int, dev
             yield augment(images, generator), labels
 
     def dsc_loader(label, num_threads=None, upload_here=False):
-        """dsc's feed; `upload_here`: host batches (not pinned), copied to the GPU by the loop."""
+        """dsc's feed, with its row label; `upload_here`: host batches (not pinned), copied to the GPU by the loop."""
         def endless():
             loader = ds.loader(batch, order="block", device=None if upload_here else device, drop_last=True,
                                num_threads=num_threads)
@@ -75,7 +76,7 @@ def feeds(ds: MemmapDataset, src: Path, size: int, batch: int, workers: int, dev
                         yield augment(images, generator), labels
             finally:
                 print(f"    ({label}: loader {loader.stats()})")
-        return endless
+        return label, endless
 
     def preloaded():
         """8 batches gathered before the run into pinned memory, uploaded and augmented by the loop: the feed
@@ -102,13 +103,15 @@ def feeds(ds: MemmapDataset, src: Path, size: int, batch: int, workers: int, dev
             tv.RandomResizedCrop(size), tv.RandomHorizontalFlip(), tv.ToTensor(), tv.Normalize(MEAN, STD)]))
         return torch_loader(folder, None)()
 
-    return {"synthetic": ("synthetic (ceiling)", synthetic), "dsc": (DSC, dsc_loader(DSC)),
-            "dsc1": (f"{DSC}, num_threads=1", dsc_loader(f"{DSC}, num_threads=1", num_threads=1)),
+    made = {"synthetic": ("synthetic (ceiling)", synthetic), "dsc": dsc_loader(DSC),
+            "dsc1": dsc_loader(f"{DSC}, num_threads=1", num_threads=1),
             "pre": ("8 batches preloaded, pinned (no thread)", preloaded),
-            "dsch": (f"{DSC}, host batches uploaded by the loop", dsc_loader("host batches", upload_here=True)),
+            "dsch": dsc_loader(f"{DSC}, host batches uploaded by the loop", upload_here=True),
             "b": (f"(b) DataLoader(MemmapDataset), {workers} workers",
                   torch_loader(ds, lambda x: augment(x, generator))),
             "c": (f"(c) DataLoader(ImageFolder + torchvision), {workers} workers", folder_loader)}
+    assert tuple(made) == FEEDS
+    return made
 
 
 def train(model_name: str, classes: int, batches: Iterator, steps: int, warmup: int,
@@ -158,8 +161,7 @@ def main() -> None:
     if len(ds) < 4 * args.batch:  # drop_last: fewer than one batch would leave every epoch empty
         raise SystemExit(f"train_bench needs at least 4 batches of {args.batch} records; {args.dataset} has {len(ds)} "
                          "(dsc merge DATASET DATASET ... BIGGER joins copies without decoding)")
-    unknown = sorted({*args.models.split(",")} - set(MODELS)) + sorted(
-        {*args.feeds.split(",")} - {"synthetic", "dsc", "dsc1", "dsch", "pre", "b", "c"})
+    unknown = sorted({*args.models.split(",")} - set(MODELS)) + sorted({*args.feeds.split(",")} - set(FEEDS))
     if unknown:
         raise SystemExit(f"train_bench: unknown --models or --feeds {unknown}")
     print(f"{torch.cuda.get_device_name(device)}; dataset {len(ds)} records of {ds.record_shape}; batch {args.batch}; "

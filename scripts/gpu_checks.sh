@@ -10,16 +10,17 @@
 # 2. SRC (an ImageFolder tree; default the bundled examples/images) compiled at 224, then
 #    `dsc bench --device cuda` on it: the pinned host->device copy limit beside the loader's rows;
 # 3. benchmarks/train_bench.py on it, merged with itself (`dsc merge`, no decoding) up to 16 times, to
-#    4,096 records or more, so that an epoch holds many batches (needs torchvision): does a real model's training wait
-#    for data? Its feeds: $TRAIN_FEEDS (default dsc,pre,dsch,b: beside the (b) DataLoader, the ones that
-#    tell where a loop's time goes; add c for torchvision's ImageFolder, which takes minutes).
+#    4,096 records or more, so that an epoch holds many batches (needs torchvision): does a real
+#    model's training wait for data? Its feeds: $TRAIN_FEEDS (default dsc,pre,dsch,b: beside the (b)
+#    DataLoader, the ones that tell where a loop's time goes; add c for torchvision's ImageFolder,
+#    which takes minutes).
 #
 # Each step's output goes to OUT (tests.log, bench.log, train.log) as well as the terminal; the exit
 # status is the tests'. Run from the repository root with dsc importable (pip install -e . or PYTHONPATH).
 set -uo pipefail
 out=${1:?usage: bash scripts/gpu_checks.sh OUT [SRC]}
 src=${2:-examples/images}
-mkdir -p "$out"
+mkdir -p "$out" || exit 1
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 

@@ -21,7 +21,8 @@ from dsc.testing import _save as save
 from dsc.testing import pillow_reference
 
 # the tests import these from here
-__all__ = ["pattern", "save", "pillow_reference", "make_folder", "ref_box", "tiny_dataset"]
+__all__ = ["pattern", "save", "pillow_reference", "make_folder", "ref_box", "tiny_dataset", "SLEEP_CYCLES"]
+SLEEP_CYCLES = 20_000_000  # tens of milliseconds of GPU time (torch.cuda._sleep spins this many cycles)
 
 
 def make_folder(root: Path, classes: int = 3, per_class: int = 4, seed: int = 0,

@@ -22,9 +22,10 @@ from dsc.reader import MemmapDataset
 from dsc.reader.reference import reference_batches
 from dsc.testing import make_image_folder
 
+from conftest import SLEEP_CYCLES
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 KEYS = ("image", "label", "index", "size")
-SLEEP_CYCLES = 20_000_000  # tens of milliseconds of GPU time (torch.cuda._sleep spins this many cycles)
 
 
 def assert_same_batches(got: list[dict], ref: list, keys: tuple[str, ...] = KEYS) -> None:

@@ -115,11 +115,7 @@ class RecordSlots:
 
     kind = "record"
     per_unit = 1
-
-    @property
-    def request_bytes(self) -> int:
-        """The most bytes one ranged GET of these files asks for."""
-        return PIECE_BYTES
+    request_bytes = PIECE_BYTES  # the most bytes one ranged GET of these files asks for
 
     def __init__(self, manifest: fmt.Manifest, folder: Path, get: Callable[[str, int, int], bytes],
                  at: Callable[[str], str], crcs: np.ndarray, fetched: Callable[[int], None]) -> None:
