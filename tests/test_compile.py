@@ -480,3 +480,26 @@ def test_a_compile_inside_a_daemonic_process_decodes_there(tmp_path: Path) -> No
     with multiprocessing.get_context("fork").Pool(1) as pool:
         kept = pool.apply(_compile_in_a_pool_task, (str(src), str(tmp_path / "out")))
     assert kept == 40 and storage.open_dataset(tmp_path / "out").manifest.count == 40
+
+
+UNGUARDED_SCRIPT = """
+import sys
+import dsc
+from dsc.compiler.engines import local
+local._host_start_method = lambda: "spawn"  # as after an S3 client was used here
+dsc.compile_folder(sys.argv[1], sys.argv[2], size=16, workers=2)
+"""
+
+
+def test_a_host_that_cannot_start_fails_with_its_own_reason(folder: Path, tmp_path: Path) -> None:
+    """A script without `if __name__ == "__main__":` whose host is spawned: the spawned host runs the script
+    again, and its own start fails (Python's RuntimeError on the main-module idiom). That reason is what it
+    says, not an AssertionError from stopping a process that never started (fails before: 'can only join a
+    started process')."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED_SCRIPT)
+    run = subprocess.run([sys.executable, str(script), str(folder), str(tmp_path / "out")], capture_output=True,
+                         text=True, timeout=120, cwd=tmp_path)
+    assert run.returncode != 0
+    assert "freeze_support()" in run.stderr, run.stderr[-2000:]
+    assert "can only join a started process" not in run.stderr, run.stderr[-2000:]

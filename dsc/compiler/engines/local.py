@@ -96,7 +96,7 @@ class LocalEngine:
     def _stop(self) -> None:
         """Kill the host at once; its workers die with it (their parent-death signal)."""
         host, self._host = self._host, None
-        if host is not None:
+        if host is not None and host.pid is not None:  # (None: its start failed, and raised)
             if host.is_alive():
                 host.kill()  # SIGKILL: the host ignores SIGINT and SIGTERM
             host.join(timeout=10)
