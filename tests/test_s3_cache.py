@@ -22,7 +22,7 @@ from dsc import format as fmt
 from dsc.compiler import output
 from dsc.errors import DatasetError
 from dsc.reader import order as orders
-from dsc.storage import slots
+from dsc.storage import ledger, slots
 
 from s3server import S3Server, serving  # skips this module when the server packages are missing
 
@@ -35,22 +35,23 @@ BATCH = 16
 server = serving(BUCKET)
 
 
-def synthetic(root: Path, count: int, per_shard: int, seed: int, version: str = fmt.FORMAT_VERSION) -> Path:
+def synthetic(root: Path, count: int, per_shard: int, seed: int, version: str = fmt.FORMAT_VERSION,
+              side: int = SIDE) -> Path:
     """A dataset of random records written through the format's own writer (1.3: with checksums.bin)."""
     rng = np.random.default_rng(seed)
     root.mkdir(parents=True)
-    output.allocate_shards(root, count, per_shard, RECORD_BYTES)
-    pixels = rng.integers(0, 256, (count, SIDE, SIDE, 3), dtype=np.uint8)
+    output.allocate_shards(root, count, per_shard, side * side * 3)
+    pixels = rng.integers(0, 256, (count, side, side, 3), dtype=np.uint8)
     for shard, records in enumerate(fmt.shard_records(count, per_shard)):
-        out = fmt.open_shard(root / fmt.shard_file(shard), records, (SIDE, SIDE, 3), "r+")
+        out = fmt.open_shard(root / fmt.shard_file(shard), records, (side, side, 3), "r+")
         out[:] = pixels[shard * per_shard:shard * per_shard + records]
         out.flush()
     index = output.write_index(root, rng.integers(0, 3, count), np.full((count, 2), 32),
                                [f"c/{i:05d}.jpg" for i in range(count)])
-    shards, crcs = output.hash_shards(root, count, per_shard, RECORD_BYTES)
+    shards, crcs = output.hash_shards(root, count, per_shard, side * side * 3)
     checksums = output.write_checksums(root, crcs) if fmt.minor_version(version) >= 3 else None
-    manifest = fmt.Manifest(height=SIDE, width=SIDE, count=count, records_per_shard=per_shard,
-                            classes=("a", "b", "c"), shards=shards, index=index, compile={"size": [SIDE, SIDE]},
+    manifest = fmt.Manifest(height=side, width=side, count=count, records_per_shard=per_shard,
+                            classes=("a", "b", "c"), shards=shards, index=index, compile={"size": [side, side]},
                             version=version, skipped_list=output.write_skip_list(root, []), checksums=checksums)
     output.write_manifest(root, manifest)
     return root
@@ -75,12 +76,15 @@ def url(server: S3Server, local: MemmapDataset) -> str:
     return server.upload(local.path, BUCKET, f"cache/set-{next(_uploads)}")
 
 
-def index_bytes(local: MemmapDataset) -> int:
-    """What the cache holds besides records: the manifest's copy, every file but the shards and the state of
-    the records (a word each, 1.3+)."""
+def index_bytes(local: MemmapDataset, processes: int = 1) -> int:
+    """What the cache holds besides records: the manifest's copy, every file but the shards, the state of
+    the records (a word each, 1.3+), and the node's table with the plans of `processes` processes (one int32
+    per unit each: a record, or a shard before 1.3)."""
     files = [e for e in local.manifest.files if not e.file.startswith(f"{fmt.SHARD_DIR}/")]
     state = slots.state_bytes(local.manifest.count) if local.manifest.has_checksums else 0
-    return len((Path(local.path) / fmt.MANIFEST_FILE).read_bytes()) + sum(e.bytes for e in files) + state
+    units = local.manifest.count if local.manifest.has_checksums else len(local.manifest.shards)
+    node = ledger.TABLE_BYTES + processes * units * ledger.NEXT_DTYPE.itemsize
+    return len((Path(local.path) / fmt.MANIFEST_FILE).read_bytes()) + sum(e.bytes for e in files) + state + node
 
 
 def folder_bytes(folder: Path, foreign: set[Path] = frozenset(), cache=None) -> int:

@@ -19,24 +19,26 @@ being fetched) never exceed `budget` (a record counts as the blocks it can pin, 
 lets go only of units (`remove_all`: a record's bytes punched out of its slot file, a shard's file
 deleted); anything else in the folder is never touched.
 
+The budget is the node's: the processes that share the folder count what it holds (whoever fetched it)
+and what each has reserved for fetches under way, and evict by when any of them reads a unit next
+(`dsc.storage.ledger`: a table of the processes' reservations and their published plans). A batch that
+finds no room while other processes' fetches hold it waits for them to end.
+
 Every record is checked before it is served: a record against its CRC-32 the first time this process
 reads it under its state word (`RecordSlots.gather`), a shard against its SHA-256 the first time this
 process reads its file and whenever the file changed since (`UnitFiles.read`). A unit that fails is
 fetched again; a fetch still wrong is an error naming the object and the record, never a wrong batch.
-
-The count of bytes held is this process's: processes that share a folder share its units, but each
-counts only what it has seen, so the folder of a node whose L processes share it stays under L times
-the budget (README, "Datasets in object storage").
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +47,7 @@ import numpy as np
 from dsc import format as fmt
 from dsc.errors import DatasetError
 from dsc.reader.gather import default_threads
+from dsc.storage.ledger import TABLE_BYTES, NodeLedger
 from dsc.storage.slots import RecordSlots
 from dsc.storage.units import UnitFiles
 
@@ -54,6 +57,9 @@ READ_SPLIT = 32  # a batch of fewer records is read on the caller's thread alone
 DEPTH = 2  # batches fetched ahead of the one being made
 AHEAD_RECORDS = 4096  # neighbours read within this many records (two of block order's windows) join a GET
 NEVER = np.iinfo(np.int64).max  # the next use of a unit the followed sequence does not read again
+ROOM_WAIT_S = 600.0  # how long a batch waits for other processes' fetches to end and leave it room
+ROOM_POLL_S = 0.01  # how often it looks again, when none of its own fetches is under way
+GONE_TRIES = 4  # fetches of a record let go by other processes each time before it was read, before an error
 
 
 @dataclass
@@ -126,9 +132,12 @@ class RecordCache:
             RecordSlots(manifest, folder, get, at, crcs, self._count_fetch)
         self.budget, self.base_bytes, self._threads = budget, base_bytes, threads
         n = self.files.count
-        self._held = np.zeros(n, dtype=bool)  # counted in `used`: a file, or a fetch under way
+        self.ledger = NodeLedger(folder, n)
+        weakref.finalize(self, self.ledger.leave)
+        self._fetching = np.zeros(n, dtype=bool)  # fetches of this process under way (`_pending`'s units)
         self._fresh = np.zeros(n, dtype=bool)  # fetched, and not read by a batch since: a miss
         self._next = np.full(n, NEVER, dtype=np.int64)  # the batch of the plan that reads each next
+        self._now = 0  # the batch of the plan being made
         self._pending: dict[int, Future] = {}
         self._victims: Future | None = None  # records let go whose bytes are being punched (`_evict`)
         self._pool: ThreadPoolExecutor | None = None
@@ -138,32 +147,51 @@ class RecordCache:
         self._start = 0  # the batch number of the plan's first batch
         self._depth = DEPTH
         _caches.add(self)
-        found, found_bytes = self.files.scan()  # an earlier run's or another process's: held, and deletable
-        self._held[found] = True
-        self.used = base_bytes + found_bytes
+        self.files.scan()  # (records: the blocks a writer killed midway left are freed first)
+
+    @property
+    def used(self) -> int:
+        """The bytes the node's folder holds and its processes have reserved, counted in the budget."""
+        with self._lock, self.ledger.locked():
+            return self._node_used(self.files.present_mask())
+
+    def _node_used(self, present: np.ndarray) -> int:
+        """The units held and the node's reservations (`NodeLedger.reserved`), besides the index and the node's
+        table and plans."""
+        held = np.flatnonzero(present)
+        return (self.base_bytes + self.ledger.overhead() + int(self.files.sizes(held).sum())
+                + self.ledger.reserved())
 
     def _count_fetch(self, nbytes: int) -> None:
         with self._lock:
             self.stats.requests += 1
             self.stats.fetched_bytes += nbytes
 
-    def minimum(self, batch_size: int, depth: int) -> int:
-        """The least budget that holds the index and the units of `depth + 1` batches of `batch_size` records."""
-        return self.base_bytes + self._units_of_batches(batch_size, depth) * self.files.largest()
-
     def _units_of_batches(self, batch_size: int, depth: int) -> int:
         return min(self.files.count, (depth + 1) * min(batch_size, self.files.count))
 
     def check_room(self, batch_size: int, depth: int = DEPTH) -> None:
-        """Refuse, naming the minimum, a budget too small for batches of `batch_size` fetched `depth` ahead."""
-        need = self.minimum(batch_size, depth)
-        if self.budget < need:
-            kind = "records" if self.files.crcs is not None else "shards (this dataset has no per-record checksums)"
-            raise DatasetError(f"{self.files.root_name}: cache_bytes={self.budget} is too small for batches of "
-                               f"{batch_size} fetched {depth} batches ahead: at least {need} bytes are needed (the "
-                               f"index, {self.base_bytes} bytes, and the {self._units_of_batches(batch_size, depth)} "
-                               f"{kind} of {depth + 1} batches, up to {self.files.largest()} bytes each); give "
-                               f"cache_bytes >= {need}")
+        """Refuse, naming the minimum, a budget too small for batches of `batch_size` fetched `depth` ahead here
+        and for what the node's other processes that share the folder said they need (`NodeLedger.set_need`)."""
+        units = self._units_of_batches(batch_size, depth)
+        mine = units * self.files.largest()
+        with self.ledger.locked():
+            needs, planners = self.ledger.set_need(mine)
+            theirs = needs - mine
+            # the table and a plan for each process that makes batches (published when it starts following one)
+            tables = max(self.ledger.overhead(), TABLE_BYTES + planners * self.ledger.plan_bytes)
+            need = self.base_bytes + tables + mine + theirs
+            if self.budget >= need:
+                return
+            self.ledger.set_need(0)
+        kind = "records" if self.files.crcs is not None else "shards (this dataset has no per-record checksums)"
+        others = (f", and {theirs} bytes for the batches of the node's other processes that share this cache (each "
+                  "of them needs cache_bytes at least this too)") if theirs else ""
+        raise DatasetError(f"{self.files.root_name}: cache_bytes={self.budget} is too small for batches of "
+                           f"{batch_size} fetched {depth} batches ahead: at least {need} bytes are needed (the "
+                           f"index, {self.base_bytes} bytes, the node's table and plans, {tables} bytes, the {units} "
+                           f"{kind} of {depth + 1} batches, up to {self.files.largest()} bytes each{others}); give "
+                           f"cache_bytes >= {need}")
 
     # --------------------------------------------------------------------- the reader's seam
 
@@ -179,17 +207,32 @@ class RecordCache:
             passes.append(self.files.of(then[:len(then)]))  # sliced: an `order.LazyShare` is computed then
         plan = Plan(passes, batch_size, self.files.count)
         with self._lock:
-            self._plan, self._start, self._depth = plan, start, depth
+            self._plan, self._start, self._depth, self._now = plan, start, depth, 0
             self._next = plan.first_use.copy()  # batch numbers from `start`, like every plan-relative one
+            if not self.ledger.has_plan():
+                self._make_plan()
+            self.ledger.publish(self._next)  # for the node's other processes' evictions
+
+    def _make_plan(self) -> None:
+        """This process's plan file, in room made for it (it counts in the budget, `NodeLedger.overhead`)."""
+        with self.ledger.locked():
+            if self._make_room(self.ledger.plan_bytes, None, np.zeros(0, np.int64), self.files.present_mask()) \
+                    is None:
+                raise DatasetError(f"{self.files.root_name}: the cache cannot hold this process's plan "
+                                   f"({self.ledger.plan_bytes} bytes) within cache_bytes={self.budget}: the node's "
+                                   "fetches under way hold the rest; give a larger cache_bytes")
+            self.ledger.make_plan()
 
     def fill(self, dst: np.ndarray, idx: np.ndarray, batch: int | None = None) -> None:
         """Copy records `idx` into `dst[:len(idx)]`, fetching what is not local; `batch`: which batch of the
         followed sequence this is (its next ones are fetched ahead, and what it read is let go after)."""
         plan = self._plan if batch is not None else None
-        at = batch - self._start if plan is not None else 0
+        at = batch - self._start if plan is not None else self._now
         units = np.unique(self.files.of(idx))
-        with self._lock:
-            self._request(units, pinned=units, reach=at + self._ahead(plan) if plan is not None else None)
+        began = time.perf_counter()
+        if plan is not None:
+            self.ledger.at_batch(at)
+        with self._room(units, at, reach=at + self._ahead(plan) if plan is not None else None):
             if plan is not None:
                 self._prefetch(plan, at)
             waits = [self._pending[u] for u in units.tolist() if u in self._pending]
@@ -197,7 +240,6 @@ class RecordCache:
             self.stats.misses += int(fresh.sum())
             self.stats.hits += len(units) - int(fresh.sum())
             self._fresh[units] = False
-        began = time.perf_counter()
         for future in waits:
             future.result()
         self.stats.wait_s += time.perf_counter() - began
@@ -205,12 +247,38 @@ class RecordCache:
         if plan is not None:
             with self._lock:
                 self._next[units] = plan.after(units, at)
+                self.ledger.publish(self._next, units)
+
+    @contextlib.contextmanager
+    def _room(self, units: np.ndarray, now: int, reach: int | None = None) -> Iterator[None]:
+        """Hold `_lock` with the fetches of `units` started (the batch being made at `now`); while the node's
+        folder has no room for them, wait for fetches under way (this process's or others') to end, up to
+        ROOM_WAIT_S, then an error."""
+        deadline = time.monotonic() + ROOM_WAIT_S
+        while True:
+            with self._lock:
+                self._now = now
+                if self._request(units, pinned=units, reach=reach):
+                    yield
+                    return
+                mine = list(self._pending.values())
+                others = self.ledger.reserved_by_others()
+            if (not mine and not others) or time.monotonic() > deadline:
+                raise DatasetError(f"{self.files.root_name}: the cache cannot hold the {len(units)} unit(s) one "
+                                   f"batch needs within cache_bytes={self.budget} ({self.used} held or reserved by "
+                                   f"the node's {self.ledger.processes()} process(es) sharing it); give a larger "
+                                   "cache_bytes")
+            if mine:
+                wait(mine, timeout=ROOM_POLL_S * 10, return_when=FIRST_COMPLETED)
+            else:
+                time.sleep(ROOM_POLL_S)
 
     def close(self) -> None:
         if self._pool_pid == os.getpid():
             for pool in filter(None, (self._pool, self._readers)):
                 pool.shutdown(wait=True)
         self._pool = self._readers = None
+        self.ledger.leave()
 
     # --------------------------------------------------------------------- what to fetch, what to evict
 
@@ -227,44 +295,56 @@ class RecordCache:
 
     def _request(self, units: np.ndarray, horizon: int | None = None, pinned: np.ndarray | None = None,
                  reach: int | None = None) -> bool:
-        """Start fetching `units` not held yet (with their neighbours read by batch `reach`, where there is free
-        room: `_with_neighbours`); False when room for them cannot be made (nothing started). Evictable: units
-        not being fetched, not in `pinned`, and (with a `horizon`) not needed by then."""
-        missing = units[~self._held[units]]
+        """Start fetching `units` the folder does not hold (with their neighbours read by batch `reach`, where
+        there is free room: `_with_neighbours`); False when room for them cannot be made (nothing started).
+        Evictable: units held, not being fetched here, not in `pinned`, and (with a `horizon`) read by no process
+        of the node by then. Room made and reserved is one step for the node (`NodeLedger.locked`)."""
+        missing = units[~(self.files.present_of(units) | self._fetching[units])]
         if len(missing) == 0:
             return True
         need = int(self.files.sizes(missing).sum())
-        if not self._make_room(need, horizon, pinned if pinned is not None else units):
-            if horizon is not None:
+        with self.ledger.locked():
+            if self.ledger.reap():  # a process gone left bytes nothing counts: freed
+                self._executor().submit(self.files.reclaim)
+            present = self.files.present_mask()  # now: under the lock, no process lets units go
+            used = self._make_room(need, horizon, pinned if pinned is not None else units, present)
+            if used is None:
                 return False
-            raise DatasetError(f"{self.files.root_name}: the cache cannot hold the {len(units)} unit(s) one batch "
-                               f"needs within cache_bytes={self.budget} ({self.used} held); give a larger cache_bytes")
-        if reach is not None and self.files.crcs is not None:
-            more = self._with_neighbours(missing, reach)
-            extra = int(self.files.sizes(more).sum())
-            if self.used + need + extra <= self.budget:
-                missing, need = np.union1d(missing, more), need + extra
-        self._held[missing] = True
+            if reach is not None and self.files.crcs is not None:
+                more = self._with_neighbours(missing, reach, present)
+                extra = int(self.files.sizes(more).sum())
+                if used + need + extra <= self.budget:
+                    missing, need = np.union1d(missing, more), need + extra
+            self.ledger.reserve(need)
+        self._fetching[missing] = True
         self._fresh[missing] = True
-        self.used += need
         room, self._victims = self._victims, None
         for shard, first, last in self.files.runs(missing):
-            future = self._executor().submit(self._fetch_run, room, shard, first, last)
+            reserved = [int(self.files.sizes(np.arange(first, last)).sum()) if self.files.crcs is not None else
+                        self.files.size(shard)]  # what is left of this run's reservation (`_placed`)
+            future = self._executor().submit(self._fetch_run, room, shard, first, last, reserved)
             for u in range(first, last):
                 self._pending[u] = future
-            future.add_done_callback(lambda f, span=(first, last): self._fetched(f, span))
+            future.add_done_callback(lambda f, span=(first, last), left=reserved: self._fetched(f, span, left))
         return True
 
-    def _fetch_run(self, room: Future | None, shard: int, first: int, last: int) -> None:
-        """A fetch, once the records let go to make room for it are punched (`_evict`)."""
+    def _fetch_run(self, room: Future | None, shard: int, first: int, last: int, reserved: list[int]) -> None:
+        """A fetch, once the records let go to make room for it are punched (`_evict`); what it places counts as
+        held from then on, not as reserved (`reserved`: what is left of the run's reservation)."""
+        def placed(nbytes: int, mark: Callable[[], None]) -> None:
+            with self.ledger.locked():  # held and no longer reserved at once, for every process's count
+                mark()
+                self.ledger.release(nbytes)
+            reserved[0] -= nbytes
+
         if room is not None:
             room.result()
-        self.files.fetch_run(shard, first, last)
+        self.files.fetch_run(shard, first, last, placed)
 
-    def _with_neighbours(self, missing: np.ndarray, reach: int) -> np.ndarray:
+    def _with_neighbours(self, missing: np.ndarray, reach: int, present: np.ndarray) -> np.ndarray:
         """The records not held that the followed sequence reads by batch `reach` and that extend a run of
         `missing` (block order reads a window in a random order: its neighbours come a few batches later)."""
-        soon = np.flatnonzero(~self._held & (self._next <= reach))
+        soon = np.flatnonzero(~present & ~self._fetching & (self._next <= reach))
         if len(soon) == 0:
             return soon
         union = np.union1d(missing, soon)
@@ -274,55 +354,70 @@ class RecordCache:
         wanted[run[np.isin(union, missing)]] = True
         return np.setdiff1d(union[wanted[run]], missing)
 
-    def _fetched(self, future: Future, span: tuple[int, int]) -> None:
+    def _fetched(self, future: Future, span: tuple[int, int], reserved: list[int]) -> None:
+        """A fetch ended: the rest of its reservation goes (an error: what it did not place)."""
         with self._lock:
             for u in range(*span):
                 if self._pending.get(u) is future:
                     del self._pending[u]
-            if future.exception() is not None:  # what was not placed before the error is not held any more
-                for u in range(*span):
-                    if self._held[u] and not self.files.whole(u):
-                        self._held[u] = False
-                        self.used -= self.files.size(u)
+            self._fetching[span[0]:span[1]] = False
+            self.ledger.release(reserved[0])
+            reserved[0] = 0
 
-    def _make_room(self, need: int, horizon: int | None, pinned: np.ndarray) -> bool:
-        """Evict units, furthest next use first, until `need` more bytes fit; False (nothing evicted) if
-        that would take a unit being fetched, a pinned one or (with `horizon`) one needed by then."""
-        over = self.used + need - self.budget
+    def _make_room(self, need: int, horizon: int | None, pinned: np.ndarray, present: np.ndarray) -> int | None:
+        """Evict units, furthest next use by any process of the node first, until `need` more bytes fit; the
+        bytes then counted, or None (nothing evicted) if that would take a unit being fetched, a pinned one or
+        (with `horizon`) one some process reads by then."""
+        used = self._node_used(present)
+        over = used + need - self.budget
         if over <= 0:
-            return True
-        candidates = np.flatnonzero(self._held)
-        keep = np.zeros(len(candidates), dtype=bool)
-        if self._pending:
-            keep |= np.isin(candidates, np.fromiter(self._pending, np.int64, len(self._pending)))
-        keep |= np.isin(candidates, pinned)
+            return used
+        candidates = present & ~self._fetching
+        candidates[pinned] = False
+        candidates = np.flatnonzero(candidates)
+        ahead = self._distances(candidates)
         if horizon is not None:
-            keep |= self._next[candidates] <= horizon
-        candidates = candidates[~keep]
-        order = candidates[np.argsort(-self._next[candidates], kind="stable")]
-        enough = np.searchsorted(np.cumsum(self.files.sizes(order)), over)
+            candidates, ahead = candidates[ahead > horizon - self._now], ahead[ahead > horizon - self._now]
+        order = candidates[np.argsort(-ahead, kind="stable")]
+        sizes = self.files.sizes(order)
+        enough = np.searchsorted(np.cumsum(sizes), over)
         if enough >= len(order):
-            return False
-        self._evict(order[:enough + 1])
-        return True
+            return None
+        freed = int(sizes[:enough + 1].sum())
+        beyond = max(0, freed - need)
+        self._evict(order[:enough + 1], beyond)
+        return used - freed + beyond
 
-    def _evict(self, units: np.ndarray) -> None:
-        """Let units go (ours, counted by `scan` or a fetch): a shard's file deleted now; records' bytes punched
-        on a fetch thread (under their chunks' locks, which a fetch holds while its GET runs: never waited for
-        under `_lock`), before the fetches that need the room write anything (`_fetch_run`)."""
+    def _distances(self, units: np.ndarray) -> np.ndarray:
+        """How many batches from now the node reads each of `units` next: this process by its plan, the others
+        by theirs (`NodeLedger.distances`); NEVER where none does."""
+        own = self._next[units]
+        own = np.where(own == NEVER, NEVER, np.maximum(own - self._now, 0))
+        return np.minimum(own, self.ledger.distances(units))
+
+    def _evict(self, units: np.ndarray, beyond: int) -> None:
+        """Let units go (under the node's lock): a shard's file deleted now; records' words changed now (no
+        process counts them as held, or reads them, from then on) and their bytes punched on a fetch thread
+        (under their chunks' locks, which a fetch holds while its GET runs: never waited for under `_lock`),
+        before the fetches that need the room write anything (`_fetch_run`). Until then the bytes are still on
+        disk: the room made for those fetches counts them, and `beyond`, the bytes let go past that room, is
+        reserved until they are punched."""
         if isinstance(self.files, RecordSlots):
+            self.files.let_go_now(units)
+            self.ledger.reserve(beyond)
             earlier = self._victims
 
             def punch() -> None:
                 if earlier is not None:
                     earlier.result()
-                self.files.remove_all(units)
+                try:
+                    self.files.punch_absent(units)
+                finally:
+                    self.ledger.release(beyond)
 
             self._victims = self._executor().submit(punch)
         else:
             self.files.remove_all(units)
-        self._held[units] = False
-        self.used -= int(self.files.sizes(units).sum())
 
     def _executor(self) -> ThreadPoolExecutor:
         self._own_pools()
@@ -342,12 +437,10 @@ class RecordCache:
         and one of them may have held the lock; so a new lock, and what they fetch is not held but fetched again
         when needed (or found in place, `UnitFiles.fetch_run`)."""
         self._lock = threading.RLock()
-        for unit in self._pending:
-            if self._held[unit]:
-                self._held[unit] = False
-                self.used -= self.files.size(unit)
         self._pending = {}
+        self._fetching[:] = False
         self._victims = None
+        self.ledger.after_fork()
 
     def _own_pools(self) -> None:
         """A forked child makes pools of its own (its parent's threads are not in it)."""
@@ -381,24 +474,25 @@ class RecordCache:
                 future.result()
 
     def _read(self, row: np.ndarray, record: int) -> None:
-        """Record `record` into `row`; a unit gone (another process let it go) or wrong is fetched again
-        once, and a copy still wrong is an error naming it."""
+        """Record `record` into `row`; a unit gone (another process let it go) is fetched again (up to GONE_TRIES
+        times, each time let go before it was read), one wrong once; a copy still wrong is an error naming it."""
         problem = self.files.read(row, record)
         if problem is None:
             return
         unit = int(self.files.of(record))
-        if problem == "gone":
-            with self._lock:
-                if unit not in self._pending and self._held[unit]:
-                    self._held[unit] = False
-                    self.used -= self.files.size(unit)
-                self._request(np.array([unit]), pinned=np.array([unit]))
+        for _ in range(GONE_TRIES):  # fetched again, it may be let go again before it is read: once more
+            if problem != "gone":
+                break
+            with self._room(np.array([unit]), self._now):
                 future = self._pending.get(unit)
             if future is not None:
                 future.result()
-        else:
+            problem = self.files.read(row, record)
+        if problem is None:
+            return
+        if problem != "gone":
             self.files.fetch_again(record // self.files.per_shard, unit, unit + 1)
-        problem = self.files.read(row, record)
+            problem = self.files.read(row, record)
         if problem is not None:
             name = self.files.manifest.shards[record // self.files.per_shard].file
             raise DatasetError(f"{self.files.root_name}/{name}: record {record}: its cached copy "

@@ -50,7 +50,6 @@ TIMEOUT_ENV = "DSC_S3_TIMEOUT"
 PIECE_BYTES = 32 << 20  # a download is a run of ranged GETs of this size, each retried on its own
 FETCHES = 2  # downloads of a file whose bytes do not match the manifest, before it is an error
 DEFAULT_SHARE = 0.5  # cache_bytes by default: this share of the cache's free space at open, plus what it holds
-LOCAL_RANKS_ENV = "LOCAL_WORLD_SIZE"  # the ranks of this node (torchrun sets it): they split DEFAULT_SHARE
 LOCK_SUFFIX = ".lock"
 TABLES_DIR = "shard-tables"  # (1.4) <cache>/shard-tables/<SHA-256>: the node's copy of each shard table it read
 
@@ -131,12 +130,6 @@ def _request_timeout() -> float:
     return seconds
 
 
-
-
-def _local_ranks() -> int:
-    """How many ranks of this node share its cache: $LOCAL_WORLD_SIZE (a positive integer), else 1."""
-    text = os.environ.get(LOCAL_RANKS_ENV, "").strip()
-    return int(text) if text.isdigit() and int(text) > 0 else 1
 
 
 def _forked() -> bool:
@@ -540,12 +533,12 @@ class S3Dataset:
         return len(self._text or b"") + sum(e.bytes for e in self._whole_files()) + state
 
     def budget(self) -> int:
-        """`cache_bytes`, or by default DEFAULT_SHARE of the cache's free space at the first open, split between
-        the node's ranks (each counts what it holds: `cache`), plus what this dataset's folder holds already."""
+        """`cache_bytes`, or by default DEFAULT_SHARE of the cache's free space at the first open plus what this
+        dataset's folder holds already: the node's, whose processes count what they hold together (`cache`)."""
         if self.cache_bytes is None:
             folder = self.local_folder()
             held = sum(_disk_bytes(p) for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
-            self.cache_bytes = int(free_bytes(folder) * DEFAULT_SHARE / _local_ranks()) + held
+            self.cache_bytes = int(free_bytes(folder) * DEFAULT_SHARE) + held
         return self.cache_bytes
 
     def _check_budget(self) -> None:

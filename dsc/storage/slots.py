@@ -96,6 +96,7 @@ def _fallocate() -> Callable[[int, int, int, int], int] | None:
 
 
 _fallocate_call = _fallocate()
+Placed = Callable[[int, Callable[[], None]], None]  # `fetch_run`'s placed(nbytes, mark)
 
 
 def punch(fd: int, offset: int, length: int) -> None:
@@ -202,6 +203,14 @@ class RecordSlots:
     def present(self, unit: int) -> bool:
         return bool(self.state[unit] & 1)
 
+    def present_mask(self) -> np.ndarray:
+        """Which records the node's folder holds now (whoever placed them)."""
+        return (self.state & 1).astype(bool)
+
+    def present_of(self, units: np.ndarray) -> np.ndarray:
+        """Which of `units` the folder holds now (a batch's: what a warm read asks, without the whole mask)."""
+        return (self.state[units] & 1).astype(bool)
+
     whole = present
 
     def scan(self) -> tuple[np.ndarray, int]:
@@ -289,6 +298,21 @@ class RecordSlots:
     def remove(self, unit: int) -> None:
         self.remove_all(np.array([unit]))
 
+    def let_go_now(self, units: np.ndarray) -> None:
+        """Let present records go at once, without their chunks' locks (a fetch may hold one while its GET runs):
+        their words bumped, so that no process counts them as held or serves them from then on; their bytes are
+        punched later (`punch_absent`). A writer places only records not present, so none is writing these;
+        one that places one again meanwhile keeps it (`punch_absent` leaves what is present)."""
+        units = np.asarray(units, dtype=np.int64)
+        self.state[units] = (self.state[units] | 1) + 1
+
+    def punch_absent(self, units: np.ndarray) -> None:
+        """Punch the bytes of those of `units` that are not present, a chunk at a time under its lock."""
+        units = np.sort(np.asarray(units, dtype=np.int64))
+        shard = units // self.per_shard
+        for s in np.unique(shard).tolist():
+            self._let_go(s, units[shard == s], bump=False)
+
     def _let_go(self, shard: int, records: np.ndarray, bump: bool) -> None:
         fd, first = self._fd(shard), shard * self.per_shard
         chunk = (records - first) // self._chunk_records()
@@ -332,14 +356,18 @@ class RecordSlots:
 
     # --------------------------------------------------------------------- fetching and checking
 
-    def fetch_run(self, shard: int, first: int, last: int) -> None:
+    def fetch_run(self, shard: int, first: int, last: int, placed: Placed | None = None) -> None:
         """Fetch records [first, last) of one shard under the lock of their chunk, skipping those another
-        process placed meanwhile: one ranged GET, each record checked, written in place, then marked."""
+        process placed meanwhile: one ranged GET, each record checked, written in place, then marked.
+        `placed(nbytes, mark)`: marks records written (`mark()`), the budget's bytes of them said with it (and
+        of those found placed, with nothing to mark)."""
         with locked(self._lock_path(shard, first - shard * self.per_shard)):
             wanted = np.flatnonzero((self.state[first:last] & 1) == 0) + first
+            if placed is not None and len(wanted) < last - first:
+                placed((last - first - len(wanted)) * self.cost, _nothing)
             if len(wanted):
                 self._fetch_records(shard, int(wanted[0]), int(wanted[-1]) + 1,
-                                    wanted if len(wanted) < int(wanted[-1]) + 1 - int(wanted[0]) else None)
+                                    wanted if len(wanted) < int(wanted[-1]) + 1 - int(wanted[0]) else None, placed)
 
     def fetch_again(self, shard: int, first: int, last: int) -> None:
         """Records [first, last) of `shard` let go (a damaged copy) and fetched again."""
@@ -347,7 +375,8 @@ class RecordSlots:
             self.state[first:last] = (self.state[first:last] | 1) + 1
             self._fetch_records(shard, first, last, None)
 
-    def _fetch_records(self, shard: int, first: int, last: int, only: np.ndarray | None) -> None:
+    def _fetch_records(self, shard: int, first: int, last: int, only: np.ndarray | None,
+                       placed: Placed | None = None) -> None:
         """Records [first, last) of `shard` (`only`: of those, the ones to place) in ranged GETs of
         `PIECE_BYTES`, each piece checked, written and marked before the next is asked for (`_fetch_piece`)."""
         step = max(1, PIECE_BYTES // self.record_bytes)
@@ -356,9 +385,10 @@ class RecordSlots:
             units = wanted[(wanted >= start) & (wanted < start + step)]
             if len(units):
                 lo, hi = int(units[0]), int(units[-1]) + 1
-                self._fetch_piece(shard, lo, hi, units if len(units) < hi - lo else None)
+                self._fetch_piece(shard, lo, hi, units if len(units) < hi - lo else None, placed)
 
-    def _fetch_piece(self, shard: int, first: int, last: int, only: np.ndarray | None) -> None:
+    def _fetch_piece(self, shard: int, first: int, last: int, only: np.ndarray | None,
+                     placed: Placed | None = None) -> None:
         """One ranged GET of records [first, last) of `shard` (`only`: of those, the ones to place); each
         checked against its CRC-32 (fetched again once when wrong), written, then marked present."""
         name, rb, fd = self.manifest.shards[shard].file, self.record_bytes, self._fd(shard)
@@ -373,8 +403,14 @@ class RecordSlots:
             for u in units.tolist():
                 piece = data[(u - first) * rb:(u - first + 1) * rb] if u not in wrong else self._refetch(u)
                 _write(fd, piece, offset + (u - first) * rb)
-        self.state[units] |= 1
-        self._checked[units] = self.state[units]
+
+        def mark() -> None:
+            self.state[units] |= 1
+            self._checked[units] = self.state[units]
+        if placed is None:
+            mark()
+        else:
+            placed(len(units) * self.cost, mark)
 
     def _refetch(self, unit: int) -> memoryview:
         """Record `unit` fetched again on its own; still not matching its CRC-32: an error naming it."""
@@ -434,6 +470,10 @@ class RecordSlots:
             self._checked[record] = word
         return None
 
+
+
+def _nothing() -> None:
+    pass
 
 
 def _close_all(fds: dict[int, int]) -> None:

@@ -31,6 +31,7 @@ GET_BYTES = 16 << 20  # a shard is fetched in ranged GETs of at most this much
 FETCHES = 2  # fetches of a unit whose bytes are wrong, before it is an error
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # never a link, never wait on a FIFO
 _UNIT_NAME = re.compile(r"shards/(\d{5,})\.bin")
+_TEMP_NAME = re.compile(rf"\.(\d{{5,}})\.bin\.[0-9a-f]{{16}}{re.escape(TEMP_SUFFIX)}")  # `_place`'s temporaries
 
 
 def fetch_range(get: Callable[[str, int, int], bytes], at: Callable[[str], str], fetched: Callable[[int], None],
@@ -105,6 +106,16 @@ class UnitFiles:
                 found[unit] = st.st_size
         return np.array(sorted(found), dtype=np.int64), sum(found.values())
 
+    def present_mask(self) -> np.ndarray:
+        """Which shards the node's folder holds now, whole (whoever placed them)."""
+        mask = np.zeros(self.count, dtype=bool)
+        mask[self.scan()[0]] = True
+        return mask
+
+    def present_of(self, units: np.ndarray) -> np.ndarray:
+        """Which of `units` the folder holds now, whole."""
+        return np.array([self.whole(int(u)) for u in units], dtype=bool)
+
     def _unit_at(self, path: Path) -> int | None:
         """The unit whose name `path` has in this dataset's layout, or None (not ours)."""
         match = _UNIT_NAME.fullmatch(path.relative_to(self.folder).as_posix())
@@ -157,15 +168,28 @@ class UnitFiles:
 
     # --------------------------------------------------------------------- fetching and checking
 
-    def fetch_run(self, shard: int, first: int, last: int) -> None:
+    def fetch_run(self, shard: int, first: int, last: int,
+                  placed: Callable[[int, Callable[[], None]], None] | None = None) -> None:
         """Fetch shard `shard` under its lock, unless another process placed it meanwhile; checked, placed by
-        rename (temporaries a killed writer of this shard left are removed first)."""
+        rename (temporaries a killed writer of this shard left are removed first). `placed(nbytes, mark)`: told
+        of its bytes once it is in place (nothing left to mark)."""
         lock_path = self.folder / fmt.SHARD_DIR / f".{shard:05d}.bin.lock"
         lock_path.parent.mkdir(parents=True, exist_ok=True)
         with locked(lock_path):
             self._remove_stale_temporaries(shard)
             if not self.present(shard):
                 self.fetch_again(shard, first, last)
+            if placed is not None:
+                placed(self.size(shard), lambda: None)
+
+    def reclaim(self) -> None:
+        """Remove the temporaries writers that are gone left (each shard's under its lock: none of its writers is
+        alive then); a process of the node found dead had reserved bytes (`NodeLedger.reap`)."""
+        found = {int(m.group(1)) for m in map(_TEMP_NAME.fullmatch, os.listdir(self.folder / fmt.SHARD_DIR)
+                                                if (self.folder / fmt.SHARD_DIR).is_dir() else []) if m}
+        for shard in sorted(s for s in found if s < self.count):
+            with locked(self.folder / fmt.SHARD_DIR / f".{shard:05d}.bin.lock"):
+                self._remove_stale_temporaries(shard)
 
     def _remove_stale_temporaries(self, shard: int) -> None:
         """The temporaries of this shard's unit (`_place`'s names): their writer held this lock and is gone."""

@@ -1,0 +1,327 @@
+"""The node's ledger of one dataset's record cache: one `cache_bytes` for every process of a node that shares
+the cache folder, and one plan of what they read next.
+
+Processes of a node (DDP ranks, their DataLoader workers) share a dataset's cache folder, so they share its
+limit: what the folder holds counts once, whoever fetched it. Two things are not on disk for them to see:
+
+- the bytes a process has **reserved** for fetches under way (room made before a GET, so the limit holds
+  while bytes arrive; and while records it let go are being punched, their bytes beyond those fetches'):
+  each process keeps its sum in its row of `node/table.bin`;
+- **when each process reads each unit next**: ranks read disjoint shares of an epoch, so a process that
+  evicted by its own plan alone would let go first the units other ranks read next, and the ranks would
+  fetch each other's units out in turn. Each process that follows a plan publishes it in
+  `node/next.<row>.bin` (one int32 per unit: the batch of its plan that reads it next), and the batch it
+  is making in its row; a unit's distance for the node is the least, over the processes, of how many of
+  their batches from now it is read (`distances`). Evictions go by that (Belady's rule over the node), and
+  a process that prefetches lets go of nothing another one reads within the same horizon.
+
+A row is claimed by a process the first time it needs one (a child forked from a process that held one
+claims its own) and freed when its cache is closed; a row whose process is gone (its pid not alive, or
+alive with another start time) counts for nothing, and its plan file is removed by the next process that
+claims it. Reading and writing the table to make room and reserve happen under `node/table.lock`, so two
+processes never both take the last free bytes. What the folder holds is read from the cache's own files (the
+records' state words, the shard files), not from the table: nothing a killed process left behind is counted
+twice or never.
+
+Distances are comparable across processes that make batches at the same pace (the ranks of a job); the
+limit holds whatever the processes are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import mmap
+import os
+import re
+import stat
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from dsc.errors import DatasetError
+from dsc.storage.local import locked
+
+NODE_DIR = "node"
+TABLE_FILE = "table.bin"
+LOCK_FILE = "table.lock"
+ROWS = 256  # processes sharing one dataset's cache at a time
+_COLUMNS = ("pid", "started", "reserved", "now", "need")  # a row: int64 each
+_PID, _STARTED, _RESERVED, _NOW, _NEED = range(len(_COLUMNS))
+TABLE_BYTES = ROWS * len(_COLUMNS) * 8
+NEXT_DTYPE = np.dtype(np.int32)  # a plan's batch number (native order: node-local)
+NEVER = np.iinfo(NEXT_DTYPE).max  # read again by no batch of the plan
+_NEXT_NAME = re.compile(r"next\.(\d+)\.bin")
+_OPEN_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+# the other processes' plans are read again once this many times as long as reading them took has passed: reading
+# them is O(processes x units), 40 ms for 8 plans of 1.28M records, and ranks move a few batches meanwhile (an
+# eviction on a slightly older view refetches a unit at worst); small datasets' are read again every time
+REFRESH_AFTER = 10
+
+
+def _started(pid: int) -> int | None:
+    """The start time of process `pid` (clock ticks after boot, Linux); -1: no such process, or one that has
+    ended and waits to be reaped (a zombie); None: it cannot be told (it then counts as alive)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return -1 if fields[0] in (b"Z", b"X") else int(fields[19])
+    except FileNotFoundError:
+        return -1
+    except (OSError, ValueError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return -1
+        except PermissionError:
+            pass
+        return None
+
+
+class NodeLedger:
+    """The ledger of the cache folder `folder` of a dataset of `units` units (module docstring)."""
+
+    def __init__(self, folder: Path, units: int) -> None:
+        self.folder, self.units = folder / NODE_DIR, units
+        self.folder.mkdir(exist_ok=True)
+        self.plan_bytes = units * NEXT_DTYPE.itemsize  # a process's published plan
+        self._table = self._map_table()
+        self._row: int | None = None
+        self._row_pid = 0
+        self._plan: np.ndarray | None = None  # this process's published plan (its row's file, mapped)
+        self._theirs: dict[int, tuple[tuple, np.ndarray]] = {}  # row -> ((pid, started, inode), its plan mapped)
+        self._counting = threading.Lock()  # this process's threads add to and take from its reservations
+        self._nearest: np.ndarray | None = None  # the others' distances to every unit (`distances`), valid until
+        self._nearest_until = 0.0
+
+    # --------------------------------------------------------------------- files
+
+    def _map_table(self) -> np.ndarray:
+        path = self.folder / TABLE_FILE
+        fd = self._open(path, create=True)
+        try:
+            size = os.fstat(fd).st_size
+            if size == 0:
+                os.ftruncate(fd, TABLE_BYTES)  # no rows claimed (another process may do the same: same size)
+            elif size != TABLE_BYTES:
+                raise self._foreign(path, f"{size} bytes where the node's table has {TABLE_BYTES}")
+            return np.frombuffer(mmap.mmap(fd, TABLE_BYTES), dtype=np.int64).reshape(ROWS, len(_COLUMNS))
+        finally:
+            os.close(fd)
+
+    def _open(self, path: Path, create: bool = False) -> int:
+        try:
+            fd = os.open(path, _OPEN_FLAGS | (os.O_CREAT if create else 0), 0o644)
+        except OSError as e:
+            if e.errno == errno.ENOENT:
+                raise
+            raise self._foreign(path, "not a regular file") from e
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise self._foreign(path, "not a regular file")
+        return fd
+
+    def _foreign(self, path: Path, what: str) -> DatasetError:
+        return DatasetError(f"{path}: {what}; the cache holds something dsc did not put there, and leaves it alone: "
+                            "move it away")
+
+    def _plan_path(self, row: int) -> Path:
+        return self.folder / f"next.{row}.bin"
+
+    def overhead(self) -> int:
+        """The bytes the ledger's files take: the table, and the plans published (one per process following one)."""
+        plans = 0
+        with contextlib.suppress(FileNotFoundError), os.scandir(self.folder) as entries:
+            plans = sum(1 for e in entries if _NEXT_NAME.fullmatch(e.name) and e.is_file(follow_symlinks=False))
+        return TABLE_BYTES + plans * self.plan_bytes
+
+    # --------------------------------------------------------------------- rows
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """The table's lock: making room and reserving it are one step for the node."""
+        with locked(self.folder / LOCK_FILE):
+            yield
+
+    def _live(self) -> np.ndarray:
+        """The rows whose process is alive (by its pid and start time)."""
+        return np.array([r for r, alive in self._rows() if alive], dtype=np.int64)
+
+    def _rows(self) -> list[tuple[int, bool]]:
+        """(row, alive) of every row claimed."""
+        rows = []
+        for r in np.flatnonzero(self._table[:, _PID]).tolist():
+            started = _started(int(self._table[r, _PID]))
+            rows.append((r, started is None or started == self._table[r, _STARTED]))
+        return rows
+
+    def reap(self) -> bool:
+        """Free the rows of processes gone (under `locked`), their plans removed; whether one of them had bytes
+        reserved: it may have left records half written, or let go and not punched, which nothing counts now
+        (the cache then frees them: `RecordSlots.reclaim`)."""
+        left = False
+        for row, alive in self._rows():
+            if not alive:
+                left |= bool(self._table[row, _RESERVED])
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self._plan_path(row))
+                self._table[row] = 0
+        return left
+
+    def mine(self) -> int:
+        """This process's row, claimed now if it has none (under `locked`): a free row, or one whose process is
+        gone (its plan file removed)."""
+        if self._row is not None and self._row_pid == os.getpid():
+            return self._row
+        pid = os.getpid()
+        live = set(self._live().tolist())
+        free = [r for r in range(ROWS) if r not in live]
+        if not free:
+            raise DatasetError(f"{self.folder.parent}: {ROWS} processes of this node share this dataset's cache "
+                               "already; no more can join it (give the others' DataLoaders fewer workers, or this "
+                               "process another cache_dir)")
+        row = free[0]
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._plan_path(row))  # a process gone left it (ours: created by `follow`, in our folder)
+        self._table[row] = (pid, _started(pid), 0, -1, 0)
+        self._row, self._row_pid, self._plan = row, pid, None
+        return row
+
+    def leave(self) -> None:
+        """Remove this process's plan and free its row (its cache is closed or collected). Without the table's
+        lock: a finalizer may run this on any thread, in the middle of anything (a lock held included); the
+        plan goes first, while no other process may claim the row and make one of its own there."""
+        row, self._row, self._plan = self._row, None, None
+        if row is None or self._row_pid != os.getpid():
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._plan_path(row))
+        self._table[row, _PID] = 0
+
+    def after_fork(self) -> None:
+        """In a child just forked: the parent's row and plan are the parent's (the child claims its own)."""
+        self._row, self._plan, self._theirs, self._nearest = None, None, {}, None  # (read again when asked)
+        self._counting = threading.Lock()
+
+    # --------------------------------------------------------------------- reserved bytes and needs
+
+    def reserve(self, nbytes: int) -> None:
+        """Count `nbytes` more in this process's reservations (under `locked`, after making room for them)."""
+        row = self.mine()
+        with self._counting:
+            self._table[row, _RESERVED] += nbytes
+
+    def release(self, nbytes: int) -> None:
+        """Count `nbytes` less (their fetch ended: what it placed is counted on disk now)."""
+        row = self._row
+        if row is not None and self._row_pid == os.getpid():
+            with self._counting:
+                self._table[row, _RESERVED] -= nbytes
+
+    def reserved(self) -> int:
+        """The bytes the node's live processes have reserved."""
+        live = self._live()
+        return int(self._table[live, _RESERVED].sum()) if len(live) else 0
+
+    def reserved_by_others(self) -> int:
+        live = self._live()
+        live = live[live != self._row] if self._row is not None else live
+        return int(self._table[live, _RESERVED].sum()) if len(live) else 0
+
+    def set_need(self, nbytes: int) -> tuple[int, int]:
+        """Say what this process needs to make its batches (its part of the node's minimum); the needs of the
+        node's live processes, this one's included, and how many of them need any (under `locked`)."""
+        self._table[self.mine(), _NEED] = nbytes
+        needs = self._table[self._live(), _NEED]
+        return int(needs.sum()), int((needs > 0).sum())
+
+    def processes(self) -> int:
+        return len(self._live())
+
+    # --------------------------------------------------------------------- plans
+
+    def has_plan(self) -> bool:
+        return self._plan is not None and self._row_pid == os.getpid()
+
+    def make_plan(self) -> None:
+        """Make this process's plan file (under `locked`, once its room is made: `overhead` counts it)."""
+        path = self._plan_path(self.mine())
+        fd = self._open(path, create=True)
+        try:
+            os.ftruncate(fd, self.plan_bytes)
+            self._plan = np.frombuffer(mmap.mmap(fd, self.plan_bytes), dtype=NEXT_DTYPE) \
+                if self.plan_bytes else np.zeros(0, NEXT_DTYPE)
+        finally:
+            os.close(fd)
+        self._plan[:] = NEVER
+
+    def publish(self, next_use: np.ndarray, units: np.ndarray | None = None) -> None:
+        """Publish when this process's plan reads each unit next (`units`: only those changed), as batch numbers
+        from the plan's start; NEVER and anything past int32 read as never. Nothing without a plan file."""
+        if not self.has_plan():
+            return
+        values = np.minimum(next_use if units is None else next_use[units], NEVER).astype(NEXT_DTYPE)
+        if units is None:
+            self._plan[:] = values
+        else:
+            self._plan[units] = values
+
+    def at_batch(self, batch: int) -> None:
+        """This process is making batch `batch` of its plan now."""
+        if self._row is not None and self._row_pid == os.getpid():
+            self._table[self._row, _NOW] = batch
+
+    def distances(self, units: np.ndarray) -> np.ndarray:
+        """How many batches from now another live process with a plan reads each of `units` next: the least over
+        them (int64; `never` where none does), as of a moment ago (REFRESH_AFTER)."""
+        began = time.monotonic()
+        if self._nearest is None or began >= self._nearest_until:
+            self._nearest = self._others_nearest()
+            self._nearest_until = began + REFRESH_AFTER * (time.monotonic() - began)
+        return self._nearest[units]
+
+    def _others_nearest(self) -> np.ndarray:
+        """`distances` of every unit, from the others' plans read now (whole arrays: faster than gathers)."""
+        never = np.iinfo(np.int64).max
+        best = np.full(self.units, never, dtype=np.int64)
+        live = set(self._live().tolist())
+        self._theirs = {row: held for row, held in self._theirs.items() if row in live}
+        for row in sorted(live):
+            if row == self._row or self._table[row, _NOW] < 0:
+                continue
+            plan = self._their_plan(row)
+            if plan is None:
+                continue
+            ahead = plan.astype(np.int64)
+            ahead -= self._table[row, _NOW]
+            np.maximum(ahead, 0, out=ahead)
+            ahead[plan == NEVER] = never
+            np.minimum(best, ahead, out=best)
+        return best
+
+    def _their_plan(self, row: int) -> np.ndarray | None:
+        """Another process's plan, mapped (again when its file was made anew: another inode)."""
+        path = self._plan_path(row)
+        try:
+            st = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        key = (int(self._table[row, _PID]), int(self._table[row, _STARTED]), st.st_ino)
+        held = self._theirs.get(row)
+        if held is not None and held[0] == key:
+            return held[1]
+        if not stat.S_ISREG(st.st_mode) or st.st_size != self.plan_bytes or not self.plan_bytes:
+            return None
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            plan = np.frombuffer(mmap.mmap(fd, self.plan_bytes, prot=mmap.PROT_READ), dtype=NEXT_DTYPE)
+        finally:
+            os.close(fd)
+        self._theirs[row] = (key, plan)
+        return plan
