@@ -5,6 +5,7 @@ DataLoader workers started by fork and by spawn."""
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 import signal
@@ -219,6 +220,7 @@ def test_the_default_cache_bytes_is_half_the_free_space_for_the_whole_node(
     held = len((Path(local.path) / fmt.MANIFEST_FILE).read_bytes())  # the manifest's copy, kept at open
     with pytest.raises(DatasetError, match=rf"cache_bytes={500 + held} cannot hold this dataset's index and one "):
         MemmapDataset(url, cache_dir=env)
+    held += len(str(500 + held))  # the default the first open wrote for the node (`ledger.node_default`)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's: 4 ranks of this node share the cache and its disk
     with pytest.raises(DatasetError, match=rf"cache_bytes={500 + held} cannot hold this dataset's index and one "):
         MemmapDataset(url, cache_dir=env)
@@ -447,3 +449,20 @@ def test_a_grown_dataset_uploaded_reads_as_its_latest_version(server: S3Server, 
         MemmapDataset(url, version=99)
     result = CliRunner().invoke(app, ["verify", url, "--version", "1"])
     assert result.exit_code == 0 and "ok: manifest of version 1," in result.output, result.output
+
+
+def test_a_process_opening_later_gets_the_nodes_default_cache_bytes(env: Path, url: str, local: MemmapDataset,
+                                                                   monkeypatch) -> None:
+    """While a process of the node uses the cache, a process opening the dataset later gets the default the
+    first one computed, not half of what is left free on top of what the folder holds by then (fails before:
+    each open added half the free space again, and the node's limit grew with every process that joined)."""
+    monkeypatch.setattr(s3, "free_bytes", lambda path: 1 << 30)
+    first = MemmapDataset(url, cache_dir=env)
+    budget = first.opened.records.budget
+    first.__getitems__(list(range(0, len(first), 7)))  # the folder fills; this process has a row of the node's table
+    later = MemmapDataset(url, cache_dir=env)
+    assert later.opened.records.budget == budget
+    del first
+    gc.collect()  # its cache is closed: its row is freed, no process of the node uses the folder
+    alone = MemmapDataset(url, cache_dir=env)  # computed anew: what the folder holds now counts
+    assert alone.opened.records.budget > budget

@@ -37,7 +37,7 @@ import re
 import stat
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +48,7 @@ from dsc.storage.local import locked
 NODE_DIR = "node"
 TABLE_FILE = "table.bin"
 LOCK_FILE = "table.lock"
+DEFAULT_FILE = "default_bytes"  # the node's default cache_bytes while processes share the folder (`node_default`)
 ROWS = 256  # processes sharing one dataset's cache at a time
 _COLUMNS = ("pid", "started", "reserved", "now", "need")  # a row: int64 each
 _PID, _STARTED, _RESERVED, _NOW, _NEED = range(len(_COLUMNS))
@@ -79,6 +80,32 @@ def _started(pid: int) -> int | None:
         except PermissionError:
             pass
         return None
+
+
+def node_default(folder: Path, compute: Callable[[], int]) -> int:
+    """The default `cache_bytes` of the cache folder `folder`, the same for every process of the node: the one
+    written there while another process of the node uses the folder (it has a row), else `compute()`, written
+    for the others. (Each computed at its own open, a process opening later, once the folder has filled, would
+    add to the limit half of what is left free, and the next one half again.)"""
+    value = compute()  # (first: what the folder holds before the table is made)
+    ledger = NodeLedger(folder, 0)
+    path = ledger.folder / DEFAULT_FILE
+    with ledger.locked():
+        if len(ledger._live()):
+            with contextlib.suppress(OSError, ValueError):
+                fd = ledger._open(path)
+                with os.fdopen(fd, "rb") as f:
+                    stored = int(f.read(32).decode("ascii"))
+                if stored > 0:
+                    return stored
+        temp = path.with_name(f".{DEFAULT_FILE}.{os.getpid()}")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)  # ours: a process of this pid left it
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            f.write(str(value).encode("ascii"))
+        os.replace(temp, path)
+        return value
 
 
 class NodeLedger:
@@ -132,11 +159,16 @@ class NodeLedger:
         return self.folder / f"next.{row}.bin"
 
     def overhead(self) -> int:
-        """The bytes the ledger's files take: the table, and the plans published (one per process following one)."""
-        plans = 0
+        """The bytes the ledger's files take: the table, the plans published (one per process following one) and
+        the node's default budget (`node_default`)."""
+        plans = extra = 0
         with contextlib.suppress(FileNotFoundError), os.scandir(self.folder) as entries:
-            plans = sum(1 for e in entries if _NEXT_NAME.fullmatch(e.name) and e.is_file(follow_symlinks=False))
-        return TABLE_BYTES + plans * self.plan_bytes
+            for entry in entries:
+                if _NEXT_NAME.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+                    plans += 1
+                elif entry.name == DEFAULT_FILE:
+                    extra = entry.stat(follow_symlinks=False).st_size
+        return TABLE_BYTES + plans * self.plan_bytes + extra
 
     # --------------------------------------------------------------------- rows
 

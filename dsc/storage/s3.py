@@ -39,6 +39,7 @@ import numpy as np
 from dsc import format as fmt
 from dsc.errors import DatasetError, StorageError
 from dsc.storage import aws_config, fetch_helper, manifest_copies
+from dsc.storage.ledger import node_default
 from dsc.storage.local import TEMP_SUFFIX, create_exclusive, locked
 
 EXTRA = "pip install 'dsc-images[s3]'"
@@ -534,11 +535,15 @@ class S3Dataset:
 
     def budget(self) -> int:
         """`cache_bytes`, or by default DEFAULT_SHARE of the cache's free space at the first open plus what this
-        dataset's folder holds already: the node's, whose processes count what they hold together (`cache`)."""
+        dataset's folder holds already: the node's, whose processes count what they hold together (`cache`),
+        computed by the first of them to open it (`ledger.node_default`)."""
         if self.cache_bytes is None:
             folder = self.local_folder()
-            held = sum(_disk_bytes(p) for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
-            self.cache_bytes = int(free_bytes(folder) * DEFAULT_SHARE) + held
+
+            def compute() -> int:
+                held = sum(_disk_bytes(p) for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
+                return int(free_bytes(folder) * DEFAULT_SHARE) + held
+            self.cache_bytes = node_default(folder, compute)
         return self.cache_bytes
 
     def _check_budget(self) -> None:
