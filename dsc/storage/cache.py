@@ -138,6 +138,7 @@ class RecordCache:
         self._fresh = np.zeros(n, dtype=bool)  # fetched, and not read by a batch since: a miss
         self._next = np.full(n, NEVER, dtype=np.int64)  # the batch of the plan that reads each next
         self._now = 0  # the batch of the plan being made
+        self._full = False  # the last room asked for had to be made (the others' plans are read before the next)
         self._pending: dict[int, Future] = {}
         self._victims: Future | None = None  # records let go whose bytes are being punched (`_evict`)
         self._pool: ThreadPoolExecutor | None = None
@@ -303,6 +304,8 @@ class RecordCache:
         if len(missing) == 0:
             return True
         need = int(self.files.sizes(missing).sum())
+        if self._full:
+            self.ledger.refresh()  # the others' plans, read before the node's lock is taken (`_make_room`)
         with self.ledger.locked():
             if self.ledger.reap():  # a process gone left bytes nothing counts: freed
                 self._executor().submit(self.files.reclaim)
@@ -370,6 +373,7 @@ class RecordCache:
         (with `horizon`) one some process reads by then."""
         used = self._node_used(present)
         over = used + need - self.budget
+        self._full = over > 0
         if over <= 0:
             return used
         candidates = present & ~self._fetching

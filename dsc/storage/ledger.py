@@ -58,8 +58,8 @@ NEVER = np.iinfo(NEXT_DTYPE).max  # read again by no batch of the plan
 _NEXT_NAME = re.compile(r"next\.(\d+)\.bin")
 _OPEN_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 # the other processes' plans are read again once this many times as long as reading them took has passed: reading
-# them is O(processes x units), 40 ms for 8 plans of 1.28M records, and ranks move a few batches meanwhile (an
-# eviction on a slightly older view refetches a unit at worst); small datasets' are read again every time
+# them is O(processes x units), 100 ms for 8 plans of 1.28M records here, and ranks move a few batches meanwhile
+# (an eviction on a slightly older view refetches a unit at worst); small datasets' are read again every time
 REFRESH_AFTER = 10
 
 
@@ -308,12 +308,18 @@ class NodeLedger:
 
     def distances(self, units: np.ndarray) -> np.ndarray:
         """How many batches from now another live process with a plan reads each of `units` next: the least over
-        them (int64; `never` where none does), as of a moment ago (REFRESH_AFTER)."""
+        them (int64; `never` where none does), as of a moment ago (`refresh`)."""
+        if self._nearest is None:
+            self.refresh()
+        return self._nearest[units]
+
+    def refresh(self) -> None:
+        """Read the others' plans again if REFRESH_AFTER times as long as reading them took has passed; called
+        outside `locked` (100 ms for 8 plans of 1.28M records: the node's other processes would wait on it)."""
         began = time.monotonic()
         if self._nearest is None or began >= self._nearest_until:
             self._nearest = self._others_nearest()
             self._nearest_until = began + REFRESH_AFTER * (time.monotonic() - began)
-        return self._nearest[units]
 
     def _others_nearest(self) -> np.ndarray:
         """`distances` of every unit, from the others' plans read now (whole arrays: faster than gathers)."""
