@@ -16,15 +16,18 @@ limit: what the folder holds counts once, whoever fetched it. Two things are not
   a process that prefetches lets go of nothing another one reads within the same horizon.
 
 A row is claimed by a process the first time it needs one (a child forked from a process that held one
-claims its own) and freed when its cache is closed; a row whose process is gone (its pid not alive, or
-alive with another start time) counts for nothing, and its plan file is removed by the next process that
-claims it. Reading and writing the table to make room and reserve happen under `node/table.lock`, so two
-processes never both take the last free bytes. What the folder holds is read from the cache's own files (the
-records' state words, the shard files), not from the table: nothing a killed process left behind is counted
-twice or never.
+claims its own) and freed when its cache is closed. A row whose process is gone (its pid not alive, a
+zombie, or alive with another start time) counts for nothing; the next process that makes room frees it
+and removes its plan (`reap`), and when it had bytes reserved, the cache frees what it may have left on disk
+uncounted: records half written, or let go and not punched yet (`RecordSlots.reclaim`). Reading and
+writing the table to make room and reserve happen under `node/table.lock`, so two processes never both take
+the last free bytes. What the folder holds is read from the cache's own files (the records' state words,
+the shard files), not from the table. Pids identify processes: the folder is for the processes of one
+machine and one pid namespace (not shared between containers).
 
-Distances are comparable across processes that make batches at the same pace (the ranks of a job); the
-limit holds whatever the processes are.
+The default `cache_bytes` is the node's too (`node_default`, `node/default_bytes`). Distances are
+comparable across processes that make batches at the same pace (the ranks of a job); the limit holds
+whatever the processes are.
 """
 
 from __future__ import annotations
