@@ -33,7 +33,6 @@ whatever the processes are.
 from __future__ import annotations
 
 import contextlib
-import errno
 import mmap
 import os
 import re
@@ -46,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from dsc.errors import DatasetError
-from dsc.storage.local import locked
+from dsc.storage.local import locked, map_shared, open_regular
 
 NODE_DIR = "node"
 TABLE_FILE = "table.bin"
@@ -59,7 +58,6 @@ TABLE_BYTES = ROWS * len(_COLUMNS) * 8
 NEXT_DTYPE = np.dtype(np.int32)  # a plan's batch number (native order: node-local)
 NEVER = np.iinfo(NEXT_DTYPE).max  # read again by no batch of the plan
 _NEXT_NAME = re.compile(r"next\.(\d+)\.bin")
-_OPEN_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 # the other processes' plans are read again once this many times as long as reading them took has passed: reading
 # them is O(processes x units), 100 ms for 8 plans of 1.28M records here, and ranks move a few batches meanwhile
 # (an eviction on a slightly older view refetches a unit at worst); small datasets' are read again every time
@@ -130,29 +128,13 @@ class NodeLedger:
     # --------------------------------------------------------------------- files
 
     def _map_table(self) -> np.ndarray:
+        """The table, shared by the node (a new one: no rows claimed)."""
         path = self.folder / TABLE_FILE
-        fd = self._open(path, create=True)
-        try:
-            size = os.fstat(fd).st_size
-            if size == 0:
-                os.ftruncate(fd, TABLE_BYTES)  # no rows claimed (another process may do the same: same size)
-            elif size != TABLE_BYTES:
-                raise self._foreign(path, f"{size} bytes where the node's table has {TABLE_BYTES}")
-            return np.frombuffer(mmap.mmap(fd, TABLE_BYTES), dtype=np.int64).reshape(ROWS, len(_COLUMNS))
-        finally:
-            os.close(fd)
+        return np.frombuffer(map_shared(path, TABLE_BYTES, lambda what: self._foreign(path, what)),
+                             dtype=np.int64).reshape(ROWS, len(_COLUMNS))
 
     def _open(self, path: Path, create: bool = False) -> int:
-        try:
-            fd = os.open(path, _OPEN_FLAGS | (os.O_CREAT if create else 0), 0o644)
-        except OSError as e:
-            if e.errno == errno.ENOENT:
-                raise
-            raise self._foreign(path, "not a regular file") from e
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise self._foreign(path, "not a regular file")
-        return fd
+        return open_regular(path, lambda what: self._foreign(path, what), create)
 
     def _foreign(self, path: Path, what: str) -> DatasetError:
         return DatasetError(f"{path}: {what}; the cache holds something dsc did not put there, and leaves it alone: "

@@ -18,6 +18,7 @@ import errno
 import fcntl
 import functools
 import hashlib
+import mmap
 import os
 import secrets
 import stat
@@ -527,3 +528,36 @@ def copy_range(src_fd: int, dst_fd: int, n: int, src_offset: int, dst_offset: in
         if moved == 0:
             raise DatasetError(f"file ended early at byte {src_offset + done} (it changed while being copied?)")
         done += moved
+
+
+_OWN_FILE_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # never a link, never wait on a FIFO
+
+
+def open_regular(path: Path, foreign: Callable[[str], Exception], create: bool = False) -> int:
+    """A read-write descriptor of the regular file at one of dsc's own names (made if `create`); a link or
+    anything else there is refused (`foreign(what)`: the error naming it), never followed; FileNotFoundError."""
+    try:
+        fd = os.open(path, _OWN_FILE_FLAGS | (os.O_CREAT if create else 0), 0o644)
+    except OSError as e:
+        if e.errno == errno.ENOENT:
+            raise
+        raise foreign("not a regular file") from e  # a link (ELOOP) or worse at our name
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise foreign("not a regular file")
+    return fd
+
+
+def map_shared(path: Path, nbytes: int, foreign: Callable[[str], Exception]) -> mmap.mmap:
+    """The file of `nbytes` at one of dsc's own names, mapped shared (made, zeros, if missing or empty: processes
+    doing it at once make the same); one of another size is refused (`foreign(what)`)."""
+    fd = open_regular(path, foreign, create=True)
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            os.ftruncate(fd, nbytes)
+        elif size != nbytes:
+            raise foreign(f"{size} bytes where it has {nbytes}")
+        return mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)

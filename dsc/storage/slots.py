@@ -40,7 +40,6 @@ import math
 import mmap
 import os
 import secrets
-import stat
 import weakref
 import zlib
 from collections.abc import Callable, Sequence
@@ -52,7 +51,7 @@ import numpy as np
 from dsc import format as fmt
 from dsc.errors import DatasetError
 from dsc.reader.gather import fill_parallel
-from dsc.storage.local import TEMP_SUFFIX, locked
+from dsc.storage.local import TEMP_SUFFIX, locked, map_shared, open_regular
 from dsc.storage.units import FETCHES, GET_BYTES, fetch_range
 
 SLOT_DIR = "slots"
@@ -170,34 +169,16 @@ class RecordSlots:
     # --------------------------------------------------------------------- the state
 
     def _map_state(self) -> np.ndarray:
+        """The records' words, shared by the node (a new state: nothing present)."""
         path = self.folder / STATE_FILE
-        want = state_bytes(self.count)
-        fd = self._open(path, create=True)
-        try:
-            size = os.fstat(fd).st_size
-            if size == 0:
-                os.ftruncate(fd, want)  # a new state: nothing present (another process may do the same: same size)
-            elif size != want:
-                raise DatasetError(f"{path}: {size} bytes where the cache's state of {self.count} records has {want}; "
-                                   "the cache holds something dsc did not put there, and leaves it alone: move it away")
-            return np.frombuffer(mmap.mmap(fd, want), dtype=STATE_DTYPE)
-        finally:
-            os.close(fd)
+        return np.frombuffer(map_shared(path, state_bytes(self.count), lambda what: self._foreign(path, what)),
+                             dtype=STATE_DTYPE)
 
     def _open(self, path: Path, create: bool = False) -> int:
-        try:
-            fd = os.open(path, _OPEN_FLAGS | (os.O_CREAT if create else 0), 0o644)
-        except OSError as e:
-            if e.errno == errno.ENOENT:
-                raise
-            raise self._foreign(path) from e  # a link (ELOOP) or worse at our name
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise self._foreign(path)
-        return fd
+        return open_regular(path, lambda what: self._foreign(path, what), create)
 
-    def _foreign(self, path: Path) -> DatasetError:
-        return DatasetError(f"{path}: not a regular file; the cache of {self.root_name} holds something dsc did not "
+    def _foreign(self, path: Path, what: str = "not a regular file") -> DatasetError:
+        return DatasetError(f"{path}: {what}; the cache of {self.root_name} holds something dsc did not "
                             "put there, and leaves it alone: move it away")
 
     def present(self, unit: int) -> bool:
