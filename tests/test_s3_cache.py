@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import json
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -453,3 +454,47 @@ def test_a_temporary_a_killed_writer_left_is_removed_by_the_next_writer_of_its_s
         path.write_bytes(b"partial")
     assert torch.equal(remote[400].image, local[400].image)  # fetches shard 4, under its lock
     assert not stale.exists() and all(p.read_bytes() == b"partial" for p in foreign)
+
+
+@pytest.mark.parametrize("version", [fmt.FORMAT_VERSION, "1.2"])  # records; whole shards (no record checksums)
+def test_a_damaged_copy_fetched_again_stays_within_the_count(server: S3Server, monkeypatch, tmp_path: Path,
+                                                             version: str) -> None:
+    """A cached record (or shard) found damaged is let go and fetched again as any miss is: its bytes counted
+    all the way (punched or removed before the new copy is written, and the fetch reserved), so the folder
+    never holds more than the budget counts. Seen with the GET of the new copy held at a proxy (before, a
+    record was fetched again in place, uncounted meanwhile: 12,288 bytes over the count)."""
+    from faultproxy import FaultProxy
+
+    side = 64  # records of whole blocks: a record let go frees its own blocks
+    local = MemmapDataset(synthetic(tmp_path / "local", 40, 10, seed=4, version=version, side=side))
+    url = server.upload(local.path, BUCKET, f"cache/damaged-{next(_uploads)}")
+    proxy = FaultProxy(server.endpoint)  # listening
+    try:
+        server.point_at(monkeypatch, proxy.endpoint)
+        cache = tmp_path / "cache"
+        everything = torch.equal
+        assert everything(MemmapDataset(url, cache_dir=cache).__getitems__(list(range(40))).images,
+                          local.__getitems__(list(range(40))).images)
+        again = MemmapDataset(url, cache_dir=cache)  # a process that has not checked record 11 yet
+        records, folder = again.opened.records, again.opened.local_root
+        rb = local.manifest.record_bytes
+        with open(records.files.path(int(records.files.of(np.array([11]))[0])), "r+b") as f:  # 1 of shard 1
+            f.seek(rb + 5)
+            f.write(bytes([f.read(1)[0] ^ 0xFF]))
+        assert folder_bytes(folder, cache=records) <= records.used
+        proxy.hold(1, match=f"/{url.removeprefix('s3://')}/{fmt.shard_file(1)}")
+        got: list = []
+        reader = threading.Thread(target=lambda: got.append(again.__getitems__([11]).images), daemon=True)
+        reader.start()
+        deadline = time.monotonic() + 30
+        while proxy.count("GET", fmt.shard_file(1), action="hold") < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert proxy.count("GET", fmt.shard_file(1), action="hold") == 1
+        held_disk, held_count = folder_bytes(folder, cache=records), records.used
+        proxy.release()
+        reader.join(timeout=60)
+        assert held_disk <= held_count
+        assert torch.equal(got[0], local.__getitems__([11]).images)
+        assert folder_bytes(folder, cache=records) <= records.used
+    finally:
+        proxy.kill()

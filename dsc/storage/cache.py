@@ -423,6 +423,14 @@ class RecordCache:
         else:
             self.files.remove_all(units)
 
+    def _let_go_damaged(self, unit: int) -> None:
+        """A held unit found damaged let go as an eviction lets one go (its bytes counted until they are punched,
+        and punched before its next fetch writes), so that fetching it again needs room like any miss."""
+        units = np.array([unit])
+        with self._lock, self.ledger.locked():
+            if self.files.present_of(units)[0] and not self._fetching[unit]:
+                self._evict(units, int(self.files.sizes(units).sum()))
+
     def _executor(self) -> ThreadPoolExecutor:
         self._own_pools()
         if self._pool is None:
@@ -478,26 +486,26 @@ class RecordCache:
                 future.result()
 
     def _read(self, row: np.ndarray, record: int) -> None:
-        """Record `record` into `row`; a unit gone (another process let it go) is fetched again (up to GONE_TRIES
-        times, each time let go before it was read), one wrong once; a copy still wrong is an error naming it."""
+        """Record `record` into `row`. A unit gone (another process let it go) is fetched again, up to GONE_TRIES
+        times (each time let go before it was read); a damaged copy is let go (`_let_go_damaged`) and fetched
+        again once, as any miss is; a copy still wrong is an error naming it."""
         problem = self.files.read(row, record)
         if problem is None:
             return
-        unit = int(self.files.of(record))
-        for _ in range(GONE_TRIES):  # fetched again, it may be let go again before it is read: once more
+        unit, damaged = int(self.files.of(record)), False
+        for _ in range(GONE_TRIES):
             if problem != "gone":
-                break
+                if damaged:
+                    break
+                damaged = True
+                self._let_go_damaged(unit)
             with self._room(np.array([unit]), self._now):
                 future = self._pending.get(unit)
             if future is not None:
                 future.result()
             problem = self.files.read(row, record)
-        if problem is None:
-            return
-        if problem != "gone":
-            self.files.fetch_again(record // self.files.per_shard, unit, unit + 1)
-            problem = self.files.read(row, record)
-        if problem is not None:
-            name = self.files.manifest.shards[record // self.files.per_shard].file
-            raise DatasetError(f"{self.files.root_name}/{name}: record {record}: its cached copy "
-                               f"{self.files.path(unit)} is still wrong after it was fetched again ({problem})")
+            if problem is None:
+                return
+        name = self.files.manifest.shards[record // self.files.per_shard].file
+        raise DatasetError(f"{self.files.root_name}/{name}: record {record}: its cached copy "
+                           f"{self.files.path(unit)} is still wrong after it was fetched again ({problem})")

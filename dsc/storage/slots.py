@@ -350,12 +350,6 @@ class RecordSlots:
                 self._fetch_records(shard, int(wanted[0]), int(wanted[-1]) + 1,
                                     wanted if len(wanted) < int(wanted[-1]) + 1 - int(wanted[0]) else None, placed)
 
-    def fetch_again(self, shard: int, first: int, last: int) -> None:
-        """Records [first, last) of `shard` let go (a damaged copy) and fetched again."""
-        with locked(self._lock_path(shard, first - shard * self.per_shard)):
-            self.state[first:last] = (self.state[first:last] | 1) + 1
-            self._fetch_records(shard, first, last, None)
-
     def _fetch_records(self, shard: int, first: int, last: int, only: np.ndarray | None,
                        placed: Placed | None = None) -> None:
         """Records [first, last) of `shard` (`only`: of those, the ones to place) in ranged GETs of

@@ -178,7 +178,7 @@ class UnitFiles:
         with locked(lock_path):
             self._remove_stale_temporaries(shard)
             if not self.present(shard):
-                self.fetch_again(shard, first, last)
+                self._fetch_whole(shard)
             if placed is not None:
                 placed(self.size(shard), lambda: None)
 
@@ -199,7 +199,7 @@ class UnitFiles:
                 if pattern.fullmatch(temp.name) and stat.S_ISREG(os.lstat(temp).st_mode):
                     os.unlink(temp)
 
-    def fetch_again(self, shard: int, first: int, last: int) -> None:
+    def _fetch_whole(self, shard: int) -> None:
         """A whole shard, in ranged GETs of `GET_BYTES`, checked against its SHA-256 (fetched again once), put
         in place (a rename over what is there)."""
         entry, problems = self.manifest.shards[shard], []
