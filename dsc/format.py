@@ -103,7 +103,7 @@ OFFSET_DTYPE = np.dtype("<u8")
 # dataset a record whose integer label in a label table is -1 (an ignore value, as given)
 UNLABELED = -1
 WARNING_DTYPE = np.dtype("<u2")
-CHECKSUM_DTYPE = np.dtype("<u4")  # zlib.crc32 of the record's H*W*3 bytes
+CHECKSUM_DTYPE = np.dtype("<u4")  # record_crc: zlib's CRC-32 of the record's H*W*3 bytes
 COUNT_DTYPE = np.dtype("<i8")  # 1.5: class_counts.bin, [K_s + 1]: records labeled -1, then 0 .. K_s - 1
 # Per-record fields (1.1): each kind has one on-disk dtype. class: an index into the field's
 # classes; multilabel: multi-hot [K] over its classes; float / int: numbers.
@@ -539,10 +539,15 @@ def field_payload(spec: FieldEntry, values: np.ndarray) -> tuple[str, bytes]:
     return field_file(spec.name), np.ascontiguousarray(values, spec.dtype).tobytes()
 
 
+def record_crc(data) -> int:
+    """A record's checksum (1.3, "Record checksums"): zlib's CRC-32 of its bytes (a C-contiguous buffer)."""
+    return zlib.crc32(data)
+
+
 def record_checksums(data, record_bytes: int) -> list[int]:
-    """CRC-32 (`zlib.crc32`) of each whole record in `data` (bytes of records back to back)."""
+    """CRC-32 (`record_crc`) of each whole record in `data` (bytes of records back to back)."""
     view = memoryview(data).cast("B")
-    return [zlib.crc32(view[at:at + record_bytes]) for at in range(0, len(view) - record_bytes + 1, record_bytes)]
+    return [record_crc(view[at:at + record_bytes]) for at in range(0, len(view) - record_bytes + 1, record_bytes)]
 
 
 def with_shard_table(manifest: Manifest, name: str, base: Manifest | None = None,

@@ -253,7 +253,7 @@ def reusable(stage: Path, job: WriteJob) -> dict[int, SlotResult]:
     for shard, slots in groupby(sorted(done), key=lambda slot: fmt.locate(slot, job.records_per_shard)[0]):
         mapped = fmt.open_shard(stage / fmt.shard_file(shard), records[shard], shape)  # one map at a time
         good.update({s: done[s] for s in slots
-                     if zlib.crc32(mapped[fmt.locate(s, job.records_per_shard)[1]]) == done[s].crc})
+                     if fmt.record_crc(mapped[fmt.locate(s, job.records_per_shard)[1]]) == done[s].crc})
         del mapped
     return good
 

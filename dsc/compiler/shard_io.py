@@ -9,7 +9,6 @@ from and writes to), closing the least recently used one when it needs another.
 from __future__ import annotations
 
 import os
-import zlib
 from collections import OrderedDict
 from pathlib import Path
 
@@ -63,7 +62,7 @@ class ShardFiles:
 
     def crc(self, position: int) -> int:
         """CRC-32 of one record, as the journal records it."""
-        return zlib.crc32(self.read(position))
+        return fmt.record_crc(self.read(position))
 
     def move(self, src: int, dst: int, n: int) -> None:
         """Copy records [src, src + n) to [dst, dst + n) across shard boundaries, front to back:

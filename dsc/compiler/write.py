@@ -14,7 +14,6 @@ from __future__ import annotations
 import errno
 import os
 import warnings
-import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -148,7 +147,7 @@ class SlotWriter:
                         h, w = self._compile(source)
                     self.sink.store(slot, memoryview(self.buffer).cast("B"))
                     notes = [str(c.message) for c in caught if issubclass(c.category, DecoderWarning)]
-                    results.append(SlotResult(slot, h, w, crc=zlib.crc32(self.buffer), warning="; ".join(notes),
+                    results.append(SlotResult(slot, h, w, crc=fmt.record_crc(self.buffer), warning="; ".join(notes),
                                               warnings=len(notes)))
                 except ImageError as e:
                     results.append(SlotResult(slot, reason=str(e)))

@@ -41,7 +41,6 @@ import mmap
 import os
 import secrets
 import weakref
-import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from pathlib import Path
@@ -371,7 +370,7 @@ class RecordSlots:
         data = self._ranged(name, offset, offset + (last - first) * rb)
         units = np.arange(first, last) if only is None else only
         wrong = [int(u) for u in units.tolist()
-                 if zlib.crc32(data[(u - first) * rb:(u - first + 1) * rb]) != int(self.crcs[u])]
+                 if fmt.record_crc(data[(u - first) * rb:(u - first + 1) * rb]) != int(self.crcs[u])]
         if only is None and not wrong:
             _write(fd, data, offset)  # the whole run in one write
         else:
@@ -392,7 +391,7 @@ class RecordSlots:
         shard, pos = fmt.locate(unit, self.per_shard)
         name, rb = self.manifest.shards[shard].file, self.record_bytes
         piece = self._ranged(name, pos * rb, (pos + 1) * rb)
-        found = zlib.crc32(piece)
+        found = fmt.record_crc(piece)
         if found != int(self.crcs[unit]):
             raise DatasetError(f"{self._at(name)}: record {unit} (bytes {pos * rb}-{(pos + 1) * rb - 1} of the object) "
                                f"has CRC-32 {found:08x}, but {fmt.CHECKSUMS_FILE} says {int(self.crcs[unit]):08x}; "
@@ -418,7 +417,7 @@ class RecordSlots:
         bad = (self.state[idx] != words)
         unchecked = np.flatnonzero(~bad & (self._checked[idx] != words))
         for row in unchecked.tolist():
-            if zlib.crc32(dst[row]) != int(self.crcs[idx[row]]):
+            if fmt.record_crc(dst[row]) != int(self.crcs[idx[row]]):
                 bad[row] = True
         good = unchecked[~bad[unchecked]]
         self._checked[idx[good]] = words[good]
@@ -439,7 +438,7 @@ class RecordSlots:
         else:
             return "gone"
         if self._checked[record] != word:
-            found, want = zlib.crc32(row), int(self.crcs[record])
+            found, want = fmt.record_crc(row), int(self.crcs[record])
             if found != want:
                 return f"CRC-32 {found:08x}, {fmt.CHECKSUMS_FILE} says {want:08x}"
             self._checked[record] = word
