@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import pickle
 import shutil
 import signal
@@ -444,6 +445,22 @@ def test_an_append_beside_which_nothing_can_be_written_is_one_line(tmp_path: Pat
         result = CliRunner().invoke(app, ["append", str(mnt / "ds"), str(tmp_path / "src")])
         assert result.exit_code == 1 and "Traceback" not in result.output
         assert f"cannot write beside {mnt / 'ds'}" in result.output and "Read-only file system" in result.output
+        assert MemmapDataset(mnt / "ds").version == 1
+
+
+def test_an_append_whose_scratch_lock_cannot_be_made_is_one_line_and_leaves_nothing(tmp_path: Path) -> None:
+    """The scratch folder takes the file system's last inode, so its owner lock cannot be created: before, a
+    traceback (OSError) and the folder and the descriptor left behind."""
+    make_folder(tmp_path / "src", classes=2, per_class=2)
+    with tmpfs(tmp_path / "mnt", "16m") as mnt:
+        compile_folder(tmp_path / "src", mnt / "ds", size=SIZE, workers=1)
+        st = os.statvfs(mnt)
+        subprocess.run(["mount", "-o", f"remount,nr_inodes={st.f_files - st.f_ffree + 1}", str(mnt)], check=True)
+        before = sorted(p.name for p in mnt.iterdir())
+        result = CliRunner().invoke(app, ["append", str(mnt / "ds"), str(tmp_path / "src")])
+        assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+        assert "cannot lock" in result.output and "No space left on device" in result.output
+        assert sorted(p.name for p in mnt.iterdir()) == before  # the scratch folder removed
         assert MemmapDataset(mnt / "ds").version == 1
 
 

@@ -78,12 +78,20 @@ class _Scratch:
             raise CompileError(f"cannot write beside {root} (an append compiles its new images in {self.path} "
                                f"first): {e.strerror or e}") from e
         os.chmod(self.path, 0o700)  # whatever the umask: only we write here
-        self._fd = os.open(self.path / SCRATCH_LOCK, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        lock, self._fd = self.path / SCRATCH_LOCK, -1
+        try:
+            self._fd = os.open(lock, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+        except OSError as e:  # (a file system without locks): nothing left behind, and said in one line
+            self.close()
+            raise CompileError(f"cannot lock {lock} (an append holds it while it compiles there, so that no "
+                               f"other append removes the folder as a killed one's): {e.strerror or e}") from e
 
     def close(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
-        os.close(self._fd)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 def append(dataset: str | os.PathLike, src: str | os.PathLike, *, labels: str | os.PathLike | None = None,
