@@ -3,8 +3,8 @@ network and an overloaded or dying object store do to a client, made on demand.
 
 It listens on 127.0.0.1 (a port the kernel picks) and forwards each request to one upstream
 endpoint, which must be on loopback too. Every request it receives is recorded (method, path, its body's
-size and what it did with it), so a test counts retries and uploaded bytes at the server side, not by
-the client's word.
+size, what it did with it and the bytes of the answer's body it sent back), so a test counts retries,
+uploaded and downloaded bytes at the server side, not by the client's word.
 
 Faults apply to the next requests of `method` (GET unless told) whose path contains `match` (any
 path when empty):
@@ -54,6 +54,7 @@ class Seen:
     path: str
     action: str  # "forwarded", or the fault's kind
     sent: int = 0  # bytes of the request's body: what the client uploaded
+    served: int = 0  # bytes of the answer's body sent back: what the client downloaded (a cut answer: what went)
 
 
 class FaultProxy:
@@ -155,13 +156,18 @@ class FaultProxy:
         with self.lock:
             return sum(s.sent for s in self.seen if (method is None or s.method == method) and contains in s.path)
 
+    def served(self, method: str | None = None, contains: str = "") -> int:
+        """Bytes of the answers' bodies sent back so far (to requests of `method` whose path contains `contains`)."""
+        with self.lock:
+            return sum(s.served for s in self.seen if (method is None or s.method == method) and contains in s.path)
+
     def _add(self, fault: Fault) -> None:
         if fault.count < 1:
             raise ValueError("a fault hits at least one request")
         with self.lock:
             self.faults.append(fault)
 
-    def _take(self, method: str, path: str, sent: int = 0) -> Fault | None:
+    def _take(self, method: str, path: str, sent: int = 0) -> tuple[Fault | None, Seen]:
         """The fault for this request (its count used up by one), and the request recorded."""
         with self.lock:
             hit = next((f for f in self.faults if f.match in path and f.method == method), None)
@@ -170,7 +176,7 @@ class FaultProxy:
                 if hit.count == 0:
                     self.faults.remove(hit)
             self.seen.append(Seen(method, path, hit.kind if hit else "forwarded", sent))
-            return hit
+            return hit, self.seen[-1]
 
 
 class _Server(http.server.ThreadingHTTPServer):
@@ -216,7 +222,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _serve(self) -> None:
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        fault = self.owner._take(self.command, self.path, len(body))
+        fault, self.recorded = self.owner._take(self.command, self.path, len(body))
         if fault is not None and fault.kind == "slow_down":
             self._answer(503, [("Content-Type", "application/xml")], SLOW_DOWN, len(SLOW_DOWN))
             return
@@ -258,3 +264,5 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(data)
+            with self.owner.lock:
+                self.recorded.served += len(data)

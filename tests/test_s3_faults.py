@@ -25,7 +25,7 @@ from dsc import format as fmt
 from dsc.cli import app
 from dsc.errors import StorageError
 from dsc.reader import order as orders
-from dsc.storage import s3, slots
+from dsc.storage import ledger, s3, slots
 
 from conftest import in_forked_child, tiny_dataset
 from s3server import S3Server, serving  # skips this module when the server packages are missing
@@ -163,6 +163,34 @@ def test_a_run_of_records_is_fetched_in_pieces_each_placed_as_it_comes(env: Path
     assert pieces == [3, 3, 3, 3, 2]  # (the last shard holds 4 records)
     assert [proxy.count("GET", key(url, fmt.shard_file(s))) for s in range(5)] == pieces
     same_batches(remote, local)
+
+
+def test_the_loaders_fetched_bytes_are_what_the_server_sent(env: Path, url: str, local, proxy: FaultProxy) -> None:
+    """`stats()`'s bytes fetched and requests are the records' GETs counted at the proxy, also with a cache of
+    a third of the records, which fetches some twice (the node-budget test counts a second epoch's bytes by
+    them)."""
+    count, rb = local.manifest.count, local.manifest.record_bytes
+    cost = slots.record_cost(rb, slots.block_size(env.parent))
+
+    def two_epochs(folder: str, bound: dict) -> int:
+        before_bytes, before_gets = proxy.served("GET", "/shards/"), proxy.count("GET", "/shards/")
+        remote = MemmapDataset(url, cache_dir=env / folder, **bound)
+        loader = remote.loader(2, order="random", seed=1)
+        for epoch in range(2):
+            loader.set_epoch(epoch)
+            for _ in loader:
+                pass
+        records = remote.opened.records
+        records.close()  # its fetches ended (the next epoch's first batches are fetched while a pass ends)
+        assert records.stats.fetched_bytes == proxy.served("GET", "/shards/") - before_bytes
+        assert records.stats.requests == proxy.count("GET", "/shards/") - before_gets
+        return records.base_bytes, records.stats.fetched_bytes
+
+    index, everything = two_epochs("whole", {})
+    third = index + ledger.TABLE_BYTES + count * ledger.NEXT_DTYPE.itemsize + count // 3 * cost
+    _, bounded = two_epochs("third", {"cache_bytes": third})
+    fetched = [everything, bounded]
+    assert fetched[0] == count * rb < fetched[1]  # everything once; then some records twice
 
 
 # ----------------------------------------------------------------------------- persistent faults
