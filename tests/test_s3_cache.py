@@ -248,8 +248,8 @@ def test_a_record_is_checked_once_when_fetched_not_again_when_read_back(env: Pat
     """A fetched record's CRC-32 is checked before it is placed; reading it back (its state word unchanged)
     needs no second check. A process that has not checked it yet (another open) checks it: damaged in
     place, it is found wrong and fetched again."""
-    crc32, checked = slots.zlib.crc32, []
-    monkeypatch.setattr(slots.zlib, "crc32", lambda data, *a: checked.append(1) or crc32(data, *a))
+    crc, checked = fmt.record_crc, []
+    monkeypatch.setattr(fmt, "record_crc", lambda data: checked.append(1) or crc(data))
     budget = index_bytes(local) + COUNT * COST
     remote = MemmapDataset(url, cache_dir=env, cache_bytes=budget)
     for _ in range(2):

@@ -7,9 +7,12 @@ ranks' reads), where evicting by a rank's own plan alone lets go first what the 
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -173,8 +176,9 @@ def _state(pid: int) -> str:
 def test_a_killed_rank_stops_counting_before_it_is_reaped_and_its_plan_is_removed(
         env: Path, url: str, local: MemmapDataset) -> None:
     """A rank killed (SIGKILL) and not yet waited for by its parent is a zombie: its pid is still there. It
-    counts for nothing from then on, and the next fetch of a process of the node frees its row and removes its
-    plan (fails before: a zombie counted as alive, its plan and row kept while its parent lived)."""
+    counts for nothing from then on (its row's lock let go with its files), and the next fetch of a process of
+    the node frees its row and removes its plan (failed before the zombie check, when pids told live rows: a
+    zombie counted as alive, its plan and row kept while its parent lived)."""
     budget = index_bytes(local, processes=2) + local.manifest.count // 10 * COST  # the rank fetches part of it
     remote = MemmapDataset(url, cache_dir=env, cache_bytes=budget)
     remote.__getitems__([0])  # a fetch: this process has a row too
@@ -191,7 +195,10 @@ def test_a_killed_rank_stops_counting_before_it_is_reaped_and_its_plan_is_remove
         while _state(rank.pid) != "Z" and time.monotonic() < deadline:
             time.sleep(0.01)
         assert _state(rank.pid) == "Z"  # killed, not waited for
-        assert remote.opened.records.ledger.processes() == 1
+        # its row's lock goes with its files, as its last threads end: within milliseconds of the zombie
+        while remote.opened.records.ledger.processes() != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _state(rank.pid) == "Z" and remote.opened.records.ledger.processes() == 1
         absent = int(np.flatnonzero((remote.opened.records.files.state & 1) == 0)[0])
         remote.__getitems__([absent])  # a fetch: the node's table is read under its lock
         assert list(node.glob("next.*.bin")) == []
@@ -199,3 +206,47 @@ def test_a_killed_rank_stops_counting_before_it_is_reaped_and_its_plan_is_remove
     finally:
         rank.kill()
         rank.join(timeout=30)
+
+
+IN_ANOTHER_PID_NAMESPACE = """
+import sys, time
+from dsc import MemmapDataset
+url, cache, budget, batch, seed = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+loader = MemmapDataset(url, cache_dir=cache, cache_bytes=budget).loader(batch, order="random", seed=seed)
+next(iter(loader))
+print("ready", flush=True)
+time.sleep(float(sys.argv[6]))
+"""
+
+
+def test_a_rank_in_another_pid_namespace_counts_while_it_lives(env: Path, url: str, local: MemmapDataset) -> None:
+    """Containers of one machine may share a cache folder; a process in another pid namespace (its pid there is 1)
+    counts while it lives, and stops counting once killed. Failed before, when pids told live rows: its row said
+    pid 1 with the start time of /proc/1 as it saw it (this machine's init: it had no /proc of its own), so it
+    was counted alive for ever, its reservations too, after it was killed (with a /proc of its own, it would have
+    been counted dead while it ran)."""
+    if subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True).returncode != 0:
+        pytest.skip("cannot make a pid namespace here (unshare --pid needs root)")
+    budget = index_bytes(local, processes=2) + local.manifest.count // 10 * COST
+    remote = MemmapDataset(url, cache_dir=env, cache_bytes=budget)
+    remote.__getitems__([0])  # a fetch: this process has a row too
+    node, records = remote.opened.local_root / ledger.NODE_DIR, remote.opened.records
+    rank = subprocess.Popen(["unshare", "--pid", "--fork", sys.executable, "-c", IN_ANOTHER_PID_NAMESPACE, url,
+                             str(env), str(budget), str(BATCH), str(SEED), str(RUN_S)],
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert rank.stdout.readline().strip() == "ready"
+        assert records.ledger.processes() == 2
+        absent = int(np.flatnonzero((records.files.state & 1) == 0)[0])
+        remote.__getitems__([absent])  # a fetch: rows of processes gone are freed under the node's lock
+        assert records.ledger.processes() == 2 and len(list(node.glob("next.*.bin"))) == 1  # its plan kept
+        os.killpg(rank.pid, signal.SIGKILL)
+        rank.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while records.ledger.processes() != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert records.ledger.processes() == 1
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(rank.pid, signal.SIGKILL)
+        rank.wait(timeout=30)

@@ -16,14 +16,15 @@ limit: what the folder holds counts once, whoever fetched it. Two things are not
   a process that prefetches lets go of nothing another one reads within the same horizon.
 
 A row is claimed by a process the first time it needs one (a child forked from a process that held one
-claims its own) and freed when its cache is closed. A row whose process is gone (its pid not alive, a
-zombie, or alive with another start time) counts for nothing; the next process that makes room frees it
-and removes its plan (`reap`), and when it had bytes reserved, the cache frees what it may have left on disk
-uncounted: records half written, or let go and not punched yet (`RecordSlots.reclaim`). Reading and
-writing the table to make room and reserve happen under `node/table.lock`, so two processes never both take
-the last free bytes. What the folder holds is read from the cache's own files (the records' state words,
-the shard files), not from the table. Pids identify processes: the folder is for the processes of one
-machine and one pid namespace (not shared between containers).
+claims its own) and freed when its cache is closed. The process holds the row's lock (`node/row.<r>.lock`,
+flock) for as long as it has the row: the kernel lets it go when the process ends, killed included, so a row
+whose lock is free counts for nothing, whichever pid namespace its process ran in (containers of one machine
+may share the folder; pids, as before, could not tell one container's processes from another's, nor a pid
+reused). The next process that makes room frees such a row and removes its plan (`reap`), and when it had
+bytes reserved, the cache frees what it may have left on disk uncounted: records half written, or let go and
+not punched yet (`RecordSlots.reclaim`). Reading and writing the table to make room and reserve happen under
+`node/table.lock`, so two processes never both take the last free bytes. What the folder holds is read from
+the cache's own files (the records' state words, the shard files), not from the table.
 
 The default `cache_bytes` is the node's too (`node_default`, `node/default_bytes`). Distances are
 comparable across processes that make batches at the same pace (the ranks of a job); the limit holds
@@ -33,6 +34,7 @@ whatever the processes are.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
 import re
@@ -52,8 +54,10 @@ TABLE_FILE = "table.bin"
 LOCK_FILE = "table.lock"
 DEFAULT_FILE = "default_bytes"  # the node's default cache_bytes while processes share the folder (`node_default`)
 ROWS = 256  # processes sharing one dataset's cache at a time
-_COLUMNS = ("pid", "started", "reserved", "now", "need")  # a row: int64 each
-_PID, _STARTED, _RESERVED, _NOW, _NEED = range(len(_COLUMNS))
+# a row: int64 each; "claims": how many times the row was claimed (a process's plan, mapped by another, is kept
+# mapped while it is the same claim's; its slot held the process's start time when pids told live rows apart)
+_COLUMNS = ("pid", "claims", "reserved", "now", "need")
+_PID, _CLAIMS, _RESERVED, _NOW, _NEED = range(len(_COLUMNS))
 TABLE_BYTES = ROWS * len(_COLUMNS) * 8
 NEXT_DTYPE = np.dtype(np.int32)  # a plan's batch number (native order: node-local)
 NEVER = np.iinfo(NEXT_DTYPE).max  # read again by no batch of the plan
@@ -62,25 +66,6 @@ _NEXT_NAME = re.compile(r"next\.(\d+)\.bin")
 # them is O(processes x units), 100 ms for 8 plans of 1.28M records here, and ranks move a few batches meanwhile
 # (an eviction on a slightly older view refetches a unit at worst); small datasets' are read again every time
 REFRESH_AFTER = 10
-
-
-def _started(pid: int) -> int | None:
-    """The start time of process `pid` (clock ticks after boot, Linux); -1: no such process, or one that has
-    ended and waits to be reaped (a zombie); None: it cannot be told (it then counts as alive)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return -1 if fields[0] in (b"Z", b"X") else int(fields[19])
-    except FileNotFoundError:
-        return -1
-    except (OSError, ValueError, IndexError):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return -1
-        except PermissionError:
-            pass
-        return None
 
 
 def node_default(folder: Path, compute: Callable[[], int]) -> int:
@@ -119,8 +104,9 @@ class NodeLedger:
         self._table = self._map_table()
         self._row: int | None = None
         self._row_pid = 0
+        self._row_lock = -1  # the descriptor holding this process's row's lock
         self._plan: np.ndarray | None = None  # this process's published plan (its row's file, mapped)
-        self._theirs: dict[int, tuple[tuple, np.ndarray]] = {}  # row -> ((pid, started, inode), its plan mapped)
+        self._theirs: dict[int, tuple[tuple, np.ndarray]] = {}  # row -> ((claims, inode), its plan mapped)
         self._counting = threading.Lock()  # this process's threads add to and take from its reservations
         self._nearest: np.ndarray | None = None  # the others' distances to every unit (`distances`), valid until
         self._nearest_until = 0.0
@@ -143,6 +129,9 @@ class NodeLedger:
     def _plan_path(self, row: int) -> Path:
         return self.folder / f"next.{row}.bin"
 
+    def _lock_path(self, row: int) -> Path:
+        return self.folder / f"row.{row}.lock"
+
     def overhead(self) -> int:
         """The bytes the ledger's files take: the table, the plans published (one per process following one) and
         the node's default budget (`node_default`)."""
@@ -164,16 +153,30 @@ class NodeLedger:
             yield
 
     def _live(self) -> np.ndarray:
-        """The rows whose process is alive (by its pid and start time)."""
+        """The rows whose process is alive (it holds the row's lock)."""
         return np.array([r for r, alive in self._rows() if alive], dtype=np.int64)
 
     def _rows(self) -> list[tuple[int, bool]]:
         """(row, alive) of every row claimed."""
-        rows = []
-        for r in np.flatnonzero(self._table[:, _PID]).tolist():
-            started = _started(int(self._table[r, _PID]))
-            rows.append((r, started is None or started == self._table[r, _STARTED]))
-        return rows
+        return [(r, self._held(r)) for r in np.flatnonzero(self._table[:, _PID]).tolist()]
+
+    def _held(self, row: int) -> bool:
+        """Whether a live process holds row `row`'s lock (one that cannot be told: held)."""
+        if row == self._row and self._row_pid == os.getpid():
+            return True
+        try:
+            fd = self._open(self._lock_path(row))
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # let go again as the descriptor is closed
+        except BlockingIOError:
+            return True
+        except OSError:
+            return True
+        finally:
+            os.close(fd)
+        return False
 
     def reap(self) -> bool:
         """Free the rows of processes gone (under `locked`), their plans removed; whether one of them had bytes
@@ -185,7 +188,7 @@ class NodeLedger:
                 left |= bool(self._table[row, _RESERVED])
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self._plan_path(row))
-                self._table[row] = 0
+                self._table[row, _PID] = self._table[row, _RESERVED] = self._table[row, _NEED] = 0
         return left
 
     def mine(self) -> int:
@@ -193,19 +196,31 @@ class NodeLedger:
         gone (its plan file removed)."""
         if self._row is not None and self._row_pid == os.getpid():
             return self._row
-        pid = os.getpid()
-        live = set(self._live().tolist())
-        free = [r for r in range(ROWS) if r not in live]
-        if not free:
+        for row in range(ROWS):
+            fd = self._open(self._lock_path(row), create=True)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # another live process's row
+                os.close(fd)
+                continue
+            break
+        else:
             raise DatasetError(f"{self.folder.parent}: {ROWS} processes of this node share this dataset's cache "
                                "already; no more can join it (give the others' DataLoaders fewer workers, or this "
                                "process another cache_dir)")
-        row = free[0]
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._plan_path(row))  # a process gone left it (ours: created by `follow`, in our folder)
-        self._table[row] = (pid, _started(pid), 0, -1, 0)
-        self._row, self._row_pid, self._plan = row, pid, None
+        self._table[row] = (os.getpid(), self._table[row, _CLAIMS] + 1, 0, -1, 0)
+        self._close_row_lock()
+        self._row, self._row_pid, self._plan, self._row_lock = row, os.getpid(), None, fd
         return row
+
+    def _close_row_lock(self) -> None:
+        """Let this process's hold of its row's lock go (a forked child's copy of its parent's: only the copy)."""
+        fd, self._row_lock = self._row_lock, -1
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def leave(self) -> None:
         """Remove this process's plan and free its row (its cache is closed or collected). Without the table's
@@ -217,11 +232,13 @@ class NodeLedger:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._plan_path(row))
         self._table[row, _PID] = 0
+        self._close_row_lock()
 
     def after_fork(self) -> None:
         """In a child just forked: the parent's row and plan are the parent's (the child claims its own)."""
         self._row, self._plan, self._theirs, self._nearest = None, None, {}, None  # (read again when asked)
         self._counting = threading.Lock()
+        self._close_row_lock()  # the parent's hold stays the parent's: gone with it, not kept alive by this child
 
     # --------------------------------------------------------------------- reserved bytes and needs
 
@@ -332,7 +349,7 @@ class NodeLedger:
             st = os.stat(path, follow_symlinks=False)
         except FileNotFoundError:
             return None
-        key = (int(self._table[row, _PID]), int(self._table[row, _STARTED]), st.st_ino)
+        key = (int(self._table[row, _CLAIMS]), st.st_ino)
         held = self._theirs.get(row)
         if held is not None and held[0] == key:
             return held[1]
