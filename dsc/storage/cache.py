@@ -139,6 +139,7 @@ class RecordCache:
         self._next = np.full(n, NEVER, dtype=np.int64)  # the batch of the plan that reads each next
         self._now = 0  # the batch of the plan being made
         self._full = False  # the last room asked for had to be made (the others' plans are read before the next)
+        self._others_reserved = 0  # what the node's other processes had reserved when a request was last refused
         self._pending: dict[int, Future] = {}
         self._victims: Future | None = None  # records let go whose bytes are being punched (`_evict`)
         self._pool: ThreadPoolExecutor | None = None
@@ -263,7 +264,7 @@ class RecordCache:
                     yield
                     return
                 mine = list(self._pending.values())
-                others = self.ledger.reserved_by_others()
+                others = self._others_reserved  # when it was refused: read since, a fetch may have ended meanwhile
             if (not mine and not others) or time.monotonic() > deadline:
                 raise DatasetError(f"{self.files.root_name}: the cache cannot hold the {len(units)} unit(s) one "
                                    f"batch needs within cache_bytes={self.budget} ({self.used} held or reserved by "
@@ -312,6 +313,7 @@ class RecordCache:
             present = self.files.present_mask()  # now: under the lock, no process lets units go
             used = self._make_room(need, horizon, pinned if pinned is not None else units, present)
             if used is None:
+                self._others_reserved = self.ledger.reserved_by_others()  # (`_room`: worth waiting for?)
                 return False
             if reach is not None and self.files.crcs is not None:
                 more = self._with_neighbours(missing, reach, present)
