@@ -157,7 +157,9 @@ class FaultProxy:
             return sum(s.sent for s in self.seen if (method is None or s.method == method) and contains in s.path)
 
     def served(self, method: str | None = None, contains: str = "") -> int:
-        """Bytes of the answers' bodies sent back so far (to requests of `method` whose path contains `contains`)."""
+        """Bytes of the answers' bodies sent back so far (to requests of `method` whose path contains `contains`):
+        error answers' (a 503's XML) and cut answers' halves included, so it equals a client's count of what it
+        fetched only where no fault was armed."""
         with self.lock:
             return sum(s.served for s in self.seen if (method is None or s.method == method) and contains in s.path)
 

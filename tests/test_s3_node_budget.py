@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from dsc import MemmapDataset
 from dsc.errors import DatasetError
@@ -189,7 +190,7 @@ def test_a_killed_rank_stops_counting_before_it_is_reaped_and_its_plan_is_remove
     rank.start()
     try:
         assert ready.wait(timeout=120)
-        assert len(list(node.glob("next.*.bin"))) == 1 and remote.opened.records.ledger.processes() == 2
+        assert len(list(node.glob("plan.*.bin"))) == 1 and remote.opened.records.ledger.processes() == 2
         os.kill(rank.pid, signal.SIGKILL)
         deadline = time.monotonic() + 30
         while _state(rank.pid) != "Z" and time.monotonic() < deadline:
@@ -201,7 +202,7 @@ def test_a_killed_rank_stops_counting_before_it_is_reaped_and_its_plan_is_remove
         assert _state(rank.pid) == "Z" and remote.opened.records.ledger.processes() == 1
         absent = int(np.flatnonzero((remote.opened.records.files.state & 1) == 0)[0])
         remote.__getitems__([absent])  # a fetch: the node's table is read under its lock
-        assert list(node.glob("next.*.bin")) == []
+        assert list(node.glob("plan.*.bin")) == []
         assert np.count_nonzero(remote.opened.records.ledger._table[:, 0]) == 1  # only this process's row
     finally:
         rank.kill()
@@ -239,7 +240,7 @@ def test_a_rank_in_another_pid_namespace_counts_while_it_lives(env: Path, url: s
         assert records.ledger.processes() == 2
         absent = int(np.flatnonzero((records.files.state & 1) == 0)[0])
         remote.__getitems__([absent])  # a fetch: rows of processes gone are freed under the node's lock
-        assert records.ledger.processes() == 2 and len(list(node.glob("next.*.bin"))) == 1  # its plan kept
+        assert records.ledger.processes() == 2 and len(list(node.glob("plan.*.bin"))) == 1  # its plan kept
         os.killpg(rank.pid, signal.SIGKILL)
         rank.wait(timeout=30)
         deadline = time.monotonic() + 30
@@ -250,3 +251,29 @@ def test_a_rank_in_another_pid_namespace_counts_while_it_lives(env: Path, url: s
         with contextlib.suppress(ProcessLookupError):
             os.killpg(rank.pid, signal.SIGKILL)
         rank.wait(timeout=30)
+
+
+def test_a_live_process_of_an_earlier_dsc_sharing_the_folder_is_refused_and_its_files_go_once_it_is_gone(
+        env: Path, url: str, local: MemmapDataset) -> None:
+    """Earlier versions told live rows by pid and start time in `node/table.bin` (plans in `next.<row>.bin`): their
+    fetches would not count in this version's table, so a live one is named and refused; once it is gone, its
+    files are removed and the folder is used."""
+    budget = index_bytes(local, processes=2) + local.manifest.count // 10 * COST
+    first = MemmapDataset(url, cache_dir=env, cache_bytes=budget)
+    node = first.opened.local_root / ledger.NODE_DIR
+    older = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        table = np.zeros((ledger.ROWS, 5), dtype=np.int64)
+        table[3, :2] = older.pid, ledger._started(older.pid)  # (pid, start time): its row, as it wrote it
+        (node / "table.bin").write_bytes(table.tobytes())
+        (node / "next.3.bin").write_bytes(np.zeros(local.manifest.count, np.int32).tobytes())
+        with pytest.raises(DatasetError, match=rf"process {older.pid}, of an earlier dsc, uses this cache folder"):
+            MemmapDataset(url, cache_dir=env, cache_bytes=budget).__getitems__([0])
+        older.kill()
+        older.wait(timeout=30)
+        again = MemmapDataset(url, cache_dir=env, cache_bytes=budget)
+        assert torch.equal(again.__getitems__([0, 5]).images, local.__getitems__([0, 5]).images)
+        assert not (node / "table.bin").exists() and not (node / "next.3.bin").exists()
+    finally:
+        older.kill()
+        older.wait(timeout=30)

@@ -449,18 +449,19 @@ def test_an_append_beside_which_nothing_can_be_written_is_one_line(tmp_path: Pat
 
 
 def test_an_append_whose_scratch_lock_cannot_be_made_is_one_line_and_leaves_nothing(tmp_path: Path) -> None:
-    """The scratch folder takes the file system's last inode, so its owner lock cannot be created: before, a
-    traceback (OSError) and the folder and the descriptor left behind."""
+    """The scratch folder takes the file system's last inode, so its owner lock cannot be created: one line, and
+    nothing left behind (before: an OSError out of the CLI, and the scratch folder left there)."""
     make_folder(tmp_path / "src", classes=2, per_class=2)
     with tmpfs(tmp_path / "mnt", "16m") as mnt:
         compile_folder(tmp_path / "src", mnt / "ds", size=SIZE, workers=1)
         st = os.statvfs(mnt)
         subprocess.run(["mount", "-o", f"remount,nr_inodes={st.f_files - st.f_ffree + 1}", str(mnt)], check=True)
-        before = sorted(p.name for p in mnt.iterdir())
+        before, descriptors = sorted(p.name for p in mnt.iterdir()), len(os.listdir("/proc/self/fd"))
         result = CliRunner().invoke(app, ["append", str(mnt / "ds"), str(tmp_path / "src")])
         assert result.exit_code == 1 and "Traceback" not in result.output, result.output
         assert "cannot lock" in result.output and "No space left on device" in result.output
         assert sorted(p.name for p in mnt.iterdir()) == before  # the scratch folder removed
+        assert len(os.listdir("/proc/self/fd")) == descriptors  # (the append ran in this process)
         assert MemmapDataset(mnt / "ds").version == 1
 
 

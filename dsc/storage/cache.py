@@ -263,7 +263,7 @@ class RecordCache:
                 if self._request(units, pinned=units, reach=reach):
                     yield
                     return
-                mine = list(self._pending.values())
+                mine = list(self._pending.values()) + [self._victims] * (self._victims is not None)  # punches too
                 others = self._others_reserved  # when it was refused: read since, a fetch may have ended meanwhile
             if (not mine and not others) or time.monotonic() > deadline:
                 raise DatasetError(f"{self.files.root_name}: the cache cannot hold the {len(units)} unit(s) one "
@@ -425,12 +425,13 @@ class RecordCache:
         else:
             self.files.remove_all(units)
 
-    def _let_go_damaged(self, unit: int) -> None:
+    def _let_go_damaged(self, record: int, unit: int, like: np.ndarray) -> None:
         """A held unit found damaged let go as an eviction lets one go (its bytes counted until they are punched,
-        and punched before its next fetch writes), so that fetching it again needs room like any miss."""
-        units = np.array([unit])
+        and punched before its next fetch writes), so that fetching it again needs room like any miss; unless it
+        reads right now (another process put it right meanwhile)."""
+        units, scratch = np.array([unit]), np.empty_like(like)
         with self._lock, self.ledger.locked():
-            if self.files.present_of(units)[0] and not self._fetching[unit]:
+            if self.files.present_of(units)[0] and not self._fetching[unit] and self.files.read(scratch, record):
                 self._evict(units, int(self.files.sizes(units).sum()))
 
     def _executor(self) -> ThreadPoolExecutor:
@@ -500,7 +501,7 @@ class RecordCache:
                 if damaged:
                     break
                 damaged = True
-                self._let_go_damaged(unit)
+                self._let_go_damaged(record, unit, row)
             with self._room(np.array([unit]), self._now):
                 future = self._pending.get(unit)
             if future is not None:

@@ -6,11 +6,11 @@ limit: what the folder holds counts once, whoever fetched it. Two things are not
 
 - the bytes a process has **reserved** for fetches under way (room made before a GET, so the limit holds
   while bytes arrive; and while records it let go are being punched, their bytes beyond those fetches'):
-  each process keeps its sum in its row of `node/table.bin`;
+  each process keeps its sum in its row of `node/rows.bin`;
 - **when each process reads each unit next**: ranks read disjoint shares of an epoch, so a process that
   evicted by its own plan alone would let go first the units other ranks read next, and the ranks would
   fetch each other's units out in turn. Each process that follows a plan publishes it in
-  `node/next.<row>.bin` (one int32 per unit: the batch of its plan that reads it next), and the batch it
+  `node/plan.<row>.bin` (one int32 per unit: the batch of its plan that reads it next), and the batch it
   is making in its row; a unit's distance for the node is the least, over the processes, of how many of
   their batches from now it is read (`distances`). Evictions go by that (Belady's rule over the node), and
   a process that prefetches lets go of nothing another one reads within the same horizon.
@@ -19,12 +19,14 @@ A row is claimed by a process the first time it needs one (a child forked from a
 claims its own) and freed when its cache is closed. The process holds the row's lock (`node/row.<r>.lock`,
 flock) for as long as it has the row: the kernel lets it go when the process ends, killed included, so a row
 whose lock is free counts for nothing, whichever pid namespace its process ran in (containers of one machine
-may share the folder; pids, as before, could not tell one container's processes from another's, nor a pid
-reused). The next process that makes room frees such a row and removes its plan (`reap`), and when it had
-bytes reserved, the cache frees what it may have left on disk uncounted: records half written, or let go and
-not punched yet (`RecordSlots.reclaim`). Reading and writing the table to make room and reserve happen under
-`node/table.lock`, so two processes never both take the last free bytes. What the folder holds is read from
-the cache's own files (the records' state words, the shard files), not from the table.
+may share the folder: pids could not tell one container's processes from another's, nor a pid reused). The
+next process that makes room frees such a row and removes its plan (`reap`), and when it had bytes reserved,
+the cache frees what it may have left on disk uncounted: records half written, or let go and not punched yet
+(`RecordSlots.reclaim`). Reading and writing the table to make room and reserve happen under
+`node/rows.lock`, so two processes never both take the last free bytes. What the folder holds is read from
+the cache's own files (the records' state words, the shard files), not from the table. (Earlier versions kept a
+table of pids in `node/table.bin` and plans in `next.<row>.bin`: a process of this one refuses to share the
+folder with a live process of those, whose fetches it would not count, and removes their files once none is.)
 
 The default `cache_bytes` is the node's too (`node_default`, `node/default_bytes`). Distances are
 comparable across processes that make batches at the same pace (the ranks of a job); the limit holds
@@ -34,7 +36,6 @@ whatever the processes are.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import mmap
 import os
 import re
@@ -47,25 +48,40 @@ from pathlib import Path
 import numpy as np
 
 from dsc.errors import DatasetError
-from dsc.storage.local import locked, map_shared, open_regular
+from dsc.storage.local import hold_lock, let_go_lock, lock_is_held, locked, map_shared, open_regular, read_no_follow
 
 NODE_DIR = "node"
-TABLE_FILE = "table.bin"
-LOCK_FILE = "table.lock"
+TABLE_FILE = "rows.bin"
+LOCK_FILE = "rows.lock"
+_OLD_TABLE, _OLD_LOCK = "table.bin", "table.lock"  # earlier versions': pids told live rows (`_refuse_older_dsc`)
+_OLD_PLAN = re.compile(r"next\.(\d+)\.bin")
 DEFAULT_FILE = "default_bytes"  # the node's default cache_bytes while processes share the folder (`node_default`)
 ROWS = 256  # processes sharing one dataset's cache at a time
 # a row: int64 each; "claims": how many times the row was claimed (a process's plan, mapped by another, is kept
-# mapped while it is the same claim's; its slot held the process's start time when pids told live rows apart)
+# mapped while it is the same claim's)
 _COLUMNS = ("pid", "claims", "reserved", "now", "need")
 _PID, _CLAIMS, _RESERVED, _NOW, _NEED = range(len(_COLUMNS))
 TABLE_BYTES = ROWS * len(_COLUMNS) * 8
 NEXT_DTYPE = np.dtype(np.int32)  # a plan's batch number (native order: node-local)
 NEVER = np.iinfo(NEXT_DTYPE).max  # read again by no batch of the plan
-_NEXT_NAME = re.compile(r"next\.(\d+)\.bin")
+_PLAN_NAME = re.compile(r"plan\.(\d+)\.bin")
 # the other processes' plans are read again once this many times as long as reading them took has passed: reading
 # them is O(processes x units), 100 ms for 8 plans of 1.28M records here, and ranks move a few batches meanwhile
 # (an eviction on a slightly older view refetches a unit at worst); small datasets' are read again every time
 REFRESH_AFTER = 10
+
+
+def _started(pid: int) -> int | None:
+    """(An earlier version's rows) The start time of process `pid` (clock ticks after boot); -1: none, or a
+    zombie; None: it cannot be told."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return -1 if fields[0] in (b"Z", b"X") else int(fields[19])
+    except FileNotFoundError:
+        return -1
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def node_default(folder: Path, compute: Callable[[], int]) -> int:
@@ -104,7 +120,8 @@ class NodeLedger:
         self._table = self._map_table()
         self._row: int | None = None
         self._row_pid = 0
-        self._row_lock = -1  # the descriptor holding this process's row's lock
+        self._row_lock = -1  # the descriptor holding this process's row's lock (`local.hold_lock`)
+        self._left_behind = False  # a row claimed from a process gone had bytes reserved (`reap` says so)
         self._plan: np.ndarray | None = None  # this process's published plan (its row's file, mapped)
         self._theirs: dict[int, tuple[tuple, np.ndarray]] = {}  # row -> ((claims, inode), its plan mapped)
         self._counting = threading.Lock()  # this process's threads add to and take from its reservations
@@ -127,7 +144,7 @@ class NodeLedger:
                             "move it away")
 
     def _plan_path(self, row: int) -> Path:
-        return self.folder / f"next.{row}.bin"
+        return self.folder / f"plan.{row}.bin"
 
     def _lock_path(self, row: int) -> Path:
         return self.folder / f"row.{row}.lock"
@@ -138,7 +155,7 @@ class NodeLedger:
         plans = extra = 0
         with contextlib.suppress(FileNotFoundError), os.scandir(self.folder) as entries:
             for entry in entries:
-                if _NEXT_NAME.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+                if _PLAN_NAME.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
                     plans += 1
                 elif entry.name == DEFAULT_FILE:
                     extra = entry.stat(follow_symlinks=False).st_size
@@ -161,28 +178,16 @@ class NodeLedger:
         return [(r, self._held(r)) for r in np.flatnonzero(self._table[:, _PID]).tolist()]
 
     def _held(self, row: int) -> bool:
-        """Whether a live process holds row `row`'s lock (one that cannot be told: held)."""
+        """Whether a live process holds row `row`'s lock."""
         if row == self._row and self._row_pid == os.getpid():
             return True
-        try:
-            fd = self._open(self._lock_path(row))
-        except FileNotFoundError:
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # let go again as the descriptor is closed
-        except BlockingIOError:
-            return True
-        except OSError:
-            return True
-        finally:
-            os.close(fd)
-        return False
+        return lock_is_held(self._lock_path(row))
 
     def reap(self) -> bool:
         """Free the rows of processes gone (under `locked`), their plans removed; whether one of them had bytes
         reserved: it may have left records half written, or let go and not punched, which nothing counts now
         (the cache then frees them: `RecordSlots.reclaim`)."""
-        left = False
+        left, self._left_behind = self._left_behind, False
         for row, alive in self._rows():
             if not alive:
                 left |= bool(self._table[row, _RESERVED])
@@ -196,31 +201,45 @@ class NodeLedger:
         gone (its plan file removed)."""
         if self._row is not None and self._row_pid == os.getpid():
             return self._row
+        self._refuse_older_dsc()
         for row in range(ROWS):
-            fd = self._open(self._lock_path(row), create=True)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:  # another live process's row
-                os.close(fd)
-                continue
-            break
+                fd = hold_lock(self._lock_path(row))
+            except OSError as e:
+                raise self._foreign(self._lock_path(row), f"cannot be locked ({e.strerror or e})") from e
+            if fd is not None:  # else another live process's row
+                break
         else:
             raise DatasetError(f"{self.folder.parent}: {ROWS} processes of this node share this dataset's cache "
                                "already; no more can join it (give the others' DataLoaders fewer workers, or this "
                                "process another cache_dir)")
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._plan_path(row))  # a process gone left it (ours: created by `follow`, in our folder)
+        if self._table[row, _PID] and self._table[row, _RESERVED]:  # gone with bytes reserved, not reaped yet
+            self._left_behind = True
         self._table[row] = (os.getpid(), self._table[row, _CLAIMS] + 1, 0, -1, 0)
-        self._close_row_lock()
         self._row, self._row_pid, self._plan, self._row_lock = row, os.getpid(), None, fd
         return row
 
-    def _close_row_lock(self) -> None:
-        """Let this process's hold of its row's lock go (a forked child's copy of its parent's: only the copy)."""
-        fd, self._row_lock = self._row_lock, -1
-        if fd >= 0:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+    def _refuse_older_dsc(self) -> None:
+        """Refuse to share the folder with a live process of an earlier version (module docstring), which counts
+        live rows by pid in `table.bin`, a table this one neither reads nor writes; once none is alive, its files
+        go (under its lock)."""
+        old = self.folder / _OLD_TABLE
+        try:
+            values = np.frombuffer(read_no_follow(old, TABLE_BYTES), dtype=np.int64)
+        except OSError:  # none (or not a file: left alone)
+            return
+        rows = values[:len(values) // len(_COLUMNS) * len(_COLUMNS)].reshape(-1, len(_COLUMNS))
+        for pid, started in rows[rows[:, 0] > 0][:, :2].tolist():
+            if _started(pid) in (started, None):
+                raise DatasetError(f"{self.folder.parent}: process {pid}, of an earlier dsc, uses this cache folder "
+                                   "and counts what it holds in another way (its fetches would not count in this "
+                                   "process's cache_bytes): let it finish, or give this process another cache_dir")
+        with locked(self.folder / _OLD_LOCK):
+            for name in [_OLD_TABLE] + [n for n in os.listdir(self.folder) if _OLD_PLAN.fullmatch(n)]:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.folder / name)
 
     def leave(self) -> None:
         """Remove this process's plan and free its row (its cache is closed or collected). Without the table's
@@ -232,13 +251,15 @@ class NodeLedger:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._plan_path(row))
         self._table[row, _PID] = 0
-        self._close_row_lock()
+        fd, self._row_lock = self._row_lock, -1
+        if fd >= 0:
+            let_go_lock(fd)
 
     def after_fork(self) -> None:
         """In a child just forked: the parent's row and plan are the parent's (the child claims its own)."""
         self._row, self._plan, self._theirs, self._nearest = None, None, {}, None  # (read again when asked)
         self._counting = threading.Lock()
-        self._close_row_lock()  # the parent's hold stays the parent's: gone with it, not kept alive by this child
+        self._row_lock = -1  # the parent's hold: the child's copy was closed at the fork (`local.hold_lock`)
 
     # --------------------------------------------------------------------- reserved bytes and needs
 

@@ -24,7 +24,7 @@ import secrets
 import stat
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import numpy as np
@@ -300,6 +300,51 @@ def locked(path: Path) -> Iterator[int]:
         with _held_guard:
             _held_locks.discard(fd)
             os.close(fd)
+
+
+def hold_lock(path: Path) -> int | None:
+    """Take the exclusive `flock` of the lock file `path` (made if missing) without waiting, and keep it until
+    `let_go_lock`: its descriptor, or None while another open file holds it. A process holds it for as long as
+    it lives (the kernel lets it go at the end), so others can tell it is alive (`lock_is_held`); a forked child
+    closes its copy, as of `locked`'s (else the lock would outlive this process in the child)."""
+    with _held_guard:
+        fd = open_lock(path)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file")
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except OSError:
+            os.close(fd)
+            raise
+        _held_locks.add(fd)
+        return fd
+
+
+def let_go_lock(fd: int) -> None:
+    """Close a descriptor of `hold_lock`. Without `_held_guard` (a finalizer may run this in the middle of
+    anything): a fork at that moment leaves the child a copy that keeps the file locked until it exits."""
+    _held_locks.discard(fd)
+    with suppress(OSError):
+        os.close(fd)
+
+
+def lock_is_held(path: Path) -> bool:
+    """Whether some open file holds the `flock` of the lock file `path` (no such file: not held)."""
+    with _held_guard:  # (no fork copies the descriptor meanwhile, nor the shared lock it may take for a moment)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:  # held (EWOULDBLOCK), or it cannot be told: held
+            return True
+        finally:
+            os.close(fd)
+        return False
 
 
 def _after_fork() -> None:
