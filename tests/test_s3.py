@@ -111,7 +111,8 @@ def test_the_cache_is_keyed_by_the_manifest_and_holds_each_record_read(env: Path
 
 def test_a_second_open_on_the_node_downloads_nothing(server: S3Server, env: Path, url: str,
                                                      local: MemmapDataset) -> None:
-    read_all(MemmapDataset(url, cache_dir=env))
+    first = MemmapDataset(url, cache_dir=env)  # kept alive: while it lives, the node's default cache_bytes is
+    read_all(first)  # its (`ledger.node_default`); the first process gone, a later open computes it anew
     before = cached_files(env)
     for entry in local.manifest.files:  # only the manifest stays in the bucket: nothing else can be fetched
         server.delete(BUCKET, f"{url.split('/', 3)[3]}/{entry.file}")
