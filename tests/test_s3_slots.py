@@ -118,3 +118,22 @@ def test_a_file_system_that_cannot_punch_holes_is_refused_at_open(env: Path, url
     with pytest.raises(DatasetError, match=r"cannot punch holes in a file .*put cache_dir on ext4, xfs, btrfs"):
         MemmapDataset(url, cache_dir=env, cache_bytes=index_bytes(local) + COUNT * COST)
     assert not [p for p in env.rglob("*") if p.name.startswith(".punch-probe")]  # its probe removed
+
+
+def test_a_link_planted_at_a_rows_lock_is_refused_not_followed(tmp_path: Path) -> None:
+    """A row's lock file (`node/row.<n>.lock`) is one of dsc's own names: a link planted there (here for a row
+    another process claimed) is named in one line when the node's live processes are counted; its target is
+    untouched."""
+    from dsc.storage import ledger
+
+    node = ledger.NodeLedger(tmp_path, 10)
+    with node.locked():
+        node.mine()
+    node._table[1, 0] = 12345  # another process's row
+    target = tmp_path / "users-file"
+    target.write_bytes(b"mine")
+    (tmp_path / ledger.NODE_DIR / "row.1.lock").symlink_to(target)
+    with pytest.raises(DatasetError, match=r"row\.1\.lock: not a regular file; the cache holds something dsc did not"):
+        node.processes()
+    assert target.read_bytes() == b"mine"
+    node.leave()

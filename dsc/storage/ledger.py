@@ -181,7 +181,8 @@ class NodeLedger:
         """Whether a live process holds row `row`'s lock."""
         if row == self._row and self._row_pid == os.getpid():
             return True
-        return lock_is_held(self._lock_path(row))
+        path = self._lock_path(row)
+        return lock_is_held(path, lambda what: self._foreign(path, what))
 
     def reap(self) -> bool:
         """Free the rows of processes gone (under `locked`), their plans removed; whether one of them had bytes

@@ -331,14 +331,19 @@ def let_go_lock(fd: int) -> None:
         os.close(fd)
 
 
-def lock_is_held(path: Path) -> bool:
-    """Whether some open file holds the `flock` of the lock file `path` (no such file: not held)."""
+def lock_is_held(path: Path, foreign: Callable[[str], Exception]) -> bool:
+    """Whether some open file holds the `flock` of the lock file `path` (no such file: not held); a link or
+    anything but a regular file there is refused (`foreign(what)`), never followed."""
     with _held_guard:  # (no fork copies the descriptor meanwhile, nor the shared lock it may take for a moment)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             return False
+        except OSError as e:
+            raise foreign("not a regular file") from e
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise foreign("not a regular file")
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except OSError:  # held (EWOULDBLOCK), or it cannot be told: held
             return True
