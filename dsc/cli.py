@@ -34,6 +34,7 @@ from dsc.compiler.target import FITS, Target, parse_size
 from dsc.errors import CompileError, DscError
 from dsc.format import ALPHA, MANIFEST_FILE, MAX_RECORDS, minor_version
 from dsc.storage import check_skip_list, is_url, open_dataset, parse_manifest, verify_checksums
+from dsc.storage.object_file import is_url as is_object_url
 from dsc.tools.inspect_dataset import COUNTED_UNASKED
 from dsc.tools.inspect_dataset import summary as inspect_summary
 from dsc.tools.sheet import MAX_TILES, pick_records, save_sheet
@@ -120,7 +121,7 @@ def _names_archives(src: Path | str) -> bool:
 
 def _source(value: str) -> Path | str:
     """SRC: a path, or an `s3://` URL kept as written (a Path would fold its '//')."""
-    return value if value.startswith("s3://") else _path(value)
+    return value if is_object_url(value) else _path(value)
 
 
 @app.command("compile")

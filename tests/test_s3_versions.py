@@ -207,6 +207,26 @@ def test_an_append_that_loses_the_race_builds_again_on_the_winners_version(serve
     storage.verify_checksums(url, ds.manifest)
 
 
+def test_a_merge_inside_one_bucket_refuses_a_damaged_shard_it_would_copy_server_side(server: S3Server, env: Path,
+                                                                                      grown) -> None:
+    """Was: the server-side copy carried the damaged object into the merged dataset, whose manifest vouched for
+    it with the input's SHA-256, and the merge said it wrote it (exit 0; `dsc verify` then failed)."""
+    tmp = grown[0]
+    where = prefix()
+    a_url, b_url = (server.upload(tmp / "ds", BUCKET, f"{where}/{name}") for name in ("A", "B"))
+    shard = bytearray((tmp / "ds" / "shards/00000.bin").read_bytes())  # A's first shard: whole in M, copied
+    shard[0] ^= 0xFF
+    server.put(BUCKET, f"{where}/A/shards/00000.bin", bytes(shard))
+    out = f"s3://{BUCKET}/{where}/M"
+    result = CliRunner().invoke(app, ["merge", a_url, b_url, out])
+    assert result.exit_code == 1, result.output
+    assert f"{a_url}/shards/00000.bin: its SHA-256 is" in result.output and "committed nothing" in result.output
+    assert Bucket(out).list() == []  # its build deleted, nothing committed
+    fine = CliRunner().invoke(app, ["merge", b_url, a_url.replace("s3://", "S3://"), out.replace("s3://", "S3://")])
+    assert fine.exit_code == 1 and f"{a_url}/shards/00000.bin" in fine.output, fine.output  # (S3:// is a bucket too)
+    assert not Path("S3:").exists()
+
+
 def test_merge_with_differing_class_sets_into_and_out_of_a_bucket(server: S3Server, env: Path,
                                                                   tmp_path: Path) -> None:
     make_folder(tmp_path / "a", classes=2, per_class=3)

@@ -334,6 +334,46 @@ def test_cli_append_info_verify_name_versions(grown) -> None:
     assert bad.exit_code == 1 and "Traceback" not in bad.output
 
 
+def test_a_dataset_named_through_a_link_is_locked_as_the_dataset_itself(grown) -> None:
+    """Was: `latest -> ds` took the lock `.latest.dsc-lock`, so a writer through the link and one through `ds`
+    never queued, and the one's clean-up deleted the other's files just before its commit."""
+    tmp = grown[0]
+    os.symlink("ds", tmp / "latest")
+    with versions.writing(tmp / "ds"):
+        with pytest.raises(CompileError, match=f"writing {tmp / 'ds'} right now"):
+            with versions.writing(tmp / "latest", wait_s=0.5):
+                pass
+    with versions.writing(tmp / "latest"):  # let go: taken
+        pass
+
+
+CLEAR = "import sys; from pathlib import Path; from dsc.compiler import versions; " \
+        "print(len(versions.clear_abandoned(Path(sys.argv[1]))[0]))"
+
+
+def test_another_writers_clean_up_leaves_an_append_folder_in_use_alone(grown, monkeypatch) -> None:
+    """A writer that bypasses this machine's lock (another machine's) clears killed appends' files in the moment
+    before this append's commit: it deletes the killed one's, never this one's (was: every file no version listed
+    yet, and this append then committed a version whose files were gone)."""
+    tmp, _, _, b = grown
+    real, cleared = versions.commit, []
+    killed = tmp / "ds" / fmt.APPENDS_DIR / "0123456789abcdef" / fmt.SHARD_DIR
+
+    def cleared_first(root, manifest):
+        killed.mkdir(parents=True)
+        (killed / "00009.bin").write_bytes(b"x")  # a killed append's file: nobody holds its folder
+        done = subprocess.run([sys.executable, "-c", CLEAR, str(root)], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        cleared.append(int(done.stdout))
+        real(root, manifest)
+    monkeypatch.setattr(versions, "commit", cleared_first)
+    append(tmp / "ds", b, workers=1)
+    assert cleared == [1] and not killed.exists()
+    ds = MemmapDataset(tmp / "ds")
+    assert (ds.version, len(ds)) == (2, 21)
+    storage.verify_checksums(tmp / "ds", ds.manifest)
+
+
 def test_force_replaces_a_grown_dataset_but_not_a_users_file_in_it(grown) -> None:
     tmp, master, _, b = grown
     append(tmp / "ds", b, workers=1)
@@ -422,8 +462,13 @@ def test_a_kill_at_the_commit_leaves_one_whole_version_and_the_next_writer_tidie
     assert (tmp / "ds" / fmt.MANIFEST_FILE).read_bytes() == before  # not refreshed yet in either case
     written = [p for p in (tmp / "ds" / fmt.APPENDS_DIR).rglob("*.bin")]
     assert written  # the killed append's files are there, listed by a version or not
+    files = [p for p in (tmp / "ds" / fmt.APPENDS_DIR).rglob("*") if p.is_file()]
     result = CliRunner().invoke(app, ["prune", str(tmp / "ds"), "--keep", "5"])  # the next writer
     assert result.exit_code == 0, result.output
+    if moment == "before-commit":  # what it deleted is counted (was: "0 files (0 B)")
+        assert f"removed 0 versions and {len(files)} files" in result.output, result.output
+    else:
+        assert "removed 0 versions and 0 files" in result.output, result.output
     listed = versions.listed_by_versions(tmp / "ds")
     assert all(p.relative_to(tmp / "ds").as_posix() in listed for p in (tmp / "ds" / fmt.APPENDS_DIR).rglob("*.bin"))
     assert json.loads((tmp / "ds" / fmt.MANIFEST_FILE).read_text()).get("dataset_version", 1) == ds.version
@@ -498,6 +543,34 @@ def test_object_storage_urls_reach_the_bucket_not_mangled_into_paths(grown, args
     assert "s3://bucket/" in result.output and "Traceback" not in result.output, result.output
     assert "s3:/bucket" not in result.output.replace("s3://bucket", ""), result.output
     assert not (tmp / "out").exists()
+
+
+@pytest.mark.parametrize("damaged", ["ds", "other"])
+def test_a_merge_refuses_a_damaged_shard_file_it_would_link_or_copy(grown, damaged: str) -> None:
+    """Was: a shard reused by a link (ds's first, whole in M) or copied in the kernel (other's, off M's shard
+    boundaries) carried its damaged bytes into M, and the merge said it wrote M."""
+    tmp = grown[0]
+    shutil.copytree(tmp / "ds", tmp / "other")
+    shard = tmp / damaged / "shards/00000.bin"
+    data = bytearray(shard.read_bytes())
+    data[0] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    result = CliRunner().invoke(app, ["merge", str(tmp / "ds"), str(tmp / "other"), str(tmp / "M")])
+    assert result.exit_code == 1, result.output
+    assert f"{shard}: its SHA-256 is" in result.output and "damaged" in result.output, result.output
+    assert not (tmp / "M").exists()
+
+
+def test_a_killed_merges_partial_build_is_named_with_what_merge_can_do(grown) -> None:
+    """Was: "run the command that started it again with --resume", an option merge does not have."""
+    tmp = grown[0]
+    shutil.copytree(tmp / "ds", tmp / "other")
+    (tmp / ".M.dsc-partial").mkdir()  # what a merge killed after it made its build folder leaves
+    result = CliRunner().invoke(app, ["merge", str(tmp / "ds"), str(tmp / "other"), str(tmp / "M")])
+    assert result.exit_code == 1 and "again with --resume" not in result.output, result.output
+    assert "dsc merge cannot continue it" in result.output and "pass --force to discard it" in result.output
+    forced = CliRunner().invoke(app, ["merge", str(tmp / "ds"), str(tmp / "other"), str(tmp / "M"), "--force"])
+    assert forced.exit_code == 0, forced.output
 
 
 def test_merge_refuses_an_output_inside_an_input(grown) -> None:

@@ -134,19 +134,20 @@ def _commit_on_latest(root: Path, new: storage.OpenedDataset, new_classes: bool,
         if not again:
             refuse_a_repeat(root, base, new)
         joined, kept = join_for_append(base, new, new_classes, [str(root), str(src)])
-        folder = fmt.append_folder(secrets.token_hex(fmt.APPEND_TAG_HEX // 2))
-        manifest, how = next_version(root, folder, base, new, joined, kept)
-        local.fsync_dir(root / folder / fmt.SHARD_DIR)
-        local.fsync_dir(root / folder)
-        local.fsync_dir(root / fmt.APPENDS_DIR)
-        local.fsync_dir(root)
-        storage.check_manifest_text(root, manifest.to_json().encode("ascii"),  # never commit what readers refuse
-                                    kept_segments=len(kept))
-        try:
-            versions.commit(root, manifest)
-            return manifest, how, joined
-        except versions.VersionTaken as e:
-            if attempt == COMMIT_ATTEMPTS:
-                raise lost_every_race(root, e) from e
-            versions.clear_abandoned(root)  # this attempt's files: no version lists them
+        with versions.new_folder(root) as folder:  # marked in use until the commit lists it
+            manifest, how = next_version(root, folder, base, new, joined, kept)
+            local.fsync_dir(root / folder / fmt.SHARD_DIR)
+            local.fsync_dir(root / folder)
+            local.fsync_dir(root / fmt.APPENDS_DIR)
+            local.fsync_dir(root)
+            storage.check_manifest_text(root, manifest.to_json().encode("ascii"),  # never commit what readers refuse
+                                        kept_segments=len(kept))
+            try:
+                versions.commit(root, manifest)
+                return manifest, how, joined
+            except versions.VersionTaken as e:
+                if attempt == COMMIT_ATTEMPTS:
+                    versions.discard(root, folder)
+                    raise lost_every_race(root, e) from e
+                versions.discard(root, folder)  # this attempt's files: no version lists them
     raise AssertionError("unreachable")  # the loop returns or raises

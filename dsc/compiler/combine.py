@@ -237,11 +237,13 @@ def write_shards(root: Path, folder: str, first_shard: int, runs: Sequence[Run],
     """Lay `runs` out as shards `first_shard`, `first_shard + 1`, ... (R records each, the last the rest) in
     `root`/`folder`; return their entries (file names relative to `root`) and how each was made."""
     (root / folder).mkdir(mode=0o755, parents=True, exist_ok=True)
-    entries, how = [], []
+    entries, how, checked = [], [], set()
     for k, shard_pieces in enumerate(layout(runs, records_per_shard)):
         name = f"{folder}/{os.path.basename(fmt.shard_file(first_shard + k))}"
         records = sum(n for _, _, n in shard_pieces)
         whole = whole_file(shard_pieces)
+        for run, _, _ in shard_pieces:
+            check_shard_file(run, checked)
         if whole is not None and whole.path is not None:
             how.append(local.reuse_file(whole.path, root / name))
             entries.append(fmt.ShardEntry(name, records * record_bytes, whole.sha256, records))
@@ -262,6 +264,19 @@ def write_shards(root: Path, folder: str, first_shard: int, runs: Sequence[Run],
         how.append("copy" if whole is None else "download")
         entries.append(fmt.ShardEntry(name, records * record_bytes, digest, records))
     return entries, how
+
+
+def check_shard_file(run: Run, checked: set[Path]) -> None:
+    """A local run's shard file read once and checked against its manifest's SHA-256 before any of it is reused
+    or copied (a link or a copy in the kernel reads nothing, and would carry damaged bytes into a dataset
+    whose manifest vouches for them); a run in a bucket has each record checked as it is fetched instead."""
+    if run.path is None or run.path in checked:
+        return
+    digest = local.sha256_file(run.path)
+    if digest != run.sha256:
+        raise CompileError(f"{run.path}: its SHA-256 is {digest}, its manifest says {run.sha256}: the shard file "
+                           "is damaged, so nothing was written from it (dsc verify names every damaged file)")
+    checked.add(run.path)
 
 
 def _copy_piece(run: Run, first: int, count: int, record_bytes: int, fd: int, at: int) -> None:

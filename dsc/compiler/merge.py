@@ -3,7 +3,8 @@
 Records are A's, then B's, and so on; classes are matched by name into one vocabulary (A's indices
 first, each later dataset's new names at the end) and labels remapped; fields must match by name
 and kind, their vocabularies joined the same way (`combine`). A shard that is a whole input file in
-the output's layout is reused (reflink, hard link where the storage allows), any other copied. OUT is
+the output's layout is reused (reflink, hard link where the storage allows), any other copied; every input
+shard file is read once first and checked against its SHA-256 (a link carries damaged bytes as they are). OUT is
 built beside and published like a compile (`publish.LocalTarget`): whole or not at all. Any dataset may be
 in a bucket (s3://): its shards are then read by bounded ranged GETs; an OUT in a bucket is `merge_bucket`'s.
 """
@@ -46,7 +47,7 @@ def merge(inputs: list[str | os.PathLike], out: str | os.PathLike, force: bool =
     digest = hashlib.sha256(" ".join(d.manifest.fingerprint for d in datasets).encode()).hexdigest()
     first = datasets[0].manifest
     with publish.LocalTarget(out) as target:
-        target.stage(force, resume=False)
+        target.stage(force, resume=False, command="merge")
         stage = target.stage_dir
         try:
             shards, how = write_shards(stage, fmt.SHARD_DIR, 0, runs, first.records_per_shard, first.record_bytes)

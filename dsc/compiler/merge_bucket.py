@@ -2,18 +2,23 @@
 
 The joined index is written in a private temporary folder on this machine and uploaded. Each shard of OUT
 that is a whole shard of an input is reused: copied server-side when the input is in OUT's bucket (no byte
-through this machine), uploaded from its file when it is local; any other shard is assembled in the
+up from this machine; the copy is read back once and checked against the input's SHA-256, as any input's
+bytes are before the merge vouches for them), uploaded from its file (checked) when it is local; any other
+shard is assembled in the
 temporary folder (from files, or by bounded ranged GETs) and uploaded, then deleted there, one at a time.
 Every object goes under a fresh `builds/<tag>/`, as a compile's (server-side copies and multipart uploads
 are not create-only: a name of its own is what keeps two merges racing into one prefix from overwriting
 each other's shards), and the merge commits as a compile does: version 1 by a create-only PUT of
 `versions/00000001.json`, then `manifest.json` (`bucket_publish.commit`). Of two racing merges one commits;
-the other deletes its build. A killed merge leaves a partial build no version lists: the next merge names
-it and merges beside it, deleting it once abandoned, as `dsc prune` does. OUT must hold no dataset.
+the other deletes its build, as a merge that fails does. A killed merge leaves a partial build no version
+lists: the next merge names it and merges beside it, deleting it once abandoned, as `dsc prune` does. OUT
+must hold no dataset.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
 import secrets
 import shutil
@@ -28,9 +33,11 @@ from dsc.compiler import bucket_publish as bp
 from dsc.compiler import combine
 from dsc.compiler.append_bucket import upload_file
 from dsc.compiler.combine import MergeSummary, joined_inputs, merged_manifest
-from dsc.errors import CompileError
+from dsc.errors import CompileError, DscError
 from dsc.storage.bucket import Bucket
 from dsc.storage.s3 import parse_url
+
+logger = logging.getLogger("dsc")
 
 
 def merge_into_bucket(inputs: list[str | os.PathLike], out: str, force: bool, started: float) -> MergeSummary:
@@ -61,10 +68,23 @@ def merge_into_bucket(inputs: list[str | os.PathLike], out: str, force: bool, st
         storage.check_manifest_text(stage, text, {e.file: e.bytes for e in shards})  # never publish what readers refuse
         for path in sorted(p for p in stage.rglob("*") if p.is_file()):
             upload_file(bucket, path.relative_to(stage).as_posix(), path)
-        _commit(bucket, folder, text)
+    except DscError:
+        _delete_quietly(bucket, folder)  # no version lists it: nothing of a merge that stopped is kept
+        raise
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+    _commit(bucket, folder, text)
     return MergeSummary(bucket.root, manifest.count, joined.classes, how, time.perf_counter() - started)
+
+
+def _delete_quietly(bucket: Bucket, folder: str) -> None:
+    """Delete a merge's build; where the bucket does not answer, it is left to the next merge or prune (as a
+    killed merge's is)."""
+    try:
+        bp.delete_build(bucket, bucket.list(folder))
+    except DscError as e:
+        logger.warning("could not delete %s/ (%s): the next merge or prune into %s deletes it once abandoned",
+                       bucket.at(folder), e, bucket.root)
 
 
 def _commit(bucket: Bucket, folder: str, text: bytes) -> None:
@@ -88,6 +108,7 @@ def _shards(bucket: Bucket, stage: Path, folder: str, runs: list[combine.Run],
         source = _object_of(whole)
         if source is not None and source[0] == bucket.bucket:
             whole_bucket.copy(source[1], bucket.key(name))
+            _check_copy(bucket, name, whole, whole.records * first.record_bytes)
             entries.append(fmt.ShardEntry(name, whole.records * first.record_bytes, whole.sha256, whole.records))
             how.append("server-side copy")
             continue
@@ -99,6 +120,18 @@ def _shards(bucket: Bucket, stage: Path, folder: str, runs: list[combine.Run],
         entries.append(entry)
         how.append("upload" if whole is not None else "copy")
     return entries, how
+
+
+def _check_copy(bucket: Bucket, name: str, run: combine.Run, size: int) -> None:
+    """A shard copied server-side (`size` bytes), read back by bounded ranged GETs and checked against its
+    input's SHA-256: the copy carries the input object's bytes, whatever they are, and the new manifest vouches
+    for them."""
+    digest = hashlib.sha256()
+    for start in range(0, size, combine.FETCH_BYTES):
+        digest.update(bucket.get_range(name, start, min(size, start + combine.FETCH_BYTES)))
+    if digest.hexdigest() != run.sha256:
+        raise CompileError(f"{run.url}: its SHA-256 is {digest.hexdigest()}, its manifest says {run.sha256}: the "
+                           "object is damaged, so the merge stopped and committed nothing")
 
 
 def _object_of(run: combine.Run | None) -> tuple[str, str] | None:

@@ -280,8 +280,9 @@ def _names(fd: int, path: Path) -> bool:
     return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
 
 
-def prepare(out: Path, force: bool, resume: bool, lock_fd: int) -> tuple[Path, bool]:
-    """Under OUT's lock: check OUT, then give (staging folder, whether it holds work to resume)."""
+def prepare(out: Path, force: bool, resume: bool, lock_fd: int, command: str = "compile") -> tuple[Path, bool]:
+    """Under OUT's lock: check OUT, then give (staging folder, whether it holds work to resume). `command`: the
+    one writing OUT, as its refusals name it ("merge" has no --resume: they say so)."""
     stage = staging_path(out)
     for grave in out.parent.glob(f"{glob.escape(retired_prefix(out))}*"):  # a kill stopped its deletion
         delete_retired(grave)
@@ -290,8 +291,8 @@ def prepare(out: Path, force: bool, resume: bool, lock_fd: int) -> tuple[Path, b
         if resume:
             return stage, True
         if not force:
-            raise CompileError(f"an interrupted compile left a finished build of {out} waiting to be published: run "
-                               "the same command with --resume to publish it, or pass --force to discard it")
+            raise CompileError(f"an interrupted compile left a finished build of {out} waiting to be published: "
+                               + _continue_hint(command, "publish it"))
         clear_publish(out)
     _check_out(out, force)
     if stage.is_symlink() or stage.exists():
@@ -301,12 +302,18 @@ def prepare(out: Path, force: bool, resume: bool, lock_fd: int) -> tuple[Path, b
                 remove_temporaries(folder)
             return stage, True
         if not force:
-            raise CompileError(f"an interrupted compile left a partial build at {stage}: run the command that "
-                               "started it again with --resume to continue it (other options are refused), or pass "
-                               "--force to discard it")
+            raise CompileError(f"an interrupted {'compile' if command == 'compile' else 'compile or merge'} left a "
+                               f"partial build at {stage}: " + _continue_hint(command, "continue it"))
         discard(stage, refuse=True)
     make_stage(stage)
     return stage, False
+
+
+def _continue_hint(command: str, what: str) -> str:
+    if command == "compile":
+        return (f"run the command that started it again with --resume to {what} (other options are refused), or "
+                "pass --force to discard it")
+    return f"dsc {command} cannot continue it (only a compile's --resume can): pass --force to discard it"
 
 
 def make_stage(stage: Path) -> None:
@@ -460,9 +467,9 @@ class LocalTarget:
     def __exit__(self, *exc) -> None:
         unlock(self.out, self._lock_fd)
 
-    def stage(self, force: bool, resume: bool) -> bool:
-        """Make the build folder, or find the one to resume (True)."""
-        return prepare(self.out, force, resume, self._lock_fd)[1]
+    def stage(self, force: bool, resume: bool, command: str = "compile") -> bool:
+        """Make the build folder, or find the one to resume (True); `command` writes OUT (see `prepare`)."""
+        return prepare(self.out, force, resume, self._lock_fd, command)[1]
 
     def restart(self) -> None:
         """Empty the build folder: what it holds was made from no plan."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,18 +32,22 @@ from dsc.errors import CompileError
 from dsc.storage import local
 
 WRITER_WAIT_S = 600.0  # how long an append or a prune waits for the dataset's lock (another append's commit)
+ABANDONED_AFTER_S = 24 * 3600.0  # where locks cannot tell whether an append folder's writer lives: its age
+FOLDER_ATTEMPTS = 3
 
 
 @contextmanager
-def writing(root: Path, wait_s: float = WRITER_WAIT_S) -> Iterator[None]:
+def writing(root: Path, wait_s: float = WRITER_WAIT_S) -> Iterator[tuple[list[str], int]]:
     """Hold the dataset's lock (the one a compile holds) while writing in it: abandoned work of a writer
-    killed meanwhile is cleared first (only a holder of the lock writes there)."""
-    fd = publish.lock(root, wait_s)
+    killed meanwhile is cleared first (what `clear_abandoned` deleted is yielded). The lock is the dataset
+    folder's own, whatever name it is given (a link to it, `latest -> ds`, takes `ds`'s): two names must
+    never let two writers in at once."""
+    real = root.resolve()
+    fd = publish.lock(real, wait_s)
     try:
-        clear_abandoned(root)
-        yield
+        yield clear_abandoned(root)
     finally:
-        publish.unlock(root, fd)
+        publish.unlock(real, fd)
 
 
 def listed_by_versions(root: Path) -> set[str]:
@@ -59,19 +64,101 @@ def _versions(root: Path) -> list[int]:
         folder.close()
 
 
-def clear_abandoned(root: Path) -> None:
+def clear_abandoned(root: Path) -> tuple[list[str], int]:
     """Delete what writers killed before their commit left in the dataset: files under `appends/` that no
-    version lists (only names dsc gives them), and temporaries in `versions/`."""
-    listed = listed_by_versions(root)
+    version lists (only names dsc gives them), in append folders no live writer marks in use (`new_folder`),
+    and temporaries in `versions/`; (what was deleted, its bytes). Where the file system has no locks, an
+    append folder whose files are all ABANDONED_AFTER_S old is taken as abandoned."""
+    appends, claimed, removed, freed = root / fmt.APPENDS_DIR, {}, [], 0
+    try:
+        if appends.is_dir() and not appends.is_symlink():
+            for entry in sorted(os.scandir(appends), key=lambda e: e.name):
+                name = f"{fmt.APPENDS_DIR}/{entry.name}"
+                if entry.is_dir(follow_symlinks=False) and fmt.is_dataset_folder_name(name):
+                    fd = _claim_if_abandoned(Path(entry.path))
+                    if fd is not None:
+                        claimed[entry.name] = fd
+            listed = listed_by_versions(root)  # read once claimed: a writer commits before it lets its folder go
 
-    def claims(path: str, is_dir: bool) -> bool:  # `path` is relative to appends/
-        name = f"{fmt.APPENDS_DIR}/{path}"
-        return fmt.is_dataset_folder_name(name) if is_dir else fmt.is_dataset_file_name(name) and name not in listed
-    appends = root / fmt.APPENDS_DIR
-    if appends.is_dir() and not appends.is_symlink():
-        local.remove_claimed(appends, claims, "")
+            def claims(path: str, is_dir: bool) -> bool:  # `path` is relative to appends/
+                nonlocal freed
+                name = f"{fmt.APPENDS_DIR}/{path}"
+                if path.split("/")[0] not in claimed:
+                    return False
+                if is_dir:
+                    return fmt.is_dataset_folder_name(name)
+                if not fmt.is_dataset_file_name(name) or name in listed:
+                    return False
+                freed += os.lstat(root / name).st_size
+                removed.append(name)
+                return True
+            local.remove_claimed(appends, claims, "")
+    finally:
+        for fd in claimed.values():
+            local.let_go_lock(fd)
     if (root / fmt.VERSIONS_DIR).is_dir():
         publish.remove_temporaries(root / fmt.VERSIONS_DIR)
+    return removed, freed
+
+
+def _claim_if_abandoned(folder: Path) -> int | None:
+    """`local.claim_folder`, or where locks cannot tell, a descriptor of the folder once every file in it is
+    ABANDONED_AFTER_S old; None while a writer may still be at work in it."""
+    try:
+        return local.claim_folder(folder)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        pass
+    newest = max((os.lstat(os.path.join(d, n)).st_mtime for d, _, names in os.walk(folder) for n in [".", *names]),
+                 default=0.0)
+    if time.time() - newest < ABANDONED_AFTER_S:
+        return None
+    return os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+
+
+@contextmanager
+def new_folder(root: Path) -> Iterator[str]:
+    """A new append folder `appends/<random tag>` (its name relative to `root`), marked in use for the block
+    (`local.hold_folder`), so that no other writer's `clear_abandoned` deletes what is written there before
+    the commit lists it, a writer that bypasses the dataset's lock included."""
+    (root / fmt.APPENDS_DIR).mkdir(mode=0o755, exist_ok=True)
+    for _ in range(FOLDER_ATTEMPTS):
+        folder = fmt.append_folder(secrets.token_hex(fmt.APPEND_TAG_HEX // 2))
+        try:
+            (root / folder).mkdir(mode=0o755)
+        except FileNotFoundError:  # appends/, emptied, removed by a clear_abandoned meanwhile
+            (root / fmt.APPENDS_DIR).mkdir(mode=0o755, exist_ok=True)
+            continue
+        fd = local.hold_folder(root / folder)
+        if fd is None:
+            continue  # a clear_abandoned took it for a killed writer's in the instant before the mark
+        try:
+            if _same_file(fd, root / folder):  # (else deleted by one before the mark: the name leads nowhere)
+                yield folder
+                return
+        finally:
+            local.let_go_lock(fd)
+    raise CompileError(f"{root / fmt.APPENDS_DIR}: {FOLDER_ATTEMPTS} new folders were deleted as soon as they were "
+                       "made; another process clears that folder as fast as this one writes")
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st, held = os.lstat(path), os.fstat(fd)
+    except FileNotFoundError:
+        return False
+    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
+
+
+def discard(root: Path, folder: str) -> None:
+    """Delete an append folder this writer made and no version lists (its commit lost a race)."""
+    listed = listed_by_versions(root)
+
+    def claims(path: str, is_dir: bool) -> bool:
+        name = f"{folder}/{path}"
+        return fmt.is_dataset_folder_name(name) if is_dir else fmt.is_dataset_file_name(name) and name not in listed
+    local.remove_claimed(root / folder, claims, "")
 
 
 def commit(root: Path, manifest: fmt.Manifest) -> None:
@@ -126,28 +213,29 @@ def prune(root: str | os.PathLike, keep: int) -> Pruned:
     if keep < 1:
         raise CompileError(f"--keep must be at least 1 (the latest version), got {keep}")
     storage.parse_manifest(root)  # a dataset, whole: refuse anything else before deleting anything
-    with writing(root):
+    with writing(root) as (removed, freed):
         found = _versions(root)
         refresh_copy(root)
         kept, dropped = found[-keep:], found[:-keep]
         if not found:
-            return Pruned([1], [], [], 0)
+            return Pruned([1], [], removed, freed)
         for v in dropped:  # manifests first: nobody opens a pruned version half-deleted
             os.unlink(root / fmt.version_file(v))
         local.fsync_dir(root / fmt.VERSIONS_DIR)
         listed = listed_by_versions(root)
-        removed, freed = [], 0
-        for dirpath, _, filenames in os.walk(root):  # never into a linked folder
+        for dirpath, folders, filenames in os.walk(root):  # never into a linked folder
+            if Path(dirpath) == root:
+                folders[:] = [f for f in folders if f not in (fmt.APPENDS_DIR, fmt.VERSIONS_DIR)]
             for name in filenames:
                 path = Path(dirpath) / name
                 rel = path.relative_to(root).as_posix()
-                if path.is_symlink() or rel in listed or not fmt.is_dataset_file_name(rel) \
-                        or rel.startswith(f"{fmt.VERSIONS_DIR}/"):
+                if path.is_symlink() or rel in listed or not fmt.is_dataset_file_name(rel):
                     continue
                 freed += path.stat().st_size
                 path.unlink()
                 removed.append(rel)
-        clear_abandoned(root)
+        cleared, cleared_bytes = clear_abandoned(root)  # appends/: the folders no writer is at work in
+        removed, freed = removed + cleared, freed + cleared_bytes
         for folder in (fmt.SHARD_DIR, fmt.FIELD_DIR):
             if (root / folder).is_dir() and not any((root / folder).iterdir()):
                 (root / folder).rmdir()

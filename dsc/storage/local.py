@@ -331,6 +331,41 @@ def let_go_lock(fd: int) -> None:
         os.close(fd)
 
 
+def hold_folder(path: Path) -> int | None:
+    """Mark the folder `path` in use for as long as this process keeps the descriptor returned (a shared
+    `flock` on the folder itself, let go by `let_go_lock`), so that `claim_folder` elsewhere leaves it alone;
+    None when a `claim_folder` holds it now (its holder may be deleting it: use another folder). On a file
+    system without locks, the descriptor unlocked (`claim_folder` cannot tell there either)."""
+    with _held_guard:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except OSError:
+            pass
+        _held_locks.add(fd)
+        return fd
+
+
+def claim_folder(path: Path) -> int | None:
+    """An exclusive `flock` on the folder `path` when no process marks it in use (`hold_folder`): its
+    descriptor, to `let_go_lock` once done with it; None while one does. OSError where locks cannot tell."""
+    with _held_guard:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except OSError:
+            os.close(fd)
+            raise
+        _held_locks.add(fd)
+        return fd
+
+
 def lock_is_held(path: Path, foreign: Callable[[str], Exception]) -> bool:
     """Whether some open file holds the `flock` of the lock file `path` (no such file: not held); a link or
     anything but a regular file there is refused (`foreign(what)`), never followed."""

@@ -31,8 +31,9 @@ SCHEME = "s3://"
 
 
 def is_url(text: str) -> bool:
-    """Whether a source names an object in a bucket (`s3://...`) rather than a local path."""
-    return text.startswith(SCHEME)
+    """Whether a source names an object in a bucket (`s3://...`; a URL's scheme, `S3://` too, is not case
+    sensitive) rather than a local path."""
+    return text[:len(SCHEME)].lower() == SCHEME
 
 
 def _s3():
