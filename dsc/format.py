@@ -56,6 +56,7 @@ import hashlib
 import json
 import operator
 import os
+import re
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -504,6 +505,26 @@ def encode_sources(sources: list[str]) -> tuple[np.ndarray, bytes]:
     offsets = np.zeros(len(blobs) + 1, dtype=OFFSET_DTYPE)
     np.cumsum([len(b) for b in blobs], out=offsets[1:])
     return offsets, b"".join(blobs)
+
+
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def is_whole_source(source: str) -> bool:
+    """Whether a source path names its image on its own, not under `compile.source_root`: a URL
+    (`s3://bucket/key`) or an absolute path, as an append or merge writes the sources of a part whose root
+    and the dataset's are not both local folders (no relative path leads from the one to the other)."""
+    return source.startswith("/") or _URL.match(source) is not None
+
+
+def source_location(root: str, source: str) -> str:
+    """Where a record's source is: `source` (as `sources.bin` holds it) under `root`, the dataset's
+    `compile.source_root` (a folder, or an `s3://` URL: joined without folding its '//'), unless it is whole."""
+    if is_whole_source(source):
+        return source
+    if "://" in root:
+        return f"{root.rstrip('/')}/{source}"
+    return os.path.join(root, source)
 
 
 def index_payloads(labels: np.ndarray, sizes: np.ndarray, sources: list[str]) -> dict[str, tuple[str, bytes]]:

@@ -227,6 +227,35 @@ def test_a_merge_inside_one_bucket_refuses_a_damaged_shard_it_would_copy_server_
     assert not Path("S3:").exists()
 
 
+def test_merges_and_appends_across_a_bucket_and_a_folder_keep_each_source_where_it_is(server: S3Server, env: Path,
+                                                                                      tmp_path: Path,
+                                                                                      monkeypatch) -> None:
+    """Was: a relative path from an s3:// root to a folder or back (`os.path.relpath` of a URL): sources such as
+    `s3://b/imgs/../../../tmp/...` or `<folder>/../s3:/b/imgs/...`, different in each working directory."""
+    from dsc.compiler.merge import merge
+    from dsc.tools.recheck import check_against_sources
+
+    make_folder(tmp_path / "a", classes=2, per_class=2)
+    make_folder(tmp_path / "b", classes=2, per_class=2, seed=5)
+    imgs = f"s3://{BUCKET}/{prefix()}/imgs"
+    for image in sorted((tmp_path / "a").rglob("*.*")):
+        server.put(BUCKET, f"{imgs.split('/', 3)[3]}/{image.relative_to(tmp_path / 'a').as_posix()}",
+                   image.read_bytes())
+    compile_folder(imgs, tmp_path / "X", size=SIZE, workers=1)
+    compile_folder(tmp_path / "b", tmp_path / "Y", size=SIZE, workers=1)
+    in_bucket = {f"{imgs}/{p.relative_to(tmp_path / 'a').as_posix()}" for p in (tmp_path / "a").rglob("*.*")}
+    in_folder = {str(p) for p in (tmp_path / "b").rglob("*.*")}
+    monkeypatch.chdir(tmp_path / "b")  # the working directory changes nothing
+    merge([tmp_path / "X", tmp_path / "Y"], tmp_path / "M1")
+    merge([tmp_path / "Y", tmp_path / "X"], tmp_path / "M2")
+    append(tmp_path / "X", tmp_path / "b", workers=1)
+    for name in ("M1", "M2", "X"):
+        ds = MemmapDataset(tmp_path / name)
+        assert {str(ds.source(i)) for i in range(len(ds))} == in_bucket | in_folder, name
+        check = check_against_sources(tmp_path / name, len(ds))  # dsc verify --decode: each source read again
+        assert (check.checked, check.missing, check.worst_max_abs) == (8, [], 0), (name, check)
+
+
 def test_merge_with_differing_class_sets_into_and_out_of_a_bucket(server: S3Server, env: Path,
                                                                   tmp_path: Path) -> None:
     make_folder(tmp_path / "a", classes=2, per_class=3)

@@ -116,8 +116,12 @@ def _rebased(d: storage.OpenedDataset, root: str | None) -> tuple[np.ndarray, by
 
 
 def rebase(source: str, root: str, new_root: str) -> str:
-    """`source` (relative to `root`) relative to `new_root`, '/'-separated (it may climb with '..')."""
-    return os.path.relpath(os.path.join(root, source), new_root).replace(os.sep, "/")
+    """`source` (relative to `root`, or whole) relative to `new_root`, '/'-separated (it may climb with '..'),
+    where both are folders; else whole (`fmt.is_whole_source`): a folder's absolute path, an object's URL."""
+    location = fmt.source_location(root, source)
+    if storage.is_url(location) or storage.is_url(new_root):
+        return location if storage.is_url(location) else os.path.abspath(location)
+    return os.path.relpath(location, new_root).replace(os.sep, "/")
 
 
 def join_index(datasets: Sequence[storage.OpenedDataset], allow_new: bool, whose: Sequence[str],

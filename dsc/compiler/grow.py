@@ -115,9 +115,9 @@ def refuse_a_repeat(dataset: Path | str, base: storage.OpenedDataset, new: stora
 def _source_at(manifest: fmt.Manifest, relative: str) -> str:
     """Where a record's source was: its path (relative to the dataset's first `source_root`, perhaps through
     `..` for an appended folder) made whole, a URL's without folding its `s3://`."""
-    root = str(manifest.compile.get("source_root", ""))
-    scheme, sep, rest = root.rpartition("://")
-    return f"{scheme}{sep}{posixpath.normpath(f'{rest}/{relative}')}"
+    where = fmt.source_location(str(manifest.compile.get("source_root", "")), relative)
+    scheme, sep, rest = where.rpartition("://")
+    return f"{scheme}{sep}{posixpath.normpath(rest)}"
 
 
 def join_for_append(base: storage.OpenedDataset, new: storage.OpenedDataset, new_classes: bool,

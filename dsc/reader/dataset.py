@@ -301,9 +301,8 @@ class MemmapDataset(Dataset):
         root = self.manifest.compile.get("source_root")
         if not isinstance(root, str):
             raise DatasetError(f"{self.path}/{fmt.MANIFEST_FILE}: 'compile' has no 'source_root' string")
-        if storage.is_url(root):
-            return f"{root.rstrip('/')}/{self.opened.source(i)}"
-        return Path(root) / self.opened.source(i)
+        where = fmt.source_location(root, self.opened.source(i))
+        return where if storage.is_url(where) else Path(where)
 
     def __getitem__(self, i: int) -> Sample | IndexedSample:
         """Record `i` (one integer): a uint8 [3, H, W] copy of the record (the map is read-only) and its

@@ -46,6 +46,15 @@ def _recipe(d: storage.OpenedDataset, c: dict) -> tuple[str, Target, int, str, s
     return root, Target(m.height, m.width, fit), max_pixels, mode, alpha
 
 
+def _under_own_root(whole: str, part_root) -> tuple[str, str]:
+    """A whole source (`fmt.is_whole_source`) as (its part's source root, the path under it): archive members
+    (`ARCHIVE#MEMBER`) and objects of a bucket's image folder are read relative to the root they were listed in."""
+    if isinstance(part_root, str) and whole.startswith(f"{part_root.rstrip('/')}/"):
+        return part_root, whole[len(part_root.rstrip("/")) + 1:]
+    head, _, tail = whole.rpartition("/")
+    return head, tail
+
+
 def check_against_sources(path: str | os.PathLike, n: int, seed: int = 0) -> DecodeCheck:
     """Re-decode `n` random records from their source files (or archive members), each as the compile that
     made it did (an appended or merged dataset's parts may differ), and compare with the stored pixels."""
@@ -58,8 +67,10 @@ def check_against_sources(path: str | os.PathLike, n: int, seed: int = 0) -> Dec
     fresh = np.empty(m.record_shape, np.uint8)
     missing, worst = [], DecodeCheck(0, [])
     for i in sorted(int(i) for i in picks):
-        source = d.source(i)
-        root, target, max_pixels, mode, alpha = recipes[bisect.bisect_right(firsts, i) - 1]
+        source, part = d.source(i), bisect.bisect_right(firsts, i) - 1
+        root, target, max_pixels, mode, alpha = recipes[part]
+        if fmt.is_whole_source(source):  # a part from another kind of root: under its own
+            root, source = _under_own_root(source, parts[part].compile.get("source_root"))
         try:
             member = sources.read_source(root, source, max_file_bytes(max_pixels))
             if member is None:
