@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 from test_publish_states import tmpfs
 from typer.testing import CliRunner
 
@@ -32,7 +33,7 @@ from dsc.compiler.pipeline import compile_folder
 from dsc.errors import CompileError, DatasetError
 from dsc.reader.dataset import MemmapDataset
 
-from conftest import make_folder, rewrite_manifest, whole_index_doc
+from conftest import make_folder, pattern, rewrite_manifest, save, whole_index_doc
 
 SIZE = 16
 
@@ -580,6 +581,12 @@ def test_merge_refuses_an_output_inside_an_input(grown) -> None:
     result = CliRunner().invoke(app, ["merge", str(tmp / "ds"), str(tmp / "other"), str(tmp / "ds" / "sub")])
     assert result.exit_code == 1 and "would lie one inside the other" in result.output, result.output
     assert not (tmp / "ds" / "sub").exists()
+    # spelled with '..' or through a link (was: accepted, M written into ds's fields/, which a prune of ds emptied)
+    os.symlink(tmp / "ds", tmp / "link")
+    for spelled in (tmp / "ds" / "shards" / "..", tmp / "link"):
+        result = CliRunner().invoke(app, ["merge", str(spelled), str(tmp / "other"), str(tmp / "ds" / "fields")])
+        assert result.exit_code == 1 and "would lie one inside the other" in result.output, result.output
+        assert not (tmp / "ds" / "fields" / fmt.MANIFEST_FILE).exists()
 
 
 def test_a_local_append_that_loses_its_version_to_a_writer_without_the_lock_builds_again(grown, monkeypatch) -> None:
@@ -658,7 +665,8 @@ def test_an_append_run_again_after_its_commit_is_refused_not_added_twice(grown) 
     append(tmp / "ds", b, workers=1)
     once = contents()
     with pytest.raises(CompileError, match=r"version 2 already ends with these 9 images of .*/b \(records 12 to "
-                                           r"20: the same sources, of the same sizes\).*nothing was added.*--again"):
+                                           r"20: the same sources, of the same sizes, decoded to the same pixels\)"
+                                           r".*nothing was added.*--again"):
         append(tmp / "ds", b, workers=1)
     assert contents() == once and once[0] == 2
     result = CliRunner().invoke(app, ["append", str(tmp / "ds"), str(b), "-j", "1"])
@@ -668,3 +676,30 @@ def test_an_append_run_again_after_its_commit_is_refused_not_added_twice(grown) 
         append(tmp / "fresh", a, workers=1)
     result = CliRunner().invoke(app, ["append", str(tmp / "ds"), str(b), "-j", "1", "--again"])
     assert result.exit_code == 0 and "version 3, 9 new records (30 in all)" in result.stdout, result.output
+
+
+def test_a_drop_folder_reused_for_new_images_of_the_same_names_and_sizes_is_appended(grown) -> None:
+    """Was: refused as a repeat of the last append (the same sources, of the same sizes), pixels never compared."""
+    tmp, _, _, b = grown
+    append(tmp / "ds", b, workers=1)
+    for k, image in enumerate(sorted(b.rglob("*.*"))):  # the next batch: new pictures under the same names
+        with Image.open(image) as old:
+            size, kind = old.size, old.format
+        save(image, pattern(size[1], size[0], seed=500 + k), kind)
+    summary = append(tmp / "ds", b, workers=1)
+    assert (summary.version, summary.count) == (3, 30)
+    ds = MemmapDataset(tmp / "ds")
+    assert not np.array_equal(ds.opened.read_records(range(12, 21)), ds.opened.read_records(range(21, 30)))
+
+
+def test_an_appends_refusals_name_src_and_the_dataset_not_its_scratch_folder(grown) -> None:
+    tmp, _, _, b = grown
+    flat = tmp / "flat"
+    flat.mkdir()
+    for image in sorted(b.rglob("*.jpg"))[:2]:
+        shutil.copy(image, flat / image.name)
+    result = CliRunner().invoke(app, ["append", str(tmp / "ds"), str(flat), "-j", "1"])
+    assert result.exit_code == 1 and f"and {flat} is not: their labels cannot agree" in result.output, result.output
+    result = CliRunner().invoke(app, ["append", str(tmp / "ds"), str(tmp), "-j", "1"])
+    assert result.exit_code == 1 and f"the dataset {tmp / 'ds'} is inside the source folder {tmp}" in result.output
+    assert "dsc-append" not in result.output and MemmapDataset(tmp / "ds").version == 1

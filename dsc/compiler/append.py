@@ -112,6 +112,9 @@ def append(dataset: str | os.PathLike, src: str | os.PathLike, *, labels: str | 
         return append_to_bucket(os.fspath(dataset), src, new_classes, compiling, started, again)
     root = Path(dataset).absolute()
     base = storage.parse_manifest(root)
+    if not storage.is_url(src) and Path(src).resolve() in root.resolve().parents:
+        raise CompileError(f"the dataset {root} is inside the source folder {src}, whose images an append compiles "
+                           "beside the dataset first: give SRC a folder that does not hold it")
     scratch = _Scratch(root)
     try:
         new = compile_new(base, root, src, scratch.path / "new", **compiling)

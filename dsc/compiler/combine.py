@@ -57,17 +57,19 @@ def _relabel(values: np.ndarray, remap: np.ndarray) -> np.ndarray:
     return np.where(values >= 0, remap[np.maximum(values, 0)] if len(remap) else values, values)
 
 
-def check_shapes(datasets: Sequence[storage.OpenedDataset]) -> None:
-    """Every dataset's records have the first one's shape, and all are labeled or none."""
-    first = datasets[0]
-    for d in datasets[1:]:
+def check_shapes(datasets: Sequence[storage.OpenedDataset], whose: Sequence[str]) -> None:
+    """Every dataset's records have the first one's shape, and all are labeled or none (`whose[k]` names
+    dataset k: an append's compiled SRC is a scratch folder the user never named)."""
+    first, first_name = datasets[0], whose[0]
+    for d, name in zip(datasets[1:], whose[1:]):
         if d.manifest.record_shape != first.manifest.record_shape:
-            raise CompileError(f"{d.root} holds records of shape {list(d.manifest.record_shape)}, {first.root} of "
+            raise CompileError(f"{name} holds records of shape {list(d.manifest.record_shape)}, {first_name} of "
                                f"{list(first.manifest.record_shape)}: records of one shape only can be joined "
                                "without decoding (compile the sources again at one --size)")
         if d.manifest.labeled != first.manifest.labeled:
-            labeled, other = (d, first) if d.manifest.labeled else (first, d)
-            raise CompileError(f"{labeled.root} is labeled ({len(labeled.manifest.classes)} classes) and {other.root} "
+            (labeled, labeled_name), other = ((d, name), first_name) if d.manifest.labeled else ((first, first_name),
+                                                                                                  name)
+            raise CompileError(f"{labeled_name} is labeled ({len(labeled.manifest.classes)} classes) and {other} "
                                "is not: their labels cannot agree")
 
 
@@ -130,7 +132,7 @@ def join_index(datasets: Sequence[storage.OpenedDataset], allow_new: bool, whose
     others' (`whose[k]` names dataset k in a refusal), labels and class fields remapped onto them. The
     per-record values are those of datasets[records_from:] only (an append that keeps the earlier records'
     index segments, format 1.5, reads nothing of theirs); classes, skips and parts are every dataset's."""
-    check_shapes(datasets)
+    check_shapes(datasets, whose)
     vocabulary = Vocabulary(list(datasets[0].manifest.classes), allow_new, "the label")
     fields = _field_vocabularies(datasets, allow_new)
     root = datasets[0].manifest.compile.get("source_root")

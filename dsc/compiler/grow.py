@@ -95,7 +95,8 @@ def refuse_a_repeat(dataset: Path | str, base: storage.OpenedDataset, new: stora
     """Refuse to add `new`'s records when version N's last part (its compile's, or its last append's) holds
     the same ones: the same SRC, the same sources in the same order, of the same original sizes. That is what
     running an append again does when a kill or a lost connection hid that its commit had landed, and it
-    would serve every one of those images twice an epoch. Cheap: the last part's records only."""
+    would serve every one of those images twice an epoch. Cheap: the last part's records only, and their
+    CRC-32s where version N has them (a drop folder reused for new images of the same names and sizes is new)."""
     b, n = base.manifest, new.manifest
     last = b.record_parts[-1]
     if not n.count or last.count != n.count or \
@@ -106,10 +107,12 @@ def refuse_a_repeat(dataset: Path | str, base: storage.OpenedDataset, new: stora
     if [_source_at(b, base.source(int(i))) for i in mine] != [_source_at(n, new.source(int(i))) for i in theirs] or \
             not np.array_equal(base.take("sizes", mine), new.take("sizes", theirs)):
         return
+    if b.has_checksums and not np.array_equal(storage.record_checksums(base)[mine], storage.record_checksums(new)):
+        return  # the same names and sizes, other pixels: a folder reused for new images
     raise CompileError(f"{dataset}: its version {b.dataset_version} already ends with these {n.count:,} images "
                        f"of {n.compile.get('source_root')} (records {last.first:,} to {b.count - 1:,}: the same "
-                       "sources, of the same sizes), added by an earlier run; nothing was added. To add them "
-                       "a second time, pass --again")
+                       f"sources, of the same sizes{', decoded to the same pixels' if b.has_checksums else ''}), "
+                       "added by an earlier run; nothing was added. To add them a second time, pass --again")
 
 
 def _source_at(manifest: fmt.Manifest, relative: str) -> str:

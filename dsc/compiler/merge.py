@@ -36,12 +36,13 @@ def merge(inputs: list[str | os.PathLike], out: str | os.PathLike, force: bool =
 
         return merge_into_bucket(inputs, os.fspath(out), force, started)
     out = Path(out).absolute()
+    real_out = out.resolve()  # `..` and links resolved: `A/shards/..` is A
     for p in inputs:
-        given = None if storage.is_url(p) else Path(p).absolute()
-        if given == out:
+        given = None if storage.is_url(p) else Path(p).resolve()
+        if given == real_out:
             raise CompileError(f"the output {out} is one of the datasets to merge; give OUT another name")
-        if given is not None and (given in out.parents or out in given.parents):
-            raise CompileError(f"the output {out} and the dataset {given} would lie one inside the other; give OUT "
+        if given is not None and (given in real_out.parents or real_out in given.parents):
+            raise CompileError(f"the output {out} and the dataset {p} would lie one inside the other; give OUT "
                                "a folder of its own")
     datasets, joined, runs = joined_inputs(inputs)
     digest = hashlib.sha256(" ".join(d.manifest.fingerprint for d in datasets).encode()).hexdigest()
