@@ -531,3 +531,68 @@ def test_a_damaged_chunk_object_is_decoded_again_by_the_resume(src: Path, refere
     summary = compile_folder(src, url, workers=1, resume=True, on_skip=lambda s, r: None, **OPTIONS)
     assert summary.reused < 27
     assert_same_as(reference, url)
+
+
+def test_a_resumed_build_whose_objects_are_deleted_meanwhile_is_never_committed(src: Path, reference: Path,
+                                                                                 url: str, monkeypatch) -> None:
+    """A resume the next day reuses a build every object of which is a day old: another process's prune or
+    --force may take it for abandoned. The resume makes it young again (a fresh work object), and its commit
+    checks that every object it lists is still there (was: a version committed whose shards were gone)."""
+    _partial_build_of_force(src, url, monkeypatch)
+    (tag,) = {i.name.split("/")[1] for i in Bucket(url).list(fmt.BUILDS_DIR)
+              if i.name.endswith("/work/plan.json")}
+    build = Bucket(f"{url}/{fmt.build_folder(tag)}")
+    commit, started, seen = bucket_build.bp.commit, time.time(), []
+
+    def deleted_first(dataset, manifest, force):
+        seen.append({i.name: i.modified for i in build.list("work")})
+        build.delete(fmt.shard_file(1))  # as a prune elsewhere deletes a build it takes for abandoned
+        return commit(dataset, manifest, force)
+    monkeypatch.setattr(bucket_build.bp, "commit", deleted_first)
+    with pytest.raises(CompileError, match=rf"{build.root}/shards/00001.bin: written by this compile, now missing .*"
+                                           r"nothing was committed: run the same command with --resume"):
+        compile_folder(src, url, workers=1, force=True, resume=True, on_skip=lambda s, r: None, **OPTIONS)
+    assert seen[0]["work/resumed.json"] >= started - 1  # the build was made young again before it was reused
+    assert open_dataset(url).manifest.dataset_version == 1  # nothing committed
+    monkeypatch.setattr(bucket_build.bp, "commit", commit)
+    summary = compile_folder(src, url, workers=1, force=True, resume=True, on_skip=lambda s, r: None, **OPTIONS)
+    assert summary.reused == 27 and open_dataset(url).manifest.dataset_version == 2  # the shard assembled again
+    assert_same_as(reference, url)
+
+
+def test_a_resume_whose_plan_cannot_be_read_for_now_fails_and_keeps_the_build(src: Path, server: S3Server, env,
+                                                                              url: str, monkeypatch) -> None:
+    """Was: four 503s on the build's plan.json read as "no plan": "nothing to resume", everything decoded again
+    into a new build (and a day-old build deleted as abandoned)."""
+    _partial_build_of_force(src, url, monkeypatch)
+    before = {i.name for i in Bucket(url).list(fmt.BUILDS_DIR)}
+    proxy = FaultProxy(server.endpoint)
+    proxy.slow_down(100, match="/work/plan.json", method="GET")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    try:
+        with pytest.raises(DatasetError, match="plan.json"):
+            compile_folder(src, url, workers=1, force=True, resume=True, on_skip=lambda s, r: None, **OPTIONS)
+    finally:
+        proxy.kill()
+        monkeypatch.setenv("AWS_ENDPOINT_URL", env["AWS_ENDPOINT_URL"])
+    assert {i.name for i in Bucket(url).list(fmt.BUILDS_DIR)} == before  # kept whole, and nothing new begun
+
+
+def test_another_tools_manifest_json_is_refused_even_with_force(src: Path, url: str) -> None:
+    """Was: refused as "already exists" without --force, and with it replaced, its bytes kept as version 1."""
+    theirs = b'{"name": "another tool\'s manifest"}'
+    Bucket(url).put(fmt.MANIFEST_FILE, theirs)
+    for force in (False, True):
+        with pytest.raises(CompileError, match=r"holds objects that are not a dsc dataset's \(manifest.json\)"):
+            compile_folder(src, url, workers=1, force=force, on_skip=lambda s, r: None, **OPTIONS)
+    assert [(i.name, Bucket(url).get(i.name)[0]) for i in Bucket(url).list()] == [(fmt.MANIFEST_FILE, theirs)]
+
+
+def test_what_a_killed_append_uploaded_is_dscs_not_foreign_to_a_force(src: Path, reference: Path, url: str) -> None:
+    """Was: "holds objects that are not a dsc dataset's (appends/<tag>/...)": the prefix refused to --force."""
+    compile_folder(src, url, workers=1, on_skip=lambda s, r: None, **OPTIONS)
+    left = f"{fmt.append_folder('0123456789abcdef')}/{fmt.shard_file(5)}"  # a killed append's upload
+    Bucket(url).put(left, b"x" * 100)
+    compile_folder(src, url, workers=1, force=True, on_skip=lambda s, r: None, **OPTIONS)
+    assert open_dataset(url).manifest.dataset_version == 2
+    assert Bucket(url).head(left) is not None  # deleted by a prune once a day old, as formats.md says

@@ -321,8 +321,12 @@ def test_the_cli_with_two_workers_gets_the_objects_in_its_worker_processes(tree:
 
 def test_source_and_output_prefixes_must_not_hold_each_other(tree: Path, server: S3Server, env) -> None:
     url = upload(server, tree).rstrip("/")
+    bucket, prefix = url[len("s3://"):].split("/", 1)
     for out, says in {url: "are the same prefix", f"{url}/out": "must not be inside the source prefix",
-                      url.rsplit("/", 1)[0]: "must not be inside the output"}.items():
+                      url.rsplit("/", 1)[0]: "must not be inside the output",
+                      # other spellings of the same prefixes (were: accepted, OUT then listed as a class of SRC)
+                      f"s3://{bucket}//{prefix}/out": "must not be inside the source prefix",
+                      f"S3://{bucket}/{prefix}/out": "must not be inside the source prefix"}.items():
         with pytest.raises(CompileError, match=says):
             compile_folder(url + "/", out, **quiet())
         assert Bucket(out).head("manifest.json") is None and Bucket(out).list("builds") == []

@@ -63,6 +63,7 @@ def build_and_publish(url: str, plan: Plan, runner: Engine, force: bool, resume:
         resumed = False
     else:
         resumed = True
+        bp.renew(dataset, tag)
     try:
         manifest, reused, skipped = _build(dataset, tag, plan, runner, resumed, strict, on_skip, progress)
         made = bp.commit(dataset, manifest, force)

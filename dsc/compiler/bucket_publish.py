@@ -27,11 +27,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from dsc import format as fmt
-from dsc.errors import CompileError, DatasetError, NotReplaceableError
+from dsc.errors import CompileError, DatasetError, NotReplaceableError, StorageError
 from dsc.storage.bucket import Bucket, ObjectInfo
 
 WORK_DIR = "work"
 PLAN_FILE = "plan.json"  # in the work folder: the plan's record and digest; written first, deleted last
+RESUMED_FILE = "resumed.json"  # in the work folder: written by each --resume of the build (`renew`)
 LISTING_FILE = "sources.jsonl"
 SHOWN = 3
 DELETE_THREADS = 8  # DELETEs in flight when a build's objects go
@@ -60,6 +61,7 @@ class PrefixState:
     builds: dict[str, list[ObjectInfo]] = field(default_factory=dict)
     committed: set[str] = field(default_factory=set)
     foreign: list[str] = field(default_factory=list)
+    sizes: dict[str, int] = field(default_factory=dict)  # every object listed: its size
 
     @property
     def latest(self) -> int:
@@ -86,6 +88,7 @@ def survey(dataset: Bucket) -> PrefixState:
     state = PrefixState()
     listed: set[str] = set()
     objects = dataset.list()
+    state.sizes = {info.name: info.size for info in objects}
     for info in objects:
         folder, _, base = info.name.partition("/")
         if folder == fmt.VERSIONS_DIR and fmt.version_of(base) is not None:
@@ -100,9 +103,19 @@ def survey(dataset: Bucket) -> PrefixState:
         if tag is not None:
             state.builds.setdefault(tag, []).append(info)
         elif not (info.name in listed or info.name == fmt.MANIFEST_FILE or fmt.is_dataset_file_name(info.name)
-                  and info.name.startswith(f"{fmt.VERSIONS_DIR}/")):
+                  and info.name.startswith((f"{fmt.VERSIONS_DIR}/", f"{fmt.APPENDS_DIR}/"))):  # a killed append's
             state.foreign.append(info.name)
+    if state.manifest and not state.versions and not _is_dsc_manifest(state.manifest[0]):
+        state.foreign.append(fmt.MANIFEST_FILE)  # another tool's: never taken for version 1 of a dataset
     return state
+
+
+def _is_dsc_manifest(text: bytes) -> bool:
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(doc, dict) and doc.get("format") == "dsc"
 
 
 def check_target(dataset: Bucket, state: PrefixState, force: bool) -> None:
@@ -160,10 +173,19 @@ def work_bucket(dataset: Bucket, tag: str) -> Bucket:
     return Bucket(dataset.at(f"{fmt.build_folder(tag)}/{WORK_DIR}"))
 
 
+def renew(dataset: Bucket, tag: str) -> None:
+    """Write the build's RESUMED_FILE anew: a build all of whose objects are ABANDONED_AFTER_S old counts as
+    abandoned, so a resume (perhaps the next day) makes it young again, and no prune or --force elsewhere
+    deletes what it is about to reuse."""
+    work_bucket(dataset, tag).put(RESUMED_FILE, json.dumps({"resumed_at": time.time()}).encode())
+
+
 def read_plan(dataset: Bucket, tag: str) -> dict | None:
     """The plan a build was made from ({"record", "digest"}), or None when it has no whole one."""
     try:
         plan = json.loads(work_bucket(dataset, tag).get(PLAN_FILE)[0])
+    except StorageError:
+        raise  # the bucket did not answer: that says nothing about the build (never taken for one without a plan)
     except (ValueError, DatasetError):
         return None
     return plan if isinstance(plan, dict) and isinstance(plan.get("record"), dict) else None
@@ -228,6 +250,14 @@ def commit(dataset: Bucket, manifest: fmt.Manifest, force: bool) -> fmt.Manifest
     """Commit `manifest` as the next version (version 1 of an empty prefix): create-only, then refresh
     `manifest.json`. Another writer's commit of the same number meanwhile fails this one, adding nothing."""
     state = survey(dataset)
+    if fmt.MANIFEST_FILE in state.foreign:
+        raise NotReplaceableError(f"{dataset.at(fmt.MANIFEST_FILE)}, another tool's (not a dsc manifest), appeared "
+                                  "while the dataset was compiled; nothing was committed over it")
+    gone = [e.file for e in manifest.files if state.sizes.get(e.file) != e.bytes]
+    if gone:  # deleted meanwhile (a prune or another compile's --force took the build for an abandoned one)
+        raise CompileError(f"{dataset.at(gone[0])}{f' and {len(gone) - 1} more' if len(gone) > 1 else ''}: written "
+                           "by this compile, now missing or of another size in the bucket; nothing was committed: "
+                           "run the same command with --resume to write it again")
     if state.latest and not force:
         raise CompileError(f"{dataset.root} appeared while the dataset was compiled; it was left untouched, and the "
                            "finished build waits: pass --force --resume to make it the next version")
