@@ -596,3 +596,21 @@ def test_what_a_killed_append_uploaded_is_dscs_not_foreign_to_a_force(src: Path,
     compile_folder(src, url, workers=1, force=True, on_skip=lambda s, r: None, **OPTIONS)
     assert open_dataset(url).manifest.dataset_version == 2
     assert Bucket(url).head(left) is not None  # deleted by a prune once a day old, as formats.md says
+
+
+def test_a_prune_leaves_a_day_old_build_whose_resume_began_after_it_listed_the_prefix(src: Path, url: str,
+                                                                                       monkeypatch) -> None:
+    """Was: the prune deleted every build its one listing showed abandoned, a build a --resume had meanwhile
+    made young again (and then committed, its shards gone) included."""
+    partial = _partial_build_of_force(src, url, monkeypatch)
+    (tag,) = {name.split("/")[1] for name in partial}
+    time.sleep(1.5)
+    monkeypatch.setattr(bucket_build.bp, "ABANDONED_AFTER_S", 1.0)  # the partial build is now "a day old"
+    clear = bucket_build.bp.clear_abandoned
+
+    def resumed_first(dataset, builds):
+        bucket_build.bp.renew(Bucket(url), tag)  # a --resume begins elsewhere, after the prune's listing
+        return clear(dataset, builds)
+    monkeypatch.setattr(bucket_build.bp, "clear_abandoned", resumed_first)
+    assert bucket_versions.prune(url, 1).removed_files == []
+    assert partial <= {i.name for i in Bucket(url).list(fmt.BUILDS_DIR)}

@@ -224,6 +224,10 @@ def test_merge_refuses_other_record_shapes_and_fields(tmp_path: Path) -> None:
     with pytest.raises(CompileError, match=r"fields must match by name"):
         merge([tmp_path / "A", tmp_path / "C"], tmp_path / "M")
     assert not (tmp_path / "M").exists()
+    result = CliRunner().invoke(app, ["append", str(tmp_path / "A"), str(tmp_path / "a"), "--labels", str(table),
+                                      "--again"])
+    assert result.exit_code == 1 and f"{tmp_path / 'a'} has fields ['score'], {tmp_path / 'A'} has none" \
+        in result.output, result.output  # (was: the append's scratch folder named for its SRC)
 
 
 def test_prune_keeps_what_kept_versions_need(grown) -> None:
@@ -373,6 +377,31 @@ def test_another_writers_clean_up_leaves_an_append_folder_in_use_alone(grown, mo
     ds = MemmapDataset(tmp / "ds")
     assert (ds.version, len(ds)) == (2, 21)
     storage.verify_checksums(tmp / "ds", ds.manifest)
+
+
+PRUNE_WITH_FEW_FILES = """
+import resource, sys
+from dsc.compiler import versions
+resource.setrlimit(resource.RLIMIT_NOFILE, (128, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+print(len(versions.prune(sys.argv[1], 5).removed_files))
+"""
+
+
+def test_a_clean_up_of_many_append_folders_holds_one_open_at_a_time(grown) -> None:
+    """Was: every append folder claimed at once (a descriptor each): with more folders than the process may
+    open files, append and prune failed with "Too many open files", and the dataset could not be pruned."""
+    tmp, _, _, b = grown
+    append(tmp / "ds", b, workers=1)
+    for k in range(300):  # what appends killed right after making their folders left
+        (tmp / "ds" / fmt.append_folder(f"{k:016x}")).mkdir()
+    done = subprocess.run([sys.executable, "-c", PRUNE_WITH_FEW_FILES, str(tmp / "ds")], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    committed = {e.file.split("/")[1] for e in storage.parse_manifest(tmp / "ds").files
+                 if e.file.startswith(f"{fmt.APPENDS_DIR}/")}
+    assert {p.name for p in (tmp / "ds" / fmt.APPENDS_DIR).iterdir()} == committed and len(committed) == 1
+    assert int(done.stdout) == 0  # (empty folders: no file to count)
+    storage.verify_checksums(tmp / "ds", MemmapDataset(tmp / "ds").manifest)
 
 
 def test_force_replaces_a_grown_dataset_but_not_a_users_file_in_it(grown) -> None:

@@ -105,17 +105,9 @@ def survey(dataset: Bucket) -> PrefixState:
         elif not (info.name in listed or info.name == fmt.MANIFEST_FILE or fmt.is_dataset_file_name(info.name)
                   and info.name.startswith((f"{fmt.VERSIONS_DIR}/", f"{fmt.APPENDS_DIR}/"))):  # a killed append's
             state.foreign.append(info.name)
-    if state.manifest and not state.versions and not _is_dsc_manifest(state.manifest[0]):
+    if state.manifest and not state.versions and not fmt.names_this_format(state.manifest[0]):
         state.foreign.append(fmt.MANIFEST_FILE)  # another tool's: never taken for version 1 of a dataset
     return state
-
-
-def _is_dsc_manifest(text: bytes) -> bool:
-    try:
-        doc = json.loads(text)
-    except ValueError:
-        return False
-    return isinstance(doc, dict) and doc.get("format") == "dsc"
 
 
 def check_target(dataset: Bucket, state: PrefixState, force: bool) -> None:
@@ -155,10 +147,12 @@ def clear_abandoned(dataset: Bucket, builds: dict[str, list[ObjectInfo]]) -> lis
     abandoned). The objects deleted."""
     now, deleted = time.time(), []
     for tag, objects in sorted(builds.items()):
-        if abandoned(objects, now):
-            delete_build(dataset, objects)
-            deleted += objects
-            continue
+        if abandoned(objects, now):  # listed again just before: a --resume begun since made it young (`renew`)
+            objects, now = dataset.list(fmt.build_folder(tag)), time.time()
+            if abandoned(objects, now):
+                delete_build(dataset, objects)
+                deleted += objects
+                continue
         logger.warning("left the partial build %s/ in place: written %s ago, it may be another compile's or merge's "
                        "still running; dsc prune deletes it once it is %d h old", dataset.at(fmt.build_folder(tag)),
                        age_of(objects, now), ABANDONED_AFTER_S // 3600)

@@ -73,21 +73,21 @@ def check_shapes(datasets: Sequence[storage.OpenedDataset], whose: Sequence[str]
                                "is not: their labels cannot agree")
 
 
-def _field_vocabularies(datasets: Sequence[storage.OpenedDataset], allow_new: bool):
-    """The fields of the first dataset, checked against every other one's by name and kind; the class
-    and multilabel fields' vocabularies, grown as `Vocabulary` says."""
+def _field_vocabularies(datasets: Sequence[storage.OpenedDataset], allow_new: bool, whose: Sequence[str]):
+    """The fields of the first dataset, checked against every other one's by name and kind (`whose[k]` names
+    dataset k); the class and multilabel fields' vocabularies, grown as `Vocabulary` says."""
     first = datasets[0].manifest.fields
     ours = {f.name: f for f in first}
-    for d in datasets[1:]:
+    for d, name_of_d in zip(datasets[1:], whose[1:]):
         theirs = {f.name: f for f in d.manifest.fields}
         if set(theirs) != set(ours):
-            raise CompileError(f"{d.root} has fields {sorted(theirs) or 'none'}, {datasets[0].root} has "
+            raise CompileError(f"{name_of_d} has fields {sorted(theirs) or 'none'}, {whose[0]} has "
                                f"{sorted(ours) or 'none'}: fields must match by name")
         for name, f in theirs.items():
             mine = ours[name]
             if f.kind != mine.kind or (f.kind in ("float", "int") and f.shape != mine.shape):
-                raise CompileError(f"field {name!r} is {f.kind} {list(f.shape)} in {d.root} but {mine.kind} "
-                                   f"{list(mine.shape)} in {datasets[0].root}: fields must match by name and kind")
+                raise CompileError(f"field {name!r} is {f.kind} {list(f.shape)} in {name_of_d} but {mine.kind} "
+                                   f"{list(mine.shape)} in {whose[0]}: fields must match by name and kind")
     return {f.name: Vocabulary(list(f.classes), allow_new, f"field {f.name!r}") for f in first if f.classes}
 
 
@@ -134,7 +134,7 @@ def join_index(datasets: Sequence[storage.OpenedDataset], allow_new: bool, whose
     index segments, format 1.5, reads nothing of theirs); classes, skips and parts are every dataset's."""
     check_shapes(datasets, whose)
     vocabulary = Vocabulary(list(datasets[0].manifest.classes), allow_new, "the label")
-    fields = _field_vocabularies(datasets, allow_new)
+    fields = _field_vocabularies(datasets, allow_new, whose)
     root = datasets[0].manifest.compile.get("source_root")
     root = root if isinstance(root, str) else None
     labels, sizes, sources, values, warned, skipped, parts, first, crcs = [], [], [], {}, [], [], [], 0, []

@@ -107,11 +107,14 @@ def refuse_a_repeat(dataset: Path | str, base: storage.OpenedDataset, new: stora
     if [_source_at(b, base.source(int(i))) for i in mine] != [_source_at(n, new.source(int(i))) for i in theirs] or \
             not np.array_equal(base.take("sizes", mine), new.take("sizes", theirs)):
         return
-    if b.has_checksums and not np.array_equal(storage.record_checksums(base)[mine], storage.record_checksums(new)):
+    same_decoder = last.compile.get("jpeg_decoder") == n.compile.get("jpeg_decoder")  # (else pixels may differ)
+    if b.has_checksums and same_decoder and \
+            not np.array_equal(storage.record_checksums(base)[mine], storage.record_checksums(new)):
         return  # the same names and sizes, other pixels: a folder reused for new images
+    pixels = ", decoded to the same pixels" if b.has_checksums and same_decoder else ""
     raise CompileError(f"{dataset}: its version {b.dataset_version} already ends with these {n.count:,} images "
                        f"of {n.compile.get('source_root')} (records {last.first:,} to {b.count - 1:,}: the same "
-                       f"sources, of the same sizes{', decoded to the same pixels' if b.has_checksums else ''}), "
+                       f"sources, of the same sizes{pixels}), "
                        "added by an earlier run; nothing was added. To add them a second time, pass --again")
 
 

@@ -130,8 +130,9 @@ def _check_copy(bucket: Bucket, name: str, run: combine.Run, size: int) -> None:
     for start in range(0, size, combine.FETCH_BYTES):
         digest.update(bucket.get_range(name, start, min(size, start + combine.FETCH_BYTES)))
     if digest.hexdigest() != run.sha256:
-        raise CompileError(f"{run.url}: its SHA-256 is {digest.hexdigest()}, its manifest says {run.sha256}: the "
-                           "object is damaged, so the merge stopped and committed nothing")
+        raise CompileError(f"{run.url}: its server-side copy has SHA-256 {digest.hexdigest()}, its manifest says "
+                           f"{run.sha256}: the object (or the copy) is damaged, so the merge stopped and committed "
+                           "nothing (dsc verify on the input says which)")
 
 
 def _object_of(run: combine.Run | None) -> tuple[str, str] | None:

@@ -291,8 +291,9 @@ def prepare(out: Path, force: bool, resume: bool, lock_fd: int, command: str = "
         if resume:
             return stage, True
         if not force:
-            raise CompileError(f"an interrupted compile left a finished build of {out} waiting to be published: "
-                               + _continue_hint(command, "publish it"))
+            raise CompileError(f"an interrupted {'compile' if command == 'compile' else 'compile or merge'} left a "
+                               f"finished build of {out} waiting to be published: " + _continue_hint(command,
+                                                                                                    "publish it"))
         clear_publish(out)
     _check_out(out, force)
     if stage.is_symlink() or stage.exists():
@@ -313,7 +314,7 @@ def _continue_hint(command: str, what: str) -> str:
     if command == "compile":
         return (f"run the command that started it again with --resume to {what} (other options are refused), or "
                 "pass --force to discard it")
-    return f"dsc {command} cannot continue it (only a compile's --resume can): pass --force to discard it"
+    return f"dsc {command} cannot continue it: pass --force to discard it"
 
 
 def make_stage(stage: Path) -> None:

@@ -16,12 +16,13 @@ file system, an object store) from ever overwriting a version.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import secrets
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from dsc import format as fmt
@@ -68,37 +69,59 @@ def clear_abandoned(root: Path) -> tuple[list[str], int]:
     """Delete what writers killed before their commit left in the dataset: files under `appends/` that no
     version lists (only names dsc gives them), in append folders no live writer marks in use (`new_folder`),
     and temporaries in `versions/`; (what was deleted, its bytes). Where the file system has no locks, an
-    append folder whose files are all ABANDONED_AFTER_S old is taken as abandoned."""
-    appends, claimed, removed, freed = root / fmt.APPENDS_DIR, {}, [], 0
-    try:
-        if appends.is_dir() and not appends.is_symlink():
-            for entry in sorted(os.scandir(appends), key=lambda e: e.name):
-                name = f"{fmt.APPENDS_DIR}/{entry.name}"
-                if entry.is_dir(follow_symlinks=False) and fmt.is_dataset_folder_name(name):
-                    fd = _claim_if_abandoned(Path(entry.path))
-                    if fd is not None:
-                        claimed[entry.name] = fd
-            listed = listed_by_versions(root)  # read once claimed: a writer commits before it lets its folder go
-
-            def claims(path: str, is_dir: bool) -> bool:  # `path` is relative to appends/
-                nonlocal freed
-                name = f"{fmt.APPENDS_DIR}/{path}"
-                if path.split("/")[0] not in claimed:
-                    return False
-                if is_dir:
-                    return fmt.is_dataset_folder_name(name)
-                if not fmt.is_dataset_file_name(name) or name in listed:
-                    return False
-                freed += os.lstat(root / name).st_size
-                removed.append(name)
-                return True
-            local.remove_claimed(appends, claims, "")
-    finally:
-        for fd in claimed.values():
-            local.let_go_lock(fd)
+    append folder whose files are all ABANDONED_AFTER_S old is taken as abandoned. One folder is claimed at a
+    time, and only one holding something no version lists (a dataset may have thousands of append folders)."""
+    appends, removed, freed = root / fmt.APPENDS_DIR, [], 0
+    if appends.is_dir() and not appends.is_symlink():
+        listed = listed_by_versions(root)
+        for entry in sorted(os.scandir(appends), key=lambda e: e.name):
+            folder = f"{fmt.APPENDS_DIR}/{entry.name}"
+            if not entry.is_dir(follow_symlinks=False) or not fmt.is_dataset_folder_name(folder) \
+                    or not _holds_unlisted(root, folder, listed):
+                continue
+            fd = _claim_if_abandoned(root / folder)
+            if fd is None:
+                continue
+            try:
+                listed = listed_by_versions(root)  # read once claimed: a writer commits before it lets go
+                gone, size = _remove_unlisted(root, folder, listed)
+            finally:
+                local.let_go_lock(fd)
+            removed, freed = removed + gone, freed + size
+        with suppress(OSError):
+            os.rmdir(appends)  # emptied (a writer that finds it gone makes it again: `new_folder`)
     if (root / fmt.VERSIONS_DIR).is_dir():
         publish.remove_temporaries(root / fmt.VERSIONS_DIR)
     return removed, freed
+
+
+def _holds_unlisted(root: Path, folder: str, listed: set[str]) -> bool:
+    """Whether the append folder holds a file no version lists, or none at all."""
+    files = [os.path.relpath(os.path.join(d, n), root).replace(os.sep, "/")
+             for d, _, names in os.walk(root / folder) for n in names]
+    return not files or any(f not in listed for f in files)
+
+
+def _remove_unlisted(root: Path, folder: str, listed: set[str]) -> tuple[list[str], int]:
+    """Delete the files of an append folder that no version lists (names dsc gives only), then the folder if
+    that emptied it; (what was deleted, its bytes)."""
+    removed, freed = [], 0
+
+    def claims(path: str, is_dir: bool) -> bool:  # `path` is relative to the folder
+        nonlocal freed
+        name = f"{folder}/{path}"
+        if is_dir:
+            return fmt.is_dataset_folder_name(name)
+        if not fmt.is_dataset_file_name(name) or name in listed:
+            return False
+        freed += os.lstat(root / name).st_size
+        removed.append(name)
+        return True
+    local.remove_claimed(root / folder, claims, "")
+    return removed, freed
+
+
+LOCKLESS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # what flock says where it has no locks
 
 
 def _claim_if_abandoned(folder: Path) -> int | None:
@@ -108,8 +131,9 @@ def _claim_if_abandoned(folder: Path) -> int | None:
         return local.claim_folder(folder)
     except FileNotFoundError:
         return None
-    except OSError:
-        pass
+    except OSError as e:
+        if e.errno not in LOCKLESS:
+            raise
     newest = max((os.lstat(os.path.join(d, n)).st_mtime for d, _, names in os.walk(folder) for n in [".", *names]),
                  default=0.0)
     if time.time() - newest < ABANDONED_AFTER_S:
@@ -121,7 +145,8 @@ def _claim_if_abandoned(folder: Path) -> int | None:
 def new_folder(root: Path) -> Iterator[str]:
     """A new append folder `appends/<random tag>` (its name relative to `root`), marked in use for the block
     (`local.hold_folder`), so that no other writer's `clear_abandoned` deletes what is written there before
-    the commit lists it, a writer that bypasses the dataset's lock included."""
+    the commit lists it: one that bypasses the dataset's lock included, on this machine (a network file
+    system may not show a `flock` to another machine)."""
     (root / fmt.APPENDS_DIR).mkdir(mode=0o755, exist_ok=True)
     for _ in range(FOLDER_ATTEMPTS):
         folder = fmt.append_folder(secrets.token_hex(fmt.APPEND_TAG_HEX // 2))
@@ -153,12 +178,7 @@ def _same_file(fd: int, path: Path) -> bool:
 
 def discard(root: Path, folder: str) -> None:
     """Delete an append folder this writer made and no version lists (its commit lost a race)."""
-    listed = listed_by_versions(root)
-
-    def claims(path: str, is_dir: bool) -> bool:
-        name = f"{folder}/{path}"
-        return fmt.is_dataset_folder_name(name) if is_dir else fmt.is_dataset_file_name(name) and name not in listed
-    local.remove_claimed(root / folder, claims, "")
+    _remove_unlisted(root, folder, listed_by_versions(root))
 
 
 def commit(root: Path, manifest: fmt.Manifest) -> None:

@@ -334,10 +334,14 @@ def let_go_lock(fd: int) -> None:
 def hold_folder(path: Path) -> int | None:
     """Mark the folder `path` in use for as long as this process keeps the descriptor returned (a shared
     `flock` on the folder itself, let go by `let_go_lock`), so that `claim_folder` elsewhere leaves it alone;
-    None when a `claim_folder` holds it now (its holder may be deleting it: use another folder). On a file
-    system without locks, the descriptor unlocked (`claim_folder` cannot tell there either)."""
+    None when a `claim_folder` holds it now or deleted it (use another folder). On a file system without
+    locks, the descriptor unlocked (`claim_folder` cannot tell there either). A `flock` is seen by the
+    processes of this machine (on a network file system, perhaps not by another machine's)."""
     with _held_guard:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:  # deleted by one that claimed it a moment ago
+            return None
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
