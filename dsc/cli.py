@@ -112,10 +112,10 @@ def _path(value: str) -> Path:
 
 
 def _names_archives(src: Path | str) -> bool:
-    """SRC names archive sources (or may: a pattern or URL that fails to list is the compile's to report)."""
+    """SRC names archive sources (or may: a pattern, URL or name that fails to list is the compile's to report)."""
     try:
         return archive_sources(src) is not None
-    except DscError:
+    except (DscError, OSError):  # (OSError: a name too long for the file system)
         return True
 
 

@@ -194,6 +194,7 @@ def test_append_merge_prune(places: dict[str, str], bounded_memory, data: st.Dat
     (["compile", "{src}", "{root}/x", "--labels", "{fifo}"], "cannot read label table .*: not a regular file .a FIFO"),
     (["info", "{long}"], "does not exist"),
     (["info", "{longer}"], "cannot be opened: File name too long"),
+    (["compile", "{longer}", "{root}/x", "--column", "label:none"], "source .*: File name too long"),  # (was: OSError)
     (["show", "{ds}", "-o", "{root}/" + LONG_NAME + ".png"], "cannot write .*: File name too long"),
 ])
 @pytest.mark.timeout(120)

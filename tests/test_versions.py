@@ -5,6 +5,7 @@ Real compiles of real JPEGs and PNGs (conftest.make_folder), real processes for 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import json
 import os
@@ -531,11 +532,13 @@ def test_an_append_whose_scratch_lock_cannot_be_made_is_one_line_and_leaves_noth
         compile_folder(tmp_path / "src", mnt / "ds", size=SIZE, workers=1)
         st = os.statvfs(mnt)
         subprocess.run(["mount", "-o", f"remount,nr_inodes={st.f_files - st.f_ffree + 1}", str(mnt)], check=True)
+        gc.collect()  # (descriptors of earlier tests' objects closed now, not while the append runs)
         before, descriptors = sorted(p.name for p in mnt.iterdir()), len(os.listdir("/proc/self/fd"))
         result = CliRunner().invoke(app, ["append", str(mnt / "ds"), str(tmp_path / "src")])
         assert result.exit_code == 1 and "Traceback" not in result.output, result.output
         assert "cannot lock" in result.output and "No space left on device" in result.output
         assert sorted(p.name for p in mnt.iterdir()) == before  # the scratch folder removed
+        gc.collect()
         assert len(os.listdir("/proc/self/fd")) == descriptors  # (the append ran in this process)
         assert MemmapDataset(mnt / "ds").version == 1
 
