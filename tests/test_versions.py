@@ -724,6 +724,23 @@ def test_a_drop_folder_reused_for_new_images_of_the_same_names_and_sizes_is_appe
     assert not np.array_equal(ds.opened.read_records(range(12, 21)), ds.opened.read_records(range(21, 30)))
 
 
+def test_other_pixels_from_another_jpeg_decoder_do_not_make_a_repeat_new(grown, monkeypatch) -> None:
+    """A re-run on a machine with another JPEG decoder may decode the same files to other pixels: there a pixel
+    difference proves nothing, and the same names and sizes are still refused as a repeat."""
+    from dsc.compiler import pipeline
+
+    tmp, _, _, b = grown
+    append(tmp / "ds", b, workers=1)
+    for k, image in enumerate(sorted(b.rglob("*.*"))):
+        with Image.open(image) as old:
+            size, kind = old.size, old.format
+        save(image, pattern(size[1], size[0], seed=700 + k), kind)
+    monkeypatch.setattr(pipeline, "decoder_name", lambda: "another decoder")
+    with pytest.raises(CompileError, match=r"already ends with these 9 images .* of the same sizes\), added by"):
+        append(tmp / "ds", b, workers=1)
+    assert MemmapDataset(tmp / "ds").version == 2
+
+
 def test_an_appends_refusals_name_src_and_the_dataset_not_its_scratch_folder(grown) -> None:
     tmp, _, _, b = grown
     flat = tmp / "flat"
