@@ -309,18 +309,27 @@ def hold_lock(path: Path) -> int | None:
     closes its copy, as of `locked`'s (else the lock would outlive this process in the child)."""
     with _held_guard:
         fd = open_lock(path)
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise OSError(errno.EINVAL, "not a regular file")
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
-            return None
-        except OSError:
+            raise OSError(errno.EINVAL, "not a regular file")
+        return _take(fd, fcntl.LOCK_EX)
+
+
+def _take(fd: int, operation: int, lockless: bool = False) -> int | None:
+    """`fd`, its `flock(operation)` taken without waiting and recorded as held (a forked child closes its copy);
+    None, `fd` closed, while another open file holds a conflicting one. Any other failure closes `fd` and is
+    raised, unless `lockless` (the descriptor is then kept unlocked). Under `_held_guard`."""
+    try:
+        fcntl.flock(fd, operation | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except OSError:
+        if not lockless:
             os.close(fd)
             raise
-        _held_locks.add(fd)
-        return fd
+    _held_locks.add(fd)
+    return fd
 
 
 def let_go_lock(fd: int) -> None:
@@ -342,32 +351,14 @@ def hold_folder(path: Path) -> int | None:
             fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:  # deleted by one that claimed it a moment ago
             return None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return None
-        except OSError:
-            pass
-        _held_locks.add(fd)
-        return fd
+        return _take(fd, fcntl.LOCK_SH, lockless=True)
 
 
 def claim_folder(path: Path) -> int | None:
     """An exclusive `flock` on the folder `path` when no process marks it in use (`hold_folder`): its
     descriptor, to `let_go_lock` once done with it; None while one does. OSError where locks cannot tell."""
     with _held_guard:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return None
-        except OSError:
-            os.close(fd)
-            raise
-        _held_locks.add(fd)
-        return fd
+        return _take(os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC), fcntl.LOCK_EX)
 
 
 def lock_is_held(path: Path, foreign: Callable[[str], Exception]) -> bool:
