@@ -93,6 +93,7 @@ VERSION_DIGITS = 8
 MAX_DATASET_VERSION = 10 ** VERSION_DIGITS - 1
 APPENDS_DIR = "appends"  # 1.3: appends/<APPEND_TAG_HEX hex digits>/<a dataset file name>: an append's files
 APPEND_TAG_HEX = 16
+ABANDONED_AFTER_S = 24 * 3600.0  # (1.3) a writer's uncommitted files this old, where no lock tells, are abandoned
 BUILDS_DIR = "builds"  # 1.3, object storage: builds/<tag as an append's>/<a dataset file name>: a compile's files
 
 CHANNELS = 3  # records are RGB

@@ -36,7 +36,7 @@ RESUMED_FILE = "resumed.json"  # in the work folder: written by each --resume of
 LISTING_FILE = "sources.jsonl"
 SHOWN = 3
 DELETE_THREADS = 8  # DELETEs in flight when a build's objects go
-ABANDONED_AFTER_S = 24 * 3600.0  # an object no version lists is left this long to the writer that may be uploading it
+ABANDONED_AFTER_S = fmt.ABANDONED_AFTER_S  # an object no version lists is left this long to a writer uploading it
 
 logger = logging.getLogger("dsc")
 

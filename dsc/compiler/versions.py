@@ -33,7 +33,7 @@ from dsc.errors import CompileError
 from dsc.storage import local
 
 WRITER_WAIT_S = 600.0  # how long an append or a prune waits for the dataset's lock (another append's commit)
-ABANDONED_AFTER_S = 24 * 3600.0  # where locks cannot tell whether an append folder's writer lives: its age
+ABANDONED_AFTER_S = fmt.ABANDONED_AFTER_S  # where locks cannot tell whether an append folder's writer lives
 FOLDER_ATTEMPTS = 3
 
 
