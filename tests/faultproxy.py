@@ -15,6 +15,8 @@ path when empty):
   connection (a server killed mid-epoch); `restart()` listens again on the same port;
 - `hold(n)`: keep the next n from the server until `release()` (at most HOLD_LIMIT_S): a writer stopped
   at a chosen request while another one goes on.
+`bare_etags = True` makes the proxy a server that takes only a bare ETag in a PUT's `If-Match` and answers
+412 to a quoted one, as Ceph's radosgw 16.2 does (HTTP and S3 quote it).
 Standard library only; every loop is bounded (the handler's keep-alive loop by a socket timeout).
 """
 
@@ -35,6 +37,8 @@ IDLE_S = 30  # a kept-alive connection idle this long is closed (its thread ends
 UPSTREAM_TIMEOUT_S = 30
 HOLD_LIMIT_S = 60  # a held request goes on after this even if never released
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "te", "trailer", "upgrade"}
+PRECONDITION_FAILED = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>PreconditionFailed</Code>'
+                       b"<Message></Message><RequestId>faultproxy</RequestId></Error>")
 SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
              b"<Message>Please reduce your request rate.</Message><RequestId>faultproxy</RequestId></Error>")
 
@@ -52,7 +56,7 @@ class Fault:
 class Seen:
     method: str
     path: str
-    action: str  # "forwarded", or the fault's kind
+    action: str  # "forwarded", the fault's kind, or "quoted_if_match" (refused: `bare_etags`)
     sent: int = 0  # bytes of the request's body: what the client uploaded
     served: int = 0  # bytes of the answer's body sent back: what the client downloaded (a cut answer: what went)
 
@@ -69,6 +73,7 @@ class FaultProxy:
         self.faults: list[Fault] = []
         self.released = threading.Event()
         self.seen: list[Seen] = []
+        self.bare_etags = False
         self.connections: set[socket.socket] = set()
         self.port = 0
         self.server: _Server | None = None
@@ -224,6 +229,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _serve(self) -> None:
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if self.owner.bare_etags and self.command == "PUT" and self.headers.get("If-Match", "").startswith('"'):
+            with self.owner.lock:
+                self.recorded = Seen(self.command, self.path, "quoted_if_match", len(body))
+                self.owner.seen.append(self.recorded)
+            self._answer(412, [("Content-Type", "application/xml")], PRECONDITION_FAILED, len(PRECONDITION_FAILED))
+            return
         fault, self.recorded = self.owner._take(self.command, self.path, len(body))
         if fault is not None and fault.kind == "slow_down":
             self._answer(503, [("Content-Type", "application/xml")], SLOW_DOWN, len(SLOW_DOWN))

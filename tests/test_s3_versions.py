@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import test_versions
 import torch
+from faultproxy import FaultProxy
 from torch.utils.data import DataLoader
 from typer.testing import CliRunner
 
@@ -205,6 +206,26 @@ def test_an_append_that_loses_the_race_builds_again_on_the_winners_version(serve
     stray = [o.name for o in Bucket(url).list("appends") if o.name not in {e.file for e in listed}]
     assert stray == []  # the lost attempt's uploads were deleted
     storage.verify_checksums(url, ds.manifest)
+
+
+def test_an_append_commits_on_a_server_that_takes_only_a_bare_etag_in_if_match(server: S3Server, env: Path,
+                                                                              grown, monkeypatch) -> None:
+    """Ceph's radosgw 16.2 answers 412 to the quoted ETag S3 gives (and HTTP specifies) in a PUT's If-Match,
+    and takes it bare. Before, an append there committed version 2, then failed to make manifest.json its
+    copy ("other writers kept changing it"), and so did every later writer."""
+    tmp, _, _, b = grown
+    url = server.upload(tmp / "ds", BUCKET, prefix())
+    proxy = FaultProxy(server.endpoint)
+    try:
+        proxy.bare_etags = True
+        server.point_at(monkeypatch, proxy.endpoint)
+        assert append(url, b, workers=1).version == 2
+        assert proxy.count("PUT", "manifest.json", action="quoted_if_match") == 1  # refused once, then bare
+        bucket = Bucket(url)
+        assert bucket.get(fmt.MANIFEST_FILE)[0] == bucket.get("versions/00000002.json")[0]
+        assert len(MemmapDataset(url)) == 21
+    finally:
+        proxy.kill()
 
 
 def test_a_merge_inside_one_bucket_refuses_a_damaged_shard_it_would_copy_server_side(server: S3Server, env: Path,

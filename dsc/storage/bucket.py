@@ -72,8 +72,17 @@ class Bucket:
 
     def replace(self, name: str, data: bytes, etag: str) -> bool:
         """Write the object only if its ETag is still `etag` (`If-Match`). True when it now holds `data`;
-        False when another writer changed or deleted it first."""
-        return self._conditional(name, data, {"e_tag": etag}, "PUT if-match")
+        False when another writer changed or deleted it first.
+
+        Ceph's radosgw (16.2, checked) compares `If-Match` with the ETag without its quotes, so it refuses
+        the quoted ETag HTTP specifies, which S3 gives and takes: refused while the object still has that
+        ETag, the PUT is sent again with the bare one (still conditional: a change meanwhile refuses it)."""
+        if self._conditional(name, data, {"e_tag": etag}, "PUT if-match"):
+            return True
+        bare = etag.strip('"')
+        if bare == etag or (held := self.head(name)) is None or held.etag != etag:
+            return False
+        return self._conditional(name, data, {"e_tag": bare}, "PUT if-match")
 
     def _conditional(self, name: str, data: bytes, mode: Any, what: str) -> bool:
         ox = _exceptions()
