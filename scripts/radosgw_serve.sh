@@ -6,9 +6,10 @@
 #   scripts/radosgw_serve.sh COMMAND [ARGS...]
 #
 # COMMAND sees DSC_TEST_S3_ENDPOINT (http://127.0.0.1:PORT), DSC_TEST_S3_ACCESS_KEY_ID,
-# DSC_TEST_S3_SECRET_ACCESS_KEY and DSC_TEST_S3_REGION (what tests/s3server.py reads); the
-# script exits with COMMAND's status. scripts/radosgw_s3_tests.sh runs the object-storage tests
-# this way; the benchmark, e.g.:
+# DSC_TEST_S3_SECRET_ACCESS_KEY and DSC_TEST_S3_REGION (what tests/s3server.py reads), and
+# DSC_TEST_S3_SERVER_PIDS (the monitor's, OSD's and radosgw's process ids: a benchmark's CPU
+# accounting); the script exits with COMMAND's status. scripts/radosgw_s3_tests.sh runs the
+# object-storage tests this way; the benchmark, e.g.:
 #   scripts/radosgw_serve.sh sh -c 'AWS_ACCESS_KEY_ID=$DSC_TEST_S3_ACCESS_KEY_ID \
 #     AWS_SECRET_ACCESS_KEY=$DSC_TEST_S3_SECRET_ACCESS_KEY .venv/bin/python benchmarks/s3_read_bench.py \
 #     --endpoint $DSC_TEST_S3_ENDPOINT'
@@ -17,10 +18,12 @@
 # they are missing) and .venv from scripts/setup.sh. Everything lives in a temporary folder; only
 # the daemons this script started are stopped (by their process ids). Messenger v2 in crc mode
 # (`ms client mode = crc`, `ms mon client mode = crc`): without them clients hang at
-# authentication for 300 s. No manager daemon: radosgw does not need one. The OSD keeps its
-# objects in memory: RADOSGW_MEMSTORE_BYTES (default 1 GiB) bounds them. KEEP=1 keeps the
-# folder (config, logs) after the run. Cold start to a serving radosgw: about 13 s here (Ceph
-# 16.2.15 from Debian 12).
+# authentication for 300 s. Beast with `tcp_nodelay=1`: without it every small answer (a HEAD, a
+# manifest, an error) waits ~40 ms on loopback (Nagle's algorithm holding the body until the client's
+# delayed ACK of the headers): 42 ms -> 1.3 ms a small GET here. No manager daemon: radosgw does
+# not need one. The OSD keeps its objects in memory: RADOSGW_MEMSTORE_BYTES (default 1 GiB) bounds
+# them. KEEP=1 keeps the folder (config, logs) after the run. Cold start to a serving radosgw:
+# about 13 s here (Ceph 16.2.15 from Debian 12).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -89,7 +92,7 @@ memstore device bytes = ${RADOSGW_MEMSTORE_BYTES:-1073741824}
 osd crush update on start = true
 [client.rgw.a]
 keyring = $D/rgw.keyring
-rgw frontends = beast endpoint=127.0.0.1:$RGW_PORT
+rgw frontends = beast endpoint=127.0.0.1:$RGW_PORT tcp_nodelay=1
 rgw data = $D/rgw
 EOF
 
@@ -134,5 +137,5 @@ timeout 60 radosgw-admin -c "$CONF" user create --uid=dsc --display-name=dsc --a
 echo "radosgw_serve: radosgw on 127.0.0.1:$RGW_PORT after $(( $(date +%s) - began )) s ($D)"
 
 export DSC_TEST_S3_ENDPOINT="http://127.0.0.1:$RGW_PORT" DSC_TEST_S3_ACCESS_KEY_ID="$KEY" \
-  DSC_TEST_S3_SECRET_ACCESS_KEY="$SECRET" DSC_TEST_S3_REGION=us-east-1
+  DSC_TEST_S3_SECRET_ACCESS_KEY="$SECRET" DSC_TEST_S3_REGION=us-east-1 DSC_TEST_S3_SERVER_PIDS="${PIDS[*]}"
 "$@"
