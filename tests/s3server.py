@@ -51,11 +51,13 @@ def external() -> dict[str, str] | None:
             "region": os.environ.get("DSC_TEST_S3_REGION", REGION)}
 
 
-def signed_put(endpoint: str, path: str, key: str, secret: str, region: str) -> urllib.request.Request:
-    """An empty PUT to `endpoint/path` signed with AWS Signature Version 4 (path style, no body)."""
+def signed_put(endpoint: str, path: str, key: str, secret: str, region: str,
+               body: bytes = b"") -> urllib.request.Request:
+    """A PUT of `body` to `endpoint/path` (path style, `path` already percent-encoded) signed with AWS
+    Signature Version 4."""
     now = datetime.datetime.now(datetime.timezone.utc)
     stamp, day = now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d")
-    host, payload = urlsplit(endpoint).netloc, hashlib.sha256(b"").hexdigest()
+    host, payload = urlsplit(endpoint).netloc, hashlib.sha256(body).hexdigest()
     signed = "host;x-amz-content-sha256;x-amz-date"
     canonical = f"PUT\n{path}\n\nhost:{host}\nx-amz-content-sha256:{payload}\nx-amz-date:{stamp}\n\n{signed}\n{payload}"
     scope = f"{day}/{region}/s3/aws4_request"
@@ -67,7 +69,7 @@ def signed_put(endpoint: str, path: str, key: str, secret: str, region: str) -> 
     headers = {"x-amz-date": stamp, "x-amz-content-sha256": payload,
                "Authorization": f"AWS4-HMAC-SHA256 Credential={key}/{scope}, SignedHeaders={signed}, "
                                 f"Signature={signature}"}
-    return urllib.request.Request(f"{endpoint}{path}", method="PUT", headers=headers)
+    return urllib.request.Request(f"{endpoint}{path}", data=body or None, method="PUT", headers=headers)
 
 
 class S3Server:
@@ -117,6 +119,12 @@ class S3Server:
 
     def put(self, bucket: str, key: str, data: bytes) -> None:
         obstore.put(self.client(bucket), key, data)
+
+    def put_raw(self, bucket: str, quoted_key: str, data: bytes) -> None:
+        """A PUT of a key obstore will not write (`..`, `//`, control characters: percent-encoded here), signed."""
+        request = signed_put(self.endpoint, f"/{bucket}/{quoted_key}", self.key, self.secret, self.region, data)
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            assert answer.status == 200
 
     def delete(self, bucket: str, key: str) -> None:
         obstore.delete(self.client(bucket), key)
