@@ -57,7 +57,6 @@ import json
 import operator
 import os
 import re
-import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -66,6 +65,11 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from dsc.errors import DatasetError, UnsupportedVersionError, quoted
+
+try:  # zlib's CRC-32, the same numbers ~3.7x faster (zlib-ng, in the s3 extra: a cold read checks all it fetches)
+    from zlib_ng.zlib_ng import crc32 as _crc32
+except ImportError:
+    from zlib import crc32 as _crc32
 
 FORMAT_NAME = "dsc"
 FORMAT_VERSION = "1.5"  # MAJOR.MINOR: a reader refuses another MAJOR; MINOR only adds keys.
@@ -563,7 +567,7 @@ def field_payload(spec: FieldEntry, values: np.ndarray) -> tuple[str, bytes]:
 
 def record_crc(data) -> int:
     """A record's checksum (1.3, "Record checksums"): zlib's CRC-32 of its bytes (a C-contiguous buffer)."""
-    return zlib.crc32(data)
+    return _crc32(data)
 
 
 def record_checksums(data, record_bytes: int) -> list[int]:

@@ -509,3 +509,25 @@ def test_verify_checksums_names_the_damaged_file(tiny: Path) -> None:
         f.write(b"\x00")
     with pytest.raises(ChecksumError, match=r"shards/00002.bin: SHA-256 is [0-9a-f]{64}, the manifest says"):
         storage.verify_checksums(tiny, manifest)
+
+
+def test_record_checksums_are_zlibs_crc32_whichever_buffer_holds_the_record(tmp_path: Path) -> None:
+    """`record_crc` computes with zlib-ng where it is installed (the s3 extra): the numbers must be zlib's
+    (formats.md, "Record checksums") for every kind of buffer the reader and the compiler pass it."""
+    records = np.random.default_rng(0).integers(0, 256, (6, 7, 9, 3), dtype=np.uint8)
+    want = [zlib.crc32(r.tobytes()) for r in records]
+    path = tmp_path / "records.bin"
+    path.write_bytes(records.tobytes())
+    mapped = np.memmap(path, np.uint8, "r", shape=records.shape)
+    raw = records.tobytes()
+    rb = records[0].size
+    for buffers in ([r for r in records], [r for r in mapped], [memoryview(raw)[k * rb:(k + 1) * rb] for k in range(6)],
+                    [bytearray(raw[k * rb:(k + 1) * rb]) for k in range(6)]):
+        assert [fmt.record_crc(b) for b in buffers] == want
+    assert fmt.record_checksums(raw, rb) == want == fmt.record_checksums(records, rb)
+    assert fmt.record_crc(b"") == 0
+    try:
+        from zlib_ng import zlib_ng
+    except ImportError:
+        return
+    assert fmt._crc32 is zlib_ng.crc32  # the fast one, where installed
