@@ -1,7 +1,8 @@
 """Compile into a bucket vs compile into a folder: the same corpus, the same machine, one run.
 
     python benchmarks/compile_s3_bench.py CORPUS [--images 1000] [--size 224] [--workers 2] [--repeat 1]
-                                          [--other-dsc CHECKOUT] [--server ministack|moto | --endpoint URL]
+                                          [--other-dsc CHECKOUT] [--server ministack|moto | --endpoint URL
+                                          [--server-pids PID ...]]
 
 CORPUS is any ImageFolder tree (`python benchmarks/corpus.py /tmp/corpus` makes one). The compile
 runs in a fresh process each time (so none inherits another's imports or S3 client): into a local
@@ -10,9 +11,14 @@ its own: `s3_servers.py`), `--repeat` rounds alternating; `--other-dsc` adds, in
 compile of another dsc source tree (an A/B in one session, on one server, under the same load). The
 bucket compile has no local output at all: workers write chunk objects, the server composes the shards
 from them, and the driver commits the manifest. Prints the best time of each and their ratio (target:
-the bucket compile at >= 0.8x the folder compile's speed), the bytes each bucket compile's client
-uploaded per record (an untimed run through a counting relay: independent of the machine's load), and
-checks that every object holds the bytes of the folder's file of the same name.
+the bucket compile at >= 0.8x the folder compile's speed), the CPU time of each compile (its workers
+included) and of the server meanwhile (a server started here, or `--server-pids`), the bytes each
+bucket compile's client uploaded per record (an untimed run through a counting relay: independent of
+the machine's load), and checks that every object holds the bytes of the folder's file of the same name.
+
+On a machine whose cores the server shares, the bucket compile's time is also the server's work
+(receiving every chunk object, copying each into its shard): the CPU columns tell dsc's own cost apart
+from the server's.
 """
 
 from __future__ import annotations
@@ -32,23 +38,32 @@ from s3_servers import CountingRelay, Server  # noqa: E402
 
 BUCKET = "dsc-bench"
 RUN = """
-import json, sys, time
+import json, resource, sys, time
 from dsc import compile_folder
-started = time.perf_counter()
+
+def cpu():  # this process and its (waited-for) descendants: the driver, the engine's host and workers
+    return sum(u.ru_utime + u.ru_stime for u in map(resource.getrusage, (resource.RUSAGE_SELF,
+                                                                          resource.RUSAGE_CHILDREN)))
+started, cpu_before = time.perf_counter(), cpu()
 s = compile_folder(sys.argv[1], sys.argv[2], size=int(sys.argv[3]), workers=int(sys.argv[4]),
                    on_skip=lambda source, reason: None)
-print(json.dumps({"seconds": time.perf_counter() - started, "kept": s.kept}))
+print(json.dumps({"seconds": time.perf_counter() - started, "cpu": cpu() - cpu_before, "kept": s.kept}))
 """
 
 
-def timed_compile(src: Path, out: str, size: int, workers: int, env: dict[str, str]) -> dict:
-    """One compile in a fresh process: its own wall time, from the call to the return (start-up excluded). It
+def timed_compile(src: Path, out: str, size: int, workers: int, env: dict[str, str],
+                  server: Server | None = None) -> dict:
+    """One compile in a fresh process: its own wall time and CPU time (its workers' included), from the call
+    to the return (start-up excluded), and the CPU time `server` used meanwhile (None where unknown). It
     runs in SRC's parent folder: `python -c` would import a dsc found in the current folder first."""
+    server_before = server.cpu_seconds() if server is not None else None
     run = subprocess.run([sys.executable, "-c", RUN, str(src), out, str(size), str(workers)], env=env,
                          cwd=src.parent, capture_output=True, text=True, check=False)
     if run.returncode != 0:
         raise SystemExit(f"compile into {out} failed: {run.stderr.strip()[-2000:]}")
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    done = json.loads(run.stdout.strip().splitlines()[-1])
+    done["server_cpu"] = None if server_before is None else server.cpu_seconds() - server_before
+    return done
 
 
 def with_dsc(env: dict[str, str], tree: Path | None) -> dict[str, str]:
@@ -82,18 +97,21 @@ def main() -> None:
                         "compile runs in each round too, for an A/B in one session")
     parser.add_argument("--server", choices=("ministack", "moto"), default="ministack")
     parser.add_argument("--endpoint", help="an S3 endpoint already running on loopback, instead of --server")
+    parser.add_argument("--server-pids", type=int, nargs="*", default=(),
+                        help="the --endpoint server's process ids, for its CPU time (radosgw_serve.sh: "
+                        "$DSC_TEST_S3_SERVER_PIDS)")
     parser.add_argument("--cache", type=Path, default=Path(os.environ.get("DSC_BENCH_CACHE", "~/.cache/dsc/s3-bench")),
                         help="where MiniStack's environment is kept")
     args = parser.parse_args()
     if args.repeat < 1:
         parser.error("--repeat: one round at least")
     kinds = ["folder", "bucket"] + (["other"] if args.other_dsc else [])
-    times: dict[str, list[float]] = {kind: [] for kind in kinds}
+    runs: dict[str, list[dict]] = {kind: [] for kind in kinds}
     uploaded: dict[str, int] = {}
     with tempfile.TemporaryDirectory(prefix="dsc-compile-s3-") as tmp:
         work = Path(tmp)
         src = link_tree(args.corpus.resolve(), pick_sources(args.corpus.resolve(), args.images), work / "src")
-        server = Server(args.server, args.cache.expanduser(), args.endpoint)
+        server = Server(args.server, args.cache.expanduser(), args.endpoint, tuple(args.server_pids))
         relay = None
         try:
             os.environ.update(server.env)
@@ -103,8 +121,8 @@ def main() -> None:
             for k in range(args.repeat):
                 for kind in kinds:
                     out = str(work / f"out{k}") if kind == "folder" else f"s3://{BUCKET}/{kind}-{k}-{time.time_ns()}"
-                    done = timed_compile(src, out, args.size, args.workers, envs[kind])
-                    times[kind].append(done["seconds"])
+                    done = timed_compile(src, out, args.size, args.workers, envs[kind], server)
+                    runs[kind].append(done)
                     if kind == "bucket" and k == 0:
                         n, url = done["kept"], out
             differ = same_bytes(work / "out0", url)
@@ -122,12 +140,16 @@ def main() -> None:
     print(f"{n} images of {args.corpus} at {args.size}x{args.size}, {args.workers} workers, S3 server: {server.kind}, "
           f"{args.repeat} round(s), load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     names = {"folder": "into a folder", "bucket": "into a bucket", "other": f"bucket, {args.other_dsc}"}
+    least = {kind: {key: min(r[key] for r in runs[kind]) if runs[kind][0][key] is not None else None
+                    for key in ("seconds", "cpu", "server_cpu")} for kind in kinds}  # best of the rounds, each
     for kind in kinds:
-        best = min(times[kind])
-        rounds = " ".join(f"{t:.2f}" for t in times[kind])
-        line = f"{names[kind]}: best {best:6.2f} s ({n / best:6.0f} images/s); rounds: {rounds}"
+        best, cpu, served = least[kind]["seconds"], least[kind]["cpu"], least[kind]["server_cpu"]
+        rounds = " ".join(f"{r['seconds']:.2f}" for r in runs[kind])
+        line = f"{names[kind]}: best {best:6.2f} s ({n / best:6.0f} images/s); rounds: {rounds}; CPU {cpu:.2f} s"
+        line += f", the server's {served:.2f} s" if served is not None else ""
         if kind != "folder":
-            line += (f"; bucket / folder speed {min(times['folder']) / best:.2f}x (target >= 0.8x); uploaded "
+            line += (f"; bucket / folder speed {least['folder']['seconds'] / best:.2f}x (target >= 0.8x), CPU "
+                     f"{cpu / least['folder']['cpu']:.2f}x the folder compile's; uploaded "
                      f"{uploaded[kind] / n / record:.2f} records' bytes per record")
         print(line)
     print(f"objects whose bytes differ from the folder's files: {differ}")

@@ -2,8 +2,8 @@
 disk and the peers, in one run (issue 22's figures).
 
     python benchmarks/s3_read_bench.py [--records 2000] [--size 224] [--records-per-shard 500] [--batch 256]
-        [--server ministack|moto] [--endpoint http://127.0.0.1:PORT] [--fetch-batch 64] [--parallel 8]
-        [--repeat 2] [--peers litdata streaming] [--link 2400mbit]
+        [--server ministack|moto] [--endpoint http://127.0.0.1:PORT [--server-pids PID ...]]
+        [--fetch-batch 64] [--parallel 8] [--repeat 2] [--peers litdata streaming] [--link 2400mbit]
 
 A dataset of `--records` records is compiled here (copies of dsc.testing's pictures), uploaded to
 a server started on 127.0.0.1 (`s3_servers.py`: MiniStack by default, in its own environment;
@@ -11,11 +11,13 @@ moto for tiny runs; or a loopback `--endpoint` already running, e.g. radosgw, cr
 AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY), and read back; every row is measured in this run:
 
   raw       plain ranged GETs of the shard objects with obstore (the client dsc uses), 8 MiB pieces,
-            1 and --parallel requests in flight on one event loop: bytes/s, and the records/s that is
+            1 and --parallel requests in flight on one event loop: bytes/s, and the records/s that is;
+            the CPU seconds per GB this process and the server (one started here, or --server-pids) used
   dsc       per order (sequential, block, random), batch --batch: cold = open + first epoch with an
             empty cache_dir, everything fetched; warm = the best of 10 later epochs, the cache full;
             local = the same dataset read from its folder on local disk (page cache warm), its 10
-            epochs alternated with the warm ones; best of --repeat
+            epochs alternated with the warm ones; best of --repeat; the fastest cold run's CPU seconds
+            per GB, dsc's (its threads) and the server's
   fetches   bytes the server sent in the second epoch (counted by a TCP relay on 127.0.0.1 in front
             of it, HTTP headers included) with cache_bytes = 25% and 50% of the shards, random and
             block order, batch --fetch-batch, against the dataset's bytes and against a Belady
@@ -33,7 +35,9 @@ fetches <= the optimum + 5%, samples/s >= 2x each peer.
 Unshaped, loopback has no network limit: the raw row is as fast as two cores can serve and receive, and a
 cold epoch (which also checks, writes and gathers every byte) is bound by the same cores. `--link RATE`
 (root, tc) shapes loopback to a network link's rate for the whole run (s3_servers.shaped_loopback): the
-raw row is then the link's, and cold/raw says whether dsc keeps that link busy.
+raw row is then the link's, and cold/raw says whether dsc keeps that link busy. The CPU columns tell,
+unshaped, what each byte costs the client and the server: the raw row's bytes cost less than a cold
+epoch's, which does more with them.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ import argparse
 import asyncio
 import inspect
 import os
+import resource
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -90,8 +96,35 @@ def epoch_reads(ds: MemmapDataset, order: str, batch: int, epochs: int) -> list[
 
 # ----------------------------------------------------------------------------- measurements
 
-def raw_rate(server: Server, keys: list[str], parallel: int) -> float:
-    """Bytes/s of ranged GETs of every byte of `keys`, `parallel` requests in flight."""
+def own_cpu() -> float:
+    """CPU time (user + system) of this process so far, all its threads (obstore's runtime, the loader's)."""
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    return used.ru_utime + used.ru_stime
+
+
+class CPU:
+    """The CPU time this process and the server used between entering and leaving (`client`, `server`; the
+    server's None where its processes are unknown)."""
+
+    def __init__(self, server: Server) -> None:
+        self.of, self.client, self.server = server, 0.0, None
+
+    def __enter__(self) -> CPU:
+        self.started = own_cpu(), self.of.cpu_seconds()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.client = own_cpu() - self.started[0]
+        if self.started[1] is not None:
+            self.server = self.of.cpu_seconds() - self.started[1]
+
+
+def per_gb(seconds: float | None, nbytes: int) -> str:
+    return "-" if seconds is None else f"{seconds / (nbytes / 1e9):.2f}"
+
+
+def raw_rate(server: Server, keys: list[str], parallel: int) -> tuple[float, CPU]:
+    """Bytes/s of ranged GETs of every byte of `keys`, `parallel` requests in flight, and the CPU it took."""
     import obstore
 
     store = server.client(BUCKET)
@@ -108,9 +141,11 @@ def raw_rate(server: Server, keys: list[str], parallel: int) -> float:
                                       for s in range(0, n, PIECE)])
         return sum(done)
 
-    start = time.perf_counter()
-    fetched = asyncio.run(fetch_all())
-    return fetched / (time.perf_counter() - start)
+    with CPU(server) as used:
+        start = time.perf_counter()
+        fetched = asyncio.run(fetch_all())
+        seconds = time.perf_counter() - start
+    return fetched / seconds, used
 
 
 def epoch_seconds(loader, epoch: int) -> float:
@@ -121,25 +156,30 @@ def epoch_seconds(loader, epoch: int) -> float:
     return time.perf_counter() - start
 
 
-def dsc_rows(url: str, local: Path, work: Path, batch: int, repeat: int, n: int) -> dict[str, dict[str, float]]:
-    """Per order: samples/s cold (open + epoch 0, empty cache); warm and local (its folder): the best epoch of
-    WARM_EPOCHS each, alternated."""
+def dsc_rows(server: Server, url: str, local: Path, work: Path, batch: int, repeat: int,
+             n: int) -> dict[str, dict]:
+    """Per order: samples/s cold (open + epoch 0, empty cache) and the CPU of the fastest cold run; warm and
+    local (its folder): the best epoch of WARM_EPOCHS each, alternated."""
     rows = {}
     for order in ORDERS:
         cold = warm = at_home = 0.0
         for r in range(repeat):
             cache = Path(tempfile.mkdtemp(prefix=f"cold-{order}-{r}-", dir=work))
-            start = time.perf_counter()
-            ds = MemmapDataset(url, cache_dir=cache)
-            loader = ds.loader(batch, order=order, seed=SEED)
-            seconds = time.perf_counter() - start + epoch_seconds(loader, 0)
-            cold = max(cold, n / seconds)
+            with CPU(server) as used:
+                start = time.perf_counter()
+                ds = MemmapDataset(url, cache_dir=cache)
+                loader = ds.loader(batch, order=order, seed=SEED)
+                seconds = time.perf_counter() - start + epoch_seconds(loader, 0)
+            if n / seconds > cold:
+                cold, cold_cpu = n / seconds, used
             home = MemmapDataset(local).loader(batch, order=order, seed=SEED)
             epoch_seconds(home, 0)
             for e in range(1, 1 + WARM_EPOCHS):  # alternated, so the machine's other load falls on both alike
                 warm = max(warm, n / epoch_seconds(loader, e))
                 at_home = max(at_home, n / epoch_seconds(home, e))
-        rows[order] = {"cold": cold, "warm": warm, "local": at_home}
+            del ds, loader  # its cache folder goes: a later run's pages come from memory freed here, not
+            shutil.rmtree(cache)  # from the host (a VM's first touch of fresh memory runs at ~1 GB/s here)
+        rows[order] = {"cold": cold, "cold_cpu": cold_cpu, "warm": warm, "local": at_home}
     return rows
 
 
@@ -235,6 +275,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--server", choices=("ministack", "moto"), default="ministack")
     parser.add_argument("--endpoint", help="an S3 endpoint already running on loopback, instead of --server")
+    parser.add_argument("--server-pids", type=int, nargs="*", default=(),
+                        help="the --endpoint server's process ids, for its CPU time (radosgw_serve.sh: "
+                        "$DSC_TEST_S3_SERVER_PIDS)")
     parser.add_argument("--fetch-batch", type=int, default=64,
                         help="batch of the second-epoch rows (a quarter of the dataset holds the batches in flight)")
     parser.add_argument("--parallel", type=int, default=8, help="ranged GETs in flight for the raw row")
@@ -250,7 +293,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="dsc-s3-bench-") as tmp:
         work = Path(tmp)
         local = build(work, args.records, args.size, args.records_per_shard)
-        server = Server(args.server, args.cache.expanduser(), args.endpoint)
+        server = Server(args.server, args.cache.expanduser(), args.endpoint, tuple(args.server_pids))
         try:
             os.environ.update(server.env)
             server.create_bucket(BUCKET)
@@ -271,16 +314,23 @@ def report(args, server: Server, local: Path, work: Path) -> None:
           f"{f', loopback shaped to {args.link}' if args.link else ''}; "
           f"{time.strftime('%Y-%m-%d %H:%M')}")
     keys = [f"dsc/shards/{p.name}" for p in shards]
-    raws = {p: max(raw_rate(server, keys, p) for _ in range(args.repeat)) for p in sorted({1, args.parallel})}
-    print(f"\nraw ranged GETs (obstore, {PIECE >> 20} MiB pieces over every shard object, best of {args.repeat})")
-    for p, rate in raws.items():
-        print(f"  {p:>2} in flight   {rate / 1e6:8.0f} MB/s = {rate / record_bytes:9,.0f} records/s")
-    raw = max(raws.values()) / record_bytes
-    rows = dsc_rows(url, local, work, args.batch, args.repeat, n)
-    print(f"\ndsc (samples/s, best of {args.repeat}; cold = open + first epoch, empty cache)")
-    print(f"  {'order':<11} {'cold':>9} {'cold/raw':>9} {'warm':>10} {'local':>10} {'warm/local':>11}")
+    raws = {p: max((raw_rate(server, keys, p) for _ in range(args.repeat)), key=lambda run: run[0])
+            for p in sorted({1, args.parallel})}
+    print(f"\nraw ranged GETs (obstore, {PIECE >> 20} MiB pieces over every shard object, best of {args.repeat}); "
+          "CPU seconds per GB of shards, this process's and the server's")
+    for p, (rate, used) in raws.items():
+        print(f"  {p:>2} in flight   {rate / 1e6:8.0f} MB/s = {rate / record_bytes:9,.0f} records/s; CPU/GB "
+              f"{per_gb(used.client, shard_bytes)}, server {per_gb(used.server, shard_bytes)}")
+    raw = max(rate for rate, _ in raws.values()) / record_bytes
+    rows = dsc_rows(server, url, local, work, args.batch, args.repeat, n)
+    print(f"\ndsc (samples/s, best of {args.repeat}; cold = open + first epoch, empty cache; its CPU seconds per GB "
+          "of shards)")
+    print(f"  {'order':<11} {'cold':>9} {'cold/raw':>9} {'CPU/GB':>7} {'server':>7} {'warm':>10} {'local':>10} "
+          f"{'warm/local':>11}")
     for order, r in rows.items():
-        print(f"  {order:<11} {r['cold']:>9,.0f} {r['cold'] / raw:>8.2f}x {r['warm']:>10,.0f} {r['local']:>10,.0f} "
+        used = r["cold_cpu"]
+        print(f"  {order:<11} {r['cold']:>9,.0f} {r['cold'] / raw:>8.2f}x {per_gb(used.client, shard_bytes):>7} "
+              f"{per_gb(used.server, shard_bytes):>7} {r['warm']:>10,.0f} {r['local']:>10,.0f} "
               f"{r['warm'] / r['local']:>10.2f}x")
     fetches = fetch_rows(server, url, local, work, args.fetch_batch, shard_bytes, record_bytes)
     print_fetches(fetches, shard_bytes, args.fetch_batch)

@@ -59,11 +59,43 @@ def check_loopback(endpoint: str) -> str:
     return endpoint.rstrip("/")
 
 
+def _stat(pid: int) -> list[str]:
+    """/proc/PID/stat's fields after the command name (which may hold spaces): [state, ppid, ...]."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of `pid`, and of its children it has waited for; 0 for a process gone."""
+    try:
+        fields = _stat(pid)
+    except OSError:
+        return 0.0
+    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def _with_descendants(pids: tuple[int, ...]) -> set[int]:
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                parents[int(entry)] = int(_stat(int(entry))[1])
+            except OSError:
+                pass
+    found, todo = set(pids), list(pids)
+    while todo:
+        parent = todo.pop()
+        children = [pid for pid, ppid in parents.items() if ppid == parent and pid not in found]
+        found.update(children)
+        todo.extend(children)
+    return found
+
+
 class Server:
     """An S3 endpoint on loopback: `endpoint`, credentials, `env` for dsc and the peers; `stop()`."""
 
-    def __init__(self, kind: str, cache: Path, endpoint: str | None = None) -> None:
-        self.kind, self.proc = kind, None
+    def __init__(self, kind: str, cache: Path, endpoint: str | None = None, pids: tuple[int, ...] = ()) -> None:
+        self.kind, self.proc, self.pids = kind, None, tuple(pids)  # pids: a given endpoint's server processes
         self.key = os.environ.get("AWS_ACCESS_KEY_ID", "testing") if endpoint else "testing"
         self.secret = os.environ.get("AWS_SECRET_ACCESS_KEY", "testing") if endpoint else "testing"
         self.region = os.environ.get("AWS_REGION", "us-east-1") if endpoint else "us-east-1"
@@ -84,7 +116,13 @@ class Server:
         # and the server then blocks in mid-answer
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=self.log)
+        self.pids = (self.proc.pid,)
         self._wait()
+
+    def cpu_seconds(self) -> float | None:
+        """CPU time (user + system) the server's processes and their descendants have used so far; None when
+        they are not known (an endpoint given without its process ids)."""
+        return sum(map(_cpu_seconds, _with_descendants(self.pids))) if self.pids else None
 
     @property
     def env(self) -> dict[str, str]:

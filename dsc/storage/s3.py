@@ -55,7 +55,7 @@ LOCK_SUFFIX = ".lock"
 TABLES_DIR = "shard-tables"  # (1.4) <cache>/shard-tables/<SHA-256>: the node's copy of each shard table it read
 
 OPEN_REQUESTS = 8  # an open's small requests (HEADs, index files) in flight at a time: each is a round trip
-# (~20-50 ms to a real endpoint, 44 ms to radosgw on loopback), so an open asks them together, not one by one
+# (~20-50 ms to a real endpoint), so an open asks them together, not one by one
 HELPER_WAIT_S = 30.0  # how much longer than a request's own limit a forked child waits for its helper's answer
 
 
