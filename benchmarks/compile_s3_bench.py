@@ -12,9 +12,10 @@ compile of another dsc source tree (an A/B in one session, on one server, under 
 bucket compile has no local output at all: workers write chunk objects, the server composes the shards
 from them, and the driver commits the manifest. Prints the best time of each and their ratio (target:
 the bucket compile at >= 0.8x the folder compile's speed), the CPU time of each compile (its workers
-included) and of the server meanwhile (a server started here, or `--server-pids`), the bytes each
-bucket compile's client uploaded per record (an untimed run through a counting relay: independent of
-the machine's load), and checks that every object holds the bytes of the folder's file of the same name.
+included) and of the server meanwhile (a server started here, or `--server-pids`), both of the fastest
+round, the bytes each bucket compile's client uploaded per record (an untimed run through a counting
+relay: independent of the machine's load), and checks that every object holds the bytes of the folder's
+file of the same name.
 
 On a machine whose cores the server shares, the bucket compile's time is also the server's work
 (receiving every chunk object, copying each into its shard): the CPU columns tell dsc's own cost apart
@@ -140,16 +141,15 @@ def main() -> None:
     print(f"{n} images of {args.corpus} at {args.size}x{args.size}, {args.workers} workers, S3 server: {server.kind}, "
           f"{args.repeat} round(s), load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     names = {"folder": "into a folder", "bucket": "into a bucket", "other": f"bucket, {args.other_dsc}"}
-    least = {kind: {key: min(r[key] for r in runs[kind]) if runs[kind][0][key] is not None else None
-                    for key in ("seconds", "cpu", "server_cpu")} for kind in kinds}  # best of the rounds, each
+    fastest = {kind: min(runs[kind], key=lambda r: r["seconds"]) for kind in kinds}  # its CPU times with it
     for kind in kinds:
-        best, cpu, served = least[kind]["seconds"], least[kind]["cpu"], least[kind]["server_cpu"]
+        best, cpu, served = fastest[kind]["seconds"], fastest[kind]["cpu"], fastest[kind]["server_cpu"]
         rounds = " ".join(f"{r['seconds']:.2f}" for r in runs[kind])
         line = f"{names[kind]}: best {best:6.2f} s ({n / best:6.0f} images/s); rounds: {rounds}; CPU {cpu:.2f} s"
         line += f", the server's {served:.2f} s" if served is not None else ""
         if kind != "folder":
-            line += (f"; bucket / folder speed {least['folder']['seconds'] / best:.2f}x (target >= 0.8x), CPU "
-                     f"{cpu / least['folder']['cpu']:.2f}x the folder compile's; uploaded "
+            line += (f"; bucket / folder speed {fastest['folder']['seconds'] / best:.2f}x (target >= 0.8x), CPU "
+                     f"{cpu / fastest['folder']['cpu']:.2f}x the folder compile's; uploaded "
                      f"{uploaded[kind] / n / record:.2f} records' bytes per record")
         print(line)
     print(f"objects whose bytes differ from the folder's files: {differ}")

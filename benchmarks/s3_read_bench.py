@@ -110,7 +110,8 @@ class CPU:
         self.of, self.client, self.server = server, 0.0, None
 
     def __enter__(self) -> CPU:
-        self.started = own_cpu(), self.of.cpu_seconds()
+        server = self.of.cpu_seconds()  # first: its scan of /proc is not the client's work
+        self.started = own_cpu(), server
         return self
 
     def __exit__(self, *exc) -> None:
@@ -177,6 +178,8 @@ def dsc_rows(server: Server, url: str, local: Path, work: Path, batch: int, repe
             for e in range(1, 1 + WARM_EPOCHS):  # alternated, so the machine's other load falls on both alike
                 warm = max(warm, n / epoch_seconds(loader, e))
                 at_home = max(at_home, n / epoch_seconds(home, e))
+            loader.close()
+            home.close()
             del ds, loader  # its cache folder goes: a later run's pages come from memory freed here, not
             shutil.rmtree(cache)  # from the host (a VM's first touch of fresh memory runs at ~1 GB/s here)
         rows[order] = {"cold": cold, "cold_cpu": cold_cpu, "warm": warm, "local": at_home}

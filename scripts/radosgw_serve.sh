@@ -12,7 +12,7 @@
 # object-storage tests this way; the benchmark, e.g.:
 #   scripts/radosgw_serve.sh sh -c 'AWS_ACCESS_KEY_ID=$DSC_TEST_S3_ACCESS_KEY_ID \
 #     AWS_SECRET_ACCESS_KEY=$DSC_TEST_S3_SECRET_ACCESS_KEY .venv/bin/python benchmarks/s3_read_bench.py \
-#     --endpoint $DSC_TEST_S3_ENDPOINT'
+#     --endpoint $DSC_TEST_S3_ENDPOINT --server-pids $DSC_TEST_S3_SERVER_PIDS'
 #
 # Needs the packages radosgw, ceph-mon and ceph-osd (installed with apt-get when run as root and
 # they are missing) and .venv from scripts/setup.sh. Everything lives in a temporary folder; only

@@ -121,7 +121,7 @@ class S3Server:
         obstore.put(self.client(bucket), key, data)
 
     def put_raw(self, bucket: str, quoted_key: str, data: bytes) -> None:
-        """A PUT of a key obstore will not write (`..`, `//`, control characters: percent-encoded here), signed."""
+        """A signed PUT of a key obstore will not write (`..`, `//`, control characters), given percent-encoded."""
         request = signed_put(self.endpoint, f"/{bucket}/{quoted_key}", self.key, self.secret, self.region, data)
         with urllib.request.urlopen(request, timeout=10) as answer:
             assert answer.status == 200

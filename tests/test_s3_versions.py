@@ -208,24 +208,47 @@ def test_an_append_that_loses_the_race_builds_again_on_the_winners_version(serve
     storage.verify_checksums(url, ds.manifest)
 
 
-def test_an_append_commits_on_a_server_that_takes_only_a_bare_etag_in_if_match(server: S3Server, env: Path,
-                                                                              grown, monkeypatch) -> None:
+def test_appends_and_force_compiles_refresh_the_manifest_on_a_server_that_takes_only_a_bare_etag(
+        server: S3Server, env: Path, grown, monkeypatch) -> None:
     """Ceph's radosgw 16.2 answers 412 to the quoted ETag S3 gives (and HTTP specifies) in a PUT's If-Match,
-    and takes it bare. Before, an append there committed version 2, then failed to make manifest.json its
-    copy ("other writers kept changing it"), and so did every later writer."""
-    tmp, _, _, b = grown
+    and takes it bare. Before, an append there committed version 2 but left manifest.json at version 1 without
+    a word (what readers that do not list versions/ read), and a --force compile failed after its commit
+    ("other writers kept changing it"). The bare ETag is sent only while the object still has it: a change by
+    another writer is still refused."""
+    tmp, _, a, b = grown
     url = server.upload(tmp / "ds", BUCKET, prefix())
     proxy = FaultProxy(server.endpoint)
     try:
         proxy.bare_etags = True
         server.point_at(monkeypatch, proxy.endpoint)
-        assert append(url, b, workers=1).version == 2
-        assert proxy.count("PUT", "manifest.json", action="quoted_if_match") == 1  # refused once, then bare
         bucket = Bucket(url)
-        assert bucket.get(fmt.MANIFEST_FILE)[0] == bucket.get("versions/00000002.json")[0]
-        assert len(MemmapDataset(url)) == 21
+        assert append(url, b, workers=1).version == 2
+        assert bucket.get(fmt.MANIFEST_FILE)[0] == bucket.get(fmt.version_file(2))[0]
+        assert (MemmapDataset(url).version, len(MemmapDataset(url))) == (2, 21)
+        compile_folder(a, url, size=SIZE, records_per_shard=5, workers=1, force=True)  # version 3, a replacement
+        assert bucket.get(fmt.MANIFEST_FILE)[0] == bucket.get(fmt.version_file(3))[0]
+        assert (MemmapDataset(url).version, len(MemmapDataset(url))) == (3, 12)
+        assert proxy.count("PUT", "manifest.json", action="quoted_if_match") == 2  # refused once each, then bare
+        etag = bucket.put("notes.json", b"1")
+        bucket.put("notes.json", b"2")  # another writer, between this one's read and its PUT
+        assert not bucket.replace("notes.json", b"3", etag) and bucket.get("notes.json")[0] == b"2"
     finally:
         proxy.kill()
+
+
+def test_a_manifest_copy_left_behind_after_lost_compare_and_swaps_is_said(server: S3Server, env: Path, grown,
+                                                                        monkeypatch, caplog) -> None:
+    """Before, an append whose every If-Match PUT of manifest.json was refused committed its version and said
+    nothing, while readers that do not list versions/ went on reading the older version."""
+    tmp, _, _, b = grown
+    url = server.upload(tmp / "ds", BUCKET, prefix())
+    monkeypatch.setattr(Bucket, "replace", lambda self, name, data, etag: False)  # every swap lost
+    assert append(url, b, workers=1).version == 2
+    said = [r.getMessage() for r in caplog.records if "compare-and-swaps" in r.getMessage()]
+    assert len(said) == 1 and "still names an older version than 2, the latest" in said[0], said
+    bucket = Bucket(url)
+    assert bucket.get(fmt.MANIFEST_FILE)[0] == bucket.get(fmt.version_file(1))[0]  # what the warning is about
+    assert MemmapDataset(url).version == 2  # dsc lists versions/
 
 
 def test_a_merge_inside_one_bucket_refuses_a_damaged_shard_it_would_copy_server_side(server: S3Server, env: Path,

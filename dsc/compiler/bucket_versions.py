@@ -18,6 +18,7 @@ compile left partial builds but no dataset is pruned of its abandoned builds onl
 from __future__ import annotations
 
 import json
+import logging
 import time
 
 from dsc import format as fmt
@@ -27,6 +28,7 @@ from dsc.errors import CompileError, DatasetError
 from dsc.storage import parse_manifest
 from dsc.storage.bucket import Bucket
 
+logger = logging.getLogger("dsc")
 REFRESH_ATTEMPTS = 8  # compare-and-swaps of manifest.json lost to other writers before leaving it to the next one
 
 
@@ -71,6 +73,9 @@ def refresh_copy(bucket: Bucket) -> None:
             return
         if bucket.replace(fmt.MANIFEST_FILE, latest, etag):
             return
+    logger.warning("%s still names an older version than %d, the latest: %d compare-and-swaps of it were lost to "
+                   "other writers; readers that do not list versions/ (dsc does) read the older one until the next "
+                   "append, prune or compile into it", bucket.at(fmt.MANIFEST_FILE), found[-1], REFRESH_ATTEMPTS)
 
 
 def manifests(bucket: Bucket, found: list[int]) -> dict[str, bytes]:

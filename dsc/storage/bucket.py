@@ -68,7 +68,7 @@ class Bucket:
     def create(self, name: str, data: bytes) -> bool:
         """Write the object only if nothing has its name (`If-None-Match: *`). True when the object now
         holds `data` (written here, or the same bytes by another writer); False when it holds others."""
-        return self._conditional(name, data, "create", "PUT if-none-match")
+        return self._conditional(name, data, "create", "PUT if-none-match") or self._holds(name, data)
 
     def replace(self, name: str, data: bytes, etag: str) -> bool:
         """Write the object only if its ETag is still `etag` (`If-Match`). True when it now holds `data`;
@@ -76,15 +76,19 @@ class Bucket:
 
         Ceph's radosgw (16.2, checked) compares `If-Match` with the ETag without its quotes, so it refuses
         the quoted ETag HTTP specifies, which S3 gives and takes: refused while the object still has that
-        ETag, the PUT is sent again with the bare one (still conditional: a change meanwhile refuses it)."""
+        ETag, the PUT is sent again with the bare one. That one is still conditional on such a server (a
+        change meanwhile refuses it); a server that refused the quoted form and then ignored the bare one
+        would make it a plain PUT, none is known to."""
         if self._conditional(name, data, {"e_tag": etag}, "PUT if-match"):
             return True
         bare = etag.strip('"')
-        if bare == etag or (held := self.head(name)) is None or held.etag != etag:
-            return False
-        return self._conditional(name, data, {"e_tag": bare}, "PUT if-match")
+        if bare != etag and (held := self.head(name)) is not None and held.etag == etag \
+                and self._conditional(name, data, {"e_tag": bare}, "PUT if-match"):
+            return True
+        return self._holds(name, data)
 
     def _conditional(self, name: str, data: bytes, mode: Any, what: str) -> bool:
+        """The conditional PUT (`mode`: obstore's); whether the server took it."""
         ox = _exceptions()
 
         def put(c: Any) -> bool:
@@ -95,10 +99,13 @@ class Bucket:
                 return False
             except FileNotFoundError:  # If-Match on an object deleted meanwhile (some servers answer 404)
                 return False
-        if self._request(what, name, put):
-            return True
+        return self._request(what, name, put)
+
+    def _holds(self, name: str, data: bytes) -> bool:
+        """Whether the object holds `data` after a refused conditional PUT: a retry of our own write whose
+        first answer was lost, or another writer's same bytes."""
         found = self.get(name) if self.head(name) is not None else None
-        return found is not None and found[0] == data  # a retry of our own write, or the same bytes
+        return found is not None and found[0] == data
 
     def upload(self, name: str, pieces: Callable[[], Iterable[bytes]]) -> str:
         """Write a large object from `pieces()` (called again for a retry; it may make requests of its own) as
