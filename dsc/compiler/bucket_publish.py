@@ -223,21 +223,25 @@ def tidy(dataset: Bucket, state: PrefixState) -> None:
 
 
 def refresh_manifest(dataset: Bucket, text: bytes, version: int) -> None:
-    """Make `manifest.json` the copy of version `version`: created if missing, else replaced only if it is
-    still the copy read (If-Match) and of an older version (never regressing it)."""
+    """Make `manifest.json` the copy of version `version` (`swap_manifest`), or fail naming the writers that kept
+    changing it."""
     for _ in range(3):
-        held = dataset.head(fmt.MANIFEST_FILE)
-        if held is None:
-            if dataset.create(fmt.MANIFEST_FILE, text):
-                return
-            continue
-        current, etag = dataset.get(fmt.MANIFEST_FILE)
-        if current == text or _version_of_manifest(current) > version:
-            return
-        if dataset.replace(fmt.MANIFEST_FILE, text, etag):
+        if swap_manifest(dataset, text, version):
             return
     raise CompileError(f"{dataset.at(fmt.MANIFEST_FILE)}: other writers kept changing it; version {version} is "
                        "committed, and the next compile or append refreshes it")
+
+
+def swap_manifest(dataset: Bucket, text: bytes, version: int) -> bool:
+    """One try at making `manifest.json` the copy of version `version` (its bytes `text`): created if missing,
+    else replaced only if it is still the copy read (If-Match) and of no later version (never regressing it).
+    True when it holds that copy or a later version's; False when another writer changed it meanwhile."""
+    if dataset.head(fmt.MANIFEST_FILE) is None:
+        return dataset.create(fmt.MANIFEST_FILE, text)
+    current, etag = dataset.get(fmt.MANIFEST_FILE)
+    if current == text or _version_of_manifest(current) > version:
+        return True
+    return dataset.replace(fmt.MANIFEST_FILE, text, etag)
 
 
 def commit(dataset: Bucket, manifest: fmt.Manifest, force: bool) -> fmt.Manifest:

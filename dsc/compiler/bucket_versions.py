@@ -17,7 +17,6 @@ compile left partial builds but no dataset is pruned of its abandoned builds onl
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 
@@ -51,15 +50,6 @@ def commit(bucket: Bucket, manifest: fmt.Manifest, first: bytes) -> None:
     refresh_copy(bucket)
 
 
-def _version_in(text: bytes) -> int:
-    """The `dataset_version` manifest bytes state (1 when absent; 0 when they cannot be read)."""
-    try:
-        found = json.loads(text).get("dataset_version", 1)
-    except (ValueError, AttributeError, RecursionError):
-        return 0
-    return found if isinstance(found, int) and not isinstance(found, bool) else 0
-
-
 def refresh_copy(bucket: Bucket) -> None:
     """`manifest.json` := the latest version's manifest, by compare-and-swap on its ETag; never an older
     version than it holds. Lost to other writers REFRESH_ATTEMPTS times, it is left to the next writer."""
@@ -68,10 +58,7 @@ def refresh_copy(bucket: Bucket) -> None:
         if not found:
             return
         latest, _ = bucket.get(fmt.version_file(found[-1]))
-        current, etag = bucket.get(fmt.MANIFEST_FILE)
-        if current == latest or _version_in(current) >= found[-1]:
-            return
-        if bucket.replace(fmt.MANIFEST_FILE, latest, etag):
+        if bp.swap_manifest(bucket, latest, found[-1]):
             return
     logger.warning("%s still names an older version than %d, the latest: %d compare-and-swaps of it were lost to "
                    "other writers; readers that do not list versions/ (dsc does) read the older one until the next "
