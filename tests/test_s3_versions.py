@@ -239,16 +239,23 @@ def test_appends_and_force_compiles_refresh_the_manifest_on_a_server_that_takes_
 def test_a_manifest_copy_left_behind_after_lost_compare_and_swaps_is_said(server: S3Server, env: Path, grown,
                                                                         monkeypatch, caplog) -> None:
     """Before, an append whose every If-Match PUT of manifest.json was refused committed its version and said
-    nothing, while readers that do not list versions/ went on reading the older version."""
-    tmp, _, _, b = grown
+    nothing, while readers that do not list versions/ went on reading the older version; a --force compile
+    committed its version, then exited 1 ("other writers kept changing it"), as if it had failed. Both now
+    succeed, and warn."""
+    tmp, _, a, b = grown
     url = server.upload(tmp / "ds", BUCKET, prefix())
     monkeypatch.setattr(Bucket, "replace", lambda self, name, data, etag: False)  # every swap lost
+    bucket = Bucket(url)
     assert append(url, b, workers=1).version == 2
     said = [r.getMessage() for r in caplog.records if "compare-and-swaps" in r.getMessage()]
     assert len(said) == 1 and "still names an older version than 2, the latest" in said[0], said
-    bucket = Bucket(url)
     assert bucket.get(fmt.MANIFEST_FILE)[0] == bucket.get(fmt.version_file(1))[0]  # what the warning is about
     assert MemmapDataset(url).version == 2  # dsc lists versions/
+    result = CliRunner().invoke(app, ["compile", str(a), url, "--size", str(SIZE), "--workers", "1", "--force"])
+    assert result.exit_code == 0, result.output
+    assert "still names an older version than 3, the latest" in result.output, result.output
+    assert bucket.get(fmt.MANIFEST_FILE)[0] == bucket.get(fmt.version_file(1))[0]
+    assert (MemmapDataset(url).version, len(MemmapDataset(url))) == (3, 12)
 
 
 def test_a_merge_inside_one_bucket_refuses_a_damaged_shard_it_would_copy_server_side(server: S3Server, env: Path,

@@ -36,6 +36,7 @@ RESUMED_FILE = "resumed.json"  # in the work folder: written by each --resume of
 LISTING_FILE = "sources.jsonl"
 SHOWN = 3
 DELETE_THREADS = 8  # DELETEs in flight when a build's objects go
+REFRESH_ATTEMPTS = 8  # compare-and-swaps of manifest.json lost to other writers before leaving it to the next one
 ABANDONED_AFTER_S = fmt.ABANDONED_AFTER_S  # an object no version lists is left this long to a writer uploading it
 
 logger = logging.getLogger("dsc")
@@ -222,14 +223,17 @@ def tidy(dataset: Bucket, state: PrefixState) -> None:
             delete_build(dataset, work)
 
 
-def refresh_manifest(dataset: Bucket, text: bytes, version: int) -> None:
-    """Make `manifest.json` the copy of version `version` (`swap_manifest`), or fail naming the writers that kept
-    changing it."""
-    for _ in range(3):
+def refresh_manifest(dataset: Bucket, text: bytes, version: int) -> bool:
+    """Make `manifest.json` the copy of version `version` (`swap_manifest`). Lost to other writers
+    REFRESH_ATTEMPTS times, it is left to the next writer, with a warning: the version is committed either way
+    (dsc's readers list versions/), so the writer still succeeded. Whether it holds that version or a later one."""
+    for _ in range(REFRESH_ATTEMPTS):
         if swap_manifest(dataset, text, version):
-            return
-    raise CompileError(f"{dataset.at(fmt.MANIFEST_FILE)}: other writers kept changing it; version {version} is "
-                       "committed, and the next compile or append refreshes it")
+            return True
+    logger.warning("%s still names an older version than %d, the latest: %d compare-and-swaps of it were lost to "
+                   "other writers; readers that do not list versions/ (dsc does) read the older one until the next "
+                   "append, prune or compile into it", dataset.at(fmt.MANIFEST_FILE), version, REFRESH_ATTEMPTS)
+    return False
 
 
 def swap_manifest(dataset: Bucket, text: bytes, version: int) -> bool:

@@ -17,7 +17,6 @@ compile left partial builds but no dataset is pruned of its abandoned builds onl
 
 from __future__ import annotations
 
-import logging
 import time
 
 from dsc import format as fmt
@@ -26,9 +25,6 @@ from dsc.compiler.grow import Pruned, VersionTaken
 from dsc.errors import CompileError, DatasetError
 from dsc.storage import parse_manifest
 from dsc.storage.bucket import Bucket
-
-logger = logging.getLogger("dsc")
-REFRESH_ATTEMPTS = 8  # compare-and-swaps of manifest.json lost to other writers before leaving it to the next one
 
 
 def versions(bucket: Bucket) -> list[int]:
@@ -51,18 +47,10 @@ def commit(bucket: Bucket, manifest: fmt.Manifest, first: bytes) -> None:
 
 
 def refresh_copy(bucket: Bucket) -> None:
-    """`manifest.json` := the latest version's manifest, by compare-and-swap on its ETag; never an older
-    version than it holds. Lost to other writers REFRESH_ATTEMPTS times, it is left to the next writer."""
-    for _ in range(REFRESH_ATTEMPTS):
-        found = versions(bucket)
-        if not found:
-            return
-        latest, _ = bucket.get(fmt.version_file(found[-1]))
-        if bp.swap_manifest(bucket, latest, found[-1]):
-            return
-    logger.warning("%s still names an older version than %d, the latest: %d compare-and-swaps of it were lost to "
-                   "other writers; readers that do not list versions/ (dsc does) read the older one until the next "
-                   "append, prune or compile into it", bucket.at(fmt.MANIFEST_FILE), found[-1], REFRESH_ATTEMPTS)
+    """`manifest.json` := the latest version's manifest (`bucket_publish.refresh_manifest`)."""
+    found = versions(bucket)
+    if found:
+        bp.refresh_manifest(bucket, bucket.get(fmt.version_file(found[-1]))[0], found[-1])
 
 
 def manifests(bucket: Bucket, found: list[int]) -> dict[str, bytes]:
