@@ -149,8 +149,13 @@ def serving(bucket: str):
     return server
 
 
+_reserved: list[socket.socket] = []  # `closed_port`'s sockets, kept bound for the life of the test process
+
+
 def closed_port() -> int:
-    """A loopback port nothing listens on (bound, then released: connecting is refused)."""
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+    """A loopback port nothing listens on: bound and never listening, so connecting is refused, and kept bound,
+    so that no other process (a test running beside this one, a server it starts) takes it meanwhile."""
+    s = socket.socket()
+    s.bind((HOST, 0))
+    _reserved.append(s)
+    return s.getsockname()[1]

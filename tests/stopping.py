@@ -38,6 +38,20 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def chunk_task_workers(pid: int) -> list[int]:
+    """The Ray workers below `pid` (a test process whose ray.init started the raylet, its workers the raylet's
+    children) running a dsc chunk task: never another test's, which may run beside this one."""
+    found = []
+    for p in descendants(pid):
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                if f.read().startswith(b"ray::write_chunk"):
+                    found.append(p)
+        except OSError:
+            pass
+    return found
+
+
 def gone(pid: int) -> bool:
     """Dead: no such process, or a zombie not yet reaped."""
     try:

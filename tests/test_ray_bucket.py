@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from stopping import chunk_task_workers
 
 from dsc import compile_folder, storage
 from dsc import format as fmt
@@ -89,23 +89,6 @@ def test_ray_compiles_an_image_folder_in_the_bucket_into_the_bucket(server: S3Se
     assert_same_as(tmp_path / "reference", out)
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below `pid` (Ray's raylet is this test process's child, its workers the raylet's)."""
-    found, todo = [], [pid]
-    while todo:
-        children = subprocess.run(["pgrep", "-P", str(todo.pop())], capture_output=True, text=True).stdout.split()
-        found += map(int, children)
-        todo += map(int, children)
-    return found
-
-
-def _is_task_worker(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::write_chunk")
-    except OSError:
-        return False
-
-
 HOLDS = {"decode": "/work/chunks/", "assemble": "/shards/"}  # PUTs of each phase: a chunk object, a shard
 HOLD_S = 0.5  # the held PUT reaches the server this long after the proxy got it: after the kill
 
@@ -117,8 +100,7 @@ def _kill_workers_holding_a_put(stop: threading.Event, proxy: FaultProxy, match:
     `url` sees at that moment."""
     deadline = time.monotonic() + KILL_WAIT_S
     while not stop.is_set() and not killed and time.monotonic() < deadline:
-        workers = [pid for pid in _descendants(os.getpid()) if _is_task_worker(pid)] if proxy.count("PUT", match) \
-            else []
+        workers = chunk_task_workers(os.getpid()) if proxy.count("PUT", match) else []
         for pid in workers:
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
 
 import pytest
 import ray
+from stopping import chunk_task_workers
 from typer.testing import CliRunner
 
 from dsc import CompileError, compile_folder, storage
@@ -72,9 +72,9 @@ def test_ray_splits_one_shard_into_many_bounded_tasks_with_identical_bytes(tmp_p
 
 
 def _kill_first_task_worker(stop: threading.Event, killed: list[int]) -> None:
-    """Kill -9 the first Ray worker seen running a dsc chunk task, once."""
+    """Kill -9 the first Ray worker of this test seen running a dsc chunk task, once."""
     while not stop.is_set() and not killed:
-        found = subprocess.run(["pgrep", "-f", "ray::write_chunk"], capture_output=True, text=True).stdout.split()
+        found = chunk_task_workers(os.getpid())
         if found:
             os.kill(int(found[0]), signal.SIGKILL)
             killed.append(int(found[0]))

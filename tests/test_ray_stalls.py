@@ -22,14 +22,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
-from stopping import descendants, gone, run_stopping
+from stopping import chunk_task_workers, gone, run_stopping
 
 from dsc.testing import make_image_folder
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for the worker processes")
 
-STALL_S = 4  # the compile's stall limit here (the default is 300)
+STALL_S = 8  # the compile's stall limit here (the default is 300): ~3x an image's decode, which another test
+# running beside this one on the same cores (scripts/test.sh runs two) slows down
 IMAGES = 6  # one chunk (at most MIN_CHUNK): with one CPU, one task at a time works on it
 SIDE = 5000  # a noise PNG this large takes ~3 s to decode here: a task is stopped in the middle of one image
 SETTLE_S = 1.0  # a task is stopped this long after it shows up: it has said it started (under load that took
@@ -50,14 +51,6 @@ def slow_folder(tmp_path_factory) -> Path:
     return src
 
 
-def _running_a_chunk(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().startswith(b"ray::write_chunk")
-    except OSError:
-        return False
-
-
 def _ray_compile(src: Path, out: Path, stall_s: float) -> list[str]:
     """`dsc compile --engine ray` on one CPU (one task at a time), records in discovery order."""
     return [sys.executable, "-m", "dsc", "compile", str(src), str(out), "--engine", "ray", "--workers", "1",
@@ -67,7 +60,7 @@ def _ray_compile(src: Path, out: Path, stall_s: float) -> list[str]:
 def _compile_stopping(src: Path, out: Path, tasks_to_stop: int) -> tuple[subprocess.CompletedProcess, list[int]]:
     """SIGSTOP the workers of the first `tasks_to_stop` chunk tasks, SETTLE_S after each shows up."""
     def chunk_workers(pid: int, _: list[str]) -> list[int]:
-        found = [p for p in descendants(pid) if _running_a_chunk(p)][:1]
+        found = chunk_task_workers(pid)[:1]
         if found:
             time.sleep(SETTLE_S)
         return found

@@ -36,7 +36,8 @@ TINY = {
     "benchmarks/cooccurrence_bench.py": ["--batch", "4", "--epochs", "2", "--cold-repeat", "1", "--warm-repeat", "1",
                                          "--settings", "random", "block:4/2", "block", "--cost-repeat", "1"],
     "benchmarks/sampling_cost.py": ["--batch", "4", "--repeat", "1"],
-    "benchmarks/share_memory.py": ["--records", "10000", "--world-size", "2", "--orders", "random", "--whole-epoch"],
+    "benchmarks/share_memory.py": ["--records", "10000", "--world-size", "1", "2", "--orders", "random",
+                                   "--whole-epoch"],
     "benchmarks/locality_scale.py": ["--records", "4096", "--records-per-shard", "64", "--world-size", "16",
                                      "--cases", "batch"],
     "benchmarks/partner_rates.py": ["--records", "300", "--records-per-shard", "100", "--batch", "16", "--epochs", "2"],
@@ -66,20 +67,6 @@ def runnable(command: str, tmp: Path) -> list[str]:
     return [sys.executable, *words[1:], *TINY[words[1]]]
 
 
-def overridden(command: str) -> tuple[str, ...]:
-    """The command's words without the options (and their values) its tiny arguments give again: what its tiny
-    run does, as argparse lets the later option win."""
-    words = shlex.split(command)
-    tiny = {w for w in TINY[words[1]] if w.startswith("--")}
-    kept, skipping = [], False
-    for w in words:
-        if w.startswith("--"):
-            skipping = w in tiny
-        if not skipping:
-            kept.append(w)
-    return tuple(kept + TINY[words[1]])
-
-
 def test_every_shown_command_has_a_tiny_run() -> None:
     scripts = {shlex.split(c)[1] for c in shown_commands()}
     assert "benchmarks/read_bench.py" in scripts and "benchmarks/corpus.py" in scripts  # the reading sees them
@@ -90,19 +77,15 @@ def test_every_shown_command_has_a_tiny_run() -> None:
 def test_every_shown_command_runs_as_written(tmp_path: Path) -> None:
     """The corpus first (the others read it), then the scripts two at a time: most of each run is starting
     Python and importing torch, or waiting for a server. One script's commands run one after the other,
-    as they share their output paths here; two that differ only in options the tiny arguments override
-    (`--repeat 3` beside none) would make the same run, and run once."""
+    as they share their output paths here."""
     commands = shown_commands()
     corpus = [c for c in commands if "benchmarks/corpus.py" in c]
     assert len(corpus) == 1
     subprocess.run([sys.executable, "-m", "dsc", "compile", str(ROOT / "examples" / "images"),
                     str(tmp_path / "dataset"), "--size", "32", "-j", "1"], check=True, capture_output=True)
     by_script: dict[str, list[str]] = {}
-    runs: set[tuple[str, ...]] = set()
-    for command in commands:  # two commands that differ only in options their tiny run overrides run once
-        run = overridden(command)
-        if command not in corpus and run not in runs:
-            runs.add(run)
+    for command in commands:
+        if command not in corpus:
             by_script.setdefault(shlex.split(command)[1], []).append(command)
 
     def run_all(group: list[str]) -> list[str]:

@@ -24,6 +24,7 @@ from typer.testing import CliRunner
 from dsc import format as fmt
 from dsc import storage
 from dsc.cli import app
+from dsc.compiler import bucket_publish
 from dsc.compiler.append import append
 from dsc.compiler.pipeline import compile_folder
 from dsc.errors import CompileError, DatasetError
@@ -245,17 +246,47 @@ def test_a_manifest_copy_left_behind_after_lost_compare_and_swaps_is_said(server
     tmp, _, a, b = grown
     url = server.upload(tmp / "ds", BUCKET, prefix())
     monkeypatch.setattr(Bucket, "replace", lambda self, name, data, etag: False)  # every swap lost
+    monkeypatch.setattr(bucket_publish, "REFRESH_PAUSE_S", 0.0)
     bucket = Bucket(url)
     assert append(url, b, workers=1).version == 2
     said = [r.getMessage() for r in caplog.records if "compare-and-swaps" in r.getMessage()]
-    assert len(said) == 1 and "still names an older version than 2, the latest" in said[0], said
+    assert len(said) == 1 and "does not name committed version 2: 8 compare-and-swaps of it were refused" in said[0]
     assert bucket.get(fmt.MANIFEST_FILE)[0] == bucket.get(fmt.version_file(1))[0]  # what the warning is about
     assert MemmapDataset(url).version == 2  # dsc lists versions/
     result = CliRunner().invoke(app, ["compile", str(a), url, "--size", str(SIZE), "--workers", "1", "--force"])
     assert result.exit_code == 0, result.output
-    assert "still names an older version than 3, the latest" in result.output, result.output
+    assert "does not name committed version 3" in result.output, result.output
     assert bucket.get(fmt.MANIFEST_FILE)[0] == bucket.get(fmt.version_file(1))[0]
     assert (MemmapDataset(url).version, len(MemmapDataset(url))) == (3, 12)
+
+
+def test_a_manifest_refresh_the_bucket_fails_or_another_tools_manifest_is_said_and_the_commit_stands(
+        server: S3Server, env: Path, grown, monkeypatch) -> None:
+    """Was: a PUT of manifest.json that failed after the commit (the server answering 503 to each try) made a
+    --force compile exit 1 saying its work was kept for a --resume, with its version already committed; and a
+    manifest.json another tool put there was written over. Now both are a warning, the version committed."""
+    tmp, _, a, b = grown
+    url = server.upload(tmp / "ds", BUCKET, prefix())
+    proxy = FaultProxy(server.endpoint)
+    try:
+        server.point_at(monkeypatch, proxy.endpoint)
+        proxy.slow_down(1000, "manifest.json", method="PUT")
+        result = CliRunner().invoke(app, ["compile", str(a), url, "--size", str(SIZE), "--workers", "1", "--force"])
+        assert result.exit_code == 0, result.output
+        assert "does not name committed version 2: " in result.output and "503" in result.output, result.output
+        assert proxy.count("PUT", "manifest.json", action="slow_down") >= 1
+    finally:
+        proxy.kill()
+    server.point_at(monkeypatch, server.endpoint)
+    bucket = Bucket(url)
+    assert (MemmapDataset(url).version, len(MemmapDataset(url))) == (2, 12)
+    theirs = b'{"name": "not dsc\'s"}'
+    server.put(BUCKET, f"{url.split('/', 3)[3]}/{fmt.MANIFEST_FILE}", theirs)
+    result = CliRunner().invoke(app, ["append", url, str(b)])
+    assert result.exit_code == 0, result.output
+    assert "does not name committed version 3: it is not a dsc manifest" in result.output, result.output
+    assert bucket.get(fmt.MANIFEST_FILE)[0] == theirs
+    assert MemmapDataset(url, version=3).version == 3
 
 
 def test_a_merge_inside_one_bucket_refuses_a_damaged_shard_it_would_copy_server_side(server: S3Server, env: Path,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +38,7 @@ LISTING_FILE = "sources.jsonl"
 SHOWN = 3
 DELETE_THREADS = 8  # DELETEs in flight when a build's objects go
 REFRESH_ATTEMPTS = 8  # compare-and-swaps of manifest.json lost to other writers before leaving it to the next one
+REFRESH_PAUSE_S = 0.05  # the most a writer waits after its first lost swap (twice that after the second, ...)
 ABANDONED_AFTER_S = fmt.ABANDONED_AFTER_S  # an object no version lists is left this long to a writer uploading it
 
 logger = logging.getLogger("dsc")
@@ -223,26 +225,35 @@ def tidy(dataset: Bucket, state: PrefixState) -> None:
             delete_build(dataset, work)
 
 
-def refresh_manifest(dataset: Bucket, text: bytes, version: int) -> bool:
-    """Make `manifest.json` the copy of version `version` (`swap_manifest`). Lost to other writers
-    REFRESH_ATTEMPTS times, it is left to the next writer, with a warning: the version is committed either way
-    (dsc's readers list versions/), so the writer still succeeded. Whether it holds that version or a later one."""
-    for _ in range(REFRESH_ATTEMPTS):
-        if swap_manifest(dataset, text, version):
-            return True
-    logger.warning("%s still names an older version than %d, the latest: %d compare-and-swaps of it were lost to "
-                   "other writers; readers that do not list versions/ (dsc does) read the older one until the next "
-                   "append, prune or compile into it", dataset.at(fmt.MANIFEST_FILE), version, REFRESH_ATTEMPTS)
-    return False
+def refresh_manifest(dataset: Bucket, text: bytes, version: int) -> None:
+    """Make `manifest.json` the copy of committed version `version` (`swap_manifest`, up to REFRESH_ATTEMPTS
+    tries a short random pause apart). One left behind (its swaps all refused, the bucket not answering, another
+    tool's file in its place) is said in a warning and left to the next writer: the version is committed either
+    way and dsc's readers list versions/, so the writer still succeeded."""
+    why = (f"{REFRESH_ATTEMPTS} compare-and-swaps of it were refused (other writers kept changing it, or the server "
+           "refuses If-Match)")
+    try:
+        for attempt in range(REFRESH_ATTEMPTS):
+            if swap_manifest(dataset, text, version):
+                return
+            time.sleep(random.uniform(0, REFRESH_PAUSE_S * (attempt + 1)))  # racing writers fall out of step
+    except (StorageError, NotReplaceableError) as e:
+        why = str(e)
+    logger.warning("%s does not name committed version %d: %s; readers that do not list versions/ (dsc's do) read "
+                   "what it names until the next append, prune or compile into %s refreshes it",
+                   dataset.at(fmt.MANIFEST_FILE), version, why, dataset.root)
 
 
 def swap_manifest(dataset: Bucket, text: bytes, version: int) -> bool:
     """One try at making `manifest.json` the copy of version `version` (its bytes `text`): created if missing,
     else replaced only if it is still the copy read (If-Match) and of no later version (never regressing it).
-    True when it holds that copy or a later version's; False when another writer changed it meanwhile."""
+    True when it holds that copy or a later version's; False when another writer changed it meanwhile;
+    NotReplaceableError when it is not a dsc manifest (another tool's file, which dsc never writes over)."""
     if dataset.head(fmt.MANIFEST_FILE) is None:
         return dataset.create(fmt.MANIFEST_FILE, text)
     current, etag = dataset.get(fmt.MANIFEST_FILE)
+    if not fmt.names_this_format(current):
+        raise NotReplaceableError("it is not a dsc manifest (another tool's file?), and dsc never writes over one")
     if current == text or _version_of_manifest(current) > version:
         return True
     return dataset.replace(fmt.MANIFEST_FILE, text, etag)
