@@ -285,6 +285,7 @@ def test_a_manifest_refresh_the_bucket_fails_or_another_tools_manifest_is_said_a
     result = CliRunner().invoke(app, ["append", url, str(b)])
     assert result.exit_code == 0, result.output
     assert "does not name committed version 3: it is not a dsc manifest" in result.output, result.output
+    assert "move it away, and the next append" in result.output
     assert bucket.get(fmt.MANIFEST_FILE)[0] == theirs
     assert MemmapDataset(url, version=3).version == 3
 

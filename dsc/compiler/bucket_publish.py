@@ -232,16 +232,19 @@ def refresh_manifest(dataset: Bucket, text: bytes, version: int) -> None:
     way and dsc's readers list versions/, so the writer still succeeded."""
     why = (f"{REFRESH_ATTEMPTS} compare-and-swaps of it were refused (other writers kept changing it, or the server "
            "refuses If-Match)")
+    then = ("readers that do not list versions/ (dsc's do) read what it names until the next append, prune or "
+            f"compile into {dataset.root} refreshes it")
     try:
         for attempt in range(REFRESH_ATTEMPTS):
             if swap_manifest(dataset, text, version):
                 return
-            time.sleep(random.uniform(0, REFRESH_PAUSE_S * (attempt + 1)))  # racing writers fall out of step
-    except (StorageError, NotReplaceableError) as e:
+            if attempt + 1 < REFRESH_ATTEMPTS:
+                time.sleep(random.uniform(0, REFRESH_PAUSE_S * (attempt + 1)))  # racing writers fall out of step
+    except StorageError as e:
         why = str(e)
-    logger.warning("%s does not name committed version %d: %s; readers that do not list versions/ (dsc's do) read "
-                   "what it names until the next append, prune or compile into %s refreshes it",
-                   dataset.at(fmt.MANIFEST_FILE), version, why, dataset.root)
+    except NotReplaceableError as e:
+        why, then = str(e), f"move it away, and the next append, prune or compile into {dataset.root} writes dsc's copy"
+    logger.warning("%s does not name committed version %d: %s; %s", dataset.at(fmt.MANIFEST_FILE), version, why, then)
 
 
 def swap_manifest(dataset: Bucket, text: bytes, version: int) -> bool:
