@@ -14,7 +14,9 @@ path when empty):
 - `kill_mid_response()`: send half a body, then close the listening socket and every open
   connection (a server killed mid-epoch); `restart()` listens again on the same port;
 - `hold(n)`: keep the next n from the server until `release()` (at most HOLD_LIMIT_S): a writer stopped
-  at a chosen request while another one goes on.
+  at a chosen request while another one goes on;
+- `refuse(n)`: answer the next n with 412 Precondition Failed, as to a conditional PUT whose object another
+  writer changed meanwhile.
 `bare_etags = True` makes the proxy a server that takes only a bare ETag in a PUT's `If-Match` and answers
 412 to a quoted one, as Ceph's radosgw 16.2 does (HTTP and S3 quote it).
 Standard library only; every loop is bounded (the handler's keep-alive loop by a socket timeout).
@@ -45,7 +47,7 @@ SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Co
 
 @dataclass
 class Fault:
-    kind: str  # "slow_down", "drop", "delay", "kill", "hold"
+    kind: str  # "slow_down", "drop", "delay", "kill", "hold", "refuse"
     count: int  # requests left to hit
     match: str = ""
     seconds: float = 0.0
@@ -141,6 +143,9 @@ class FaultProxy:
     def hold(self, n: int, match: str = "", method: str = "GET") -> None:
         self.released.clear()
         self._add(Fault("hold", n, match, method=method))
+
+    def refuse(self, n: int, match: str = "", method: str = "PUT") -> None:
+        self._add(Fault("refuse", n, match, method=method))
 
     def release(self) -> None:
         """Let the held requests (and any later one a hold catches) go on to the server."""
@@ -238,6 +243,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         fault, self.recorded = self.owner._take(self.command, self.path, len(body))
         if fault is not None and fault.kind == "slow_down":
             self._answer(503, [("Content-Type", "application/xml")], SLOW_DOWN, len(SLOW_DOWN))
+            return
+        if fault is not None and fault.kind == "refuse":
+            self._answer(412, [("Content-Type", "application/xml")], PRECONDITION_FAILED, len(PRECONDITION_FAILED))
             return
         if fault is not None and fault.kind == "delay":
             time.sleep(fault.seconds)

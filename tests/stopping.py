@@ -39,8 +39,8 @@ def descendants(pid: int) -> list[int]:
 
 
 def chunk_task_workers(pid: int) -> list[int]:
-    """The Ray workers below `pid` (a test process whose ray.init started the raylet, its workers the raylet's
-    children) running a dsc chunk task: never another test's, which may run beside this one."""
+    """The Ray workers below `pid` (the process whose ray.init started a local cluster: the raylet is its child,
+    the workers the raylet's) running a dsc chunk task: never another test's, which may run beside this one."""
     found = []
     for p in descendants(pid):
         try:

@@ -76,8 +76,8 @@ def _kill_first_task_worker(stop: threading.Event, killed: list[int]) -> None:
     while not stop.is_set() and not killed:
         found = chunk_task_workers(os.getpid())
         if found:
-            os.kill(int(found[0]), signal.SIGKILL)
-            killed.append(int(found[0]))
+            os.kill(found[0], signal.SIGKILL)
+            killed.append(found[0])
         time.sleep(0.002)
 
 

@@ -24,7 +24,6 @@ from typer.testing import CliRunner
 from dsc import format as fmt
 from dsc import storage
 from dsc.cli import app
-from dsc.compiler import bucket_publish
 from dsc.compiler.append import append
 from dsc.compiler.pipeline import compile_folder
 from dsc.errors import CompileError, DatasetError
@@ -245,19 +244,25 @@ def test_a_manifest_copy_left_behind_after_lost_compare_and_swaps_is_said(server
     succeed, and warn."""
     tmp, _, a, b = grown
     url = server.upload(tmp / "ds", BUCKET, prefix())
-    monkeypatch.setattr(Bucket, "replace", lambda self, name, data, etag: False)  # every swap lost
-    monkeypatch.setattr(bucket_publish, "REFRESH_PAUSE_S", 0.0)
-    bucket = Bucket(url)
-    assert append(url, b, workers=1).version == 2
-    said = [r.getMessage() for r in caplog.records if "compare-and-swaps" in r.getMessage()]
-    assert len(said) == 1 and "does not name committed version 2: 8 compare-and-swaps of it were refused" in said[0]
-    assert bucket.get(fmt.MANIFEST_FILE)[0] == bucket.get(fmt.version_file(1))[0]  # what the warning is about
-    assert MemmapDataset(url).version == 2  # dsc lists versions/
-    result = CliRunner().invoke(app, ["compile", str(a), url, "--size", str(SIZE), "--workers", "1", "--force"])
-    assert result.exit_code == 0, result.output
-    assert "does not name committed version 3" in result.output, result.output
-    assert bucket.get(fmt.MANIFEST_FILE)[0] == bucket.get(fmt.version_file(1))[0]
-    assert (MemmapDataset(url).version, len(MemmapDataset(url))) == (3, 12)
+    proxy = FaultProxy(server.endpoint)
+    try:
+        server.point_at(monkeypatch, proxy.endpoint)
+        proxy.refuse(1000, "manifest.json")  # every PUT of it: as if other writers kept changing it
+        bucket = Bucket(url)
+        assert append(url, b, workers=1).version == 2
+        said = [r.getMessage() for r in caplog.records if "compare-and-swaps" in r.getMessage()]
+        assert len(said) == 1 and "does not name committed version 2: 8 compare-and-swaps of it were refused" \
+            in said[0], said
+        assert bucket.get(fmt.MANIFEST_FILE)[0] == bucket.get(fmt.version_file(1))[0]  # what the warning is about
+        assert MemmapDataset(url).version == 2  # dsc lists versions/
+        result = CliRunner().invoke(app, ["compile", str(a), url, "--size", str(SIZE), "--workers", "1", "--force"])
+        assert result.exit_code == 0, result.output
+        assert "does not name committed version 3" in result.output, result.output
+        assert bucket.get(fmt.MANIFEST_FILE)[0] == bucket.get(fmt.version_file(1))[0]
+        assert (MemmapDataset(url).version, len(MemmapDataset(url))) == (3, 12)
+        assert proxy.count("PUT", "manifest.json", action="refuse") >= 2 * 8  # the server refused each swap
+    finally:
+        proxy.kill()
 
 
 def test_a_manifest_refresh_the_bucket_fails_or_another_tools_manifest_is_said_and_the_commit_stands(
