@@ -456,6 +456,13 @@ def test_append_by_label_table_keeps_field_indices_and_widens_new_tags(tmp_path:
         row = {r[0]: r for r in rows[:2]}[again.opened.source(i).removeprefix("../src/")]
         assert {names[k] for k in np.flatnonzero(again.fields["tags"][i])} == set(row[2].split(";"))
         assert np.take(again.fields["score"], [i, 0]).tolist() == [float(row[3]), float(again.fields["score"][0])]
+    shown = CliRunner().invoke(app, ["info", str(tmp_path / "ds"), "--json"])  # fields read across both segments
+    assert shown.exit_code == 0, shown.output
+    about = {f["name"]: f for f in json.loads(shown.output)["fields"]}
+    scores = np.asarray(again.fields["score"])
+    assert (about["score"]["min"], about["score"]["max"]) == (scores.min(), scores.max())
+    assert about["tags"]["counts"] == np.asarray(again.fields["tags"]).sum(axis=0).tolist()
+    assert CliRunner().invoke(app, ["info", str(tmp_path / "ds")]).exit_code == 0
 
 
 def test_append_carries_its_skips_into_the_skip_list(grown) -> None:

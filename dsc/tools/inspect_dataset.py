@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from dsc import format as fmt
 from dsc import storage
@@ -86,13 +87,14 @@ def _warned(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return records, counts[records]
 
 
-def field_summary(entry: fmt.FieldEntry, values: np.ndarray | None) -> dict[str, Any]:
+def field_summary(entry: fmt.FieldEntry, values: ArrayLike | None) -> dict[str, Any]:
     """A field's kind, dtype, shape and vocabulary, and what its values span: the range of numbers,
     or how many records have each class (for multilabel: each tag); `values` None: not read, not said."""
     about: dict[str, Any] = {"name": entry.name, "kind": entry.kind, "dtype": entry.dtype.name,
                              "shape": list(entry.shape), "classes": list(entry.classes)}
     if values is None:
         return about
+    values = np.asarray(values)  # an appended dataset's column (`storage.columns.Column`) joined
     if entry.kind == "class":
         about["counts"] = np.bincount(values, minlength=len(entry.classes)).tolist()
     elif entry.kind == "multilabel":
