@@ -472,6 +472,23 @@ def test_prune_leaves_a_young_partial_build_whole_for_its_resume_and_deletes_an_
     assert_same_as(reference, url)
 
 
+def test_deleting_an_abandoned_build_leaves_another_tools_objects_in_its_folder(src: Path, url: str,
+                                                                                 monkeypatch) -> None:
+    """Objects another tool put into a partial build's folder (beside its shards, in its work folder) are not dsc's:
+    a prune that deletes the abandoned build deletes every object dsc named there and none of those."""
+    partial = _partial_build_of_force(src, url, monkeypatch)
+    folder = next(iter(partial)).split("/work/")[0].split("/shards/")[0]
+    folder = "/".join(folder.split("/")[:2])
+    foreign = {f"{folder}/README.txt", f"{folder}/shards/NOTES.md", f"{folder}/work/notes.txt",
+               f"{folder}/work/chunks/mine.bin", f"{folder}/work/shards/00000.json.bak"}
+    for name in foreign:
+        Bucket(url).put(name, b"not dsc's")
+    monkeypatch.setattr(bucket_build.bp, "ABANDONED_AFTER_S", 0.0)  # the partial build is now a day old
+    pruned = bucket_versions.prune(url, 1)
+    assert sorted(pruned.removed_files) == sorted(partial)
+    assert {i.name for i in Bucket(url).list(folder)} == foreign
+
+
 def test_a_partial_build_within_the_grace_is_resumed_after_a_prune(src: Path, reference: Path, url: str,
                                                                    monkeypatch) -> None:
     """A prune within the grace leaves the partial build of a --force compile whole: its --resume reuses every

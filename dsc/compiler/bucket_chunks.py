@@ -56,6 +56,14 @@ PIECE_BYTES = 8 << 20  # an assembly reads this much (whole records) of a chunk 
 READ_AHEAD = 4  # ranged GETs of an assembly in flight: the next pieces arrive while one is uploaded
 
 
+_MARKER_NAME = re.compile(rf"{SHARD_MARKER_DIR}/\d{{5,}}\.json")
+
+
+def is_chunk_or_marker(name: str) -> bool:
+    """Whether `name` (relative to a work folder) is a name this module gives: a chunk object or a shard marker."""
+    return bool(_CHUNK_NAME.fullmatch(name) or _MARKER_NAME.fullmatch(name))
+
+
 def chunk_name(slots: list[int], trailer: bytes) -> str:
     digest = hashlib.sha256(json.dumps(slots).encode()).hexdigest()[:16]
     return f"{CHUNK_DIR}/{min(slots):012d}-{digest}-{len(trailer)}.bin"

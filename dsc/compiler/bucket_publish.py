@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from dsc import format as fmt
+from dsc.compiler.bucket_chunks import is_chunk_or_marker
 from dsc.errors import CompileError, DatasetError, NotReplaceableError, StorageError
 from dsc.storage.bucket import Bucket, ObjectInfo
 
@@ -45,13 +46,21 @@ logger = logging.getLogger("dsc")
 
 
 def _tag_of(name: str) -> str | None:
-    """The build tag of an object a build writes under `builds/<tag>/` (a dataset file or its work objects),
-    else None: another object there is not dsc's, and nothing that deletes builds deletes it."""
+    """The build tag of an object a build writes under `builds/<tag>/` (a dataset file or one of its work
+    objects, by the names dsc gives them), else None: another object there is not dsc's, and nothing that
+    deletes builds deletes it."""
     parts = name.split("/")
     if len(parts) > 2 and parts[0] == fmt.BUILDS_DIR and fmt.is_dataset_folder_name("/".join(parts[:2])) \
-            and (parts[2] == WORK_DIR or fmt.is_dataset_file_name(name)):
+            and (_is_work_name(parts[2:]) or fmt.is_dataset_file_name(name)):
         return parts[1]
     return None
+
+
+def _is_work_name(parts: list[str]) -> bool:
+    if parts[0] != WORK_DIR:
+        return False
+    rest = "/".join(parts[1:])
+    return rest in (PLAN_FILE, RESUMED_FILE, LISTING_FILE) or is_chunk_or_marker(rest)
 
 
 @dataclass
@@ -151,7 +160,7 @@ def clear_abandoned(dataset: Bucket, builds: dict[str, list[ObjectInfo]]) -> lis
     now, deleted = time.time(), []
     for tag, objects in sorted(builds.items()):
         if abandoned(objects, now):  # listed again just before: a --resume begun since made it young (`renew`)
-            objects, now = dataset.list(fmt.build_folder(tag)), time.time()
+            objects, now = [i for i in dataset.list(fmt.build_folder(tag)) if _tag_of(i.name) == tag], time.time()
             if abandoned(objects, now):
                 delete_build(dataset, objects)
                 deleted += objects
@@ -205,11 +214,13 @@ def new_build(dataset: Bucket, record: dict, digest: str, listing: list[str]) ->
 
 
 def delete_build(dataset: Bucket, objects: list[ObjectInfo], keep: set[str] = frozenset()) -> None:
-    """Delete a build's objects but `keep` (names relative to the prefix), its plan last: a deletion a kill cut
-    short still looks like a build."""
-    plan = [i.name for i in objects if i.name.endswith(f"/{WORK_DIR}/{PLAN_FILE}")]
+    """Delete a build's objects (of `objects`, those with names a build gives: another tool's object in its
+    folder stays) but `keep` (names relative to the prefix), its plan last: a deletion a kill cut short still
+    looks like a build."""
+    mine = [i.name for i in objects if _tag_of(i.name) is not None and i.name not in keep]
+    plan = [name for name in mine if name.endswith(f"/{WORK_DIR}/{PLAN_FILE}")]
     with ThreadPoolExecutor(DELETE_THREADS) as pool:
-        list(pool.map(dataset.delete, [i.name for i in objects if i.name not in keep and i.name not in plan]))
+        list(pool.map(dataset.delete, [name for name in mine if name not in plan]))
     for name in plan:
         dataset.delete(name)
 
