@@ -208,6 +208,32 @@ def test_an_append_that_loses_the_race_builds_again_on_the_winners_version(serve
     storage.verify_checksums(url, ds.manifest)
 
 
+def test_an_append_that_loses_the_race_to_a_force_compile_of_another_fit_adds_nothing(server: S3Server, env: Path,
+                                                                                       grown, monkeypatch) -> None:
+    """A `compile --force --fit pad` commits version 2 while an append of center-cropped records commits: the
+    append does not build again on it (its records would be of another fit than the manifest says), adds
+    nothing, names the change and deletes its uploads; run again, it makes them the new way."""
+    tmp, _, a, b = grown
+    from dsc.compiler import bucket_versions
+
+    url = server.upload(tmp / "ds", BUCKET, prefix())
+    real = bucket_versions.commit
+
+    def force_compile_first(bucket, manifest, first):
+        monkeypatch.setattr(bucket_versions, "commit", real)
+        compile_folder(a, url, size=SIZE, fit="pad", records_per_shard=5, workers=1, force=True)
+        return real(bucket, manifest, first)
+    monkeypatch.setattr(bucket_versions, "commit", force_compile_first)
+    with pytest.raises(CompileError, match=r"its version 2 makes records otherwise .*\(fit center-crop → pad\)"):
+        append(url, b, workers=1)
+    assert storage.dataset_versions(url) == [1, 2]
+    assert [o.name for o in Bucket(url).list("appends")] == []  # the lost attempt's uploads were deleted
+    summary = append(url, b, workers=1)
+    ds = MemmapDataset(url)
+    assert summary.version == ds.version == 3 and {p.compile["fit"] for p in ds.manifest.record_parts} == {"pad"}
+    storage.verify_checksums(url, ds.manifest)
+
+
 def test_appends_and_force_compiles_refresh_the_manifest_on_a_server_that_takes_only_a_bare_etag(
         server: S3Server, env: Path, grown, monkeypatch) -> None:
     """Ceph's radosgw 16.2 answers 412 to the quoted ETag S3 gives (and HTTP specifies) in a PUT's If-Match,

@@ -155,6 +155,46 @@ def test_a_commit_never_replaces_a_version_someone_else_made(grown) -> None:
     assert (tmp / "ds" / fmt.version_file(2)).read_bytes() == text
 
 
+def _landing_while_compiling(monkeypatch, then) -> None:
+    """Make an append's compile of SRC (`grow.compile_new`, run before it takes the dataset's lock) end with
+    `then()`: another writer's commit landing while the append compiled."""
+    from dsc.compiler import grow
+
+    def compile_then_land(*args, **kwargs):
+        made = grow.compile_new(*args, **kwargs)
+        then()
+        return made
+    monkeypatch.setattr("dsc.compiler.append.compile_new", compile_then_land)
+
+
+def test_an_append_refuses_a_dataset_replaced_meanwhile_by_records_made_another_way(grown, monkeypatch) -> None:
+    """A `compile --force` with other options landing while an append compiles SRC the old way: the append adds
+    nothing (records of two fits in one dataset would be silently wrong) and names what changed."""
+    tmp, _, a, b = grown
+    _landing_while_compiling(monkeypatch, lambda: compile_folder(a, tmp / "ds", size=SIZE, fit="pad",
+                                                                 records_per_shard=5, workers=1, force=True))
+    with pytest.raises(CompileError, match=r"its version 1 makes records otherwise .*\(fit center-crop → pad\).*"
+                                           r"nothing was added: run the command again"):
+        append(tmp / "ds", b, workers=1)  # (a folder's --force puts a new dataset, version 1, in its place)
+    assert storage.dataset_versions(tmp / "ds") == [1]
+    monkeypatch.undo()
+    summary = append(tmp / "ds", b, workers=1)  # run again: made the new way
+    assert summary.version == 2 and {p.compile["fit"] for p in MemmapDataset(tmp / "ds").manifest.record_parts} \
+        == {"pad"}
+
+
+def test_an_appends_new_classes_are_those_it_added_to_the_version_it_built_on(grown, monkeypatch) -> None:
+    """Another append that added a class lands first; this one, which adds none, says it added none."""
+    tmp, _, _, b = grown
+    make_folder(tmp / "c", classes=1, per_class=1, seed=5)
+    (tmp / "c" / "class_0").rename(tmp / "c" / "zebra")
+    _landing_while_compiling(monkeypatch, lambda: monkeypatch.undo() or append(tmp / "ds", tmp / "c", workers=1,
+                                                                                 new_classes=True))
+    summary = append(tmp / "ds", b, workers=1)
+    assert summary.version == 3 and MemmapDataset(tmp / "ds").classes[-1] == "zebra"
+    assert summary.new_classes == []
+
+
 def test_new_classes_are_refused_unless_asked_for_and_then_go_at_the_end(tmp_path: Path) -> None:
     make_folder(tmp_path / "a", classes=2, per_class=3)
     make_folder(tmp_path / "b", classes=3, per_class=2, seed=5)

@@ -120,13 +120,13 @@ def append(dataset: str | os.PathLike, src: str | os.PathLike, *, labels: str | 
         new = compile_new(base, root, src, scratch.path / "new", **compiling)
         with versions.writing(root):
             try:
-                version, how, joined = _commit_on_latest(root, new, new_classes, src, again)
+                version, how, joined, built_on = _commit_on_latest(root, new, new_classes, src, again)
             except OSError as e:  # a full disk, a permission: nothing is committed
                 raise CompileError(f"writing the next version of {root} failed ({e}); it is still at its previous "
                                    "version, and what was written is cleared by the next append or prune") from e
     finally:
         scratch.close()
-    return summary(root, base, new, version, joined, how, started)
+    return summary(root, built_on, new, version, joined, how, started)
 
 
 def _commit_on_latest(root: Path, new: storage.OpenedDataset, new_classes: bool, src, again: bool) -> tuple:
@@ -147,7 +147,7 @@ def _commit_on_latest(root: Path, new: storage.OpenedDataset, new_classes: bool,
                                         kept_segments=len(kept))
             try:
                 versions.commit(root, manifest)
-                return manifest, how, joined
+                return manifest, how, joined, base.manifest
             except versions.VersionTaken as e:
                 if attempt == COMMIT_ATTEMPTS:
                     versions.discard(root, folder)

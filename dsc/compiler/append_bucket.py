@@ -39,8 +39,8 @@ def append_to_bucket(url: str, src: str | os.PathLike, new_classes: bool, compil
         bucket = Bucket(url)
         for attempt in range(1, grow.COMMIT_ATTEMPTS + 1):
             try:
-                version, how, joined = _commit_on_latest(bucket, new, new_classes, src, scratch / f"try{attempt}",
-                                                         again)
+                version, how, joined, built_on = _commit_on_latest(bucket, new, new_classes, src,
+                                                                   scratch / f"try{attempt}", again)
                 break
             except VersionTaken as e:
                 if attempt == grow.COMMIT_ATTEMPTS:
@@ -50,7 +50,7 @@ def append_to_bucket(url: str, src: str | os.PathLike, new_classes: bool, compil
                                    "its previous version") from e
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return grow.summary(bucket.root, base, new, version, joined, how, started)
+    return grow.summary(bucket.root, built_on, new, version, joined, how, started)
 
 
 def _commit_on_latest(bucket: Bucket, new: storage.OpenedDataset, new_classes: bool, src, stage: Path,
@@ -81,7 +81,7 @@ def _commit_on_latest(bucket: Bucket, new: storage.OpenedDataset, new_classes: b
         raise
     finally:
         shutil.rmtree(stage, ignore_errors=True)
-    return manifest, how, joined
+    return manifest, how, joined, base.manifest
 
 
 def upload_file(bucket: Bucket, name: str, path: Path) -> None:

@@ -78,9 +78,11 @@ def compile_new(base: fmt.Manifest, where: Path | str, src: str | os.PathLike, o
     return storage.open_dataset(out)
 
 
-def summary(dataset: Path | str, base: fmt.Manifest, new: storage.OpenedDataset, version: fmt.Manifest,
+def summary(dataset: Path | str, built_on: fmt.Manifest, new: storage.OpenedDataset, version: fmt.Manifest,
             joined: combine.Joined, how: list[str], started: float) -> AppendSummary:
-    before = set(base.classes)
+    """What an append did; its new classes are those `version` has and `built_on` (the version it was built on,
+    perhaps not the one first read: another writer's landed meanwhile) had not."""
+    before = set(built_on.classes)
     return AppendSummary(dataset, version.dataset_version, new.manifest.count, version.count,
                          new.manifest.skipped_count, [c for c in joined.classes if c not in before], how,
                          time.perf_counter() - started)
@@ -126,13 +128,26 @@ def _source_at(manifest: fmt.Manifest, relative: str) -> str:
     return f"{scheme}{sep}{posixpath.normpath(rest)}"
 
 
+def check_made_alike(dataset: Path | str, base: fmt.Manifest, new: fmt.Manifest) -> None:
+    """Refuse to join records of SRC made otherwise than version N's: SRC is compiled the way of the version
+    an append read first, and a `compile --force` with other options may have replaced the dataset since."""
+    theirs, ours = compile_options(base, dataset), compile_options(new, dataset)
+    differ = [f"{k} {ours[k]} → {theirs[k]}" for k in theirs if ours.get(k) != theirs[k]]
+    if differ:
+        raise CompileError(f"{dataset}: its version {base.dataset_version} makes records otherwise than the version "
+                           f"this append made its new ones for ({'; '.join(differ)}): it replaced the dataset while "
+                           "the append ran; nothing was added: run the command again to add them made its way")
+
+
 def join_for_append(base: storage.OpenedDataset, new: storage.OpenedDataset, new_classes: bool,
                     whose: list[str]) -> tuple[combine.Joined, tuple[fmt.Segment, ...]]:
     """(1.5) The index version N + 1 writes, and the segments of version N it keeps as they are: every one
     (the new index holds the new records only), unless version N is older than 1.5 (its whole-dataset files
     lack the class counts, perhaps the checksums, a segment has: the upgrade writes them once) or a multilabel
     field gains classes, whose earlier rows would need the new columns: then none, and the new index holds
-    every record in one segment, as an append did before 1.5."""
+    every record in one segment, as an append did before 1.5. Records made otherwise than N's are refused
+    (`check_made_alike`)."""
+    check_made_alike(whose[0], base.manifest, new.manifest)
     if base.manifest.segments:
         joined = combine.join_index([base, new], new_classes, whose, records_from=1)
         before = {f.name: f.classes for f in base.manifest.fields if f.kind == "multilabel"}
