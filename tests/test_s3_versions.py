@@ -234,6 +234,33 @@ def test_an_append_that_loses_the_race_to_a_force_compile_of_another_fit_adds_no
     storage.verify_checksums(url, ds.manifest)
 
 
+def test_an_append_whose_version_is_pruned_while_it_reads_it_builds_again_on_the_latest(server: S3Server, env: Path,
+                                                                                        grown, monkeypatch) -> None:
+    """Another append commits version 2 and a `prune --keep 1` deletes version 1's partial last shard just as this
+    append, built on version 1, is about to read it: this one builds again on version 2 and lands as 3."""
+    tmp, _, _, b = grown
+    c = renamed_copy(b, tmp / "c")
+    from dsc.compiler import bucket_versions, grow
+
+    url = server.upload(tmp / "ds", BUCKET, prefix())
+    real, calls = grow.next_version, []
+
+    def pruned_first(stage, folder, base, *args):
+        calls.append(base.manifest.dataset_version)
+        if len(calls) == 1:
+            monkeypatch.setattr(grow, "next_version", real)
+            append(url, c, workers=1)
+            assert fmt.shard_file(2) in bucket_versions.prune(url, 1).removed_files  # version 1's partial one
+            monkeypatch.setattr(grow, "next_version", pruned_first)
+        return real(stage, folder, base, *args)
+    monkeypatch.setattr(grow, "next_version", pruned_first)
+    summary = append(url, b, workers=1)
+    assert calls == [1, 2] and summary.version == 3
+    ds = MemmapDataset(url)
+    assert (ds.version, len(ds), [p.count for p in ds.manifest.record_parts]) == (3, 30, [12, 9, 9])
+    storage.verify_checksums(url, ds.manifest)
+
+
 def test_appends_and_force_compiles_refresh_the_manifest_on_a_server_that_takes_only_a_bare_etag(
         server: S3Server, env: Path, grown, monkeypatch) -> None:
     """Ceph's radosgw 16.2 answers 412 to the quoted ETag S3 gives (and HTTP specifies) in a PUT's If-Match,

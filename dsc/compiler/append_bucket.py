@@ -23,7 +23,7 @@ from dsc import format as fmt
 from dsc import storage
 from dsc.compiler import bucket_versions, grow
 from dsc.compiler.grow import AppendSummary, VersionTaken
-from dsc.errors import CompileError
+from dsc.errors import CompileError, DatasetError
 from dsc.storage.bucket import UPLOAD_PART_BYTES, Bucket
 
 SMALL_OBJECT_BYTES = UPLOAD_PART_BYTES  # uploaded by one create-only PUT; larger ones by a multipart upload
@@ -63,7 +63,14 @@ def _commit_on_latest(bucket: Bucket, new: storage.OpenedDataset, new_classes: b
     joined, kept_segments = grow.join_for_append(base, new, new_classes, [bucket.root, str(src)])
     folder = fmt.append_folder(secrets.token_hex(fmt.APPEND_TAG_HEX // 2))
     stage.mkdir()
-    manifest, how = grow.next_version(stage, folder, base, new, joined, kept_segments)
+    try:
+        manifest, how = grow.next_version(stage, folder, base, new, joined, kept_segments)
+    except DatasetError as e:  # its partial last shard gone: a writer replaced version N, a prune removed it
+        found = bucket_versions.versions(bucket)
+        if found and found[-1] > base.manifest.dataset_version:
+            raise VersionTaken(f"{bucket.root}: reading version {base.manifest.dataset_version} failed ({e}), and "
+                               f"version {found[-1]} was committed meanwhile") from e
+        raise
     kept = {e.file: e.bytes for e in base.manifest.files}
     for table in {t.file for t in base.manifest.shard_tables}:  # (1.4) rows it keeps: read where it validates
         (stage / table).parent.mkdir(parents=True, exist_ok=True)
