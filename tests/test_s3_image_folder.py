@@ -228,6 +228,29 @@ def test_a_key_that_cannot_be_a_path_is_one_clear_line(server: S3Server, env, tm
     assert not (tmp_path / "out").exists()
 
 
+def test_keys_with_url_characters_compile_as_the_same_files_in_a_folder(server: S3Server, env,
+                                                                        tmp_path: Path) -> None:
+    """'#', '?', '%' and '+' are plain characters of an S3 key, as of a file name: the objects are read by their
+    keys (never through a URL parser, which would take '#' for a fragment), into the bytes a folder gives."""
+    src = make_folder(tmp_path / "src", classes=2, per_class=2, seed=1)
+    for k, name in enumerate(("a#b.jpg", "c?d.png", "e%23f.png", "g+h #?.png")):
+        save(src / f"class_{k % 2}" / name, pattern(20 + k, 30, seed=k), "JPEG" if name.endswith(".jpg") else "PNG")
+    (src / "class_#1").mkdir()
+    save(src / "class_#1" / "x?.png", pattern(21, 22, seed=9), "PNG")
+    url = upload(server, src)
+    local = compile_folder(src, tmp_path / "local", **quiet())
+    remote = compile_folder(url, tmp_path / "remote", **quiet())
+    assert remote.kept == local.kept == 9 and remote.classes == local.classes
+    assert files(tmp_path / "remote") == files(tmp_path / "local")
+    assert records(tmp_path / "remote").keys() == records(tmp_path / "local").keys()
+    out = f"s3://{BUCKET}/out/o{next(_prefixes)}"
+    compile_folder(url, out, **quiet())  # into the bucket, read back by their keys on --resume and verify too
+    assert_same_as(tmp_path / "remote", out)
+    verified = runner.invoke(app, ["verify", str(tmp_path / "remote"), "--decode", "9"])
+    assert verified.exit_code == 0, verified.output
+    assert "decoded 9 record(s) again" in verified.stdout and ": max 0, mean 0.000" in verified.stdout
+
+
 def test_a_prefix_with_no_objects_or_no_images_is_one_clear_line(server: S3Server, env, tmp_path: Path) -> None:
     server.put(BUCKET, "texts/readme.txt", b"not an image")
     for src, says in {f"s3://{BUCKET}/nothing-here/": "holds no objects at all: is the prefix right?",

@@ -43,7 +43,17 @@ def _s3():
 
 
 def split(url: str) -> tuple[str, str]:
-    """(bucket, key) of `s3://bucket/key`."""
+    """(bucket, key) of the object `s3://bucket/key`, the key as it is: a key may hold '#' or '?', which a URL
+    parser would cut off as a fragment or a query. One the S3 client cannot take as a path is refused."""
+    bucket, _, key = url[len(SCHEME):].partition("/")
+    if not bucket or any(part in ("", ".", "..") for part in key.split("/")):
+        raise StorageError(f"{url}: not an s3://bucket/key URL of an object (a key without empty, '.' or '..' "
+                           "parts)")
+    return bucket, key
+
+
+def split_prefix(url: str) -> tuple[str, str]:
+    """(bucket, prefix) of a folder's URL `s3://bucket/prefix`, as a dataset's is read (`s3.parse_url`)."""
     return _s3().parse_url(url)
 
 

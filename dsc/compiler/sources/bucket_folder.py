@@ -27,7 +27,7 @@ import numpy as np
 from dsc.compiler import labels
 from dsc.compiler.discover import Discovery, Found, Tree, is_image_name, label_tree
 from dsc.errors import CompileError, ImageError, StorageError
-from dsc.storage.object_file import get_listed, head, split
+from dsc.storage.object_file import get_listed, head, split_prefix
 
 GONE = "the object was deleted after the listing; not read"
 CHANGED = "the object changed after the listing (another ETag or size); not read: compile again to take it"
@@ -137,7 +137,7 @@ def check_apart(src: str, out: str) -> None:
     """SRC and OUT, both in a bucket, must not contain each other, as folders must not: a compile never lists
     its own output as sources (a resume would find a new class folder in it)."""
     def spelled(url: str) -> str:  # as the bucket names it: `S3://b//p/` is s3://b/p
-        bucket, prefix = split(url.rstrip("/"))
+        bucket, prefix = split_prefix(url.rstrip("/"))
         return f"{bucket}/{prefix}/" if prefix else f"{bucket}/"
     s, o = spelled(src), spelled(out)
     if s == o:
