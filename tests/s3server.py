@@ -51,15 +51,16 @@ def external() -> dict[str, str] | None:
             "region": os.environ.get("DSC_TEST_S3_REGION", REGION)}
 
 
-def signed_put(endpoint: str, path: str, key: str, secret: str, region: str,
-               body: bytes = b"") -> urllib.request.Request:
-    """A PUT of `body` to `endpoint/path` (path style, `path` already percent-encoded) signed with AWS
-    Signature Version 4."""
+def signed_request(method: str, endpoint: str, path: str, key: str, secret: str, region: str,
+                   body: bytes = b"") -> urllib.request.Request:
+    """A request (a PUT of `body`, a DELETE) to `endpoint/path` (path style, `path` already percent-encoded)
+    signed with AWS Signature Version 4."""
     now = datetime.datetime.now(datetime.timezone.utc)
     stamp, day = now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d")
     host, payload = urlsplit(endpoint).netloc, hashlib.sha256(body).hexdigest()
     signed = "host;x-amz-content-sha256;x-amz-date"
-    canonical = f"PUT\n{path}\n\nhost:{host}\nx-amz-content-sha256:{payload}\nx-amz-date:{stamp}\n\n{signed}\n{payload}"
+    canonical = (f"{method}\n{path}\n\nhost:{host}\nx-amz-content-sha256:{payload}\nx-amz-date:{stamp}\n\n"
+                 f"{signed}\n{payload}")
     scope = f"{day}/{region}/s3/aws4_request"
     to_sign = f"AWS4-HMAC-SHA256\n{stamp}\n{scope}\n{hashlib.sha256(canonical.encode()).hexdigest()}"
     k = f"AWS4{secret}".encode()
@@ -69,7 +70,7 @@ def signed_put(endpoint: str, path: str, key: str, secret: str, region: str,
     headers = {"x-amz-date": stamp, "x-amz-content-sha256": payload,
                "Authorization": f"AWS4-HMAC-SHA256 Credential={key}/{scope}, SignedHeaders={signed}, "
                                 f"Signature={signature}"}
-    return urllib.request.Request(f"{endpoint}{path}", data=body or None, method="PUT", headers=headers)
+    return urllib.request.Request(f"{endpoint}{path}", data=body or None, method=method, headers=headers)
 
 
 class S3Server:
@@ -105,7 +106,7 @@ class S3Server:
 
     def create_bucket(self, bucket: str) -> None:
         # obstore has no bucket verbs: a signed CreateBucket (moto would take an unsigned one too)
-        request = signed_put(self.endpoint, f"/{bucket}", self.key, self.secret, self.region)
+        request = signed_request("PUT", self.endpoint, f"/{bucket}", self.key, self.secret, self.region)
         try:
             with urllib.request.urlopen(request, timeout=10) as answer:
                 assert answer.status == 200
@@ -122,9 +123,17 @@ class S3Server:
 
     def put_raw(self, bucket: str, quoted_key: str, data: bytes) -> None:
         """A signed PUT of a key obstore will not write (`..`, `//`, control characters), given percent-encoded."""
-        request = signed_put(self.endpoint, f"/{bucket}/{quoted_key}", self.key, self.secret, self.region, data)
+        request = signed_request("PUT", self.endpoint, f"/{bucket}/{quoted_key}", self.key, self.secret, self.region,
+                                 data)
         with urllib.request.urlopen(request, timeout=10) as answer:
             assert answer.status == 200
+
+    def delete_raw(self, bucket: str, quoted_key: str) -> None:
+        """A signed DELETE of a key obstore will not name (as `put_raw` writes them)."""
+        request = signed_request("DELETE", self.endpoint, f"/{bucket}/{quoted_key}", self.key, self.secret,
+                                 self.region)
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            assert answer.status == 204
 
     def delete(self, bucket: str, key: str) -> None:
         obstore.delete(self.client(bucket), key)

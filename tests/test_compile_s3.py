@@ -631,3 +631,28 @@ def test_a_prune_leaves_a_day_old_build_whose_resume_began_after_it_listed_the_p
     monkeypatch.setattr(bucket_build.bp, "clear_abandoned", resumed_first)
     assert bucket_versions.prune(url, 1).removed_files == []
     assert partial <= {i.name for i in Bucket(url).list(fmt.BUILDS_DIR)}
+
+
+@pytest.mark.parametrize("command", [["prune", "URL", "--keep", "1"],
+                                     ["compile", "SRC", "URL", "--force", "--size", "24"]])
+def test_a_key_that_cannot_be_listed_in_the_dataset_prefix_is_one_line_naming_it(src: Path, url: str, server: S3Server,
+                                                                                  command: list[str]) -> None:
+    """Another tool's object whose key the S3 client cannot take as a path (an empty part) spoils every LIST of
+    the prefix: prune and a compile --force stop with one line naming the key and what to do; nothing changes."""
+    import urllib.parse
+
+    from typer.testing import CliRunner
+
+    from dsc.cli import app
+
+    compile_folder(src, url, workers=1, on_skip=lambda s, r: None, **OPTIONS)
+    before = {i.name: i.etag for i in Bucket(url).list()}
+    key = f"{url.removeprefix(f's3://{BUCKET}/')}/notes//draft.txt"
+    server.put_raw(BUCKET, urllib.parse.quote(key, safe="/"), b"another tool's")
+    result = CliRunner().invoke(app, [{"SRC": str(src), "URL": url}.get(a, a) for a in command])
+    assert result.exit_code == 1, result.output
+    line = result.stderr.strip()
+    assert len(line.splitlines()) == 1 and line.startswith("error: ") and repr(key) in line, line
+    assert "cannot be read as a path" in line and "rename or delete that object" in line, line
+    server.delete_raw(BUCKET, urllib.parse.quote(key, safe="/"))
+    assert {i.name: i.etag for i in Bucket(url).list()} == before

@@ -14,6 +14,7 @@ exactly the bytes it wrote (a writer of the same bytes made the same commit).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,7 @@ from dsc.storage import s3
 
 UPLOAD_PART_BYTES = 16 << 20  # a streaming upload's parts (S3 wants 5 MiB at least, but the last)
 UPLOAD_CONCURRENCY = 4  # parts of one upload in flight at a time
+_UNLISTABLE = re.compile(r'Path "(.*?)"')  # how the S3 client names a listed key it cannot take as a path
 
 
 @dataclass(frozen=True)
@@ -171,8 +173,17 @@ class Bucket:
         def listed(c: Any) -> list[dict]:
             return [meta for page in s3._obstore().list(c, prefix=base or None) for meta in page]
         cut = len(self.prefix) + 1 if self.prefix else 0
+        try:
+            answer = self._request("LIST", folder, listed)
+        except StorageError as e:  # one key spoils the whole listing: say which, and what to do
+            key = _UNLISTABLE.search(str(e))
+            if key is None or "invalid path" not in str(e):
+                raise
+            raise StorageError(f"{self.root} holds an object whose key {key.group(1)!r} cannot be read as a path (an "
+                               "empty, '.' or '..' part, or a control character), so the prefix cannot be listed "
+                               "while it is there: rename or delete that object") from None
         found = [ObjectInfo(m["path"][cut:], int(m["size"]), m["e_tag"], m["last_modified"].timestamp())
-                 for m in self._request("LIST", folder, listed)]
+                 for m in answer]
         return sorted(found, key=lambda info: info.name)
 
 

@@ -17,7 +17,6 @@ is skipped, named: the records are those of the objects the listing (and so the 
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -26,12 +25,11 @@ import numpy as np
 
 from dsc.compiler import labels
 from dsc.compiler.discover import Discovery, Found, Tree, is_image_name, label_tree
-from dsc.errors import CompileError, ImageError, StorageError
+from dsc.errors import CompileError, ImageError
 from dsc.storage.object_file import get_listed, head, split_prefix
 
 GONE = "the object was deleted after the listing; not read"
 CHANGED = "the object changed after the listing (another ETag or size); not read: compile again to take it"
-_LISTED_PATH = re.compile(r'Path "(.*?)"')  # how the S3 client names a key it cannot parse
 
 
 class StoredObject(NamedTuple):
@@ -62,19 +60,10 @@ def is_hidden(name: str) -> bool:
 
 
 def _listed(root: str) -> dict[str, StoredObject]:
-    """Every object under the prefix by name; CompileError for a key that cannot be listed."""
+    """Every object under the prefix by name (a key that cannot be listed: `Bucket.list` names it)."""
     from dsc.storage.bucket import Bucket
 
-    try:
-        infos = Bucket(root).list()
-    except StorageError as e:
-        key = _LISTED_PATH.search(str(e))
-        if key is None or "invalid path" not in str(e):
-            raise
-        raise CompileError(f"{root} holds an object whose key {key.group(1)!r} cannot be read as a path (an empty, "
-                           "'.' or '..' part, or a control character): rename or delete it, or compile a prefix "
-                           "that does not hold it") from None
-    return {i.name: StoredObject(i.name, i.size, i.etag) for i in infos if i.name}
+    return {i.name: StoredObject(i.name, i.size, i.etag) for i in Bucket(root).list() if i.name}
 
 
 def _stamp(listed: StoredObject) -> str:
