@@ -197,8 +197,11 @@ def test_bad_arguments_are_clear_errors(folder: Path, tmp_path: Path, kwargs: di
 def test_existing_out_needs_force_and_force_only_replaces_datasets(folder: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     compile_folder(folder, out, size=8, workers=1)
-    with pytest.raises(CompileError, match="already exists; pass --force"):
+    with pytest.raises(CompileError, match="already exists; pass --force to replace it$"):
         compile_folder(folder, out, size=8, workers=1)
+    with pytest.raises(CompileError, match=r"already exists; pass --force to replace it \(--resume found no partial "
+                                           r"build of it to continue: an earlier run may have finished"):
+        compile_folder(folder, out, size=8, workers=1, resume=True)  # after a kill that came after the publish
     compile_folder(folder, out, size=12, workers=1, force=True)
     assert storage.open_dataset(out).manifest.height == 12
     precious = tmp_path / "precious"

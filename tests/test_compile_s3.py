@@ -104,8 +104,12 @@ def test_the_local_engine_writes_the_folder_compiles_bytes_and_commits_version_1
     assert [i.name for i in Bucket(url).list(fmt.VERSIONS_DIR)] == [fmt.version_file(1)]
     data = open_dataset(url)
     assert np.array_equal(data.read_records(range(26)), open_dataset(reference).read_records(range(26)))
-    with pytest.raises(CompileError, match="already exists; pass --force"):
+    with pytest.raises(CompileError, match=r"already exists; pass --force to replace it \(readers that opened it "
+                                           r"keep reading it\)$"):
         compile_folder(src, url, workers=1, on_skip=lambda s, r: None, **OPTIONS)
+    with pytest.raises(CompileError, match=r"\(--resume found no partial build of it to continue: an earlier run "
+                                           rf"may have finished before it was stopped; dsc info {url} shows"):
+        compile_folder(src, url, workers=1, resume=True, on_skip=lambda s, r: None, **OPTIONS)
 
 
 def test_the_cli_with_two_workers_leaves_no_local_output(src: Path, reference: Path, url: str, env,

@@ -56,7 +56,7 @@ def build_and_publish(url: str, plan: Plan, runner: Engine, force: bool, resume:
     bp.tidy(dataset, state)
     if finished is not None:
         return finished, len(plan.sources), _skips(dataset, finished)
-    bp.check_target(dataset, state, force)
+    bp.check_target(dataset, state, force, resume)
     tag = _stage(dataset, state, plan, force, resume)
     if tag is None:
         tag = bp.new_build(dataset, plan.record, plan.digest, plan.listing)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 
 from dsc import format as fmt
 from dsc.compiler.bucket_chunks import is_chunk_or_marker
+from dsc.compiler.publish import already_exists
 from dsc.errors import CompileError, DatasetError, NotReplaceableError, StorageError
 from dsc.storage.bucket import Bucket, ObjectInfo
 
@@ -122,7 +123,7 @@ def survey(dataset: Bucket) -> PrefixState:
     return state
 
 
-def check_target(dataset: Bucket, state: PrefixState, force: bool) -> None:
+def check_target(dataset: Bucket, state: PrefixState, force: bool, resume: bool = False) -> None:
     """Refuse a prefix holding what is not a dsc dataset's, and an existing dataset without --force."""
     if state.foreign:
         more = len(state.foreign) - SHOWN
@@ -131,8 +132,7 @@ def check_target(dataset: Bucket, state: PrefixState, force: bool) -> None:
                                   "writes only under a prefix that is empty or holds a dsc dataset (even with "
                                   "--force): give another prefix")
     if state.latest and not force:
-        raise CompileError(f"output {dataset.root} already exists; pass --force to replace it (readers that opened it "
-                           "keep reading it)")
+        raise already_exists(dataset.root, resume and not state.partial, " (readers that opened it keep reading it)")
 
 
 def abandoned(objects: list[ObjectInfo], now: float) -> bool:

@@ -182,7 +182,15 @@ def manifest_digest(root: Path) -> str | None:
         return None
 
 
-def _check_out(out: Path, force: bool) -> None:
+def already_exists(out: str, resume_found_nothing: bool, more: str = "") -> CompileError:
+    """The refusal of an OUT that holds a dataset, without --force (a folder, or a prefix in a bucket); after a
+    --resume that found no partial build, what may have happened."""
+    why = (" (--resume found no partial build of it to continue: an earlier run may have finished before it was "
+           f"stopped; dsc info {out} shows what is there)") if resume_found_nothing else ""
+    return CompileError(f"output {out} already exists; pass --force to replace it{more}{why}")
+
+
+def _check_out(out: Path, force: bool, resume_found_nothing: bool = False) -> None:
     if out.is_symlink():
         raise CompileError(f"output {out} is a symbolic link; give the folder it points to instead")
     if out.exists():
@@ -190,7 +198,7 @@ def _check_out(out: Path, force: bool) -> None:
         if problem:  # say so first: --force would not help
             raise NotReplaceableError(_refusal(out, problem))
         if not force:
-            raise CompileError(f"output {out} already exists; pass --force to replace it")
+            raise already_exists(str(out), resume_found_nothing)
     if not out.parent.is_dir():
         raise CompileError(f"the folder {out.parent} that should hold {out.name} does not exist")
     if out.is_dir() and os.path.ismount(out):
@@ -295,7 +303,7 @@ def prepare(out: Path, force: bool, resume: bool, lock_fd: int, command: str = "
                                f"finished build of {out} waiting to be published: " + _continue_hint(command,
                                                                                                     "publish it"))
         clear_publish(out)
-    _check_out(out, force)
+    _check_out(out, force, resume and not (stage.is_symlink() or stage.exists()))
     if stage.is_symlink() or stage.exists():
         if resume and stage.is_dir() and not stage.is_symlink():
             _check_resumable(stage)
