@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -365,6 +366,28 @@ def test_a_dead_endpoint_on_the_command_line_is_one_line(env: Path, monkeypatch)
     assert result.exit_code == 1
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: s3://{BUCKET}/x/versions/: LIST failed"), lines
+
+
+@pytest.mark.parametrize("name, value, says", [
+    ("AWS_ENDPOINT_URL", "", "AWS_ENDPOINT_URL is set but empty"),
+    ("AWS_ENDPOINT_URL_S3", " ", "AWS_ENDPOINT_URL_S3 is set but empty"),
+    ("AWS_REGION", "", "AWS_REGION is set but empty"),
+    ("AWS_ENDPOINT_URL", "http://127.0.0.1:notaport", "not a URL the S3 client can use"),
+    ("AWS_ENDPOINT_URL", "http://127.0.0.1:70000", "not a URL the S3 client can use"),
+    ("AWS_ENDPOINT_URL", "https://:443", "no host name in it"),
+    ("AWS_ENDPOINT_URL", "https://[::1", "not a URL the S3 client can use")])
+def test_an_empty_or_malformed_endpoint_setting_is_one_line_from_every_command(env: Path, monkeypatch, name: str,
+                                                                              value: str, says: str) -> None:
+    """The S3 client reads the environment itself and panics on such values (a Rust panic, past every `except
+    Exception`): dsc says which setting is wrong before the client is made."""
+    monkeypatch.setenv(name, value)
+    for command in (["info"], ["verify"], ["show", "-o", str(env.parent / "sheet.png")], ["bench"]):
+        result = CliRunner().invoke(app, [*command[:1], f"s3://{BUCKET}/x", *command[1:]])
+        lines = result.stderr.strip().splitlines()
+        assert result.exit_code == 1 and len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], \
+            (command, result.output)
+    with pytest.raises(DatasetError, match=re.escape(says)):
+        MemmapDataset(f"s3://{BUCKET}/x", cache_dir=env)
 
 
 def test_records_are_byte_identical_through_the_cache(env: Path, url: str, local: MemmapDataset) -> None:

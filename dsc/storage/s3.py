@@ -106,7 +106,13 @@ def _client_options() -> tuple[dict[str, Any], dict[str, Any]]:
     options: dict[str, Any] = {"connect_timeout": CONNECT_TIMEOUT, "timeout": f"{_request_timeout() * 1000:.0f}ms"}
     endpoint = config.get("endpoint")
     if endpoint:
-        parts = urlsplit(endpoint)
+        try:
+            parts = urlsplit(endpoint)
+            parts.port  # noqa: B018 (raises for a port that is not a number from 0 to 65535)
+        except ValueError as e:
+            raise StorageError(f"endpoint {endpoint}: not a URL the S3 client can use ({e})") from e
+        if not parts.hostname:
+            raise StorageError(f"endpoint {endpoint}: no host name in it (expected e.g. https://s3.example.net)")
         if parts.scheme == "http":
             if not _is_loopback(parts.hostname):
                 raise StorageError(f"endpoint {endpoint}: plain http is allowed only to a loopback "
