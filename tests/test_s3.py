@@ -26,7 +26,7 @@ from dsc import format as fmt
 from dsc.cli import app
 from dsc.errors import DatasetError
 from dsc.reader import order as orders
-from dsc.storage import open_dataset, s3, slots
+from dsc.storage import ledger, open_dataset, s3, slots
 
 from conftest import in_forked_child, tiny_dataset
 from s3server import S3Server, closed_port, serving  # skips this module when the server packages are missing
@@ -192,12 +192,18 @@ def test_a_cache_too_small_for_the_index_is_refused_at_open_naming_the_minimum(e
                                                                               local: MemmapDataset) -> None:
     files = [e for e in local.manifest.files if not e.file.startswith("shards/")]
     need = len((Path(local.path) / fmt.MANIFEST_FILE).read_bytes()) + sum(e.bytes for e in files) + \
-        slots.state_bytes(local.manifest.count) + slots.record_cost(192, slots.block_size(env.parent))
-    with pytest.raises(DatasetError, match=rf"cache_bytes={need - 1} cannot hold this dataset's index and one "
-                                           rf"record: at least {need} bytes are needed"):
+        slots.state_bytes(local.manifest.count) + ledger.TABLE_BYTES + \
+        slots.record_cost(192, slots.block_size(env.parent))
+    with pytest.raises(DatasetError, match=rf"cache_bytes={need - 1} cannot hold this dataset's index, the node's "
+                                           rf"table and one record: at least {need} bytes are needed"):
         MemmapDataset(url, cache_dir=env, cache_bytes=need - 1)
     assert not list(env.rglob("*.bin"))  # refused before anything was fetched
-    MemmapDataset(url, cache_dir=env, cache_bytes=need)
+    with pytest.raises(DatasetError) as refused:
+        MemmapDataset(url, cache_dir=env, cache_bytes=1000)
+    named = int(re.search(r"at least (\d+) bytes are needed", str(refused.value)).group(1))
+    at_least = MemmapDataset(url, cache_dir=env, cache_bytes=named)
+    for i in (0, 23, 7):  # the minimum it names reads every record, one at a time
+        assert np.array_equal(at_least[i].image.numpy(), local[i].image.numpy())
 
 
 def test_a_shard_table_copy_is_named_by_its_sealed_sha256_and_a_damaged_one_is_fetched_again(

@@ -553,17 +553,19 @@ class S3Dataset:
         return self.cache_bytes
 
     def _check_budget(self) -> None:
-        """Before anything is fetched: `cache_bytes` must hold the manifest, the index and one unit of
-        records (a record, or with no per-record checksums a shard); say the minimum where it does not."""
+        """Before anything is fetched: `cache_bytes` must hold the manifest, the index, the node's table of the
+        processes sharing the folder (`ledger`) and one unit of records (a record, or with no per-record
+        checksums a shard); say the minimum where it does not."""
+        from dsc.storage.ledger import TABLE_BYTES
         from dsc.storage.slots import block_size, record_cost
 
         unit = record_cost(self._manifest.record_bytes, block_size(self.local_folder())) \
             if self._manifest.has_checksums else max(e.bytes for e in self._manifest.shards)
-        need = self.base_bytes() + unit
+        need = self.base_bytes() + TABLE_BYTES + unit
         if self.budget() < need:
-            raise DatasetError(f"{self.root}: cache_bytes={self.budget()} cannot hold this dataset's index and one "
-                               f"{'record' if self._manifest.has_checksums else 'shard'}: at least {need} "
-                               "bytes are needed; give a larger cache_bytes (or free space in the cache folder "
+            raise DatasetError(f"{self.root}: cache_bytes={self.budget()} cannot hold this dataset's index, the node's "
+                               f"table and one {'record' if self._manifest.has_checksums else 'shard'}: at least "
+                               f"{need} bytes are needed; give a larger cache_bytes (or free space in the cache folder "
                                f"{self.cache}, whose default share is {DEFAULT_SHARE:.0%} of its free space)")
 
     def record_cache(self, manifest: fmt.Manifest):
