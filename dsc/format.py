@@ -51,6 +51,7 @@ the payloads it builds here (`index_payloads`, `field_payload`, `skip_list_paylo
 from __future__ import annotations
 
 import bisect
+import contextvars
 import functools
 import hashlib
 import json
@@ -711,8 +712,12 @@ def _at(root: Any, name: str) -> str:
     return f"{str(root).rstrip('/')}/{name}"
 
 
+_parsing: contextvars.ContextVar[str] = contextvars.ContextVar("the manifest file parsed", default=MANIFEST_FILE)
+
+
 def _fail(root: Any, what: str) -> DatasetError:
-    return DatasetError(f"{_at(root, MANIFEST_FILE)}: {what}")
+    """A refusal of the manifest being parsed (`parse_manifest`'s `name`: manifest.json or a version's)."""
+    return DatasetError(f"{_at(root, _parsing.get())}: {what}")
 
 
 def _expect(root: Path, doc: dict, key: str, kind: type | tuple[type, ...], where: str = "") -> Any:
@@ -939,10 +944,20 @@ def _read_manifest(text: bytes, root: Any) -> dict:
     return doc
 
 
-def parse_manifest(text: bytes, root: Any, size_of: SizeOf, read: ReadFile | None = None) -> Manifest:
+def parse_manifest(text: bytes, root: Any, size_of: SizeOf, read: ReadFile | None = None,
+                   name: str = MANIFEST_FILE) -> Manifest:
     """Validate manifest.json's bytes (at most MAX_MANIFEST_BYTES + 1 of them, read by the store)
-    and the size of every file it names (`size_of`); `root` names the dataset in messages. A 1.4
-    manifest's shard tables are read (`read`) and checked against their SHA-256 before any row is used."""
+    and the size of every file it names (`size_of`); `root` names the dataset in messages, `name` the
+    manifest's file (a version's: `versions/N.json`). A 1.4 manifest's shard tables are read (`read`)
+    and checked against their SHA-256 before any row is used."""
+    parsing = _parsing.set(name)
+    try:
+        return _parse_manifest(text, root, size_of, read)
+    finally:
+        _parsing.reset(parsing)
+
+
+def _parse_manifest(text: bytes, root: Any, size_of: SizeOf, read: ReadFile | None) -> Manifest:
     doc, stored = _read_manifest(text, root), _Stored(root, size_of, {})
     minor = _check_version(root, doc)
     newer = minor > max(_MANIFEST_KEYS)

@@ -261,6 +261,17 @@ def test_an_append_whose_version_is_pruned_while_it_reads_it_builds_again_on_the
     storage.verify_checksums(url, ds.manifest)
 
 
+def test_a_damaged_version_manifest_is_named_as_itself(server: S3Server, env: Path, grown) -> None:
+    """A version's manifest that is not valid JSON is refused naming `versions/N.json`, not `manifest.json`."""
+    tmp, _, _, b = grown
+    append(tmp / "ds", b, workers=1)
+    url = server.upload(tmp / "ds", BUCKET, prefix())
+    Bucket(url).put(fmt.version_file(2), b"{not json")
+    with pytest.raises(DatasetError, match=rf"^{url}/{fmt.version_file(2)}: not valid JSON"):
+        MemmapDataset(url)
+    assert len(MemmapDataset(url, version=1)) == 12
+
+
 def test_appends_and_force_compiles_refresh_the_manifest_on_a_server_that_takes_only_a_bare_etag(
         server: S3Server, env: Path, grown, monkeypatch) -> None:
     """Ceph's radosgw 16.2 answers 412 to the quoted ETag S3 gives (and HTTP specifies) in a PUT's If-Match,

@@ -275,7 +275,7 @@ def read_manifest(store: DatasetStore, version: int | None = None) -> fmt.Manife
     except DatasetError as e:
         raise DatasetError(f"{store.root}: no {name}; not a dsc dataset, or its compile never "
                            "finished") from e
-    manifest = fmt.parse_manifest(text, store.root, _sizes(store), store.read)
+    manifest = fmt.parse_manifest(text, store.root, _sizes(store), store.read, name)
     if name != fmt.MANIFEST_FILE and manifest.dataset_version != fmt.version_of(name.split("/")[-1]):
         raise DatasetError(f"{store.root}/{name}: says it is version {manifest.dataset_version}; the dataset is "
                            "damaged")
