@@ -226,11 +226,11 @@ def test_the_default_cache_bytes_is_half_the_free_space_for_the_whole_node(
     """The node's processes share one budget (dsc.storage.ledger), so a rank's default is not split again."""
     monkeypatch.setattr(s3, "free_bytes", lambda path: 1000)  # a nearly full disk, without filling one
     held = len((Path(local.path) / fmt.MANIFEST_FILE).read_bytes())  # the manifest's copy, kept at open
-    with pytest.raises(DatasetError, match=rf"cache_bytes={500 + held} cannot hold this dataset's index and one "):
+    with pytest.raises(DatasetError, match=rf"cache_bytes={500 + held} cannot hold this dataset's index, "):
         MemmapDataset(url, cache_dir=env)
     held += len(str(500 + held))  # the default the first open wrote for the node (`ledger.node_default`)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's: 4 ranks of this node share the cache and its disk
-    with pytest.raises(DatasetError, match=rf"cache_bytes={500 + held} cannot hold this dataset's index and one "):
+    with pytest.raises(DatasetError, match=rf"cache_bytes={500 + held} cannot hold this dataset's index, "):
         MemmapDataset(url, cache_dir=env)
 
 
