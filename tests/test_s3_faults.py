@@ -435,3 +435,28 @@ def test_offline_a_versioned_dataset_the_node_opened_opens_from_the_cache(server
     warned = [r.getMessage() for r in caplog.records if r.name == "dsc"]
     assert len(warned) == 1 and warned[0].startswith(f"{url}: the endpoint cannot be reached"), warned
     assert torch.equal(remote.__getitems__(read).images, local.__getitems__(read).images)
+
+
+def test_offline_the_latest_version_the_node_holds_opens_and_others_by_number(env: Path, url: str, local,
+                                                                              proxy: FaultProxy, caplog) -> None:
+    """Offline, "the latest" is the newest version the node holds a copy of, not the copy it read last (here
+    version 1, opened by number after version 2); another version opens by number; one it lacks is one line
+    naming those it holds."""
+    from dsc.compiler.append import append
+
+    append(url, local.path.parent / "src", workers=1, again=True)  # version 2: the same 24 images again
+    assert (MemmapDataset(url, cache_dir=env).version, len(MemmapDataset(url, cache_dir=env))) == (2, 48)
+    assert len(MemmapDataset(url, cache_dir=env, version=1)) == 24  # read last
+    proxy.kill()
+    with caplog.at_level(logging.WARNING, logger="dsc"):
+        latest = MemmapDataset(url, cache_dir=env)
+    assert (latest.version, len(latest)) == (2, 48)
+    warned = [r.getMessage() for r in caplog.records if r.name == "dsc"]
+    assert len(warned) == 1 and "opened version 2, the latest it holds a copy of, from the copy cached in" \
+        in warned[0], warned
+    assert (MemmapDataset(url, cache_dir=env, version=1).version, len(MemmapDataset(url, cache_dir=env, version=1))) \
+        == (1, 24)
+    with pytest.raises(StorageError, match=r"holds no copy of this dataset's version 3's manifest to open it without "
+                                           r"the endpoint \(it holds copies of versions 1 to 2\)$"):
+        MemmapDataset(url, cache_dir=env, version=3)
+

@@ -5,12 +5,15 @@ Beside it, an empty file `.origin-<hash of endpoint and URL>-<hash of ETag and s
 at that URL had that ETag and size when the copy was fetched; its mtime says when. So the processes of a
 node fetch a manifest once (`find` with the object's stamp, from a HEAD), and a node whose endpoint does
 not answer opens the copy it fetched last (`find` with `ANY`). Empty, the notes take nothing from
-`cache_bytes`. A copy is checked against its folder's name before it is used.
+`cache_bytes`. A copy is checked against its folder's name before it is used. A version's manifest read by
+number (`versions/N.json`) is noted the same way, so offline the node opens the latest version it holds a copy
+of, or any other of them asked for by number (`by_version`), whichever it fetched last.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -45,6 +48,31 @@ def find(cache: Path, note: str, limit: int) -> bytes | None:
         if text is not None:
             return text
     return None
+
+
+def by_version(cache: Path, note: str, limit: int) -> dict[int, bytes]:
+    """The copies in folders of `cache` holding the note `note` (a glob: every copy of one URL), by the version
+    each manifest says it is (`dataset_version`, 1 when absent); of two copies of one version, the newer."""
+    found = []
+    for path in cache.glob(f"*/{note}"):
+        try:
+            found.append((path.lstat().st_mtime_ns, path.parent.name))
+        except FileNotFoundError:
+            continue
+    copies: dict[int, bytes] = {}
+    for _, key in sorted(found):
+        text = read(cache, key, limit)
+        if text is not None:
+            copies[_version_of(text)] = text
+    return copies
+
+
+def _version_of(text: bytes) -> int:
+    try:
+        version = json.loads(text).get("dataset_version", 1)
+    except (ValueError, AttributeError):
+        return 1
+    return version if isinstance(version, int) and not isinstance(version, bool) and version >= 1 else 1
 
 
 def read(cache: Path, key: str, limit: int) -> bytes | None:

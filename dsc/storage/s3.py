@@ -340,15 +340,17 @@ class S3Dataset:
         if _forked():
             read = _opened_versions.get((self.root, str(self.cache)), {})
             return sorted(name.split("/")[-1] for name in read if name.rpartition("/")[0] == folder)
-        if self._unreachable is not None:
+        if self._unreachable is None:
+            try:
+                answer = self._call("LIST", f"{folder}/", lambda: _obstore().list_with_delimiter(
+                    client(self.bucket), self._key_of(folder)), missing="missing")
+                return sorted(entry["path"].split("/")[-1] for entry in answer["objects"])
+            except EndpointUnreachable as e:  # offline: the versions whose manifests the node holds copies of
+                self._unreachable = e
+        if folder != fmt.VERSIONS_DIR:
             return []
-        try:
-            answer = self._call("LIST", f"{folder}/", lambda: _obstore().list_with_delimiter(
-                client(self.bucket), self._key_of(folder)), missing="missing")
-        except EndpointUnreachable as e:  # offline: only manifest.json's cached copy, the latest version, opens
-            self._unreachable = e
-            return []
-        return sorted(entry["path"].split("/")[-1] for entry in answer["objects"])
+        copies = self._offline_copies()
+        return [] if set(copies) == {1} else [fmt.version_file(v).split("/")[-1] for v in sorted(copies)]
 
     def get_range(self, name: str, start: int, stop: int) -> bytes | memoryview:
         """Bytes [start, stop) of a dataset file, from the bucket (retried as every request is), as the client's
@@ -388,6 +390,8 @@ class S3Dataset:
             if text is None:
                 raise DatasetError(f"{self.cache / remembered / fmt.MANIFEST_FILE}: the cached manifest of "
                                    f"{self.root} was changed or removed; it is not the one its name says")
+        elif versioned and self._unreachable is not None:
+            text = self._offline_manifest(self._unreachable, limit, fmt.version_of(name.split("/")[-1]))
         elif versioned:
             text = self._get(name, 0, min(limit, self.size(name, "the manifest")), "GET")
             self._keep_noted(text, name)
@@ -437,16 +441,26 @@ class S3Dataset:
         self._keep_text(folder, text)
         self._place(folder / self._origin(name), lambda f: None)
 
-    def _offline_manifest(self, error: EndpointUnreachable, limit: int) -> bytes:
-        """The latest copy of the manifest this node fetched from this URL and endpoint, with a warning; none:
-        `error`, saying so."""
-        text = manifest_copies.find(self.cache, self._origin(manifest_copies.ANY), limit)
-        if text is None:
-            raise StorageError(f"{error}; the cache {self.cache} holds no copy of this dataset's manifest to open "
-                               "it without the endpoint") from error
-        logger.warning("%s", f"{self.root}: the endpoint cannot be reached ({error.reason}); opened the copy of its "
-                             f"manifest cached in {self.cache}: only what the cache holds can be read")
-        return text
+    def offline(self) -> EndpointUnreachable | None:
+        """Why the endpoint did not answer at open (the store then reads the node's copies), or None."""
+        return self._unreachable
+
+    def _offline_copies(self) -> dict[int, bytes]:
+        """The copies of this URL's manifests (`manifest.json`'s and versions') the node holds, by version."""
+        return manifest_copies.by_version(self.cache, self._origin(manifest_copies.ANY), fmt.MAX_MANIFEST_BYTES + 1)
+
+    def _offline_manifest(self, error: EndpointUnreachable, limit: int, version: int | None = None) -> bytes:
+        """The copy of version `version` (None: the latest the node holds) of the manifest this node fetched from
+        this URL and endpoint, with a warning naming the version; none: `error`, saying so."""
+        copies = self._offline_copies()
+        number = max(copies, default=0) if version is None else version
+        if number not in copies:  # (a version asked for by number is one `list` named: the node holds it)
+            raise StorageError(f"{error}; the cache {self.cache} holds no copy of this dataset's manifest to open it "
+                               "without the endpoint") from error
+        which = f"version {number}" + (", the latest it holds a copy of," if number == max(copies) else "")
+        logger.warning("%s", f"{self.root}: the endpoint cannot be reached ({error.reason}); opened {which} from the "
+                             f"copy cached in {self.cache}: only what the cache holds can be read")
+        return copies[number][:limit]
 
     def _origin(self, stamp: str | None) -> str:
         return manifest_copies.origin(str(_settings()["config"].get("endpoint", "")), self.root, stamp)

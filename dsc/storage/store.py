@@ -262,6 +262,10 @@ def manifest_name(store: DatasetStore, version: int | None = None) -> str:
     if version == 1 and not found:
         return fmt.MANIFEST_FILE
     kept = f"versions {found[0]} to {found[-1]}" if found else "version 1 only"
+    offline = getattr(store, "offline", lambda: None)()  # an object store whose endpoint did not answer
+    if offline is not None:
+        raise StorageError(f"{offline}; the cache {store.cache} holds no copy of this dataset's version {version}'s "
+                           f"manifest to open it without the endpoint (it holds copies of {kept})")
     raise DatasetError(f"{store.root}: has no version {version} (it holds {kept}; `dsc prune` removes old versions)")
 
 
