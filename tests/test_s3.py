@@ -191,7 +191,7 @@ def test_plain_http_is_refused_for_an_endpoint_off_this_machine(env: Path, monke
 def test_a_cache_too_small_for_the_index_is_refused_at_open_naming_the_minimum(env: Path, url: str,
                                                                               local: MemmapDataset) -> None:
     files = [e for e in local.manifest.files if not e.file.startswith("shards/")]
-    need = len((Path(local.path) / fmt.MANIFEST_FILE).read_bytes()) + sum(e.bytes for e in files) + \
+    need = len((Path(local.path) / fmt.MANIFEST_FILE).read_bytes()) + sum(e.bytes + s3.SEAL_MAX for e in files) + \
         slots.state_bytes(local.manifest.count) + ledger.TABLE_BYTES + \
         slots.record_cost(192, slots.block_size(env.parent))
     with pytest.raises(DatasetError, match=rf"cache_bytes={need - 1} cannot hold this dataset's index, the node's "

@@ -23,7 +23,7 @@ from dsc import format as fmt
 from dsc.compiler import output
 from dsc.errors import DatasetError
 from dsc.reader import order as orders
-from dsc.storage import ledger, slots
+from dsc.storage import ledger, s3, slots
 
 from s3server import S3Server, serving  # skips this module when the server packages are missing
 
@@ -78,14 +78,15 @@ def url(server: S3Server, local: MemmapDataset) -> str:
 
 
 def index_bytes(local: MemmapDataset, processes: int = 1) -> int:
-    """What the cache holds besides records: the manifest's copy, every file but the shards, the state of
-    the records (a word each, 1.3+), and the node's table with the plans of `processes` processes (one int32
-    per unit each: a record, or a shard before 1.3)."""
+    """What the cache holds besides records: the manifest's copy, every file but the shards with the seal that
+    says it was checked, the state of the records (a word each, 1.3+), and the node's table with the plans of
+    `processes` processes (one int32 per unit each: a record, or a shard before 1.3)."""
     files = [e for e in local.manifest.files if not e.file.startswith(f"{fmt.SHARD_DIR}/")]
     state = slots.state_bytes(local.manifest.count) if local.manifest.has_checksums else 0
     units = local.manifest.count if local.manifest.has_checksums else len(local.manifest.shards)
     node = ledger.TABLE_BYTES + processes * units * ledger.NEXT_DTYPE.itemsize
-    return len((Path(local.path) / fmt.MANIFEST_FILE).read_bytes()) + sum(e.bytes for e in files) + state + node
+    return len((Path(local.path) / fmt.MANIFEST_FILE).read_bytes()) + sum(e.bytes + s3.SEAL_MAX for e in files) + \
+        state + node
 
 
 def folder_bytes(folder: Path, foreign: set[Path] = frozenset(), cache=None) -> int:
@@ -265,6 +266,30 @@ def test_a_record_is_checked_once_when_fetched_not_again_when_read_back(env: Pat
     other.opened.records.fill(row[None], np.array([7]))
     assert np.array_equal(row, local.opened.shards[0][7]) and len(checked) > COUNT
     assert other.opened.records.stats.fetched_bytes == RECORD_BYTES  # found wrong, fetched again
+
+
+def test_a_cached_index_file_damaged_in_place_is_found_and_fetched_again(env: Path, url: str,
+                                                                          local: MemmapDataset) -> None:
+    """The files cached whole (the index, the records' CRC-32s) are checked against their SHA-256 when fetched,
+    and again whenever one changed since (a seal beside it records what it was): a label changed in place to
+    another valid class is never served, and a damaged `checksums.bin` is not blamed on the bucket."""
+    first = MemmapDataset(url, cache_dir=env)
+    folder = first.opened.local_root
+    files = {Path(e.file).name: folder / e.file for e in local.manifest.files
+             if not e.file.startswith(f"{fmt.SHARD_DIR}/")}
+    labels, crcs = files["labels.bin"], files[fmt.CHECKSUMS_FILE]
+    assert all(p.is_file() for p in files.values())
+    data = bytearray(labels.read_bytes())
+    data[0:8] = np.int64((local.labels[0] + 1) % len(local.classes)).tobytes()  # another valid class
+    labels.write_bytes(bytes(data))
+    with open(crcs, "r+b") as f:
+        f.write(bytes(4))  # record 0's CRC-32, zeroed
+    again = MemmapDataset(url, cache_dir=env)
+    assert np.array_equal(again.labels, local.labels)
+    everything = list(range(COUNT))
+    assert torch.equal(again.__getitems__(everything).images, local.__getitems__(everything).images)
+    assert labels.read_bytes() == (Path(local.path) / labels.relative_to(folder)).read_bytes()
+    assert crcs.read_bytes() == (Path(local.path) / fmt.CHECKSUMS_FILE).read_bytes()
 
 
 def test_an_elastic_resume_serves_what_the_local_dataset_serves(env: Path, url: str, local: MemmapDataset) -> None:

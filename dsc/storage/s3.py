@@ -52,6 +52,8 @@ PIECE_BYTES = 32 << 20  # a download is a run of ranged GETs of this size, each 
 FETCHES = 2  # downloads of a file whose bytes do not match the manifest, before it is an error
 DEFAULT_SHARE = 0.5  # cache_bytes by default: this share of the cache's free space at open, plus what it holds
 LOCK_SUFFIX = ".lock"
+SEAL_SUFFIX = ".checked"  # beside a copy cached whole: what it was when its SHA-256 was last found right
+SEAL_MAX = 256
 TABLES_DIR = "shard-tables"  # (1.4) <cache>/shard-tables/<SHA-256>: the node's copy of each shard table it read
 
 OPEN_REQUESTS = 8  # an open's small requests (HEADs, index files) in flight at a time: each is a round trip
@@ -296,7 +298,8 @@ class S3Dataset:
         the cache when it holds it, else from the bucket."""
         if name == fmt.MANIFEST_FILE or _is_version_manifest(name):
             return self._read_manifest(limit, name)
-        fd = self._cached(name, None)
+        entry = next((e for e in self._whole_files() if e.file == name), None) if self._manifest else None
+        fd = self._checked_copy(entry) if entry is not None else self._cached(name, None)
         if fd is not None:
             with os.fdopen(fd, "rb") as f:
                 return f.read(limit)
@@ -322,13 +325,13 @@ class S3Dataset:
         through `record_cache`), downloaded first if missing or of the wrong size; a download whose size
         or SHA-256 is wrong is fetched again, then is an error."""
         entry = self._entry(name, where)
-        fd = self._cached(name, entry.bytes)
+        fd = self._checked_copy(entry)
         if fd is not None:
             return fd
         self._check_budget()
         others = [other for other in self._whole_files() if other.file != name]
         _together(self._fetch, [entry, *others])  # the index, whole, once per node: a forked child finds it all
-        fd = self._cached(name, entry.bytes)
+        fd = self._checked_copy(entry)
         if fd is None:
             raise DatasetError(f"{self.local_path(name)}: the cached copy of {self._at(name)} vanished or changed "
                                "right after it was downloaded; is another program writing into the cache?")
@@ -532,6 +535,28 @@ class S3Dataset:
             return None
         return fd
 
+    def _checked_copy(self, entry: fmt.FileEntry) -> int | None:
+        """A descriptor of the cached copy of a file cached whole if it has `entry`'s size and SHA-256, else None
+        (missing or damaged: to be fetched again). The SHA-256 is computed once per copy: then a seal beside it
+        (`_seal`) records the copy's inode, size and change times, which any write into it changes, so a copy
+        changed since it was checked is checked again."""
+        fd = self._cached(entry.file, entry.bytes)
+        if fd is None:
+            return None
+        path = self.local_path(entry.file)
+        stamp = f"{_file_stamp(os.fstat(fd))} {entry.sha256}\n"
+        if _read_seal(path) == stamp:
+            return fd
+        digest = hashlib.sha256()
+        while piece := os.read(fd, PIECE_BYTES):
+            digest.update(piece)
+        os.lseek(fd, 0, os.SEEK_SET)
+        if digest.hexdigest() != entry.sha256:
+            os.close(fd)
+            return None
+        _write_seal(path, stamp)
+        return fd
+
     def _has_copy(self, name: str, size: int) -> bool:
         """Whether the cache holds a copy of `name` of `size` bytes (then nobody need ask the bucket its size)."""
         fd = self._cached(name, size)
@@ -546,12 +571,13 @@ class S3Dataset:
         return [e for e in self._manifest.files if e.file not in shards]
 
     def base_bytes(self) -> int:
-        """What the cache holds besides records: the manifest's copy, the files cached whole and (records
-        cached one by one) the state of the records (`dsc.storage.slots`)."""
+        """What the cache holds besides records: the manifest's copy, the files cached whole with their seals
+        (`_checked_copy`) and (records cached one by one) the state of the records (`dsc.storage.slots`)."""
         from dsc.storage.slots import state_bytes
 
         state = state_bytes(self._manifest.count) if self._manifest.has_checksums else 0
-        return len(self._text or b"") + sum(e.bytes for e in self._whole_files()) + state
+        whole = self._whole_files()
+        return len(self._text or b"") + sum(e.bytes for e in whole) + SEAL_MAX * len(whole) + state
 
     def budget(self) -> int:
         """`cache_bytes`, or by default DEFAULT_SHARE of the cache's free space at the first open plus what this
@@ -606,7 +632,7 @@ class S3Dataset:
         path = self.local_path(entry.file)
         path.parent.mkdir(parents=True, exist_ok=True)
         with locked(path.with_name(f".{path.name}{LOCK_SUFFIX}")):
-            fd = self._cached(entry.file, entry.bytes)
+            fd = self._checked_copy(entry)
             if fd is not None:  # another process of the node fetched it while this one waited
                 os.close(fd)
                 return
@@ -743,6 +769,36 @@ def _disk_bytes(path: Path) -> int:
     """A file's bytes, or the disk its blocks take where that is less (a sparse file of the record cache)."""
     st = path.stat()
     return min(st.st_size, st.st_blocks * 512)
+
+
+def _file_stamp(st: os.stat_result) -> str:
+    """What changes whenever a file's bytes do: its inode, size and modification and change times (a write
+    sets both; ctime cannot be set back by hand)."""
+    return f"{st.st_ino} {st.st_size} {st.st_mtime_ns} {st.st_ctime_ns}"
+
+
+def _seal_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}{SEAL_SUFFIX}")
+
+
+def _read_seal(path: Path) -> str | None:
+    try:
+        fd = os.open(_seal_path(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        return f.read(SEAL_MAX).decode("ascii", "replace")
+
+
+def _write_seal(path: Path, stamp: str) -> None:
+    """Record that the copy at `path`, as `stamp` describes it, was checked (best effort: without the seal, the
+    copy is only checked again at the next open)."""
+    try:
+        fd = os.open(_seal_path(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError:
+        return
+    with os.fdopen(fd, "wb") as f:
+        f.write(stamp.encode("ascii"))
 
 
 def _verified(path: Path, entry: fmt.FileEntry) -> bytes | None:
