@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 from dsc import MemmapDataset
 from dsc import format as fmt
 from dsc.cli import app
-from dsc.errors import DatasetError
+from dsc.errors import DatasetError, LoaderError
 from dsc.reader import order as orders
 from dsc.storage import ledger, open_dataset, s3, slots
 
@@ -225,13 +225,19 @@ def test_the_default_cache_bytes_is_half_the_free_space_for_the_whole_node(
         env: Path, url: str, local: MemmapDataset, monkeypatch) -> None:
     """The node's processes share one budget (dsc.storage.ledger), so a rank's default is not split again."""
     monkeypatch.setattr(s3, "free_bytes", lambda path: 1000)  # a nearly full disk, without filling one
-    held = len((Path(local.path) / fmt.MANIFEST_FILE).read_bytes())  # the manifest's copy, kept at open
-    with pytest.raises(DatasetError, match=rf"cache_bytes={500 + held} cannot hold this dataset's index, "):
-        MemmapDataset(url, cache_dir=env)
-    held += len(str(500 + held))  # the default the first open wrote for the node (`ledger.node_default`)
+    folder = env / hashlib.sha256((Path(local.path) / fmt.MANIFEST_FILE).read_bytes()).hexdigest()
+
+    def refused_default() -> int:
+        with pytest.raises(DatasetError, match=r"cache_bytes=\d+ cannot hold this dataset's index, ") as refused:
+            MemmapDataset(url, cache_dir=env)
+        return int(re.search(r"cache_bytes=(\d+)", str(refused.value)).group(1))
+    first = refused_default()
+    assert first == 500 + len((Path(local.path) / fmt.MANIFEST_FILE).read_bytes())  # half the free space, and
+    # what the folder held: the manifest's copy (the node's table is made after)
+    table = (folder / ledger.NODE_DIR / ledger.TABLE_FILE).stat()  # made since, its blocks reserved
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's: 4 ranks of this node share the cache and its disk
-    with pytest.raises(DatasetError, match=rf"cache_bytes={500 + held} cannot hold this dataset's index, "):
-        MemmapDataset(url, cache_dir=env)
+    assert refused_default() == first + min(table.st_size, table.st_blocks * 512) + len(str(first))  # not split
+    # by 4: what the folder holds now, the table and the default the first open wrote for the node, added
 
 
 def test_the_cache_never_touches_files_it_did_not_create(env: Path, url: str, local: MemmapDataset) -> None:
@@ -496,3 +502,32 @@ def test_a_process_opening_later_gets_the_nodes_default_cache_bytes(env: Path, u
     gc.collect()  # its cache is closed: its row is freed, no process of the node uses the folder
     alone = MemmapDataset(url, cache_dir=env)  # computed anew: what the folder holds now counts
     assert alone.opened.records.budget > budget
+
+
+def test_a_read_only_or_full_cache_folder_is_one_line_naming_it(env: Path, url: str, local: MemmapDataset,
+                                                                tmp_path: Path, monkeypatch) -> None:
+    """Real file systems: a read-only tmpfs (every command, and the API), then one that fills up while a
+    loader fetches: one line naming the folder or file and what to do, never a traceback or a bare errno."""
+    from test_publish_states import fill_up, tmpfs
+
+    with tmpfs(tmp_path / "ro", "1m") as ro:
+        subprocess.run(["mount", "-o", "remount,ro", str(ro)], check=True)
+        monkeypatch.setenv("DSC_CACHE_DIR", str(ro / "cache"))
+        for command in (["info"], ["verify"], ["show", "-o", str(tmp_path / "sheet.png")], ["bench"]):
+            result = CliRunner().invoke(app, [*command[:1], url, *command[1:]])
+            lines = result.stderr.strip().splitlines()
+            assert result.exit_code == 1 and len(lines) == 1, (command, result.output)
+            assert lines[0].startswith(f"error: {ro / 'cache'}") and "cannot be written there (Read-only file " \
+                "system); give cache_dir (or $DSC_CACHE_DIR) a folder" in lines[0], (command, lines)
+        with pytest.raises(DatasetError, match="cannot be written there \\(Read-only file system\\)"):
+            MemmapDataset(url)
+    with tmpfs(tmp_path / "small", "1m") as small:
+        remote = MemmapDataset(url, cache_dir=small / "cache")
+        fill_up(small / "filler")
+        with pytest.raises(LoaderError) as failed:
+            for _ in remote.loader(4, order="sequential"):
+                pass
+        message = str(failed.value)
+        assert "\n" not in message and f"{small / 'cache'}" in message, message
+        assert "cannot be written there (No space left on device); give cache_dir" in message, message
+

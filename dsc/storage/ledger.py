@@ -48,7 +48,17 @@ from pathlib import Path
 import numpy as np
 
 from dsc.errors import DatasetError
-from dsc.storage.local import hold_lock, let_go_lock, lock_is_held, locked, map_shared, open_regular, read_no_follow
+from dsc.storage.local import (
+    hold_lock,
+    let_go_lock,
+    lock_is_held,
+    locked,
+    map_shared,
+    open_regular,
+    read_no_follow,
+    reserve,
+)
+from dsc.storage.units import cache_error
 
 NODE_DIR = "node"
 TABLE_FILE = "rows.bin"
@@ -307,9 +317,11 @@ class NodeLedger:
         path = self._plan_path(self.mine())
         fd = self._open(path, create=True)
         try:
-            os.ftruncate(fd, self.plan_bytes)
+            reserve(fd, self.plan_bytes)  # its blocks now: a full disk is ENOSPC here, not SIGBUS in a write
             self._plan = np.frombuffer(mmap.mmap(fd, self.plan_bytes), dtype=NEXT_DTYPE) \
                 if self.plan_bytes else np.zeros(0, NEXT_DTYPE)
+        except OSError as e:
+            raise cache_error(e, path) from e
         finally:
             os.close(fd)
         self._plan[:] = NEVER

@@ -635,7 +635,7 @@ def map_shared(path: Path, nbytes: int, foreign: Callable[[str], Exception]) -> 
     try:
         size = os.fstat(fd).st_size
         if size == 0:
-            os.ftruncate(fd, nbytes)
+            reserve(fd, nbytes)  # its blocks now: a full disk is ENOSPC here, not SIGBUS at a write into the map
         elif size != nbytes:
             raise foreign(f"{size} bytes where it has {nbytes}")
         return mmap.mmap(fd, nbytes)

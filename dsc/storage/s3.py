@@ -444,6 +444,12 @@ class S3Dataset:
         self._keep_text(folder, text)
         self._place(folder / self._origin(name), lambda f: None)
 
+    def cache_error(self, error: OSError) -> DatasetError:
+        """A system error met writing the cache (`store._said`), as one line saying what to do."""
+        from dsc.storage.units import cache_error
+
+        return cache_error(error, self.cache, self.root)
+
     def offline(self) -> EndpointUnreachable | None:
         """Why the endpoint did not answer at open (the store then reads the node's copies), or None."""
         return self._unreachable

@@ -51,7 +51,7 @@ from dsc import format as fmt
 from dsc.errors import DatasetError
 from dsc.reader.gather import fill_parallel
 from dsc.storage.local import TEMP_SUFFIX, locked, map_shared, open_regular
-from dsc.storage.units import FETCHES, GET_BYTES, fetch_range
+from dsc.storage.units import FETCHES, GET_BYTES, cache_error, fetch_range
 
 SLOT_DIR = "slots"
 STATE_FILE = "state.bin"
@@ -371,12 +371,15 @@ class RecordSlots:
         units = np.arange(first, last) if only is None else only
         wrong = [int(u) for u in units.tolist()
                  if fmt.record_crc(data[(u - first) * rb:(u - first + 1) * rb]) != int(self.crcs[u])]
-        if only is None and not wrong:
-            _write(fd, data, offset)  # the whole run in one write
-        else:
-            for u in units.tolist():
-                piece = data[(u - first) * rb:(u - first + 1) * rb] if u not in wrong else self._refetch(u)
-                _write(fd, piece, offset + (u - first) * rb)
+        try:
+            if only is None and not wrong:
+                _write(fd, data, offset)  # the whole run in one write
+            else:
+                for u in units.tolist():
+                    piece = data[(u - first) * rb:(u - first + 1) * rb] if u not in wrong else self._refetch(u)
+                    _write(fd, piece, offset + (u - first) * rb)
+        except OSError as e:  # a full disk: the records written are not marked, so nothing counts as there
+            raise cache_error(e, self.path(first), self.root_name) from e
 
         def mark() -> None:
             self.state[units] |= 1

@@ -104,9 +104,22 @@ def store_for(location: Location, cache_dir: str | os.PathLike | None = None,
 def _opened(location: Location, cache_dir: str | os.PathLike | None = None) -> Iterator[DatasetStore]:
     store = store_for(location, cache_dir)
     try:
-        yield store
+        with _said(store):
+            yield store
     finally:
         store.close()
+
+
+@contextmanager
+def _said(store: DatasetStore) -> Iterator[None]:
+    """A system error of a store with a cache folder (an object store's: read-only, full) as its one line."""
+    try:
+        yield
+    except OSError as e:
+        said = getattr(store, "cache_error", None)
+        if said is None:
+            raise
+        raise said(e) from e
 
 
 _checking: weakref.WeakSet = weakref.WeakSet()  # the OpenedDatasets with files still to check whole (`_whole`)
@@ -352,8 +365,9 @@ def open_dataset(root: Location, cache_dir: str | os.PathLike | None = None,
     for attempt in range(1, REOPEN_ATTEMPTS + 1):
         store, latest = store_for(root, cache_dir, cache_bytes), None
         try:
-            latest = manifest_name(store) if version is None else None
-            return _map_dataset(store, version, check_values)
+            with _said(store):
+                latest = manifest_name(store) if version is None else None
+                return _map_dataset(store, version, check_values)
         except DatasetError:
             moved = latest is not None and manifest_name(store) != latest
             if attempt == REOPEN_ATTEMPTS or not (store.replaced() or moved):  # not swapped: a real error

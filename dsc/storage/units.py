@@ -34,6 +34,15 @@ _UNIT_NAME = re.compile(r"shards/(\d{5,})\.bin")
 _TEMP_NAME = re.compile(rf"\.(\d{{5,}})\.bin\.[0-9a-f]{{16}}{re.escape(TEMP_SUFFIX)}")  # `_place`'s temporaries
 
 
+def cache_error(error: OSError, where: Path | str, root: str | None = None) -> DatasetError:
+    """A cache folder that cannot be written (read-only, full, not this user's) said in one line, with what to
+    do; `where` names the file or folder when the error does not, `root` the dataset whose cache it is."""
+    at = error.filename if error.filename is not None else where
+    whose = f"the cache of {root}" if root else "the cache"
+    return DatasetError(f"{at}: {whose} cannot be written there ({error.strerror or error}); give cache_dir (or "
+                        "$DSC_CACHE_DIR) a folder this user can write, with free space")
+
+
 def fetch_range(get: Callable[[str, int, int], bytes], at: Callable[[str], str], fetched: Callable[[int], None],
                 name: str, start: int, stop: int) -> memoryview:
     """Bytes [start, stop) of a dataset file, in GETs of at most `GET_BYTES`, all of them or an error naming it."""
@@ -207,7 +216,11 @@ class UnitFiles:
             data = self._ranged(entry.file, 0, entry.bytes)
             digest = hashlib.sha256(data).hexdigest()
             if digest == entry.sha256:
-                self._placed(shard, self._place(self.path(shard), data))
+                try:
+                    placed = self._place(self.path(shard), data)
+                except OSError as e:
+                    raise cache_error(e, self.path(shard), self._at("").rstrip("/")) from e
+                self._placed(shard, placed)
                 return
             problems.append(f"SHA-256 {digest}, the manifest says {entry.sha256}")
         raise DatasetError(f"{self._at(entry.file)}: fetched {FETCHES} times, wrong each time ({'; '.join(problems)}); "
