@@ -4,6 +4,7 @@ two processes, an append while a reader iterates. Real compiles of real JPEGs an
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -259,6 +260,35 @@ def test_an_append_whose_version_is_pruned_while_it_reads_it_builds_again_on_the
     ds = MemmapDataset(url)
     assert (ds.version, len(ds), [p.count for p in ds.manifest.record_parts]) == (3, 30, [12, 9, 9])
     storage.verify_checksums(url, ds.manifest)
+
+
+def test_an_older_versions_records_are_let_go_once_no_process_reads_it(server: S3Server, env: Path,
+                                                                        grown) -> None:
+    """Each version has a cache folder of its own: once an append made version 2, version 1's records would stay
+    on disk beside version 2's (past `cache_bytes`). They are deleted when a process opens version 2's records
+    and none reads version 1's any more; while one does, they stay; its manifest and index stay."""
+    tmp, _, _, b = grown
+    url = server.upload(tmp / "ds", BUCKET, prefix())
+    first = MemmapDataset(url)
+    v1 = first.opened.local_root
+    want = pixels(first)  # every record of version 1 cached
+
+    def records_on_disk() -> int:
+        return sum(p.stat().st_blocks * 512 for p in (v1 / "slots").glob("*.bin") if p.name != "state.bin")
+    held = records_on_disk()
+    assert held > 0
+    (v1 / "slots" / "notes.txt").write_text("not dsc's")
+    append(url, b, workers=1)
+    second = MemmapDataset(url)
+    assert (second.version, len(second)) == (2, 21) and second.opened.local_root != v1
+    second.__getitems__([0, 20])
+    assert records_on_disk() == held and np.array_equal(pixels(first), want)  # read still: kept
+    del first
+    gc.collect()
+    MemmapDataset(url).__getitems__([0])  # no process reads version 1 now
+    assert records_on_disk() == 0 and not (v1 / "slots" / "state.bin").exists()
+    assert (v1 / "slots" / "notes.txt").read_text() == "not dsc's" and (v1 / fmt.MANIFEST_FILE).is_file()
+    assert np.array_equal(pixels(MemmapDataset(url, version=1)), want)  # fetched again when asked for
 
 
 def test_a_damaged_version_manifest_is_named_as_itself(server: S3Server, env: Path, grown) -> None:

@@ -47,7 +47,9 @@ import numpy as np
 from dsc import format as fmt
 from dsc.errors import DatasetError
 from dsc.reader.gather import default_threads
-from dsc.storage.ledger import TABLE_BYTES, NodeLedger
+from dsc.storage import slots, units
+from dsc.storage.ledger import TABLE_BYTES, NodeLedger, retire_plans
+from dsc.storage.local import claim_folder, hold_folder, let_go_lock
 from dsc.storage.slots import RecordSlots
 from dsc.storage.units import UnitFiles
 
@@ -117,6 +119,44 @@ def _after_fork() -> None:
 os.register_at_fork(after_in_child=_after_fork)
 
 
+HOLD_WAIT_S = 30.0  # the longest a process waits for another's `retire_version` of its folder to end
+
+
+def _hold(folder: Path) -> int:
+    """A shared lock on the dataset's cache folder (`local.hold_folder`), taken once no `retire_version` holds
+    it: the folder's records are this process's to read."""
+    deadline = time.monotonic() + HOLD_WAIT_S
+    while (fd := hold_folder(folder)) is None:
+        if time.monotonic() > deadline:
+            raise DatasetError(f"{folder}: another process kept this cache folder locked for {HOLD_WAIT_S:.0f} s "
+                               "(it is deleting the records of a version no process reads); try again")
+        time.sleep(0.05)
+    return fd
+
+
+def _let_go(pid: int, fd: int) -> None:
+    """The hold of `_hold`, let go by the process that took it (a forked child closed its copy at the fork, and
+    the number may name another file of the child's by now)."""
+    if os.getpid() == pid:
+        let_go_lock(fd)
+
+
+def retire_version(folder: Path) -> int:
+    """Delete the records (and published plans) a dataset's cache folder holds, if no process uses it now (an
+    older version of a dataset, whose newer version has a folder of its own); its manifest and index stay. The
+    disk blocks freed; 0 when the folder is in use (or locks cannot tell)."""
+    try:
+        fd = claim_folder(folder)
+    except OSError:
+        return 0
+    if fd is None:
+        return 0
+    try:
+        return slots.retire(folder) + units.retire(folder) + retire_plans(folder)
+    finally:
+        let_go_lock(fd)
+
+
 class RecordCache:
     """The records of a remote dataset, read through a bounded folder (module docstring).
 
@@ -127,6 +167,8 @@ class RecordCache:
                  get: Callable[[str, int, int], bytes], at: Callable[[str], str], crcs: np.ndarray | None,
                  threads: int = FETCH_THREADS) -> None:
         self.stats = NetworkStats()
+        in_use = _hold(folder)  # for this object's life: no `retire_version` elsewhere deletes its records
+        weakref.finalize(self, _let_go, os.getpid(), in_use)
         self._lock = threading.RLock()  # a fetch that ends at once runs its callback inside `_request`
         self.files = UnitFiles(manifest, folder, get, at, self._count_fetch) if crcs is None else \
             RecordSlots(manifest, folder, get, at, crcs, self._count_fetch)

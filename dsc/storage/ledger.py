@@ -56,6 +56,7 @@ from dsc.storage.local import (
     map_shared,
     open_regular,
     read_no_follow,
+    remove_named,
     reserve,
 )
 from dsc.storage.units import cache_error
@@ -92,6 +93,11 @@ def _started(pid: int) -> int | None:
         return -1
     except (OSError, ValueError, IndexError):
         return None
+
+
+def retire_plans(folder: Path) -> int:
+    """Delete the plans published in a dataset's cache folder that no process uses (`cache.retire_version`)."""
+    return remove_named(folder / NODE_DIR, lambda name: bool(_PLAN_NAME.fullmatch(name)))
 
 
 def node_default(folder: Path, compute: Callable[[], int]) -> int:

@@ -628,6 +628,25 @@ def open_regular(path: Path, foreign: Callable[[str], Exception], create: bool =
     return fd
 
 
+def remove_named(folder: Path, names: Callable[[str], bool], first: str | None = None) -> int:
+    """Delete the regular files of `folder` whose names `names` accepts (`first` before the others), never
+    following a link or touching anything else; the disk blocks they took."""
+    try:
+        listed = sorted(os.listdir(folder), key=lambda name: name != first)
+    except (FileNotFoundError, NotADirectoryError):
+        return 0
+    freed = 0
+    for name in listed:
+        if not names(name):
+            continue
+        with suppress(FileNotFoundError):
+            st = os.lstat(folder / name)
+            if stat.S_ISREG(st.st_mode):
+                os.unlink(folder / name)
+                freed += st.st_blocks * 512
+    return freed
+
+
 def map_shared(path: Path, nbytes: int, foreign: Callable[[str], Exception]) -> mmap.mmap:
     """The file of `nbytes` at one of dsc's own names, mapped shared (made, zeros, if missing or empty: processes
     doing it at once make the same); one of another size is refused (`foreign(what)`)."""

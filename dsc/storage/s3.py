@@ -630,8 +630,21 @@ class S3Dataset:
                     raise DatasetError(f"{self.local_path(segment.checksums.file)}: {len(pieces[-1])} checksums for "
                                        f"{segment.count} records; the cached copy is damaged")
             crcs = np.concatenate(pieces)
-        return RecordCache(manifest, self.local_folder(), self.budget(), self.base_bytes(),
-                           self.get_range, self._at, crcs)
+        made = RecordCache(manifest, self.local_folder(), self.budget(), self.base_bytes(), self.get_range, self._at,
+                           crcs)
+        self._retire_other_versions()
+        return made
+
+    def _retire_other_versions(self) -> None:
+        """Let go of the records of this URL's other versions cached on this node that no process reads (each
+        version has a folder of its own: without this an append would leave its predecessor's records on disk
+        beside the new version's, past `cache_bytes`)."""
+        from dsc.storage.cache import retire_version
+
+        ours = self.local_folder()
+        for note in self.cache.glob(f"*/{self._origin(manifest_copies.ANY)}"):
+            if note.parent != ours and not note.parent.is_symlink():
+                retire_version(note.parent)
 
     def _fetch(self, entry: fmt.FileEntry) -> None:
         """Download `entry` into the cache once per node: under its lock, unless another process did."""

@@ -39,6 +39,7 @@ import errno
 import math
 import mmap
 import os
+import re
 import secrets
 import weakref
 from collections.abc import Callable, Sequence
@@ -50,11 +51,12 @@ import numpy as np
 from dsc import format as fmt
 from dsc.errors import DatasetError
 from dsc.reader.gather import fill_parallel
-from dsc.storage.local import TEMP_SUFFIX, locked, map_shared, open_regular
+from dsc.storage.local import TEMP_SUFFIX, locked, map_shared, open_regular, remove_named
 from dsc.storage.units import FETCHES, GET_BYTES, cache_error, fetch_range
 
 SLOT_DIR = "slots"
 STATE_FILE = "state.bin"
+_SLOT_NAME = re.compile(r"\d{5,}\.bin")  # a shard's slot file (`RecordSlots.path`)
 STATE_DTYPE = np.dtype(np.uint32)  # a record's word (native order: node-local): bit 0 present, bits 1.. let go
 RETRIES = 8  # copies of a record that changed while it was copied, before it is read as gone
 # a run is fetched in GETs of this much: each piece is checked and written while the next ones are in flight on
@@ -447,6 +449,13 @@ class RecordSlots:
             self._checked[record] = word
         return None
 
+
+
+def retire(folder: Path) -> int:
+    """Delete the slot files of a dataset's cache folder that no process uses (`cache.retire_version`), the
+    state first: whatever a stop midway leaves, no record counts as there. The disk blocks freed."""
+    return remove_named(folder / SLOT_DIR, lambda name: name == STATE_FILE or bool(_SLOT_NAME.fullmatch(name)),
+                        first=STATE_FILE)
 
 
 def _nothing() -> None:

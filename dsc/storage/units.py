@@ -25,7 +25,7 @@ import numpy as np
 
 from dsc import format as fmt
 from dsc.errors import DatasetError
-from dsc.storage.local import TEMP_SUFFIX, create_exclusive, locked, sha256_fd
+from dsc.storage.local import TEMP_SUFFIX, create_exclusive, locked, remove_named, sha256_fd
 
 GET_BYTES = 16 << 20  # a shard is fetched in ranged GETs of at most this much
 FETCHES = 2  # fetches of a unit whose bytes are wrong, before it is an error
@@ -41,6 +41,13 @@ def cache_error(error: OSError, where: Path | str, root: str | None = None) -> D
     whose = f"the cache of {root}" if root else "the cache"
     return DatasetError(f"{at}: {whose} cannot be written there ({error.strerror or error}); give cache_dir (or "
                         "$DSC_CACHE_DIR) a folder this user can write, with free space")
+
+
+def retire(folder: Path) -> int:
+    """Delete the shards a dataset's cache folder holds whole (and temporaries of them) when no process uses it
+    (`cache.retire_version`); the disk blocks freed."""
+    return remove_named(folder / fmt.SHARD_DIR, lambda name: bool(_UNIT_NAME.fullmatch(f"{fmt.SHARD_DIR}/{name}")
+                                                                   or _TEMP_NAME.fullmatch(name)))
 
 
 def fetch_range(get: Callable[[str, int, int], bytes], at: Callable[[str], str], fetched: Callable[[int], None],
