@@ -414,16 +414,17 @@ def sealed(text: str) -> str:
     return text.replace(f'{key}: "{_SEAL_PLACEHOLDER}"', f'{key}: "{digest}"', 1)
 
 
-def seal_problem(text: bytes, manifest: Manifest, root: Any) -> str | None:
-    """Why a manifest's bytes do not match their own checksum (1.2 on; None when they do, or for an
-    older version, which has none): an edit by hand, or damage the sizes and digests it lists miss."""
+def seal_problem(text: bytes, manifest: Manifest, root: Any, name: str = MANIFEST_FILE) -> str | None:
+    """Why a manifest's bytes (of the file `name`: manifest.json or a version's) do not match their own
+    checksum (1.2 on; None when they do, or for an older version, which has none): an edit by hand, or damage
+    the sizes and digests it lists miss."""
     if minor_version(manifest.version) < 2:
         return None
     seal = json.loads(text)[SEAL_KEY].encode("ascii")  # parse_manifest checked it: 64 lowercase hex digits
     if text.count(seal) != 1:
-        return f"{_at(root, MANIFEST_FILE)}: its checksum {SEAL_KEY!r} appears {text.count(seal)} times in it"
+        return f"{_at(root, name)}: its checksum {SEAL_KEY!r} appears {text.count(seal)} times in it"
     if hashlib.sha256(text.replace(seal, _SEAL_PLACEHOLDER.encode())).hexdigest() != seal.decode():
-        return (f"{_at(root, MANIFEST_FILE)}: its content does not match its own checksum ({SEAL_KEY!r}): "
+        return (f"{_at(root, name)}: its content does not match its own checksum ({SEAL_KEY!r}): "
                 "it was changed after it was written")
     return None
 
@@ -881,6 +882,16 @@ def _declared_shards(doc: dict) -> dict[str, int]:
 
 
 @functools.lru_cache(maxsize=4)  # asked once per file of a dataset: parse its manifest once
+def declared_version(text: bytes) -> int:
+    """The dataset version manifest bytes declare (`dataset_version`), unchecked; 1 where absent or unreadable
+    (a manifest made before versions is version 1)."""
+    try:
+        value = json.loads(text).get("dataset_version", 1)
+    except (ValueError, AttributeError, RecursionError):
+        return 1
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else 1
+
+
 def declared_sizes(text: bytes) -> dict[str, int]:
     """Each listed file's size as manifest bytes declare it, unchecked: what lets a cache answer a
     size without asking the bucket, before `parse_manifest` has validated anything (a wrong answer
@@ -1134,7 +1145,7 @@ def _parse_shard_tables(stored: _Stored, doc: dict, count: int, per_shard: int, 
         data = read(name, entry.bytes + 1)
         if len(data) != entry.bytes or hashlib.sha256(data).hexdigest() != entry.sha256:
             raise DatasetError(f"{_at(root, name)}: the shard table does not match its size and SHA-256 in "
-                               f"{MANIFEST_FILE}; the dataset is damaged")
+                               f"{_parsing.get()}; the dataset is damaged")
         rows[name] = data
     shards = ShardList(count, per_shard, record_bytes, tuple(tables),
                        b"".join(rows[t.file][t.row * DIGEST_BYTES:(t.row + t.count) * DIGEST_BYTES] for t in tables))
@@ -1409,7 +1420,7 @@ def class_counts(manifest: Manifest, read: ReadFile, root: Any) -> np.ndarray | 
         data = read(entry.file, entry.bytes + 1)
         if len(data) != entry.bytes or hashlib.sha256(data).hexdigest() != entry.sha256:
             raise DatasetError(f"{_at(root, entry.file)}: the class counts do not match their size and SHA-256 in "
-                               f"{MANIFEST_FILE}; the dataset is damaged")
+                               "the manifest; the dataset is damaged")
         counts = np.frombuffer(data, COUNT_DTYPE)
         if counts.min() < 0 or int(counts.sum()) != segment.count:
             raise DatasetError(f"{_at(root, entry.file)}: the class counts sum to {int(counts.sum())}, not to the "

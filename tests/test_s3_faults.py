@@ -437,12 +437,15 @@ def test_offline_a_versioned_dataset_the_node_opened_opens_from_the_cache(server
     assert torch.equal(remote.__getitems__(read).images, local.__getitems__(read).images)
 
 
-def test_offline_the_latest_version_the_node_holds_opens_and_others_by_number(env: Path, url: str, local,
-                                                                              proxy: FaultProxy, caplog) -> None:
-    """Offline, "the latest" is the newest version the node holds a copy of, not the copy it read last (here
-    version 1, opened by number after version 2); another version opens by number; one it lacks is one line
+def test_offline_the_latest_version_the_node_read_opens_and_others_by_number(env: Path, url: str, local, server,
+                                                                            proxy: FaultProxy, caplog,
+                                                                            tmp_path: Path) -> None:
+    """Offline, "the latest" is the version this node last read as the latest: not the copy it read last (here
+    version 1, opened by number after version 2), nor, once the prefix was emptied and compiled anew (version 1
+    again), the old dataset's higher version. Another version it holds opens by number; one it lacks is one line
     naming those it holds."""
     from dsc.compiler.append import append
+    from dsc.storage.bucket import Bucket
 
     append(url, local.path.parent / "src", workers=1, again=True)  # version 2: the same 24 images again
     assert (MemmapDataset(url, cache_dir=env).version, len(MemmapDataset(url, cache_dir=env))) == (2, 48)
@@ -452,11 +455,20 @@ def test_offline_the_latest_version_the_node_holds_opens_and_others_by_number(en
         latest = MemmapDataset(url, cache_dir=env)
     assert (latest.version, len(latest)) == (2, 48)
     warned = [r.getMessage() for r in caplog.records if r.name == "dsc"]
-    assert len(warned) == 1 and "opened version 2, the latest it holds a copy of, from the copy cached in" \
-        in warned[0], warned
+    assert len(warned) == 1 and "opened version 2, the latest it read, from the copy cached in" in warned[0], warned
     assert (MemmapDataset(url, cache_dir=env, version=1).version, len(MemmapDataset(url, cache_dir=env, version=1))) \
         == (1, 24)
     with pytest.raises(StorageError, match=r"holds no copy of this dataset's version 3's manifest to open it without "
                                            r"the endpoint \(it holds copies of versions 1 to 2\)$"):
         MemmapDataset(url, cache_dir=env, version=3)
 
+    proxy.start()  # the prefix emptied, and another dataset uploaded there: its version 1
+    for info in Bucket(url).list():
+        Bucket(url).delete(info.name)
+    other = tiny_dataset(tmp_path / "other", seed=9, records_per_shard=5)
+    server.upload(other.path, BUCKET, url.removeprefix(f"s3://{BUCKET}/"))
+    fresh = MemmapDataset(url, cache_dir=env)
+    assert fresh.version == 1 and torch.equal(fresh.__getitems__([0, 5]).images, other.__getitems__([0, 5]).images)
+    proxy.kill()
+    offline = MemmapDataset(url, cache_dir=env)
+    assert offline.version == 1 and torch.equal(offline.__getitems__([0, 5]).images, other.__getitems__([0, 5]).images)

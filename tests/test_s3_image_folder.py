@@ -243,6 +243,9 @@ def test_keys_with_url_characters_compile_as_the_same_files_in_a_folder(server: 
     assert remote.kept == local.kept == 9 and remote.classes == local.classes
     assert files(tmp_path / "remote") == files(tmp_path / "local")
     assert records(tmp_path / "remote").keys() == records(tmp_path / "local").keys()
+    spelled = url.replace(f"s3://{BUCKET}/", f"S3://{BUCKET}//")  # another spelling of the same prefix
+    compile_folder(spelled, tmp_path / "spelled", **quiet())
+    assert files(tmp_path / "spelled") == files(tmp_path / "local")
     out = f"s3://{BUCKET}/out/o{next(_prefixes)}"
     compile_folder(url, out, **quiet())  # into the bucket, read back by their keys on --resume and verify too
     assert_same_as(tmp_path / "remote", out)

@@ -284,11 +284,26 @@ def test_an_older_versions_records_are_let_go_once_no_process_reads_it(server: S
     second.__getitems__([0, 20])
     assert records_on_disk() == held and np.array_equal(pixels(first), want)  # read still: kept
     del first
-    gc.collect()
-    MemmapDataset(url).__getitems__([0])  # no process reads version 1 now
+    gc.collect()  # no process reads version 1 now
+    outside = tmp / "outside"
+    outside.mkdir()
+    (outside / "00001.bin").write_bytes(b"not in the cache")
+    (v1 / fmt.SHARD_DIR).symlink_to(outside)  # a link where a 1.2 version keeps its shards: never followed
+    stuck = v1 / "slots" / "00000.bin"
+    if subprocess.run(["chattr", "+i", str(stuck)], capture_output=True).returncode == 0:  # it cannot be deleted
+        try:
+            MemmapDataset(url).__getitems__([0])  # the open goes on; what could not be deleted stays
+        finally:
+            subprocess.run(["chattr", "-i", str(stuck)], check=True)
+        assert stuck.exists()
+    MemmapDataset(url).__getitems__([0])
     assert records_on_disk() == 0 and not (v1 / "slots" / "state.bin").exists()
     assert (v1 / "slots" / "notes.txt").read_text() == "not dsc's" and (v1 / fmt.MANIFEST_FILE).is_file()
-    assert np.array_equal(pixels(MemmapDataset(url, version=1)), want)  # fetched again when asked for
+    assert (outside / "00001.bin").read_bytes() == b"not in the cache"
+    v2 = MemmapDataset(url).opened.local_root
+    newer = {p: p.stat().st_blocks for p in (v2 / "slots").glob("*.bin")}
+    assert np.array_equal(pixels(MemmapDataset(url, version=1)), want)  # fetched again when asked for by number
+    assert {p: p.stat().st_blocks for p in (v2 / "slots").glob("*.bin")} == newer  # the newer version's stay
 
 
 def test_a_damaged_version_manifest_is_named_as_itself(server: S3Server, env: Path, grown) -> None:

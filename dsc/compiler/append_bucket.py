@@ -23,7 +23,7 @@ from dsc import format as fmt
 from dsc import storage
 from dsc.compiler import bucket_versions, grow
 from dsc.compiler.grow import AppendSummary, VersionTaken
-from dsc.errors import CompileError, DatasetError
+from dsc.errors import CompileError, DatasetError, StorageError
 from dsc.storage.bucket import UPLOAD_PART_BYTES, Bucket
 
 SMALL_OBJECT_BYTES = UPLOAD_PART_BYTES  # uploaded by one create-only PUT; larger ones by a multipart upload
@@ -65,6 +65,8 @@ def _commit_on_latest(bucket: Bucket, new: storage.OpenedDataset, new_classes: b
     stage.mkdir()
     try:
         manifest, how = grow.next_version(stage, folder, base, new, joined, kept_segments)
+    except StorageError:  # the bucket did not answer: said as it is
+        raise
     except DatasetError as e:  # its partial last shard gone: a writer replaced version N, a prune removed it
         found = bucket_versions.versions(bucket)
         if found and found[-1] > base.manifest.dataset_version:

@@ -81,19 +81,11 @@ class PrefixState:
         """The latest committed version's number; 0 when the prefix holds no dataset."""
         if self.versions:
             return max(self.versions)
-        return _version_of_manifest(self.manifest[0]) if self.manifest else 0
+        return fmt.declared_version(self.manifest[0]) if self.manifest else 0
 
     @property
     def partial(self) -> list[str]:
         return sorted(tag for tag in self.builds if tag not in self.committed)
-
-
-def _version_of_manifest(text: bytes) -> int:
-    try:
-        value = json.loads(text).get("dataset_version", 1)
-    except (ValueError, AttributeError):
-        return 1
-    return value if isinstance(value, int) and value >= 1 else 1
 
 
 def survey(dataset: Bucket) -> PrefixState:
@@ -268,7 +260,7 @@ def swap_manifest(dataset: Bucket, text: bytes, version: int) -> bool:
     current, etag = dataset.get(fmt.MANIFEST_FILE)
     if not fmt.names_this_format(current):
         raise NotReplaceableError("it is not a dsc manifest (another tool's file?), and dsc never writes over one")
-    if current == text or _version_of_manifest(current) > version:
+    if current == text or fmt.declared_version(current) > version:
         return True
     return dataset.replace(fmt.MANIFEST_FILE, text, etag)
 

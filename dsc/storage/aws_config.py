@@ -42,14 +42,17 @@ def settings() -> dict[str, str]:
     config = _read(config_path, profile if profile == "default" else f"profile {profile}", "config")
     if os.environ.get("AWS_PROFILE") and not credentials and not config:
         raise StorageError(f"AWS_PROFILE={profile}: no such profile in {config_path} or the credentials file")
-    empty = [n for key in ("endpoint", "region") for n in SETTINGS[key][0] if n in os.environ
-             and not os.environ[n].strip()]
-    if empty:  # the S3 client reads the environment too, and builds its URLs from an empty value (or panics)
-        raise StorageError(f"{empty[0]} is set but empty: unset it, or give it a value")
     found = {}
     for key, (names, file_key) in SETTINGS.items():
         value = next((os.environ[n] for n in names if os.environ.get(n)), None)
         value = value or credentials.get(file_key) or config.get(file_key)
         if value:
             found[key] = value
+    # The S3 client reads the environment too: an empty endpoint or region that nothing else replaces becomes a
+    # broken URL (or a panic), and an empty AWS_ENDPOINT_URL_S3 panics whatever else is given.
+    for key in ("endpoint", "region"):
+        for name in SETTINGS[key][0]:
+            empty = name in os.environ and not os.environ[name].strip()
+            if empty and (key not in found or name == "AWS_ENDPOINT_URL_S3"):
+                raise StorageError(f"{name} is set but empty: unset it, or give it a value")
     return found

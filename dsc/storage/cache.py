@@ -17,7 +17,9 @@ the followed sequence never reads again goes first), never one needed before the
 stops there instead. The bytes the folder holds (the manifest and index files, the units, what is
 being fetched) never exceed `budget` (a record counts as the blocks it can pin, `slots.record_cost`). It
 lets go only of units (`remove_all`: a record's bytes punched out of its slot file, a shard's file
-deleted); anything else in the folder is never touched.
+deleted); anything else in the folder is never touched. Each version of a dataset has a folder of its own:
+every process holds a shared lock on the one it reads (`_hold`), and the record files of an older version
+of the same URL that no process holds are deleted when a newer one is read (`retire_version`).
 
 The budget is the node's: the processes that share the folder count what it holds (whoever fetched it)
 and what each has reserved for fetches under way, and evict by when any of them reads a unit next
@@ -33,6 +35,7 @@ fetched again; a fetch still wrong is an error naming the object and the record,
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -119,6 +122,7 @@ def _after_fork() -> None:
 os.register_at_fork(after_in_child=_after_fork)
 
 
+logger = logging.getLogger("dsc")
 HOLD_WAIT_S = 30.0  # the longest a process waits for another's `retire_version` of its folder to end
 
 
@@ -143,8 +147,9 @@ def _let_go(pid: int, fd: int) -> None:
 
 def retire_version(folder: Path) -> int:
     """Delete the records (and published plans) a dataset's cache folder holds, if no process uses it now (an
-    older version of a dataset, whose newer version has a folder of its own); its manifest and index stay. The
-    disk blocks freed; 0 when the folder is in use (or locks cannot tell)."""
+    older version of a dataset, whose newer version has a folder of its own); its manifest, index and anything
+    else stay. Best effort, by descriptors of the folder claimed (a link inside is never followed): the disk
+    blocks freed; 0 when the folder is in use, locks cannot tell, or a file cannot be deleted (said in the log)."""
     try:
         fd = claim_folder(folder)
     except OSError:
@@ -152,7 +157,10 @@ def retire_version(folder: Path) -> int:
     if fd is None:
         return 0
     try:
-        return slots.retire(folder) + units.retire(folder) + retire_plans(folder)
+        return slots.retire(fd) + units.retire(fd) + retire_plans(fd)
+    except OSError as e:  # another user's files, an immutable one: they stay, and this version's open goes on
+        logger.debug("could not delete the records of %s: %s", folder, e)
+        return 0
     finally:
         let_go_lock(fd)
 

@@ -49,6 +49,8 @@ import numpy as np
 
 from dsc.errors import DatasetError
 from dsc.storage.local import (
+    CACHE_WRITE_ERRORS,
+    cache_error,
     hold_lock,
     let_go_lock,
     lock_is_held,
@@ -59,7 +61,6 @@ from dsc.storage.local import (
     remove_named,
     reserve,
 )
-from dsc.storage.units import cache_error
 
 NODE_DIR = "node"
 TABLE_FILE = "rows.bin"
@@ -95,9 +96,10 @@ def _started(pid: int) -> int | None:
         return None
 
 
-def retire_plans(folder: Path) -> int:
-    """Delete the plans published in a dataset's cache folder that no process uses (`cache.retire_version`)."""
-    return remove_named(folder / NODE_DIR, lambda name: bool(_PLAN_NAME.fullmatch(name)))
+def retire_plans(folder_fd: int) -> int:
+    """Delete the plans published in a dataset's cache folder (open as `folder_fd`) that no process uses
+    (`cache.retire_version`)."""
+    return remove_named(folder_fd, NODE_DIR, lambda name: bool(_PLAN_NAME.fullmatch(name)))
 
 
 def node_default(folder: Path, compute: Callable[[], int]) -> int:
@@ -323,11 +325,14 @@ class NodeLedger:
         path = self._plan_path(self.mine())
         fd = self._open(path, create=True)
         try:
-            reserve(fd, self.plan_bytes)  # its blocks now: a full disk is ENOSPC here, not SIGBUS in a write
+            try:
+                reserve(fd, self.plan_bytes)  # its blocks now: a full disk is ENOSPC here, not SIGBUS in a write
+            except OSError as e:
+                if e.errno not in CACHE_WRITE_ERRORS:
+                    raise
+                raise cache_error(e, path) from e
             self._plan = np.frombuffer(mmap.mmap(fd, self.plan_bytes), dtype=NEXT_DTYPE) \
                 if self.plan_bytes else np.zeros(0, NEXT_DTYPE)
-        except OSError as e:
-            raise cache_error(e, path) from e
         finally:
             os.close(fd)
         self._plan[:] = NEVER

@@ -628,23 +628,39 @@ def open_regular(path: Path, foreign: Callable[[str], Exception], create: bool =
     return fd
 
 
-def remove_named(folder: Path, names: Callable[[str], bool], first: str | None = None) -> int:
-    """Delete the regular files of `folder` whose names `names` accepts (`first` before the others), never
-    following a link or touching anything else; the disk blocks they took."""
+def remove_named(folder_fd: int, sub: str, names: Callable[[str], bool], first: str | None = None) -> int:
+    """Delete the regular files of the subfolder `sub` of the folder open as `folder_fd` whose names `names`
+    accepts (`first` before the others), by descriptors: never following a link (a link at `sub` is left, and
+    nothing through it is touched) nor touching anything else; the disk blocks they took."""
     try:
-        listed = sorted(os.listdir(folder), key=lambda name: name != first)
-    except (FileNotFoundError, NotADirectoryError):
+        fd = _open_dir(sub, folder_fd)
+    except OSError:  # missing, not a folder, a link
         return 0
     freed = 0
-    for name in listed:
-        if not names(name):
-            continue
-        with suppress(FileNotFoundError):
-            st = os.lstat(folder / name)
-            if stat.S_ISREG(st.st_mode):
-                os.unlink(folder / name)
-                freed += st.st_blocks * 512
+    try:
+        for name, _, is_dir in sorted(_entries(fd, ""), key=lambda entry: entry[0] != first):
+            if is_dir or not names(name):
+                continue
+            with suppress(FileNotFoundError):
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode):
+                    os.unlink(name, dir_fd=fd)
+                    freed += st.st_blocks * 512
+    finally:
+        os.close(fd)
     return freed
+
+
+def cache_error(error: OSError, where: Path | str, root: str | None = None) -> DatasetError:
+    """A cache folder that cannot be written (read-only, full, not this user's) said in one line, with what to
+    do; `where` names the file or folder when the error does not, `root` the dataset whose cache it is."""
+    at = error.filename if error.filename is not None else where
+    whose = f"the cache of {root}" if root else "the cache"
+    return DatasetError(f"{at}: {whose} cannot be written there ({error.strerror or error}); give cache_dir (or "
+                        "$DSC_CACHE_DIR) a folder this user can write, with free space")
+
+
+CACHE_WRITE_ERRORS = (errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM)  # what `cache_error` says
 
 
 def map_shared(path: Path, nbytes: int, foreign: Callable[[str], Exception]) -> mmap.mmap:

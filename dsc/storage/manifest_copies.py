@@ -3,17 +3,16 @@
 A copy is `<cache>/<SHA-256 of the manifest>/manifest.json` (the folder of the dataset's cached files).
 Beside it, an empty file `.origin-<hash of endpoint and URL>-<hash of ETag and size>` says that the object
 at that URL had that ETag and size when the copy was fetched; its mtime says when. So the processes of a
-node fetch a manifest once (`find` with the object's stamp, from a HEAD), and a node whose endpoint does
-not answer opens the copy it fetched last (`find` with `ANY`). Empty, the notes take nothing from
+node fetch a manifest once (`find` with the object's stamp, from a HEAD). Empty, the notes take nothing from
 `cache_bytes`. A copy is checked against its folder's name before it is used. A version's manifest read by
-number (`versions/N.json`) is noted the same way, so offline the node opens the latest version it holds a copy
-of, or any other of them asked for by number (`by_version`), whichever it fetched last.
+number (`versions/N.json`) is noted the same way, and the copy last read as the URL's latest version carries
+one more note (stamp "latest", made anew at each such read): offline, the node opens that copy as the latest,
+and any other version it holds by number (`by_version`).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from pathlib import Path
 
@@ -34,16 +33,26 @@ def origin(endpoint: str, url: str, stamp: str | None) -> str:
     return name if stamp is None else f"{name}-{stamp if stamp == ANY else _short(stamp)}"
 
 
-def find(cache: Path, note: str, limit: int) -> bytes | None:
-    """The newest copy of the manifest in a folder of `cache` holding the note `note` (a name or a glob), at most
-    `limit` bytes of it; None when there is none (or none is what its folder's name says)."""
+def _noted(cache: Path, note: str) -> list[str]:
+    """The folders of `cache` holding the note `note` (a name or a glob), the newest note first."""
     found = []
     for path in cache.glob(f"*/{note}"):
         try:
             found.append((path.lstat().st_mtime_ns, path.parent.name))
         except FileNotFoundError:
             continue
-    for _, key in sorted(found, reverse=True):
+    return [key for _, key in sorted(found, reverse=True)]
+
+
+def newest(cache: Path, note: str) -> str | None:
+    """The folder of `cache` (its name) whose note `note` is the newest; None when none has it."""
+    return next(iter(_noted(cache, note)), None)
+
+
+def find(cache: Path, note: str, limit: int) -> bytes | None:
+    """The newest copy of the manifest in a folder of `cache` holding the note `note` (a name or a glob), at most
+    `limit` bytes of it; None when there is none (or none is what its folder's name says)."""
+    for key in _noted(cache, note):
         text = read(cache, key, limit)
         if text is not None:
             return text
@@ -53,26 +62,12 @@ def find(cache: Path, note: str, limit: int) -> bytes | None:
 def by_version(cache: Path, note: str, limit: int) -> dict[int, bytes]:
     """The copies in folders of `cache` holding the note `note` (a glob: every copy of one URL), by the version
     each manifest says it is (`dataset_version`, 1 when absent); of two copies of one version, the newer."""
-    found = []
-    for path in cache.glob(f"*/{note}"):
-        try:
-            found.append((path.lstat().st_mtime_ns, path.parent.name))
-        except FileNotFoundError:
-            continue
     copies: dict[int, bytes] = {}
-    for _, key in sorted(found):
+    for key in reversed(_noted(cache, note)):
         text = read(cache, key, limit)
         if text is not None:
-            copies[_version_of(text)] = text
+            copies[fmt.declared_version(text)] = text
     return copies
-
-
-def _version_of(text: bytes) -> int:
-    try:
-        version = json.loads(text).get("dataset_version", 1)
-    except (ValueError, AttributeError):
-        return 1
-    return version if isinstance(version, int) and not isinstance(version, bool) and version >= 1 else 1
 
 
 def read(cache: Path, key: str, limit: int) -> bytes | None:

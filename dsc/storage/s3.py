@@ -40,7 +40,7 @@ from dsc import format as fmt
 from dsc.errors import DatasetError, StorageError
 from dsc.storage import aws_config, fetch_helper, manifest_copies
 from dsc.storage.ledger import node_default
-from dsc.storage.local import TEMP_SUFFIX, create_exclusive, locked
+from dsc.storage.local import TEMP_SUFFIX, cache_error, create_exclusive, locked
 
 EXTRA = "pip install 'dsc-images[s3]'"
 ATTEMPTS = 4  # tries of one request before giving up (timeouts, 5xx, refused or reset connections)
@@ -52,6 +52,7 @@ PIECE_BYTES = 32 << 20  # a download is a run of ranged GETs of this size, each 
 FETCHES = 2  # downloads of a file whose bytes do not match the manifest, before it is an error
 DEFAULT_SHARE = 0.5  # cache_bytes by default: this share of the cache's free space at open, plus what it holds
 LOCK_SUFFIX = ".lock"
+LATEST = "latest"  # the stamp of the note on the copy of the manifest last read as a URL's latest version
 SEAL_SUFFIX = ".checked"  # beside a copy cached whole: what it was when its SHA-256 was last found right
 SEAL_MAX = 256
 TABLES_DIR = "shard-tables"  # (1.4) <cache>/shard-tables/<SHA-256>: the node's copy of each shard table it read
@@ -269,9 +270,10 @@ class S3Dataset:
     through a bounded cache there (`record_cache`), at most `cache_bytes` in all.
 
     The cache folder may be shared by every process of the node (ranks, workers): each file is
-    downloaded once, under a lock. The index files are only ever added; records are deleted only by
-    the record cache, at its own names (`dsc.storage.units`); nothing at a dataset file's name that is
-    not a regular file is replaced or followed."""
+    downloaded once, under a lock. The index files are only ever added (a damaged one replaced by a new
+    download); records are deleted only by the record cache, at its own names (`dsc.storage.slots`,
+    `dsc.storage.units`), and of an older version of the URL no process reads (`cache.retire_version`);
+    nothing at a dataset file's name that is not a regular file is replaced or followed."""
 
     def __init__(self, url: str, cache_dir: str | os.PathLike | None = None, cache_bytes: int | None = None) -> None:
         self.bucket, self.prefix = parse_url(url)
@@ -282,6 +284,7 @@ class S3Dataset:
         self._manifest: fmt.Manifest | None = None
         self._sizes: dict[str, int] = {}  # HEAD answers, so validating twice asks once
         self._unreachable: EndpointUnreachable | None = None  # set once the endpoint failed every try at open
+        self._latest: int | None = None  # the latest version the last LIST of versions/ found
         self.cache_bytes = cache_bytes  # None: DEFAULT_SHARE of the free space, fixed at the first open
 
     # --------------------------------------------------------------------- the store's verbs
@@ -347,13 +350,17 @@ class S3Dataset:
             try:
                 answer = self._call("LIST", f"{folder}/", lambda: _obstore().list_with_delimiter(
                     client(self.bucket), self._key_of(folder)), missing="missing")
-                return sorted(entry["path"].split("/")[-1] for entry in answer["objects"])
+                names = sorted(entry["path"].split("/")[-1] for entry in answer["objects"])
+                if folder == fmt.VERSIONS_DIR:
+                    self._latest = max(filter(None, map(fmt.version_of, names)), default=None)
+                return names
             except EndpointUnreachable as e:  # offline: the versions whose manifests the node holds copies of
                 self._unreachable = e
         if folder != fmt.VERSIONS_DIR:
             return []
-        copies = self._offline_copies()
-        return [] if set(copies) == {1} else [fmt.version_file(v).split("/")[-1] for v in sorted(copies)]
+        latest = fmt.declared_version(self._offline_latest() or b"")
+        held = [v for v in self._offline_copies() if v <= latest]
+        return [] if held in ([], [1]) else [fmt.version_file(v).split("/")[-1] for v in sorted(held)]
 
     def get_range(self, name: str, start: int, stop: int) -> bytes | memoryview:
         """Bytes [start, stop) of a dataset file, from the bucket (retried as every request is), as the client's
@@ -398,8 +405,11 @@ class S3Dataset:
         elif versioned:
             text = self._get(name, 0, min(limit, self.size(name, "the manifest")), "GET")
             self._keep_noted(text, name)
+            if fmt.version_of(name.split("/")[-1]) == self._latest:
+                self._keep_noted(text, LATEST)
         else:
             text = self._current_manifest(limit)
+            self._keep_noted(text, LATEST)
         self._text, self._key, self._manifest = text, hashlib.sha256(text).hexdigest(), None
         _opened_keys[(self.root, str(self.cache))] = self._key
         if versioned:
@@ -438,16 +448,17 @@ class S3Dataset:
         return text
 
     def _keep_noted(self, text: bytes, name: str) -> None:
-        """Keep a version's manifest read from the bucket, noted as this URL's (`name` its stamp): what an open
-        finds when the endpoint does not answer (`_offline_manifest`), as a copy of `manifest.json` is."""
+        """Keep a version's manifest read from the bucket, noted as this URL's (`name` its stamp; LATEST: read as
+        the latest version, the note made anew at each such read): what an open finds when the endpoint does not
+        answer (`_offline_manifest`), as a copy of `manifest.json` is."""
         folder = self.cache / hashlib.sha256(text).hexdigest()
         self._keep_text(folder, text)
+        if name == LATEST and manifest_copies.newest(self.cache, self._origin(LATEST)) == folder.name:
+            return  # the node read it as the latest last time too: nothing to note (nothing written at an open)
         self._place(folder / self._origin(name), lambda f: None)
 
     def cache_error(self, error: OSError) -> DatasetError:
         """A system error met writing the cache (`store._said`), as one line saying what to do."""
-        from dsc.storage.units import cache_error
-
         return cache_error(error, self.cache, self.root)
 
     def offline(self) -> EndpointUnreachable | None:
@@ -458,18 +469,27 @@ class S3Dataset:
         """The copies of this URL's manifests (`manifest.json`'s and versions') the node holds, by version."""
         return manifest_copies.by_version(self.cache, self._origin(manifest_copies.ANY), fmt.MAX_MANIFEST_BYTES + 1)
 
+    def _offline_latest(self) -> bytes | None:
+        """The copy of the manifest this node last read as the latest version of this URL (a version read by
+        number is not; nor, of a prefix emptied and compiled anew, the old dataset's higher versions)."""
+        return manifest_copies.find(self.cache, self._origin(LATEST), fmt.MAX_MANIFEST_BYTES + 1)
+
     def _offline_manifest(self, error: EndpointUnreachable, limit: int, version: int | None = None) -> bytes:
-        """The copy of version `version` (None: the latest the node holds) of the manifest this node fetched from
-        this URL and endpoint, with a warning naming the version; none: `error`, saying so."""
-        copies = self._offline_copies()
-        number = max(copies, default=0) if version is None else version
-        if number not in copies:  # (a version asked for by number is one `list` named: the node holds it)
+        """The copy of version `version` (None: the latest, `_offline_latest`) of the manifest this node fetched
+        from this URL and endpoint, with a warning naming the version; none: `error`, saying so."""
+        latest = self._offline_latest()
+        if version is None or latest is not None and fmt.declared_version(latest) == version:
+            text = latest
+        else:
+            text = self._offline_copies().get(version)
+        if text is None:  # (a version asked for by number is one `list` named: the node holds it)
             raise StorageError(f"{error}; the cache {self.cache} holds no copy of this dataset's manifest to open it "
                                "without the endpoint") from error
-        which = f"version {number}" + (", the latest it holds a copy of," if number == max(copies) else "")
+        number = fmt.declared_version(text)
+        which = f"version {number}" + (", the latest it read," if text == latest else "")
         logger.warning("%s", f"{self.root}: the endpoint cannot be reached ({error.reason}); opened {which} from the "
                              f"copy cached in {self.cache}: only what the cache holds can be read")
-        return copies[number][:limit]
+        return text[:limit]
 
     def _origin(self, stamp: str | None) -> str:
         return manifest_copies.origin(str(_settings()["config"].get("endpoint", "")), self.root, stamp)
@@ -553,10 +573,14 @@ class S3Dataset:
         stamp = f"{_file_stamp(os.fstat(fd))} {entry.sha256}\n"
         if _read_seal(path) == stamp:
             return fd
-        digest = hashlib.sha256()
-        while piece := os.read(fd, PIECE_BYTES):
-            digest.update(piece)
-        os.lseek(fd, 0, os.SEEK_SET)
+        try:
+            digest = hashlib.sha256()
+            while piece := os.read(fd, PIECE_BYTES):
+                digest.update(piece)
+            os.lseek(fd, 0, os.SEEK_SET)
+        except BaseException:
+            os.close(fd)
+            raise
         if digest.hexdigest() != entry.sha256:
             os.close(fd)
             return None
@@ -636,15 +660,20 @@ class S3Dataset:
         return made
 
     def _retire_other_versions(self) -> None:
-        """Let go of the records of this URL's other versions cached on this node that no process reads (each
+        """Let go of the records of this URL's older versions cached on this node that no process reads (each
         version has a folder of its own: without this an append would leave its predecessor's records on disk
-        beside the new version's, past `cache_bytes`)."""
+        beside the new version's, past `cache_bytes`). A newer version's are kept: reading version 1 by number
+        does not empty the cache of the latest."""
         from dsc.storage.cache import retire_version
 
-        ours = self.local_folder()
+        ours, mine = self.local_folder(), fmt.declared_version(self._text or b"")
         for note in self.cache.glob(f"*/{self._origin(manifest_copies.ANY)}"):
-            if note.parent != ours and not note.parent.is_symlink():
-                retire_version(note.parent)
+            folder = note.parent
+            if folder == ours or folder.is_symlink():
+                continue
+            text = manifest_copies.read(self.cache, folder.name, fmt.MAX_MANIFEST_BYTES + 1)
+            if text is not None and fmt.declared_version(text) < mine:
+                retire_version(folder)
 
     def _fetch(self, entry: fmt.FileEntry) -> None:
         """Download `entry` into the cache once per node: under its lock, unless another process did."""
@@ -813,11 +842,13 @@ def _write_seal(path: Path, stamp: str) -> None:
     """Record that the copy at `path`, as `stamp` describes it, was checked (best effort: without the seal, the
     copy is only checked again at the next open)."""
     try:
-        fd = os.open(_seal_path(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        fd = os.open(_seal_path(path), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
     except OSError:
         return
     with os.fdopen(fd, "wb") as f:
-        f.write(stamp.encode("ascii"))
+        if stat.S_ISREG(os.fstat(fd).st_mode):  # (never a FIFO or a device someone put there)
+            f.truncate(0)
+            f.write(stamp.encode("ascii"))
 
 
 def _verified(path: Path, entry: fmt.FileEntry) -> bytes | None:

@@ -51,8 +51,16 @@ import numpy as np
 from dsc import format as fmt
 from dsc.errors import DatasetError
 from dsc.reader.gather import fill_parallel
-from dsc.storage.local import TEMP_SUFFIX, locked, map_shared, open_regular, remove_named
-from dsc.storage.units import FETCHES, GET_BYTES, cache_error, fetch_range
+from dsc.storage.local import (
+    CACHE_WRITE_ERRORS,
+    TEMP_SUFFIX,
+    cache_error,
+    locked,
+    map_shared,
+    open_regular,
+    remove_named,
+)
+from dsc.storage.units import FETCHES, GET_BYTES, fetch_range
 
 SLOT_DIR = "slots"
 STATE_FILE = "state.bin"
@@ -373,15 +381,12 @@ class RecordSlots:
         units = np.arange(first, last) if only is None else only
         wrong = [int(u) for u in units.tolist()
                  if fmt.record_crc(data[(u - first) * rb:(u - first + 1) * rb]) != int(self.crcs[u])]
-        try:
-            if only is None and not wrong:
-                _write(fd, data, offset)  # the whole run in one write
-            else:
-                for u in units.tolist():
-                    piece = data[(u - first) * rb:(u - first + 1) * rb] if u not in wrong else self._refetch(u)
-                    _write(fd, piece, offset + (u - first) * rb)
-        except OSError as e:  # a full disk: the records written are not marked, so nothing counts as there
-            raise cache_error(e, self.path(first), self.root_name) from e
+        if only is None and not wrong:
+            self._write(fd, data, offset, first)  # the whole run in one write
+        else:
+            for u in units.tolist():
+                piece = data[(u - first) * rb:(u - first + 1) * rb] if u not in wrong else self._refetch(u)
+                self._write(fd, piece, offset + (u - first) * rb, u)
 
         def mark() -> None:
             self.state[units] |= 1
@@ -390,6 +395,16 @@ class RecordSlots:
             mark()
         else:
             placed(len(units) * self.cost, mark)
+
+    def _write(self, fd: int, data, offset: int, unit: int) -> None:
+        """`data` into a slot file at `offset`; a full or read-only disk said in one line (the records written
+        are not marked yet: nothing counts as there)."""
+        try:
+            _write(fd, data, offset)
+        except OSError as e:
+            if e.errno not in CACHE_WRITE_ERRORS:
+                raise
+            raise cache_error(e, self.path(unit), self.root_name) from e
 
     def _refetch(self, unit: int) -> memoryview:
         """Record `unit` fetched again on its own; still not matching its CRC-32: an error naming it."""
@@ -451,10 +466,11 @@ class RecordSlots:
 
 
 
-def retire(folder: Path) -> int:
-    """Delete the slot files of a dataset's cache folder that no process uses (`cache.retire_version`), the
-    state first: whatever a stop midway leaves, no record counts as there. The disk blocks freed."""
-    return remove_named(folder / SLOT_DIR, lambda name: name == STATE_FILE or bool(_SLOT_NAME.fullmatch(name)),
+def retire(folder_fd: int) -> int:
+    """Delete the slot files of a dataset's cache folder (open as `folder_fd`) that no process uses
+    (`cache.retire_version`), the state first: whatever a stop midway leaves, no record counts as there. The
+    disk blocks freed."""
+    return remove_named(folder_fd, SLOT_DIR, lambda name: name == STATE_FILE or bool(_SLOT_NAME.fullmatch(name)),
                         first=STATE_FILE)
 
 

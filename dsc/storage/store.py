@@ -29,7 +29,7 @@ import numpy as np
 from dsc import format as fmt
 from dsc.errors import ChecksumError, DatasetError, StorageError
 from dsc.storage.columns import Column
-from dsc.storage.local import LocalFolder, first_hole, map_file, scan_values
+from dsc.storage.local import CACHE_WRITE_ERRORS, LocalFolder, first_hole, map_file, scan_values
 from dsc.storage.shard_maps import ShardMaps
 
 REOPEN_ATTEMPTS = 5  # opens of a folder that recompiles keep swapping, before giving up
@@ -117,7 +117,7 @@ def _said(store: DatasetStore) -> Iterator[None]:
         yield
     except OSError as e:
         said = getattr(store, "cache_error", None)
-        if said is None:
+        if said is None or e.errno not in CACHE_WRITE_ERRORS:
             raise
         raise said(e) from e
 
@@ -605,7 +605,7 @@ def verify_checksums(root: Location, manifest: fmt.Manifest, progress: Callable[
     are read from the bucket, a piece at a time, and nothing is cached."""
     with _opened(root, cache_dir) as store:
         name = manifest_name(store, manifest.dataset_version if versions(store) else None)
-        sealed = fmt.seal_problem(store.read(name, fmt.MAX_MANIFEST_BYTES + 1), manifest, store.root)
+        sealed = fmt.seal_problem(store.read(name, fmt.MAX_MANIFEST_BYTES + 1), manifest, store.root, name)
         bad = [sealed] if sealed else []
         holes = [] if _is_remote(store) else _holes(store, manifest)  # objects have no holes; a shard with one
         bad.extend(holes)                                              # is not hashed at all

@@ -25,7 +25,15 @@ import numpy as np
 
 from dsc import format as fmt
 from dsc.errors import DatasetError
-from dsc.storage.local import TEMP_SUFFIX, create_exclusive, locked, remove_named, sha256_fd
+from dsc.storage.local import (
+    CACHE_WRITE_ERRORS,
+    TEMP_SUFFIX,
+    cache_error,
+    create_exclusive,
+    locked,
+    remove_named,
+    sha256_fd,
+)
 
 GET_BYTES = 16 << 20  # a shard is fetched in ranged GETs of at most this much
 FETCHES = 2  # fetches of a unit whose bytes are wrong, before it is an error
@@ -34,20 +42,11 @@ _UNIT_NAME = re.compile(r"shards/(\d{5,})\.bin")
 _TEMP_NAME = re.compile(rf"\.(\d{{5,}})\.bin\.[0-9a-f]{{16}}{re.escape(TEMP_SUFFIX)}")  # `_place`'s temporaries
 
 
-def cache_error(error: OSError, where: Path | str, root: str | None = None) -> DatasetError:
-    """A cache folder that cannot be written (read-only, full, not this user's) said in one line, with what to
-    do; `where` names the file or folder when the error does not, `root` the dataset whose cache it is."""
-    at = error.filename if error.filename is not None else where
-    whose = f"the cache of {root}" if root else "the cache"
-    return DatasetError(f"{at}: {whose} cannot be written there ({error.strerror or error}); give cache_dir (or "
-                        "$DSC_CACHE_DIR) a folder this user can write, with free space")
-
-
-def retire(folder: Path) -> int:
-    """Delete the shards a dataset's cache folder holds whole (and temporaries of them) when no process uses it
-    (`cache.retire_version`); the disk blocks freed."""
-    return remove_named(folder / fmt.SHARD_DIR, lambda name: bool(_UNIT_NAME.fullmatch(f"{fmt.SHARD_DIR}/{name}")
-                                                                   or _TEMP_NAME.fullmatch(name)))
+def retire(folder_fd: int) -> int:
+    """Delete the shards a dataset's cache folder (open as `folder_fd`) holds whole, and temporaries of them,
+    when no process uses it (`cache.retire_version`); the disk blocks freed."""
+    return remove_named(folder_fd, fmt.SHARD_DIR, lambda name: bool(
+        _UNIT_NAME.fullmatch(f"{fmt.SHARD_DIR}/{name}") or _TEMP_NAME.fullmatch(name)))
 
 
 def fetch_range(get: Callable[[str, int, int], bytes], at: Callable[[str], str], fetched: Callable[[int], None],
@@ -226,7 +225,9 @@ class UnitFiles:
                 try:
                     placed = self._place(self.path(shard), data)
                 except OSError as e:
-                    raise cache_error(e, self.path(shard), self._at("").rstrip("/")) from e
+                    if e.errno not in CACHE_WRITE_ERRORS:
+                        raise
+                    raise cache_error(e, self.path(shard), self.root_name) from e
                 self._placed(shard, placed)
                 return
             problems.append(f"SHA-256 {digest}, the manifest says {entry.sha256}")

@@ -18,7 +18,7 @@ from pathlib import Path
 from dsc.reader import MemmapDataset
 from dsc.reader.gather import default_threads
 from dsc.storage import cache, s3
-from dsc.storage.units import cache_error
+from dsc.storage.local import cache_error
 from dsc.tools.bench import BenchReport, Rate, _timed, memory_bytes
 
 

@@ -59,6 +59,12 @@ def is_hidden(name: str) -> bool:
     return any(part.startswith(".") for part in name.split("/"))
 
 
+def _spelled(url: str) -> str:
+    """The prefix's URL as the bucket names it (`S3://b//p/` is s3://b/p): each object's is it, '/', its key."""
+    bucket, prefix = split_prefix(url.rstrip("/"))
+    return f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
+
+
 def _listed(root: str) -> dict[str, StoredObject]:
     """Every object under the prefix by name (a key that cannot be listed: `Bucket.list` names it)."""
     from dsc.storage.bucket import Bucket
@@ -79,7 +85,7 @@ def _walk_order(names) -> list[str]:
 def discover(url: str, classes: list[str] | None = None, skip_unknown: bool = False,
              on_found: Callable[[int], None] | None = None) -> BucketFolder:
     """The images of the tree under `url`, labelled and ordered as `discover.discover` orders a folder's."""
-    root = url.rstrip("/")
+    root = _spelled(url)
     objects = _listed(root)
     visible = _walk_order(name for name in objects if not is_hidden(name))
     if not visible:
@@ -108,7 +114,7 @@ def discover_listed(url: str, table: str | os.PathLike, kinds: dict[str, str] | 
                     on_found: Callable[[int], None] | None) -> BucketFolder:
     """A label table's rows whose image is an object under `url` (paths relative to the prefix), as
     `labels.discover_listed` takes them from a folder."""
-    root = url.rstrip("/")
+    root = _spelled(url)
     objects = _listed(root)
     walked = _walk_order(n for n in objects if not is_hidden(n) and is_image_name(n.rpartition("/")[2]))
 
@@ -125,10 +131,7 @@ def discover_listed(url: str, table: str | os.PathLike, kinds: dict[str, str] | 
 def check_apart(src: str, out: str) -> None:
     """SRC and OUT, both in a bucket, must not contain each other, as folders must not: a compile never lists
     its own output as sources (a resume would find a new class folder in it)."""
-    def spelled(url: str) -> str:  # as the bucket names it: `S3://b//p/` is s3://b/p
-        bucket, prefix = split_prefix(url.rstrip("/"))
-        return f"{bucket}/{prefix}/" if prefix else f"{bucket}/"
-    s, o = spelled(src), spelled(out)
+    s, o = f"{_spelled(src)}/", f"{_spelled(out)}/"
     if s == o:
         raise CompileError(f"the source and the output are the same prefix, {src}; give OUT another name")
     if o.startswith(s):
