@@ -61,6 +61,7 @@ class Seen:
     action: str  # "forwarded", the fault's kind, or "quoted_if_match" (refused: `bare_etags`)
     sent: int = 0  # bytes of the request's body: what the client uploaded
     served: int = 0  # bytes of the answer's body sent back: what the client downloaded (a cut answer: what went)
+    answered: int = 0  # the status of the answer once it was sent whole (0: none, or cut)
 
 
 class FaultProxy:
@@ -160,6 +161,14 @@ class FaultProxy:
         with self.lock:
             return sum(1 for s in self.seen if (method is None or s.method == method) and contains in s.path
                        and (action is None or s.action == action))
+
+    def answered(self, method: str | None = None, contains: str = "") -> int:
+        """Requests answered whole with a 2xx status (of `method`, whose path contains `contains`): what a client
+        counts as done. One the upstream failed (a server slowed past its limit by a loaded machine) and the
+        client tried again counts in `count`, not here."""
+        with self.lock:
+            return sum(1 for s in self.seen if (method is None or s.method == method) and contains in s.path
+                       and 200 <= s.answered < 300)
 
     def sent(self, method: str | None = None, contains: str = "") -> int:
         """Bytes of the bodies of the requests received so far (of `method`, whose path contains `contains`)."""
@@ -287,3 +296,6 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.wfile.write(data)
             with self.owner.lock:
                 self.recorded.served += len(data)
+        if len(data) == length or self.command == "HEAD":
+            with self.owner.lock:
+                self.recorded.answered = status
