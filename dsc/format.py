@@ -881,7 +881,6 @@ def _declared_shards(doc: dict) -> dict[str, int]:
         return {}
 
 
-@functools.lru_cache(maxsize=4)  # asked once per file of a dataset: parse its manifest once
 def declared_version(text: bytes) -> int:
     """The dataset version manifest bytes declare (`dataset_version`), unchecked; 1 where absent or unreadable
     (a manifest made before versions is version 1)."""
@@ -892,6 +891,7 @@ def declared_version(text: bytes) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else 1
 
 
+@functools.lru_cache(maxsize=4)  # asked once per file of a dataset: parse its manifest once
 def declared_sizes(text: bytes) -> dict[str, int]:
     """Each listed file's size as manifest bytes declare it, unchecked: what lets a cache answer a
     size without asking the bucket, before `parse_manifest` has validated anything (a wrong answer
