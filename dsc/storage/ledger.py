@@ -49,8 +49,7 @@ import numpy as np
 
 from dsc.errors import DatasetError
 from dsc.storage.local import (
-    CACHE_WRITE_ERRORS,
-    cache_error,
+    cache_writes,
     hold_lock,
     let_go_lock,
     lock_is_held,
@@ -325,12 +324,8 @@ class NodeLedger:
         path = self._plan_path(self.mine())
         fd = self._open(path, create=True)
         try:
-            try:
+            with cache_writes(path):
                 reserve(fd, self.plan_bytes)  # its blocks now: a full disk is ENOSPC here, not SIGBUS in a write
-            except OSError as e:
-                if e.errno not in CACHE_WRITE_ERRORS:
-                    raise
-                raise cache_error(e, path) from e
             self._plan = np.frombuffer(mmap.mmap(fd, self.plan_bytes), dtype=NEXT_DTYPE) \
                 if self.plan_bytes else np.zeros(0, NEXT_DTYPE)
         finally:

@@ -651,16 +651,23 @@ def remove_named(folder_fd: int, sub: str, names: Callable[[str], bool], first: 
     return freed
 
 
-def cache_error(error: OSError, where: Path | str, root: str | None = None) -> DatasetError:
-    """A cache folder that cannot be written (read-only, full, not this user's) said in one line, with what to
-    do; `where` names the file or folder when the error does not, `root` the dataset whose cache it is."""
-    at = error.filename if error.filename is not None else where
-    whose = f"the cache of {root}" if root else "the cache"
-    return DatasetError(f"{at}: {whose} cannot be written there ({error.strerror or error}); give cache_dir (or "
-                        "$DSC_CACHE_DIR) a folder this user can write, with free space")
+CACHE_WRITE_ERRORS = (errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM)  # `cache_writes` says
 
 
-CACHE_WRITE_ERRORS = (errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM)  # what `cache_error` says
+@contextmanager
+def cache_writes(where: Path | str, root: str | None = None) -> Iterator[None]:
+    """Writes into a cache folder: one that cannot be written (read-only, full, not this user's) raised as a
+    DatasetError of one line with what to do (`where` names the file or folder when the error does not, `root`
+    the dataset whose cache it is); any other system error as it is."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in CACHE_WRITE_ERRORS:
+            raise
+        at = e.filename if e.filename is not None else where
+        whose = f"the cache of {root}" if root else "the cache"
+        raise DatasetError(f"{at}: {whose} cannot be written there ({e.strerror or e}); give cache_dir (or "
+                           "$DSC_CACHE_DIR) a folder this user can write, with free space") from e
 
 
 def map_shared(path: Path, nbytes: int, foreign: Callable[[str], Exception]) -> mmap.mmap:

@@ -40,7 +40,7 @@ from dsc import format as fmt
 from dsc.errors import DatasetError, StorageError
 from dsc.storage import aws_config, fetch_helper, manifest_copies
 from dsc.storage.ledger import node_default
-from dsc.storage.local import TEMP_SUFFIX, cache_error, create_exclusive, locked
+from dsc.storage.local import TEMP_SUFFIX, create_exclusive, locked
 
 EXTRA = "pip install 'dsc-images[s3]'"
 ATTEMPTS = 4  # tries of one request before giving up (timeouts, 5xx, refused or reset connections)
@@ -456,10 +456,6 @@ class S3Dataset:
         if name == LATEST and manifest_copies.newest(self.cache, self._origin(LATEST)) == folder.name:
             return  # the node read it as the latest last time too: nothing to note (nothing written at an open)
         self._place(folder / self._origin(name), lambda f: None)
-
-    def cache_error(self, error: OSError) -> DatasetError:
-        """A system error met writing the cache (`store._said`), as one line saying what to do."""
-        return cache_error(error, self.cache, self.root)
 
     def offline(self) -> EndpointUnreachable | None:
         """Why the endpoint did not answer at open (the store then reads the node's copies), or None."""

@@ -52,9 +52,8 @@ from dsc import format as fmt
 from dsc.errors import DatasetError
 from dsc.reader.gather import fill_parallel
 from dsc.storage.local import (
-    CACHE_WRITE_ERRORS,
     TEMP_SUFFIX,
-    cache_error,
+    cache_writes,
     locked,
     map_shared,
     open_regular,
@@ -399,12 +398,8 @@ class RecordSlots:
     def _write(self, fd: int, data, offset: int, unit: int) -> None:
         """`data` into a slot file at `offset`; a full or read-only disk said in one line (the records written
         are not marked yet: nothing counts as there)."""
-        try:
+        with cache_writes(self.path(unit), self.root_name):
             _write(fd, data, offset)
-        except OSError as e:
-            if e.errno not in CACHE_WRITE_ERRORS:
-                raise
-            raise cache_error(e, self.path(unit), self.root_name) from e
 
     def _refetch(self, unit: int) -> memoryview:
         """Record `unit` fetched again on its own; still not matching its CRC-32: an error naming it."""

@@ -20,7 +20,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -29,7 +29,7 @@ import numpy as np
 from dsc import format as fmt
 from dsc.errors import ChecksumError, DatasetError, StorageError
 from dsc.storage.columns import Column
-from dsc.storage.local import CACHE_WRITE_ERRORS, LocalFolder, first_hole, map_file, scan_values
+from dsc.storage.local import LocalFolder, cache_writes, first_hole, map_file, scan_values
 from dsc.storage.shard_maps import ShardMaps
 
 REOPEN_ATTEMPTS = 5  # opens of a folder that recompiles keep swapping, before giving up
@@ -110,16 +110,10 @@ def _opened(location: Location, cache_dir: str | os.PathLike | None = None) -> I
         store.close()
 
 
-@contextmanager
-def _said(store: DatasetStore) -> Iterator[None]:
-    """A system error of a store with a cache folder (an object store's: read-only, full) as its one line."""
-    try:
-        yield
-    except OSError as e:
-        said = getattr(store, "cache_error", None)
-        if said is None or e.errno not in CACHE_WRITE_ERRORS:
-            raise
-        raise said(e) from e
+def _said(store: DatasetStore) -> AbstractContextManager[None]:
+    """Writes into a store's cache folder (an object store's), a read-only or full one said in one line."""
+    cache = getattr(store, "cache", None)
+    return nullcontext() if cache is None else cache_writes(cache, str(store.root))
 
 
 _checking: weakref.WeakSet = weakref.WeakSet()  # the OpenedDatasets with files still to check whole (`_whole`)

@@ -26,9 +26,8 @@ import numpy as np
 from dsc import format as fmt
 from dsc.errors import DatasetError
 from dsc.storage.local import (
-    CACHE_WRITE_ERRORS,
     TEMP_SUFFIX,
-    cache_error,
+    cache_writes,
     create_exclusive,
     locked,
     remove_named,
@@ -222,12 +221,8 @@ class UnitFiles:
             data = self._ranged(entry.file, 0, entry.bytes)
             digest = hashlib.sha256(data).hexdigest()
             if digest == entry.sha256:
-                try:
+                with cache_writes(self.path(shard), self.root_name):
                     placed = self._place(self.path(shard), data)
-                except OSError as e:
-                    if e.errno not in CACHE_WRITE_ERRORS:
-                        raise
-                    raise cache_error(e, self.path(shard), self.root_name) from e
                 self._placed(shard, placed)
                 return
             problems.append(f"SHA-256 {digest}, the manifest says {entry.sha256}")

@@ -18,7 +18,7 @@ from pathlib import Path
 from dsc.reader import MemmapDataset
 from dsc.reader.gather import default_threads
 from dsc.storage import cache, s3
-from dsc.storage.local import cache_error
+from dsc.storage.local import cache_writes
 from dsc.tools.bench import BenchReport, Rate, _timed, memory_bytes
 
 
@@ -59,11 +59,9 @@ def run(url: str, batch_size: int = 256, threads: int | None = None, budget_s: f
     """The network limit, a cold epoch and warm ones of the loader, each in a new cache folder of its own."""
     threads = threads or default_threads()
     parent = s3.default_cache_dir()
-    try:
+    with cache_writes(parent, url):
         parent.mkdir(parents=True, exist_ok=True)
         folder = Path(tempfile.mkdtemp(prefix="dsc-bench-", dir=parent))  # ours: removed at the end
-    except OSError as e:
-        raise cache_error(e, parent, url) from e
     try:
         log("network limit")
         limit = network_limit(url, folder / "limit", budget_s)
