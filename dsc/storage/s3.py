@@ -40,7 +40,7 @@ from dsc import format as fmt
 from dsc.errors import DatasetError, StorageError
 from dsc.storage import aws_config, fetch_helper, manifest_copies
 from dsc.storage.ledger import node_default
-from dsc.storage.local import TEMP_SUFFIX, create_exclusive, locked
+from dsc.storage.local import TEMP_SUFFIX, create_exclusive, locked, sha256_fd
 
 EXTRA = "pip install 'dsc-images[s3]'"
 ATTEMPTS = 4  # tries of one request before giving up (timeouts, 5xx, refused or reset connections)
@@ -570,14 +570,12 @@ class S3Dataset:
         if _read_seal(path) == stamp:
             return fd
         try:
-            digest = hashlib.sha256()
-            while piece := os.read(fd, PIECE_BYTES):
-                digest.update(piece)
+            found = sha256_fd(os.dup(fd))  # (the copy shares the offset: back to the start after)
             os.lseek(fd, 0, os.SEEK_SET)
         except BaseException:
             os.close(fd)
             raise
-        if digest.hexdigest() != entry.sha256:
+        if found != entry.sha256:
             os.close(fd)
             return None
         _write_seal(path, stamp)
