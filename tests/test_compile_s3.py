@@ -171,7 +171,6 @@ def test_tasks_run_twice_split_or_lost_give_the_same_bytes(src: Path, reference:
     assert _TwiceEngine.largest[0] == (7 if split else 27)
 
 
-
 def test_each_record_is_uploaded_once_the_shards_are_copied_by_the_server(server: S3Server, env, url: str,
                                                                           tmp_path: Path, monkeypatch) -> None:
     """Bytes the client sent, counted at a proxy: the chunk objects carry every record once; the shards are
@@ -481,8 +480,7 @@ def test_deleting_an_abandoned_build_leaves_another_tools_objects_in_its_folder(
     """Objects another tool put into a partial build's folder (beside its shards, in its work folder) are not dsc's:
     a prune that deletes the abandoned build deletes every object dsc named there and none of those."""
     partial = _partial_build_of_force(src, url, monkeypatch)
-    folder = next(iter(partial)).split("/work/")[0].split("/shards/")[0]
-    folder = "/".join(folder.split("/")[:2])
+    folder = "/".join(next(iter(partial)).split("/")[:2])  # builds/<tag>
     foreign = {f"{folder}/README.txt", f"{folder}/shards/NOTES.md", f"{folder}/work/notes.txt",
                f"{folder}/work/chunks/mine.bin", f"{folder}/work/shards/00000.json.bak"}
     for name in foreign:
