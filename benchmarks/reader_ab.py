@@ -37,7 +37,7 @@ print(json.dumps(best))
 """
 
 
-def read(checkout: Path, dataset: Path, epochs: int, batch: int) -> dict[str, float]:
+def read(checkout: Path, dataset: str, epochs: int, batch: int) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": str(checkout)}
     argv = [sys.executable, "-c", READ, str(dataset), str(epochs), str(batch), ",".join(ORDERS)]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, check=True)
@@ -46,7 +46,7 @@ def read(checkout: Path, dataset: Path, epochs: int, batch: int) -> dict[str, fl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("dataset", type=Path)
+    parser.add_argument("dataset", help="a dataset folder, or an s3:// URL (read through its cache)")
     parser.add_argument("old", type=Path)
     parser.add_argument("new", type=Path, nargs="?", default=Path(__file__).resolve().parent.parent)
     parser.add_argument("--rounds", type=int, default=3)
