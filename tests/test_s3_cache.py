@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import tempfile
 import threading
@@ -21,7 +22,7 @@ import torch
 from dsc import MemmapDataset
 from dsc import format as fmt
 from dsc.compiler import output
-from dsc.errors import DatasetError
+from dsc.errors import DatasetError, LoaderError
 from dsc.reader import order as orders
 from dsc.storage import ledger, s3, slots
 
@@ -326,6 +327,35 @@ def test_files_it_did_not_create_are_never_touched(env: Path, url: str, local: M
     assert loader.stats().cache_misses >= COUNT  # it fetched and evicted all along
     assert {p: p.read_bytes() for p in foreign} == foreign
     assert {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in foreign} == stamps
+
+
+@pytest.mark.parametrize("when", ["mid-epoch", "between epochs"])
+def test_a_cache_folder_removed_under_a_running_loader_is_named_and_a_new_open_serves_again(
+        env: Path, url: str, local: MemmapDataset, when: str) -> None:
+    import shutil
+
+    budget = index_bytes(local) + COUNT * COST // 10  # fetching goes on all epoch long
+    remote = MemmapDataset(url, cache_dir=env, cache_bytes=budget)
+    folder = remote.opened.local_root
+    loader = remote.loader(BATCH, order="random", seed=4)
+    batches = iter(loader)
+    next(batches)
+    if when == "between epochs":
+        for _ in batches:
+            pass
+        loader.set_epoch(1)
+        batches = iter(loader)
+    for _ in range(20):  # by hand, or another job's clean-up, racing the fetches that write into it
+        shutil.rmtree(folder, ignore_errors=True)
+        if not folder.exists():
+            break
+    assert not folder.exists()
+    with pytest.raises(LoaderError, match=rf"{folder}: this cache folder of {url}, or files of it, were deleted while"):
+        for _ in batches:
+            pass
+    again = MemmapDataset(url, cache_dir=env, cache_bytes=budget)
+    first = [itertools.islice(ds.loader(BATCH, order="random", seed=4), 20) for ds in (again, local)]
+    same(*([tensors(b) for b in batches] for batches in first))
 
 
 # ----------------------------------------------------------------------------- a dataset without checksums

@@ -143,7 +143,7 @@ class Producer:
         job, value, error, gather_s, upload_s = self._get()
         self._ahead.release()
         if error is not None:
-            raise LoaderError(f"{describe} failed: {error!r}") from error
+            raise LoaderError(f"{describe} failed: {_described(error)}") from error
         if job != expected:
             raise LoaderError(f"{describe}: the loader thread made {job} instead (a bug in dsc)")
         meter.last = time.perf_counter()
@@ -226,3 +226,10 @@ def batch_maker(sink, opened, pool: ThreadPoolExecutor | None, num_threads: int,
 
         return sink.fill(batch_fields(opened, idx), gather), took[0]
     return make
+
+
+def _described(error: BaseException) -> str:
+    """An error as its type and message (`OSError: [Errno 2] No such file or directory: '/path'`: the repr
+    of an OSError leaves its file out); its repr when the message is empty."""
+    text = str(error)
+    return f"{type(error).__name__}: {text}" if text else repr(error)

@@ -175,7 +175,9 @@ class RecordCache:
                  get: Callable[[str, int, int], bytes], at: Callable[[str], str], crcs: np.ndarray | None,
                  threads: int = FETCH_THREADS) -> None:
         self.stats = NetworkStats()
+        self.folder = folder
         in_use = _hold(folder)  # for this object's life: no `retire_version` elsewhere deletes its records
+        self._in_use = in_use
         weakref.finalize(self, _let_go, os.getpid(), in_use)
         self._lock = threading.RLock()  # a fetch that ends at once runs its callback inside `_request`
         self.files = UnitFiles(manifest, folder, get, at, self._count_fetch) if crcs is None else \
@@ -254,16 +256,17 @@ class RecordCache:
         share of the pass that comes next (the next epoch's: its order is known), read in batches after this
         one's last: its first batches are fetched while this pass ends, and evictions see when it reads each
         unit (until the next pass is followed itself)."""
-        passes = [self.files.of(share[start * batch_size:])]
-        if then is not None:
-            passes.append(self.files.of(then[:len(then)]))  # sliced: an `order.LazyShare` is computed then
-        plan = Plan(passes, batch_size, self.files.count)
-        with self._lock:
-            self._plan, self._start, self._depth, self._now = plan, start, depth, 0
-            self._next = plan.first_use.copy()  # batch numbers from `start`, like every plan-relative one
-            if not self.ledger.has_plan():
-                self._make_plan()
-            self.ledger.publish(self._next)  # for the node's other processes' evictions
+        with self._folder_kept():
+            passes = [self.files.of(share[start * batch_size:])]
+            if then is not None:
+                passes.append(self.files.of(then[:len(then)]))  # sliced: an `order.LazyShare` is computed then
+            plan = Plan(passes, batch_size, self.files.count)
+            with self._lock:
+                self._plan, self._start, self._depth, self._now = plan, start, depth, 0
+                self._next = plan.first_use.copy()  # batch numbers from `start`, like every plan-relative one
+                if not self.ledger.has_plan():
+                    self._make_plan()
+                self.ledger.publish(self._next)  # for the node's other processes' evictions
 
     def _make_plan(self) -> None:
         """This process's plan file, in room made for it (it counts in the budget, `NodeLedger.overhead`)."""
@@ -278,6 +281,25 @@ class RecordCache:
     def fill(self, dst: np.ndarray, idx: np.ndarray, batch: int | None = None) -> None:
         """Copy records `idx` into `dst[:len(idx)]`, fetching what is not local; `batch`: which batch of the
         followed sequence this is (its next ones are fetched ahead, and what it read is let go after)."""
+        with self._folder_kept():
+            self._fill(dst, idx, batch)
+
+    @contextlib.contextmanager
+    def _folder_kept(self) -> Iterator[None]:
+        """A file of this cache's folder missing (one its own evictions delete is handled where it is read): the
+        folder, or files of it, deleted from outside (by hand, another job's clean-up), said in one line."""
+        try:
+            yield
+        except FileNotFoundError as e:
+            inside = isinstance(e.filename, str) and e.filename.startswith(f"{self.folder}{os.sep}")
+            if not inside and os.fstat(self._in_use).st_nlink > 0:
+                raise
+            raise DatasetError(f"{self.folder}: this cache folder of {self.files.root_name}, or files of it, were "
+                               f"deleted while this process read through it ({e.filename} is gone); what it holds "
+                               "can no longer be shared or counted: open the dataset again, which starts the "
+                               "folder anew") from e
+
+    def _fill(self, dst: np.ndarray, idx: np.ndarray, batch: int | None) -> None:
         plan = self._plan if batch is not None else None
         at = batch - self._start if plan is not None else self._now
         units = np.unique(self.files.of(idx))
