@@ -372,6 +372,19 @@ def test_show_on_an_s3_url(env: Path, url: str, tmp_path: Path) -> None:
     assert (tmp_path / "sheet.png").stat().st_size > 0
 
 
+@pytest.mark.parametrize("args", [["info", "{url}"], ["info", "--json", "{url}"], ["verify", "{url}"],
+                                  ["show", "{url}", "-o", "{tmp}/sheet.png", "--n", "4"]])
+def test_the_light_commands_on_an_s3_url_import_neither_torch_nor_tensordict(env: Path, url: str, tmp_path: Path,
+                                                                            args: list[str]) -> None:
+    """As on a folder (test_startup.py): the cache's storage code is no reason to import the reader's torch."""
+    argv = [a.format(url=url, tmp=tmp_path) for a in args]
+    code = ("import sys; from dsc.cli import app; from typer.testing import CliRunner; "
+            f"r = CliRunner().invoke(app, {argv!r}); "
+            "print(r.exit_code, [m for m in ('torch', 'tensordict') if m in sys.modules])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split("\n")[-2] == "0 []", done.stdout + done.stderr
+
+
 def test_a_dead_endpoint_on_the_command_line_is_one_line(env: Path, monkeypatch) -> None:
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{closed_port()}")
     result = CliRunner().invoke(app, ["info", f"s3://{BUCKET}/x"])

@@ -1,7 +1,32 @@
-"""The reader: `MemmapDataset` over a compiled dataset, and its fast batch `Loader`."""
+"""The reader: `MemmapDataset` over a compiled dataset, and its fast batch `Loader`.
 
-from dsc.reader.dataset import GatheredBatch, MemmapDataset, Sample
-from dsc.reader.loader import Loader
-from dsc.reader.order import ORDERS
+The names below are imported when first used (PEP 562), as `dsc`'s are: the storage layer uses the
+gather stage (`dsc.reader.gather`, numpy only), and importing it must not import torch with the
+dataset (`dsc info s3://...` is one of the light commands)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_LAZY = {"MemmapDataset": "dsc.reader.dataset", "GatheredBatch": "dsc.reader.dataset", "Sample": "dsc.reader.dataset",
+         "Loader": "dsc.reader.loader", "ORDERS": "dsc.reader.order"}
+
+if TYPE_CHECKING:
+    from dsc.reader.dataset import GatheredBatch, MemmapDataset, Sample
+    from dsc.reader.loader import Loader
+    from dsc.reader.order import ORDERS
 
 __all__ = ["MemmapDataset", "Loader", "Sample", "GatheredBatch", "ORDERS"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'dsc.reader' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
