@@ -31,7 +31,7 @@ from dsc.compiler.pipeline import compile_folder
 from dsc.compiler.publish import pending_publish, staging_path
 from dsc.compiler.sources import archive_sources
 from dsc.compiler.target import FITS, Target, parse_size
-from dsc.errors import CompileError, DscError
+from dsc.errors import CompileError, DscError, Interrupted
 from dsc.format import ALPHA, MANIFEST_FILE, MAX_RECORDS, minor_version
 from dsc.storage import check_skip_list, is_url, open_dataset, parse_manifest, verify_checksums
 from dsc.storage.object_file import is_url as is_object_url
@@ -239,11 +239,10 @@ def compile_command(
     except DscError as e:
         bar.close()
         _fail(str(e))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         bar.close()
-        _fail(_interrupted(out.absolute()) if isinstance(out, Path) else
-              f"interrupted; {out} holds what it held before or the new dataset, never a mix: add --resume "
-              "to continue", code=130)
+        _fail(str(e) if isinstance(e, Interrupted) else _interrupted(out.absolute()) if isinstance(out, Path) else
+              f"interrupted; nothing was committed to {out}, which holds what it held before", code=130)
     bar.close()
     if summary.reused:
         typer.echo(f"note: resumed: {summary.reused} of {summary.built} sources were done already", err=True)

@@ -48,3 +48,7 @@ def quoted(value: object, limit: int) -> str:
         return text
     head = (limit - 1) // 2
     return text[:head] + "…" + text[len(text) - (limit - 1 - head):]
+
+
+class Interrupted(KeyboardInterrupt):
+    """A Ctrl-C (or SIGTERM) that stopped a write, with what it left, said truly: the CLI prints the message."""

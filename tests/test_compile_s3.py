@@ -10,6 +10,7 @@ import json
 import multiprocessing
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -120,6 +121,54 @@ def test_the_cli_with_two_workers_leaves_no_local_output(src: Path, reference: P
     assert run.returncode == 0, run.stderr
     assert f"wrote {url}: 26 records" in run.stdout
     assert not (tmp_path / "s3:").exists()
+    assert_same_as(reference, url)
+
+
+INTERRUPTED = {  # where a Ctrl-C lands (the request the driver or a worker is in), and what the compile then says
+    "build": (("PUT", "/work/chunks/"), r"interrupted; nothing was committed to {url}, which holds what it held "
+              r"before; the work so far is kept in {url}/builds/[0-9a-f]+/: add --resume to continue"),
+    "commit": (("PUT", "/versions/"), r"interrupted while committing {url}: it holds what it held before or the new "
+               r"dataset, never a mix: add --resume to finish"),
+    "clean-up": (("POST", "?delete"), r"interrupted after {url} committed the new dataset \(version 1\); the "
+                 r"clean-up of its work objects in {url}/builds/[0-9a-f]+/ was cut short: the next compile, append "
+                 r"or prune deletes them"),
+}
+
+
+@pytest.mark.parametrize("stage", INTERRUPTED)
+def test_a_ctrl_c_says_truly_what_it_left_and_the_resume_finishes(src: Path, reference: Path, url: str, env,
+                                                                  server: S3Server, tmp_path: Path,
+                                                                  stage: str) -> None:
+    (method, path), says = INTERRUPTED[stage]
+    proxy = FaultProxy(server.endpoint)
+    proxy.hold(1, match=path, method=method)
+    argv = [sys.executable, "-m", "dsc", "compile", str(src), url, "-j", "2", "--size", "24", "--records-per-shard",
+            "5", "--seed", "3"]
+    try:
+        proc = subprocess.Popen(argv, cwd=tmp_path, env={**os.environ, **env, "AWS_ENDPOINT_URL": proxy.endpoint},
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        deadline = time.monotonic() + RUN_S
+        while not proxy.count(method, path):  # the request is held at the proxy: the compile is inside it
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.005)
+        os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C
+        time.sleep(0.2)
+        proxy.release()  # the request goes on, as one in flight does
+        _, stderr = proc.communicate(timeout=RUN_S)
+    finally:
+        proxy.kill()
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr  # the skip of the damaged source, then one line
+    assert re.fullmatch("error: " + says.format(url=re.escape(url)), stderr.strip().splitlines()[-1]), stderr
+    if stage != "clean-up":
+        resumed = subprocess.run([*argv, "--resume"], cwd=tmp_path, env={**os.environ, **env}, capture_output=True,
+                                 text=True, timeout=RUN_S)
+        assert resumed.returncode == 0, resumed.stderr
+    else:  # committed: the next compile deletes what the clean-up left, and replaces nothing without --force
+        again = subprocess.run(argv, cwd=tmp_path, env={**os.environ, **env}, capture_output=True, text=True,
+                               timeout=RUN_S)
+        assert again.returncode == 1 and "already exists" in again.stderr, again.stderr
     assert_same_as(reference, url)
 
 
@@ -260,7 +309,8 @@ def _reader_sees(url: str, expected: list[np.ndarray]) -> int | None:
     return matches[0]
 
 
-HOLDS = [("PUT", "/work/chunks/"), ("PUT", "/versions/"), ("PUT", "/manifest.json"), ("DELETE", "/work/")]
+HOLDS = [("PUT", "/work/chunks/"), ("PUT", "/versions/"), ("PUT", "/manifest.json"),
+         ("POST", "?delete")]  # obstore deletes an object by a DeleteObjects POST
 HOLD_S = 0.5  # a held request reaches the server this long after the proxy got it: after the kill
 
 

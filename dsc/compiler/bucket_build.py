@@ -29,7 +29,7 @@ from dsc.compiler.decoding import Plan, StrictFailure, decode_all, make_chunks
 from dsc.compiler.discover import printable
 from dsc.compiler.finish import NothingDecoded, Unpublishable
 from dsc.compiler.jobs import Engine, SlotResult
-from dsc.errors import CompileError, DatasetError, StorageError
+from dsc.errors import CompileError, DatasetError, Interrupted, StorageError
 from dsc.storage.bucket import Bucket
 from dsc.storage.compose import PART_MIN
 
@@ -64,17 +64,33 @@ def build_and_publish(url: str, plan: Plan, runner: Engine, force: bool, resume:
     else:
         resumed = True
         bp.renew(dataset, tag)
+    kept = f"{dataset.at(fmt.build_folder(tag))}/"
     try:
         manifest, reused, skipped = _build(dataset, tag, plan, runner, resumed, strict, on_skip, progress)
-        made = bp.commit(dataset, manifest, force)
     except (StrictFailure, NothingDecoded, Unpublishable):  # a verdict on the data: nothing worth resuming
         bp.delete_build(dataset, dataset.list(fmt.build_folder(tag)))
         raise
     except StorageError as e:
-        raise CompileError(f"{e}; the work so far is kept in {dataset.at(fmt.build_folder(tag))}/: fix the cause "
-                           "and run the same command with --resume to continue") from e
+        raise CompileError(f"{e}; the work so far is kept in {kept}: fix the cause and run the same command with "
+                           "--resume to continue") from e
+    except KeyboardInterrupt:
+        raise Interrupted(f"interrupted; nothing was committed to {dataset.root}, which holds what it held before; "
+                          f"the work so far is kept in {kept}: add --resume to continue") from None
+    try:
+        made = bp.commit(dataset, manifest, force)
+    except StorageError as e:
+        raise CompileError(f"{e}; the finished build is kept in {kept}: fix the cause and run the same command with "
+                           "--resume to commit it") from e
+    except KeyboardInterrupt:
+        raise Interrupted(f"interrupted while committing {dataset.root}: it holds what it held before or the new "
+                          "dataset, never a mix: add --resume to finish") from None
     listed = {f.file for f in made.files}
-    bp.delete_build(dataset, dataset.list(fmt.build_folder(tag)), keep=listed)  # its work objects
+    try:
+        bp.delete_build(dataset, dataset.list(fmt.build_folder(tag)), keep=listed)  # its work objects
+    except KeyboardInterrupt:
+        raise Interrupted(f"interrupted after {dataset.root} committed the new dataset (version "
+                          f"{made.dataset_version}); the clean-up of its work objects in {kept} was cut short: the "
+                          "next compile, append or prune deletes them") from None
     return made, reused, skipped
 
 
@@ -127,8 +143,10 @@ def _stage(dataset: Bucket, state: bp.PrefixState, plan: Plan, force: bool, resu
     if partial and not force:
         where = dataset.at(fmt.build_folder(partial[0]))
         raise CompileError(f"an interrupted compile left a partial build at {where}/: "
-                           "run the command that started it again with --resume to continue it (other options are "
-                           "refused), or pass --force to compile anew (the partial build is deleted once abandoned)")
+                           "run the command that started it again, with the same options and --resume, to continue it "
+                           "(--resume with other options is refused), or pass --force to compile anew (the partial "
+                           "build is then deleted if nothing wrote to it for a day, else left for a later compile or "
+                           "`dsc prune` to delete once nothing has)")
     bp.clear_abandoned(dataset, bp.partial_builds(state))  # a younger one may be another live compile's: left
     return None
 

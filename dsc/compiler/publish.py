@@ -320,8 +320,8 @@ def prepare(out: Path, force: bool, resume: bool, lock_fd: int, command: str = "
 
 def _continue_hint(command: str, what: str) -> str:
     if command == "compile":
-        return (f"run the command that started it again with --resume to {what} (other options are refused), or "
-                "pass --force to discard it")
+        return (f"run the command that started it again, with the same options and --resume, to {what} (--resume "
+                "with other options is refused), or pass --force to discard it")
     return f"dsc {command} cannot continue it: pass --force to discard it"
 
 
