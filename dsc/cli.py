@@ -475,11 +475,12 @@ def info_command(
         return
     h, w, c = s["record_shape"]
     typer.echo(f"{s['path']}: dsc format {s['format_version']}, {s['records']} records of {h}x{w}x{c} uint8, "
-               f"{s['shards']} shard(s) of up to {s['records_per_shard']}, {_human_bytes(s['bytes_on_disk'])} on disk")
-    if s["versions"] != [1]:
-        typer.echo(f"version {s['version']} (kept: {', '.join(map(str, s['versions']))}); records from "
-                   + _clean("; ".join(f"{p['first']}-{p['first'] + p['count'] - 1}: {p['source_root']}"
-                                      for p in s["parts"])))
+               f"{s['shards']} shard(s) of up to {s['records_per_shard']}, {_human_bytes(s['bytes_on_disk'])} "
+               f"{'in the bucket' if is_url(dataset) else 'on disk'}")
+    several = len(s["parts"]) > 1  # grown by appends, or merged: each part has its own sources and options
+    if s["versions"] != [1] or several:
+        kept = f"version {s['version']} (kept: {', '.join(map(str, s['versions']))}); " if s["versions"] != [1] else ""
+        typer.echo(kept + "records from " + _clean("; ".join(_part(p, s["parts"][0]["compile"]) for p in s["parts"])))
     if s["labeled"]:
         shown = list(s["classes"].items())[:SHOW_CLASSES]
         more = len(s["classes"]) - len(shown)
@@ -491,9 +492,10 @@ def info_command(
         typer.echo("unlabeled (every label is -1)")
     for f in s["fields"]:
         typer.echo(f"field {f['name']}: {_describe_field(f)}")
-    options = {k: v for k, v in s["compile"].items() if k not in ("source_root", "jpeg_decoder", "source_order")}
+    options = {k: v for k, v in s["compile"].items() if k not in PART_KEYS[several]}
     typer.echo("compiled with: " + _clean(", ".join(f"{k}={v}" for k, v in options.items())))
-    typer.echo(_clean(f"from: {s['compile'].get('source_root')}; JPEG decoder: {s['jpeg_decoder']}"))
+    typer.echo(_clean(f"from: {'the parts above' if several else s['compile'].get('source_root')}; JPEG decoder: "
+                      f"{s['jpeg_decoder']}"))
     uncounted = [] if s["counted"] else [what for what, there in (
         ("records per class", s["labeled"] and s["unlabeled"] is None),  # 1.5 stores them: shown uncounted too
         ("field values", s["fields"]), ("decoder warnings", s["has_warnings"])) if there]
@@ -514,6 +516,20 @@ def info_command(
         typer.echo(f"  {_clean(item['source'])}: {_clean(item['reason'])}")
     if s["skipped_count"] > SHOW_SKIPPED:
         typer.echo(f"  ... and {s['skipped_count'] - SHOW_SKIPPED} more (dsc info --json lists them all)")
+
+
+PART_KEYS = {False: ("source_root", "jpeg_decoder", "source_order"),  # said on lines of their own
+             True: ("source_root", "jpeg_decoder", "source_order", "sources_found", "dsc_version")}  # said per part
+
+
+def _part(part: dict, first: dict) -> str:
+    """A part of a grown or merged dataset for `dsc info`: its records, where they came from, how many sources
+    its compile found, and the options it was made with that differ from the first part's."""
+    differ = {k: v for k, v in part["compile"].items() if k not in PART_KEYS[True] and first.get(k) != v}
+    found = part["compile"].get("sources_found")
+    return (f"{part['first']}-{part['first'] + part['count'] - 1}: {part['source_root']}"
+            + (f" ({found} sources found)" if found is not None else "")
+            + "".join(f", {k}={v}" for k, v in differ.items()))
 
 
 @app.command("verify")

@@ -348,6 +348,7 @@ def test_info_and_verify_on_an_s3_url(env: Path, url: str, local: MemmapDataset)
     info = runner.invoke(app, ["info", url])
     assert info.exit_code == 0, info.output
     assert info.stdout.startswith(f"{url}: dsc format {local.manifest.version}, 24 records of 8x8x3 uint8")
+    assert info.stdout.splitlines()[0].endswith(" in the bucket")  # as the compile that wrote it says, not "on disk"
     verify = runner.invoke(app, ["verify", url])
     assert verify.exit_code == 0, verify.output
     assert verify.stdout.startswith("ok: manifest, 5 shard(s)")

@@ -394,8 +394,8 @@ def test_offline_a_dataset_never_cached_is_one_clear_error_within_seconds(env: P
     assert time.monotonic() - began < QUICK_S
     message = str(raised.value)
     assert "\n" not in message and message.startswith(f"{url}/{fmt.VERSIONS_DIR}/: LIST failed {s3.ATTEMPTS} times")
-    assert message.endswith(f"the cache {env} holds no copy of this dataset's manifest to open it without the "
-                            "endpoint"), message
+    assert message.endswith(f"the cache {env} holds no copy of this dataset's manifest fetched through the endpoint "
+                            f"{proxy.endpoint}, to open it without the endpoint"), message
     result = CliRunner().invoke(app, ["info", url])
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert len(result.stderr.strip().splitlines()) == 1 and "holds no copy" in result.stderr, result.stderr
@@ -459,8 +459,9 @@ def test_offline_the_latest_version_the_node_read_opens_and_others_by_number(env
     assert len(warned) == 1 and "opened version 2, the latest it read, from the copy cached in" in warned[0], warned
     assert (MemmapDataset(url, cache_dir=env, version=1).version, len(MemmapDataset(url, cache_dir=env, version=1))) \
         == (1, 24)
-    with pytest.raises(StorageError, match=r"holds no copy of this dataset's version 3's manifest to open it without "
-                                           r"the endpoint \(it holds copies of versions 1 to 2\)$"):
+    with pytest.raises(StorageError, match=r"holds no copy of this dataset's version 3's manifest fetched through the "
+                                           r"endpoint http://127.0.0.1:\d+, to open it without the endpoint \(it holds "
+                                           r"copies of versions 1 to 2\)$"):
         MemmapDataset(url, cache_dir=env, version=3)
 
     proxy.start()  # the prefix emptied, and another dataset uploaded there: its version 1

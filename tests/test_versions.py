@@ -252,6 +252,23 @@ def test_merge_joins_differing_class_sets_by_name(tmp_path: Path) -> None:
     storage.verify_checksums(tmp_path / "M", m.manifest)
 
 
+def test_info_on_a_merged_dataset_says_where_each_part_came_from_and_how_it_was_made(tmp_path: Path) -> None:
+    make_folder(tmp_path / "a", classes=2, per_class=3)
+    make_folder(tmp_path / "b", classes=2, per_class=4, seed=7)
+    compile_folder(tmp_path / "a", tmp_path / "A", size=SIZE, workers=1)
+    compile_folder(tmp_path / "b", tmp_path / "B", size=SIZE, fit="pad", workers=1)
+    merge([tmp_path / "A", tmp_path / "B"], tmp_path / "M")
+    lines = CliRunner().invoke(app, ["info", str(tmp_path / "M")]).stdout.splitlines()
+    assert lines[1] == (f"records from 0-5: {tmp_path / 'a'} (6 sources found); 6-13: {tmp_path / 'b'} (8 sources "
+                        "found), fit=pad")  # not only the first input's, as if it were the whole dataset
+    compiled = next(line for line in lines if line.startswith("compiled with: "))
+    assert "fit=center-crop" in compiled and "sources_found" not in compiled
+    assert next(line for line in lines if line.startswith("from: ")).startswith("from: the parts above; ")
+    single = CliRunner().invoke(app, ["info", str(tmp_path / "A")]).stdout.splitlines()
+    assert not any(line.startswith("records from") for line in single)
+    assert "sources_found=6" in single[2] and single[3].startswith(f"from: {tmp_path / 'a'}; ")
+
+
 def test_merge_refuses_other_record_shapes_and_fields(tmp_path: Path) -> None:
     make_folder(tmp_path / "a", classes=2, per_class=2)
     compile_folder(tmp_path / "a", tmp_path / "A", size=SIZE, workers=1)

@@ -479,13 +479,18 @@ class S3Dataset:
         else:
             text = self._offline_copies().get(version)
         if text is None:  # (a version asked for by number is one `list` named: the node holds it)
-            raise StorageError(f"{error}; the cache {self.cache} holds no copy of this dataset's manifest to open it "
-                               "without the endpoint") from error
+            raise StorageError(f"{error}; the cache {self.cache} holds no copy of this dataset's manifest fetched "
+                               f"through {self.endpoint_named()}, to open it without the endpoint") from error
         number = fmt.declared_version(text)
         which = f"version {number}" + (", the latest it read," if text == latest else "")
         logger.warning("%s", f"{self.root}: the endpoint cannot be reached ({error.reason}); opened {which} from the "
                              f"copy cached in {self.cache}: only what the cache holds can be read")
         return text[:limit]
+
+    def endpoint_named(self) -> str:
+        """The endpoint the settings give, for a message (a node's copies are kept per endpoint)."""
+        endpoint = str(_settings()["config"].get("endpoint") or "")
+        return f"the endpoint {endpoint}" if endpoint else "AWS's own endpoint"
 
     def _origin(self, stamp: str | None) -> str:
         return manifest_copies.origin(str(_settings()["config"].get("endpoint", "")), self.root, stamp)

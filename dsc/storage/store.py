@@ -272,7 +272,8 @@ def manifest_name(store: DatasetStore, version: int | None = None) -> str:
     offline = getattr(store, "offline", lambda: None)()  # an object store whose endpoint did not answer
     if offline is not None:
         raise StorageError(f"{offline}; the cache {store.cache} holds no copy of this dataset's version {version}'s "
-                           f"manifest to open it without the endpoint (it holds copies of {kept})")
+                           f"manifest fetched through {store.endpoint_named()}, to open it without the endpoint (it "
+                           f"holds copies of {kept})")
     raise DatasetError(f"{store.root}: has no version {version} (it holds {kept}; `dsc prune` removes old versions)")
 
 

@@ -65,8 +65,8 @@ def summary(path: str | os.PathLike, every_skip: bool = True, version: int | Non
         "fields": [field_summary(f, d.fields[f.name] if counted else None) for f in m.fields],
         "version": m.dataset_version,  # format 1.3: the version shown, and every one kept
         "versions": storage.dataset_versions(path),
-        "parts": [{"first": p.first, "count": p.count, "source_root": p.compile.get("source_root")}
-                  for p in m.record_parts],
+        "parts": [{"first": p.first, "count": p.count, "source_root": p.compile.get("source_root"),
+                   "compile": p.compile} for p in m.record_parts],  # (1.3) what each compile, append, merge input made
     }
 
 
