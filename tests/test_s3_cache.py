@@ -358,6 +358,26 @@ def test_a_cache_folder_removed_under_a_running_loader_is_named_and_a_new_open_s
     same(*([tensors(b) for b in batches] for batches in first))
 
 
+def test_a_cache_bytes_past_what_the_disk_can_hold_is_said_at_open(env: Path, url: str, local: MemmapDataset,
+                                                                   tmp_path: Path, caplog) -> None:
+    """A real 1 MiB file system under a 1.5 MB dataset: a limit above what it can hold is no limit, said once;
+    one within it, or the default (a share of the free space), says nothing."""
+    import logging
+
+    from test_publish_states import tmpfs
+
+    with tmpfs(tmp_path / "small", "1m") as small:
+        for cache_bytes, warned in ((200 << 30, True), (600_000, False), (None, False)):
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="dsc"):
+                MemmapDataset(url, cache_dir=small / f"cache-{cache_bytes}", cache_bytes=cache_bytes)
+            said = [r.getMessage() for r in caplog.records if r.name == "dsc"]
+            assert len(said) == warned, (cache_bytes, said)
+            if warned:
+                assert said[0].startswith(f"{url}: cache_bytes={200 << 30} is more than the cache folder ")
+                assert said[0].endswith(", or a larger disk") and "give cache_bytes <= " in said[0]
+
+
 # ----------------------------------------------------------------------------- a dataset without checksums
 
 def as_version_1_2(folder: Path, into: Path) -> Path:

@@ -286,6 +286,7 @@ class S3Dataset:
         self._unreachable: EndpointUnreachable | None = None  # set once the endpoint failed every try at open
         self._latest: int | None = None  # the latest version the last LIST of versions/ found
         self.cache_bytes = cache_bytes  # None: DEFAULT_SHARE of the free space, fixed at the first open
+        self._given_bytes = cache_bytes is not None
 
     # --------------------------------------------------------------------- the store's verbs
 
@@ -637,12 +638,29 @@ class S3Dataset:
                                f"{need} bytes are needed; give a larger cache_bytes (or free space in the cache folder "
                                f"{self.cache}, whose default share is {DEFAULT_SHARE:.0%} of its free space)")
 
+    def _warn_past_the_disk(self) -> None:
+        """A `cache_bytes` given that the cache folder's file system cannot hold, for a dataset that could fill it:
+        said at open, since the limit is an upper bound, not room on the disk (a full disk fails a fetch later,
+        naming it)."""
+        if not self._given_bytes:
+            return
+        folder = self.local_folder()
+        held = sum(_disk_bytes(p) for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
+        room = free_bytes(folder) + held
+        wanted = self.base_bytes() + sum(e.bytes for e in self._manifest.shards)
+        if min(self.budget(), wanted) > room:
+            logger.warning("%s", f"{self.root}: cache_bytes={self.budget()} is more than the cache folder {folder} "
+                                 f"can hold ({room} bytes: what it holds and the free space of its disk), and the "
+                                 f"dataset's {wanted} bytes would fill it; the disk fills before the limit is "
+                                 f"reached and a fetch then fails: give cache_bytes <= {room}, or a larger disk")
+
     def record_cache(self, manifest: fmt.Manifest):
         """The records' bounded cache (`dsc.storage.cache.RecordCache`) for a validated `manifest`."""
         from dsc.storage.cache import RecordCache
 
         self._parsed()
         self._check_budget()
+        self._warn_past_the_disk()
         crcs = None
         if manifest.has_checksums:  # (1.5) every segment's, joined
             pieces = []
