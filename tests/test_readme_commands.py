@@ -46,6 +46,7 @@ TINY = {
     "benchmarks/compile_s3_bench.py": ["--images", "12", "--size", "16", "--workers", "1", "--server", "moto"],
     "benchmarks/peer_bench.py": ["--images", "12", "--size", "32", "--epochs", "2", "--repeat", "1", "--peers"],
     "examples/train.py": ["--steps", "2", "--data", "{tmp}/train_ds"],
+    "examples/s3_quickstart.py": ["--work", "{tmp}/s3_quickstart"],
     "examples/imagenet_recipe.py": ["--steps", "2", "--size", "40", "--crop", "32", "--batch-size", "8",
                                     "--data", "{tmp}/recipe_ds"],
     "examples/frameworks/lightning_train.py": ["--epochs", "1", "--max-steps", "2", "--checkpoint-dir",

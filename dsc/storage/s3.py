@@ -42,7 +42,7 @@ from dsc.storage import aws_config, fetch_helper, manifest_copies
 from dsc.storage.ledger import node_default
 from dsc.storage.local import TEMP_SUFFIX, create_exclusive, locked, sha256_fd
 
-EXTRA = "pip install 'dsc-images[s3]'"
+EXTRA = "pip install 'dsc-images[s3]' (from a checkout: pip install '.[s3]')"
 ATTEMPTS = 4  # tries of one request before giving up (timeouts, 5xx, refused or reset connections)
 BACKOFF_S = 0.25  # the pause before try k + 1 is BACKOFF_S * 2**(k - 1)
 CONNECT_TIMEOUT = "5s"
@@ -170,7 +170,7 @@ def client(bucket: str) -> Any:
     try:
         from obstore.store import S3Store
     except ImportError as e:
-        raise StorageError(f"reading s3:// datasets needs obstore, which is not installed: {EXTRA}") from e
+        raise StorageError(f"an s3:// URL needs obstore, which is not installed: {EXTRA}") from e
     made = S3Store(bucket, **settings)
     _clients[key] = made
     if _runtime_pid is None:
@@ -895,7 +895,7 @@ def _obstore():
     try:
         import obstore
     except ImportError as e:
-        raise StorageError(f"reading s3:// datasets needs obstore, which is not installed: {EXTRA}") from e
+        raise StorageError(f"an s3:// URL needs obstore, which is not installed: {EXTRA}") from e
     return obstore
 
 
