@@ -172,6 +172,19 @@ def test_a_ctrl_c_says_truly_what_it_left_and_the_resume_finishes(src: Path, ref
     assert_same_as(reference, url)
 
 
+def test_a_compile_into_an_existing_dataset_is_refused_before_any_decoder_is_imported(src: Path, url: str,
+                                                                                       env) -> None:
+    compile_folder(src, url, workers=1, on_skip=lambda s, r: None, **OPTIONS)
+    argv = ["compile", str(src), url, "-j", "1", "--size", "24"]  # one worker: the driver would decode (torch)
+    code = ("import sys; from dsc.cli import app; from typer.testing import CliRunner; "
+            f"r = CliRunner().invoke(app, {argv!r}); "
+            "print(r.exit_code, [m for m in ('torch', 'tensordict') if m in sys.modules], repr(r.stderr))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=RUN_S,
+                          env={**os.environ, **env})
+    assert done.stdout.split("\n")[-2].startswith(f"1 [] 'error: output {url} already exists; pass --force"), \
+        done.stdout + done.stderr
+
+
 class _TwiceEngine(LocalEngine):
     """Decodes in this process and runs every chunk twice (a task that Ray ran again). With `split`, a chunk
     runs as two tasks (a stalled worker's rest handed to another) before its second, whole run; with

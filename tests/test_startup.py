@@ -55,6 +55,15 @@ def test_a_compile_driver_with_workers_never_imports_torch(dataset: Path) -> Non
     assert (dataset / "out2" / "manifest.json").is_file()
 
 
+def test_a_compile_into_an_existing_dataset_is_refused_before_any_decoder_is_imported(dataset: Path) -> None:
+    """With one worker the driver decodes itself (it imports torch for that): an OUT it would refuse anyway is
+    refused first, so the refusal costs a second or two less, and leaves OUT as it was."""
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in (dataset / "out").rglob("*"))
+    ran = run_dsc("compile", str(dataset / "src"), str(dataset / "out"), "--size", "16", "-j", "1")
+    assert ran == {"code": 1, "heavy": []}
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in (dataset / "out").rglob("*")) == before
+
+
 def test_the_commands_that_need_the_reader_or_the_decoders_import_them(dataset: Path) -> None:
     """The other side of the rule: the subprocess check above would see torch if it were imported."""
     assert run_dsc("verify", str(dataset / "out"), "--decode", "2")["heavy"] == ["torch"]

@@ -143,8 +143,8 @@ def _stage(dataset: Bucket, state: bp.PrefixState, plan: Plan, force: bool, resu
     if partial and not force:
         where = dataset.at(fmt.build_folder(partial[0]))
         raise CompileError(f"an interrupted compile left a partial build at {where}/: "
-                           "run the command that started it again, with the same options and --resume, to continue it "
-                           "(--resume with other options is refused), or pass --force to compile anew (the partial "
+                           "run the command that started it again with --resume to continue it (with the same "
+                           "options: with others --resume is refused), or pass --force to compile anew (the partial "
                            "build is then deleted if nothing wrote to it for a day, else left for a later compile or "
                            "`dsc prune` to delete once nothing has)")
     bp.clear_abandoned(dataset, bp.partial_builds(state))  # a younger one may be another live compile's: left

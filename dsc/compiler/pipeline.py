@@ -195,6 +195,8 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
                                       or not 1 <= stall_seconds <= MAX_STALL_S):
         raise CompileError(f"stall_seconds must be a number of seconds from 1 to {MAX_STALL_S:g}, "
                            f"got {stall_seconds!r}")
+    if not resume:  # refused now, not after the workers started (a second or two); checked again where it counts
+        _refuse_out(out, force)
     # the engine's workers start now: their imports overlap discovery
     with make_engine(engine, workers, address, stall_seconds) as runner:
         found = _discover(src, out, classes, skip_unknown_classes, labels, columns, (label_key, image_column),
@@ -221,6 +223,22 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
                           list(manifest.classes), found.empty_classes, len(manifest.shards), size_on_disk,
                           time.perf_counter() - started, decoder_name(), manifest.record_shape, manifest.fields,
                           found.ignored, reused, len(plan.sources))
+
+
+def _refuse_out(out: Path | str, force: bool) -> None:
+    """What the build's own check of OUT (under its lock, or before its bucket build) would refuse without
+    --resume: a link or another tool's files (even with --force), a dataset without --force."""
+    if isinstance(out, Path):
+        if out.is_symlink() or out.exists():  # (a missing OUT's folders are made later, mkdir -p)
+            publish.check_out(out, force)
+        return
+    from dsc.compiler import bucket_publish
+    from dsc.storage.bucket import Bucket
+
+    dataset = Bucket(out)
+    state = bucket_publish.survey(dataset)
+    bucket_publish.tidy(dataset, state)  # what a kill after a commit left, as every compile into it does
+    bucket_publish.check_target(dataset, state, force)
 
 
 def _discover(src: Path | str, out: Path | str, classes, skip_unknown_classes: bool, labels, columns,

@@ -190,7 +190,8 @@ def already_exists(out: str, resume_found_nothing: bool, more: str = "") -> Comp
     return CompileError(f"output {out} already exists; pass --force to replace it{more}{why}")
 
 
-def _check_out(out: Path, force: bool, resume_found_nothing: bool = False) -> None:
+def check_out(out: Path, force: bool, resume_found_nothing: bool = False) -> None:
+    """Refuse an OUT that is a link, holds what dsc never replaces, or holds a dataset without --force."""
     if out.is_symlink():
         raise CompileError(f"output {out} is a symbolic link; give the folder it points to instead")
     if out.exists():
@@ -303,7 +304,7 @@ def prepare(out: Path, force: bool, resume: bool, lock_fd: int, command: str = "
                                f"finished build of {out} waiting to be published: " + _continue_hint(command,
                                                                                                     "publish it"))
         clear_publish(out)
-    _check_out(out, force, resume and not (stage.is_symlink() or stage.exists()))
+    check_out(out, force, resume and not (stage.is_symlink() or stage.exists()))
     if stage.is_symlink() or stage.exists():
         if resume and stage.is_dir() and not stage.is_symlink():
             _check_resumable(stage)
@@ -320,8 +321,8 @@ def prepare(out: Path, force: bool, resume: bool, lock_fd: int, command: str = "
 
 def _continue_hint(command: str, what: str) -> str:
     if command == "compile":
-        return (f"run the command that started it again, with the same options and --resume, to {what} (--resume "
-                "with other options is refused), or pass --force to discard it")
+        return (f"run the command that started it again with --resume to {what} (with the same options: with others "
+                "--resume is refused), or pass --force to discard it")
     return f"dsc {command} cannot continue it: pass --force to discard it"
 
 
