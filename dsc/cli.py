@@ -242,7 +242,8 @@ def compile_command(
     except KeyboardInterrupt as e:
         bar.close()
         _fail(str(e) if isinstance(e, Interrupted) else _interrupted(out.absolute()) if isinstance(out, Path) else
-              f"interrupted; nothing was committed to {out}, which holds what it held before", code=130)
+              f"interrupted; {out} holds what it held before or the new dataset, never a mix: add --resume "
+              "to continue", code=130)
     bar.close()
     if summary.reused:
         typer.echo(f"note: resumed: {summary.reused} of {summary.built} sources were done already", err=True)
@@ -478,9 +479,11 @@ def info_command(
                f"{s['shards']} shard(s) of up to {s['records_per_shard']}, {_human_bytes(s['bytes_on_disk'])} "
                f"{'in the bucket' if is_url(dataset) else 'on disk'}")
     several = len(s["parts"]) > 1  # grown by appends, or merged: each part has its own sources and options
+    made = [p["compile"] for p in s["parts"]]
+    common = {k: v for k, v in made[0].items() if all(m.get(k) == v for m in made[1:])} if several else s["compile"]
     if s["versions"] != [1] or several:
         kept = f"version {s['version']} (kept: {', '.join(map(str, s['versions']))}); " if s["versions"] != [1] else ""
-        typer.echo(kept + "records from " + _clean("; ".join(_part(p, s["parts"][0]["compile"]) for p in s["parts"])))
+        typer.echo(kept + "records from " + _clean("; ".join(_part(p, common) for p in s["parts"])))
     if s["labeled"]:
         shown = list(s["classes"].items())[:SHOW_CLASSES]
         more = len(s["classes"]) - len(shown)
@@ -492,8 +495,9 @@ def info_command(
         typer.echo("unlabeled (every label is -1)")
     for f in s["fields"]:
         typer.echo(f"field {f['name']}: {_describe_field(f)}")
-    options = {k: v for k, v in s["compile"].items() if k not in PART_KEYS[several]}
-    typer.echo("compiled with: " + _clean(", ".join(f"{k}={v}" for k, v in options.items())))
+    options = {k: v for k, v in common.items() if k not in PART_KEYS[several]}
+    typer.echo(("compiled with: " if not several else "every part compiled with: ")
+               + _clean(", ".join(f"{k}={v}" for k, v in options.items())))
     typer.echo(_clean(f"from: {'the parts above' if several else s['compile'].get('source_root')}; JPEG decoder: "
                       f"{s['jpeg_decoder']}"))
     uncounted = [] if s["counted"] else [what for what, there in (
@@ -522,10 +526,10 @@ PART_KEYS = {False: ("source_root", "jpeg_decoder", "source_order"),  # said on 
              True: ("source_root", "jpeg_decoder", "source_order", "sources_found", "dsc_version")}  # said per part
 
 
-def _part(part: dict, first: dict) -> str:
+def _part(part: dict, common: dict) -> str:
     """A part of a grown or merged dataset for `dsc info`: its records, where they came from, how many sources
-    its compile found, and the options it was made with that differ from the first part's."""
-    differ = {k: v for k, v in part["compile"].items() if k not in PART_KEYS[True] and first.get(k) != v}
+    its compile found, and its options that not every part shares (`common`: those every part does)."""
+    differ = {k: v for k, v in part["compile"].items() if k not in PART_KEYS[True] and common.get(k) != v}
     found = part["compile"].get("sources_found")
     return (f"{part['first']}-{part['first'] + part['count'] - 1}: {part['source_root']}"
             + (f" ({found} sources found)" if found is not None else "")

@@ -6,6 +6,7 @@ import errno
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -448,6 +449,24 @@ def test_a_kill_after_cleaning_up_but_before_publishing_still_resumes(folder: Pa
     monkeypatch.undo()
     summary = compile_folder(folder, out, size=8, workers=1, resume=True)
     assert summary.kept == 12 and storage.open_dataset(out).manifest.count == 12
+
+
+def test_a_force_recompile_killed_while_publishing_is_named_not_refused_as_existing(folder: Path, tmp_path: Path,
+                                                                                    monkeypatch) -> None:
+    """OUT exists and a finished build waits to replace it: the next compile says so (--resume publishes it),
+    rather than "already exists; pass --force", which would throw the finished build away."""
+    out = tmp_path / "out"
+    compile_folder(folder, out, size=8, workers=1)
+    monkeypatch.setattr("dsc.compiler.publish.publish",
+                        lambda stage, out, force: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        compile_folder(folder, out, size=8, workers=1, force=True, seed=5)
+    monkeypatch.undo()
+    with pytest.raises(CompileError, match=f"left a finished build of {re.escape(str(out))} waiting to be published: "
+                                           "run the command that started it again with --resume to publish it"):
+        compile_folder(folder, out, size=8, workers=1, seed=5)
+    compile_folder(folder, out, size=8, workers=1, force=True, seed=5, resume=True)
+    assert storage.open_dataset(out).manifest.compile["seed"] == 5
 
 
 def test_a_passing_system_error_stops_the_compile_instead_of_skipping(folder: Path, tmp_path: Path,

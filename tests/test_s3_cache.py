@@ -329,29 +329,36 @@ def test_files_it_did_not_create_are_never_touched(env: Path, url: str, local: M
     assert {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in foreign} == stamps
 
 
-@pytest.mark.parametrize("when", ["mid-epoch", "between epochs"])
+@pytest.mark.parametrize("when, what", [("mid-epoch", "folder"), ("between epochs", "folder"),
+                                        ("before the loader", "folder"), ("mid-epoch", "node table")])
 def test_a_cache_folder_removed_under_a_running_loader_is_named_and_a_new_open_serves_again(
-        env: Path, url: str, local: MemmapDataset, when: str) -> None:
+        env: Path, url: str, local: MemmapDataset, when: str, what: str) -> None:
+    """The folder or files of it deleted (by hand, or another job's clean-up) while a process reads through it:
+    one line naming the folder, wherever the process next touches it; a new open serves again."""
+    import re
     import shutil
 
     budget = index_bytes(local) + COUNT * COST // 10  # fetching goes on all epoch long
     remote = MemmapDataset(url, cache_dir=env, cache_bytes=budget)
     folder = remote.opened.local_root
-    loader = remote.loader(BATCH, order="random", seed=4)
-    batches = iter(loader)
-    next(batches)
-    if when == "between epochs":
-        for _ in batches:
-            pass
-        loader.set_epoch(1)
+    gone = folder if what == "folder" else folder / ledger.NODE_DIR
+    if when != "before the loader":
+        loader = remote.loader(BATCH, order="random", seed=4)
         batches = iter(loader)
-    for _ in range(20):  # by hand, or another job's clean-up, racing the fetches that write into it
-        shutil.rmtree(folder, ignore_errors=True)
-        if not folder.exists():
+        next(batches)
+        if when == "between epochs":
+            for _ in batches:
+                pass
+            loader.set_epoch(1)
+            batches = iter(loader)
+    for _ in range(20):  # racing the fetches that write into it
+        shutil.rmtree(gone, ignore_errors=True)
+        if not gone.exists():
             break
-    assert not folder.exists()
-    with pytest.raises(LoaderError, match=rf"{folder}: this cache folder of {url}, or files of it, were deleted while"):
-        for _ in batches:
+    assert not gone.exists() and (what == "folder" or folder.is_dir())
+    says = rf"{re.escape(str(folder))}: this cache folder of {re.escape(url)}, or files of it, were deleted while"
+    with pytest.raises(LoaderError if when != "before the loader" else DatasetError, match=says):
+        for _ in (batches if when != "before the loader" else remote.loader(BATCH, order="random", seed=4)):
             pass
     again = MemmapDataset(url, cache_dir=env, cache_bytes=budget)
     first = [itertools.islice(ds.loader(BATCH, order="random", seed=4), 20) for ds in (again, local)]

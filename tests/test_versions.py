@@ -259,10 +259,10 @@ def test_info_on_a_merged_dataset_says_where_each_part_came_from_and_how_it_was_
     compile_folder(tmp_path / "b", tmp_path / "B", size=SIZE, fit="pad", workers=1)
     merge([tmp_path / "A", tmp_path / "B"], tmp_path / "M")
     lines = CliRunner().invoke(app, ["info", str(tmp_path / "M")]).stdout.splitlines()
-    assert lines[1] == (f"records from 0-5: {tmp_path / 'a'} (6 sources found); 6-13: {tmp_path / 'b'} (8 sources "
-                        "found), fit=pad")  # not only the first input's, as if it were the whole dataset
-    compiled = next(line for line in lines if line.startswith("compiled with: "))
-    assert "fit=center-crop" in compiled and "sources_found" not in compiled
+    assert lines[1] == (f"records from 0-5: {tmp_path / 'a'} (6 sources found), fit=center-crop; 6-13: "
+                        f"{tmp_path / 'b'} (8 sources found), fit=pad")  # not the first input's, as if the whole
+    compiled = next(line for line in lines if line.startswith("every part compiled with: "))
+    assert f"size=[{SIZE}, {SIZE}]" in compiled and "fit=" not in compiled and "sources_found" not in compiled
     assert next(line for line in lines if line.startswith("from: ")).startswith("from: the parts above; ")
     single = CliRunner().invoke(app, ["info", str(tmp_path / "A")]).stdout.splitlines()
     assert not any(line.startswith("records from") for line in single)

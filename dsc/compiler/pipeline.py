@@ -229,7 +229,8 @@ def _refuse_out(out: Path | str, force: bool) -> None:
     """What the build's own check of OUT (under its lock, or before its bucket build) would refuse without
     --resume: a link or another tool's files (even with --force), a dataset without --force."""
     if isinstance(out, Path):
-        if out.is_symlink() or out.exists():  # (a missing OUT's folders are made later, mkdir -p)
+        # (a missing OUT's folders are made later, mkdir -p; a finished build waiting to be published is said there)
+        if (out.is_symlink() or out.exists()) and publish.pending_publish(out) is None:
             publish.check_out(out, force)
         return
     from dsc.compiler import bucket_publish

@@ -21,9 +21,18 @@ __all__ = ["MemmapDataset", "Loader", "Sample", "GatheredBatch", "ORDERS"]
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
+    """`dsc.reader.MemmapDataset`, and its submodules (`dsc.reader.sampling`): imported on first use."""
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    elif not name.startswith("__"):
+        try:
+            value = importlib.import_module(f"dsc.reader.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"dsc.reader.{name}":
+                raise
+            raise AttributeError(f"module 'dsc.reader' has no attribute {name!r}") from None
+    else:
         raise AttributeError(f"module 'dsc.reader' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
     globals()[name] = value
     return value
 

@@ -230,6 +230,6 @@ def batch_maker(sink, opened, pool: ThreadPoolExecutor | None, num_threads: int,
 
 def _described(error: BaseException) -> str:
     """An error as its type and message (`OSError: [Errno 2] No such file or directory: '/path'`: the repr
-    of an OSError leaves its file out); its repr when the message is empty."""
+    of an OSError leaves its file out); its repr when the message is empty or takes several lines."""
     text = str(error)
-    return f"{type(error).__name__}: {text}" if text else repr(error)
+    return f"{type(error).__name__}: {text}" if text and "\n" not in text else repr(error)

@@ -138,6 +138,10 @@ def _hold(folder: Path) -> int:
     return fd
 
 
+def _identity(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
 def _let_go(pid: int, fd: int) -> None:
     """The hold of `_hold`, let go by the process that took it (a forked child closed its copy at the fork, and
     the number may name another file of the child's by now)."""
@@ -177,7 +181,7 @@ class RecordCache:
         self.stats = NetworkStats()
         self.folder = folder
         in_use = _hold(folder)  # for this object's life: no `retire_version` elsewhere deletes its records
-        self._in_use = in_use
+        self._identity = _identity(os.fstat(in_use))  # the folder opened: one removed and made anew is another
         weakref.finalize(self, _let_go, os.getpid(), in_use)
         self._lock = threading.RLock()  # a fetch that ends at once runs its callback inside `_request`
         self.files = UnitFiles(manifest, folder, get, at, self._count_fetch) if crcs is None else \
@@ -206,7 +210,7 @@ class RecordCache:
     @property
     def used(self) -> int:
         """The bytes the node's folder holds and its processes have reserved, counted in the budget."""
-        with self._lock, self.ledger.locked():
+        with self._folder_kept(), self._lock, self.ledger.locked():
             return self._node_used(self.files.present_mask())
 
     def _node_used(self, present: np.ndarray) -> int:
@@ -229,7 +233,7 @@ class RecordCache:
         and for what the node's other processes that share the folder said they need (`NodeLedger.set_need`)."""
         units = self._units_of_batches(batch_size, depth)
         mine = units * self.files.largest()
-        with self.ledger.locked():
+        with self._folder_kept(), self.ledger.locked():
             needs, planners = self.ledger.set_need(mine)
             theirs = needs - mine
             # the table and a plan for each process that makes batches (published when it starts following one)
@@ -292,12 +296,16 @@ class RecordCache:
             yield
         except FileNotFoundError as e:
             inside = isinstance(e.filename, str) and e.filename.startswith(f"{self.folder}{os.sep}")
-            if not inside and os.fstat(self._in_use).st_nlink > 0:
+            try:
+                same = _identity(os.stat(self.folder)) == self._identity
+            except FileNotFoundError:
+                same = False
+            if same and not inside:
                 raise
+            gone = f" ({e.filename} is gone)" if e.filename else ""
             raise DatasetError(f"{self.folder}: this cache folder of {self.files.root_name}, or files of it, were "
-                               f"deleted while this process read through it ({e.filename} is gone); what it holds "
-                               "can no longer be shared or counted: open the dataset again, which starts the "
-                               "folder anew") from e
+                               f"deleted while this process read through it{gone}; what it holds can no longer be "
+                               "shared or counted: open the dataset again, which starts the folder anew") from e
 
     def _fill(self, dst: np.ndarray, idx: np.ndarray, batch: int | None) -> None:
         plan = self._plan if batch is not None else None

@@ -20,6 +20,7 @@ pick the way.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import ipaddress
 import logging
@@ -617,8 +618,7 @@ class S3Dataset:
             folder = self.local_folder()
 
             def compute() -> int:
-                held = sum(_disk_bytes(p) for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
-                return int(free_bytes(folder) * DEFAULT_SHARE) + held
+                return int(free_bytes(folder) * DEFAULT_SHARE) + _held_bytes(folder)
             self.cache_bytes = node_default(folder, compute)
         return self.cache_bytes
 
@@ -642,13 +642,12 @@ class S3Dataset:
         """A `cache_bytes` given that the cache folder's file system cannot hold, for a dataset that could fill it:
         said at open, since the limit is an upper bound, not room on the disk (a full disk fails a fetch later,
         naming it)."""
-        if not self._given_bytes:
-            return
         folder = self.local_folder()
-        held = sum(_disk_bytes(p) for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
-        room = free_bytes(folder) + held
-        wanted = self.base_bytes() + sum(e.bytes for e in self._manifest.shards)
-        if min(self.budget(), wanted) > room:
+        wanted = min(self.budget(), self.base_bytes() + sum(e.bytes for e in self._manifest.shards))
+        if not self._given_bytes or wanted <= free_bytes(folder):
+            return
+        room = free_bytes(folder) + _held_bytes(folder)  # (the node's other processes change it meanwhile)
+        if wanted > room:
             logger.warning("%s", f"{self.root}: cache_bytes={self.budget()} is more than the cache folder {folder} "
                                  f"can hold ({room} bytes: what it holds and the free space of its disk), and the "
                                  f"dataset's {wanted} bytes would fill it; the disk fills before the limit is "
@@ -830,10 +829,16 @@ def _remove_dead_temporaries(path: Path) -> None:
             pass
 
 
-def _disk_bytes(path: Path) -> int:
-    """A file's bytes, or the disk its blocks take where that is less (a sparse file of the record cache)."""
-    st = path.stat()
-    return min(st.st_size, st.st_blocks * 512)
+def _held_bytes(folder: Path) -> int:
+    """The bytes of the regular files under `folder`, or the disk their blocks take where that is less; files that
+    go while it is walked are not counted."""
+    held = 0
+    for path in folder.rglob("*"):
+        with contextlib.suppress(FileNotFoundError):
+            st = path.lstat()
+            if stat.S_ISREG(st.st_mode):
+                held += min(st.st_size, st.st_blocks * 512)  # a sparse file of the record cache: its blocks
+    return held
 
 
 def _file_stamp(st: os.stat_result) -> str:
