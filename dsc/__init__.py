@@ -6,8 +6,7 @@ alone does not import torch, so the `dsc` command can start quietly (see `dsc.__
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from dsc.errors import (
     ChecksumError,
@@ -18,6 +17,7 @@ from dsc.errors import (
     LoaderError,
     UnsupportedVersionError,
 )
+from dsc.lazy import lazy_names
 from dsc.version import __version__
 
 _LAZY = {"compile_folder": "dsc.compiler.pipeline", "CompileSummary": "dsc.compiler.pipeline",
@@ -32,21 +32,7 @@ __all__ = ["compile_folder", "CompileSummary", "MemmapDataset", "class_balanced_
            "CompileError", "ImageError", "LoaderError", "ChecksumError", "UnsupportedVersionError", "__version__"]
 
 
-def __getattr__(name: str) -> Any:
-    """`dsc.MemmapDataset`, `from dsc import compile_folder`, `dsc.transforms`...: imported on first use."""
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-    elif not name.startswith("__"):
-        try:
-            value = importlib.import_module(f"dsc.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"dsc.{name}":
-                raise
-            raise AttributeError(f"module 'dsc' has no attribute {name!r}") from None
-    else:
-        raise AttributeError(f"module 'dsc' has no attribute {name!r}")
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _LAZY, globals())  # `dsc.MemmapDataset`, `dsc.transforms`...: on first use
 
 
 def __dir__() -> list[str]:

@@ -74,6 +74,8 @@ def main() -> None:
     parser.add_argument("--work", type=Path, help="where the node cache and the appended images go [a temporary "
                         "folder]")
     args = parser.parse_args()
+    if args.work is not None and args.work.exists() and (not args.work.is_dir() or any(args.work.iterdir())):
+        parser.error(f"--work {args.work}: give a new or empty folder (images are written into it)")
     work = args.work or Path(tempfile.mkdtemp(prefix="dsc-s3-quickstart-"))
     server, endpoint = start_server()
     try:

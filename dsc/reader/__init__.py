@@ -6,8 +6,9 @@ dataset (`dsc info s3://...` is one of the light commands)."""
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from dsc.lazy import lazy_names
 
 _LAZY = {"MemmapDataset": "dsc.reader.dataset", "GatheredBatch": "dsc.reader.dataset", "Sample": "dsc.reader.dataset",
          "Loader": "dsc.reader.loader", "ORDERS": "dsc.reader.order"}
@@ -20,21 +21,7 @@ if TYPE_CHECKING:
 __all__ = ["MemmapDataset", "Loader", "Sample", "GatheredBatch", "ORDERS"]
 
 
-def __getattr__(name: str) -> Any:
-    """`dsc.reader.MemmapDataset`, and its submodules (`dsc.reader.sampling`): imported on first use."""
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-    elif not name.startswith("__"):
-        try:
-            value = importlib.import_module(f"dsc.reader.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"dsc.reader.{name}":
-                raise
-            raise AttributeError(f"module 'dsc.reader' has no attribute {name!r}") from None
-    else:
-        raise AttributeError(f"module 'dsc.reader' has no attribute {name!r}")
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _LAZY, globals())  # and its submodules (`dsc.reader.sampling`)
 
 
 def __dir__() -> list[str]:

@@ -35,6 +35,7 @@ fetched again; a fetch still wrong is an error naming the object and the record,
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -169,6 +170,29 @@ def retire_version(folder: Path) -> int:
         let_go_lock(fd)
 
 
+def _folder_kept(method: Callable) -> Callable:
+    """`method` of a RecordCache, whose FileNotFoundError for a file of the cache's folder (one its own evictions
+    delete is handled where it is read), or with the folder gone or made anew, is one line: the folder, or files of
+    it, deleted from outside (by hand, another job's clean-up)."""
+    @functools.wraps(method)
+    def kept(self: RecordCache, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except FileNotFoundError as e:
+            inside = isinstance(e.filename, str) and e.filename.startswith(f"{self.folder}{os.sep}")
+            try:
+                same = _identity(os.stat(self.folder)) == self._identity
+            except FileNotFoundError:
+                same = False
+            if same and not inside:
+                raise
+            gone = f" ({e.filename} is gone)" if e.filename else ""
+            raise DatasetError(f"{self.folder}: this cache folder of {self.files.root_name}, or files of it, were "
+                               f"deleted while this process read through it{gone}; what it holds can no longer be "
+                               "shared or counted: open the dataset again, which starts the folder anew") from e
+    return kept
+
+
 class RecordCache:
     """The records of a remote dataset, read through a bounded folder (module docstring).
 
@@ -208,9 +232,10 @@ class RecordCache:
         self.files.scan()  # (records: the blocks a writer killed midway left are freed first)
 
     @property
+    @_folder_kept
     def used(self) -> int:
         """The bytes the node's folder holds and its processes have reserved, counted in the budget."""
-        with self._folder_kept(), self._lock, self.ledger.locked():
+        with self._lock, self.ledger.locked():
             return self._node_used(self.files.present_mask())
 
     def _node_used(self, present: np.ndarray) -> int:
@@ -228,12 +253,13 @@ class RecordCache:
     def _units_of_batches(self, batch_size: int, depth: int) -> int:
         return min(self.files.count, (depth + 1) * min(batch_size, self.files.count))
 
+    @_folder_kept
     def check_room(self, batch_size: int, depth: int = DEPTH) -> None:
         """Refuse, naming the minimum, a budget too small for batches of `batch_size` fetched `depth` ahead here
         and for what the node's other processes that share the folder said they need (`NodeLedger.set_need`)."""
         units = self._units_of_batches(batch_size, depth)
         mine = units * self.files.largest()
-        with self._folder_kept(), self.ledger.locked():
+        with self.ledger.locked():
             needs, planners = self.ledger.set_need(mine)
             theirs = needs - mine
             # the table and a plan for each process that makes batches (published when it starts following one)
@@ -253,6 +279,7 @@ class RecordCache:
 
     # --------------------------------------------------------------------- the reader's seam
 
+    @_folder_kept
     def follow(self, share: np.ndarray, batch_size: int, start: int = 0, depth: int = DEPTH,
                then: np.ndarray | None = None) -> None:
         """From now on this process reads batches `share[b * batch_size:(b + 1) * batch_size]` for b >= `start`,
@@ -260,17 +287,16 @@ class RecordCache:
         share of the pass that comes next (the next epoch's: its order is known), read in batches after this
         one's last: its first batches are fetched while this pass ends, and evictions see when it reads each
         unit (until the next pass is followed itself)."""
-        with self._folder_kept():
-            passes = [self.files.of(share[start * batch_size:])]
-            if then is not None:
-                passes.append(self.files.of(then[:len(then)]))  # sliced: an `order.LazyShare` is computed then
-            plan = Plan(passes, batch_size, self.files.count)
-            with self._lock:
-                self._plan, self._start, self._depth, self._now = plan, start, depth, 0
-                self._next = plan.first_use.copy()  # batch numbers from `start`, like every plan-relative one
-                if not self.ledger.has_plan():
-                    self._make_plan()
-                self.ledger.publish(self._next)  # for the node's other processes' evictions
+        passes = [self.files.of(share[start * batch_size:])]
+        if then is not None:
+            passes.append(self.files.of(then[:len(then)]))  # sliced: an `order.LazyShare` is computed then
+        plan = Plan(passes, batch_size, self.files.count)
+        with self._lock:
+            self._plan, self._start, self._depth, self._now = plan, start, depth, 0
+            self._next = plan.first_use.copy()  # batch numbers from `start`, like every plan-relative one
+            if not self.ledger.has_plan():
+                self._make_plan()
+            self.ledger.publish(self._next)  # for the node's other processes' evictions
 
     def _make_plan(self) -> None:
         """This process's plan file, in room made for it (it counts in the budget, `NodeLedger.overhead`)."""
@@ -282,32 +308,10 @@ class RecordCache:
                                    "fetches under way hold the rest; give a larger cache_bytes")
             self.ledger.make_plan()
 
+    @_folder_kept
     def fill(self, dst: np.ndarray, idx: np.ndarray, batch: int | None = None) -> None:
         """Copy records `idx` into `dst[:len(idx)]`, fetching what is not local; `batch`: which batch of the
         followed sequence this is (its next ones are fetched ahead, and what it read is let go after)."""
-        with self._folder_kept():
-            self._fill(dst, idx, batch)
-
-    @contextlib.contextmanager
-    def _folder_kept(self) -> Iterator[None]:
-        """A file of this cache's folder missing (one its own evictions delete is handled where it is read): the
-        folder, or files of it, deleted from outside (by hand, another job's clean-up), said in one line."""
-        try:
-            yield
-        except FileNotFoundError as e:
-            inside = isinstance(e.filename, str) and e.filename.startswith(f"{self.folder}{os.sep}")
-            try:
-                same = _identity(os.stat(self.folder)) == self._identity
-            except FileNotFoundError:
-                same = False
-            if same and not inside:
-                raise
-            gone = f" ({e.filename} is gone)" if e.filename else ""
-            raise DatasetError(f"{self.folder}: this cache folder of {self.files.root_name}, or files of it, were "
-                               f"deleted while this process read through it{gone}; what it holds can no longer be "
-                               "shared or counted: open the dataset again, which starts the folder anew") from e
-
-    def _fill(self, dst: np.ndarray, idx: np.ndarray, batch: int | None) -> None:
         plan = self._plan if batch is not None else None
         at = batch - self._start if plan is not None else self._now
         units = np.unique(self.files.of(idx))

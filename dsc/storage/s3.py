@@ -642,11 +642,11 @@ class S3Dataset:
         """A `cache_bytes` given that the cache folder's file system cannot hold, for a dataset that could fill it:
         said at open, since the limit is an upper bound, not room on the disk (a full disk fails a fetch later,
         naming it)."""
-        folder = self.local_folder()
-        wanted = min(self.budget(), self.base_bytes() + sum(e.bytes for e in self._manifest.shards))
-        if not self._given_bytes or wanted <= free_bytes(folder):
+        if not self._given_bytes:
             return
-        room = free_bytes(folder) + _held_bytes(folder)  # (the node's other processes change it meanwhile)
+        folder, free = self.local_folder(), free_bytes(self.local_folder())
+        wanted = min(self.budget(), self.base_bytes() + sum(e.bytes for e in self._manifest.shards))
+        room = free + _held_bytes(folder) if wanted > free else free  # (others change what it holds meanwhile)
         if wanted > room:
             logger.warning("%s", f"{self.root}: cache_bytes={self.budget()} is more than the cache folder {folder} "
                                  f"can hold ({room} bytes: what it holds and the free space of its disk), and the "
