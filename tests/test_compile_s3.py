@@ -258,6 +258,27 @@ def test_each_record_is_uploaded_once_the_shards_are_copied_by_the_server(server
     assert_same_as(reference, url)
 
 
+def test_a_worker_reusing_its_buffer_writes_each_chunk_object_once_and_whole(server: S3Server, env, url: str,
+                                                                            tmp_path: Path, monkeypatch) -> None:
+    """Two forked workers, each writing several chunk objects from one reused buffer, a later chunk shorter than
+    an earlier one (a damaged source in it, the last chunk's 3 sources): each object holds only its own chunk's
+    records and trailer, so every one is taken at once (7 PUTs, no second round) and the build is the folder's."""
+    folder = make_folder(tmp_path / "src", classes=3, per_class=9, seed=7)
+    (folder / "class_1" / "img_2.jpg").write_bytes(b"\xff\xd8\xff\xe0 not a jpeg")
+    options = {**OPTIONS, "size": 64}
+    monkeypatch.setattr(bucket_build, "CHUNK_BYTES", 4 * 64 * 64 * fmt.CHANNELS)  # chunks of 4 sources: 7 of them
+    proxy = FaultProxy(server.endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    try:
+        compile_folder(folder, url, workers=2, on_skip=lambda s, r: None, **options)
+    finally:
+        proxy.kill()
+        monkeypatch.setenv("AWS_ENDPOINT_URL", env["AWS_ENDPOINT_URL"])
+    assert proxy.count("PUT", "/work/chunks/") == 7
+    compile_folder(folder, tmp_path / "reference", workers=1, on_skip=lambda s, r: None, **options)
+    assert_same_as(tmp_path / "reference", url)
+
+
 def test_a_run_shorter_than_s3s_smallest_part_is_topped_up_and_sent_once_more(server: S3Server, env, url: str,
                                                                              tmp_path: Path, monkeypatch) -> None:
     """Records of 224x224 (147 KiB): a chunk is 35 of them (ceil(5 MiB / 147 KiB), S3's smallest part), so 80

@@ -83,23 +83,29 @@ def _result(entry: list) -> SlotResult:
 
 
 class ChunkObjects:
-    """A `write.SlotWriter`'s sink in a bucket build: a chunk's records, buffered, written as one object."""
+    """A `write.SlotWriter`'s sink in a bucket build: a chunk's records, gathered in one buffer that every chunk
+    of the worker reuses, written as one object. (A fresh `bytes` per record, then joined, cost this VM twice the
+    CPU: each copy lands in newly backed memory; 0.96 s against 0.43 s per 300 MB, with the PUTs.)"""
 
     def __init__(self, job) -> None:
         self.work = Bucket(job.stage)
-        self.records: list[bytes] = []
+        self.buffer = bytearray()
+        self.size = 0  # bytes of the current chunk's records at the buffer's start (it may be longer)
 
     def store(self, slot: int, record: memoryview) -> None:
-        self.records.append(bytes(record))
+        self.buffer[self.size:self.size + len(record)] = record  # grows the buffer only past its largest chunk
+        self.size += len(record)
 
     def done(self, results: list[SlotResult]) -> None:
         if not results:
             return
         trailer = json.dumps([_entry(r) for r in results], ensure_ascii=True).encode()
-        self.work.put(chunk_name([r.slot for r in results], trailer), b"".join(self.records) + trailer)
+        self.buffer[self.size:self.size + len(trailer)] = trailer
+        with memoryview(self.buffer)[:self.size + len(trailer)] as data:  # released: the buffer may grow again
+            self.work.put(chunk_name([r.slot for r in results], trailer), data)
 
     def release(self) -> None:
-        self.records.clear()
+        self.size = 0
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,7 @@ class Bucket:
 
     # ------------------------------------------------------------------ writes
 
-    def put(self, name: str, data: bytes) -> str:
+    def put(self, name: str, data: bytes | memoryview) -> str:
         """Write the object (replacing any); its ETag."""
         result = self._request("PUT", name, lambda c: s3._obstore().put(c, self.key(name), data,
                                                                        use_multipart=False))
