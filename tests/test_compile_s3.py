@@ -23,6 +23,7 @@ import pytest
 from dsc import compile_folder
 from dsc import format as fmt
 from dsc.compiler import bucket_build, bucket_versions, pipeline, write
+from dsc.compiler.engines import local as local_engine
 from dsc.compiler.engines.local import LocalEngine
 from dsc.compiler.jobs import WriteJob
 from dsc.errors import CompileError, DatasetError
@@ -183,6 +184,22 @@ def test_a_compile_into_an_existing_dataset_is_refused_before_any_decoder_is_imp
                           env={**os.environ, **env})
     assert done.stdout.split("\n")[-2].startswith(f"1 [] 'error: output {url} already exists; pass --force"), \
         done.stdout + done.stderr
+
+
+def test_the_worker_host_is_forked_after_the_check_of_the_bucket_not_spawned(src: Path, url: str, env) -> None:
+    """The check that refuses an existing dataset uses the S3 client, whose runtime a forked process cannot use:
+    run before the local engine's host starts, it would make that host spawned, importing numpy, torch and the
+    decoders anew. It runs after the fork, and still refuses an existing dataset."""
+    code = ("import sys; from dsc import compile_folder; from dsc.compiler.engines import local; "
+            "chosen = local._host_start_method; "
+            "local._host_start_method = lambda: print('host:', chosen()) or chosen(); "
+            f"compile_folder({str(src)!r}, sys.argv[1], workers=2, on_skip=lambda s, r: None, **{OPTIONS!r}); "
+            "print('compiled')")
+    for expected in ("compiled", "already exists"):
+        done = subprocess.run([sys.executable, "-c", code, url], capture_output=True, text=True, timeout=RUN_S,
+                              env={**os.environ, **env})
+        assert done.stdout.startswith(f"host: {local_engine.START_METHOD}\n"), done.stdout + done.stderr
+        assert expected in done.stdout + done.stderr
 
 
 class _TwiceEngine(LocalEngine):

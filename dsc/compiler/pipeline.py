@@ -195,10 +195,17 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
                                       or not 1 <= stall_seconds <= MAX_STALL_S):
         raise CompileError(f"stall_seconds must be a number of seconds from 1 to {MAX_STALL_S:g}, "
                            f"got {stall_seconds!r}")
-    if not resume:  # refused now, not after the workers started (a second or two); checked again where it counts
+    # OUT refused at once, not after discovery and the workers' start (a second or two); checked again where it
+    # counts. A bucket's check uses the S3 client, whose runtime does not survive a fork: with the local engine it
+    # runs once the worker host is forked (a host started after it is spawned, and imports numpy, torch and the
+    # decoders anew: ~1 s of the compile's time)
+    refuse_first = not resume and not (isinstance(out, str) and engine == "local")
+    if refuse_first:
         _refuse_out(out, force)
     # the engine's workers start now: their imports overlap discovery
     with make_engine(engine, workers, address, stall_seconds) as runner:
+        if not resume and not refuse_first:
+            _refuse_out(out, force)
         found = _discover(src, out, classes, skip_unknown_classes, labels, columns, (label_key, image_column),
                           on_found)
         _report(found, strict, on_skip, on_total)
