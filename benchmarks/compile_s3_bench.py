@@ -51,16 +51,24 @@ from s3_servers import CountingRelay, Server  # noqa: E402
 
 BUCKET = "dsc-bench"
 READ_PIECE = 8 << 20  # the floor's read-back: ranged GETs of this size
-TRANSFERS = 4  # the floor's requests in flight
+TRANSFERS = 4  # the floor's requests in flight (compose's IN_FLIGHT parts, too)
+FLOORS = {"floor": "started", "parts floor": "decoding"}  # the floors, and when their transfer starts
+PART_BYTES = 32 << 20  # a multipart floor's parts: what a worker decoded (a bucket build's chunks are 5-64 MiB)
 RUN = """
 import json, resource, sys, time
-from dsc import compile_folder
+from dsc.compiler import decoding
 
 def cpu():  # this process and its (waited-for) descendants: the driver, the engine's host and workers
     return sum(u.ru_utime + u.ru_stime for u in map(resource.getrusage, (resource.RUSAGE_SELF,
                                                                           resource.RUSAGE_CHILDREN)))
+def decode_all(*args, **kwargs):  # says when decoding starts (for work the benchmark runs beside it from then on)
+    print("decoding", flush=True)
+    return decode_each(*args, **kwargs)
+decode_each, decoding.decode_all = decoding.decode_all, decode_all  # before the compiler imports it
+from dsc import compile_folder
+
 started, cpu_before = time.perf_counter(), cpu()
-print("started", flush=True)  # (for work the benchmark runs beside the compile from now on)
+print("started", flush=True)  # (likewise, from the call on)
 s = compile_folder(sys.argv[1], sys.argv[2], size=int(sys.argv[3]), workers=int(sys.argv[4]),
                    on_skip=lambda source, reason: None)
 print(json.dumps({"seconds": time.perf_counter() - started, "cpu": cpu() - cpu_before, "kept": s.kept}))
@@ -68,12 +76,13 @@ print(json.dumps({"seconds": time.perf_counter() - started, "cpu": cpu() - cpu_b
 
 
 def timed_compile(src: Path, out: str, size: int, workers: int, env: dict[str, str],
-                  server: Server | None = None, beside: Callable[[], None] | None = None) -> dict:
+                  server: Server | None = None, beside: Callable[[], None] | None = None,
+                  beside_from: str = "started") -> dict:
     """One compile in a fresh process: its own wall time and CPU time (its workers' included), from the call
     to the return (start-up excluded), and the CPU time `server` used meanwhile (None where unknown). It
     runs in SRC's parent folder: `python -c` would import a dsc found in the current folder first.
-    `beside`: run on a thread of this process from the moment the compile starts; the time is then until
-    both have ended."""
+    `beside`: run on a thread of this process from the moment the compile says `beside_from` ("started": the
+    call; "decoding": its decoding begins); the time is then until both have ended."""
     server_before = server.cpu_seconds() if server is not None else None
     with tempfile.TemporaryFile("w+") as log:  # its stderr (warnings, skips): a pipe read only at the end could fill
         run = subprocess.Popen([sys.executable, "-c", RUN, str(src), out, str(size), str(workers)], env=env,
@@ -82,7 +91,7 @@ def timed_compile(src: Path, out: str, size: int, workers: int, env: dict[str, s
         ended: list[float] = []  # how long `beside` took, once it has ended
         for line in run.stdout:
             lines.append(line)
-            if line.strip() == "started" and beside is not None:
+            if line.strip() == beside_from and beside is not None:
                 thread = threading.Thread(target=_timed, args=(beside, ended))
                 thread.start()
         if run.wait() != 0:
@@ -102,25 +111,37 @@ def _timed(work: Callable[[], None], took: list[float]) -> None:
     took.append(time.perf_counter() - began)
 
 
-def transfer(folder: Path, url: str) -> Callable[[], None]:
+def transfer(folder: Path, url: str, parts: bool = False) -> Callable[[], None]:
     """What any compile into a bucket does on top of a compile into a folder, at the least: every file of
     `folder` uploaded once (from memory, as a worker holds its records) and read back once (a shard's
-    SHA-256 is over all its bytes in order, which no single worker had), under `url`, with obstore."""
+    SHA-256 is over all its bytes in order, which no single worker had), under `url`, with obstore. With
+    `parts`, a file larger than PART_BYTES goes up as a multipart upload of such parts (botocore, dsc's
+    client for those: obstore has no multipart verbs), as it must where several workers decoded its records:
+    no worker holds a whole shard, so none can PUT one."""
     import obstore
 
-    from dsc.storage import s3
+    from dsc.storage import compose, s3
 
     files = sorted(p for p in folder.rglob("*") if p.is_file())
     bucket, prefix = s3.parse_url(url)
     store = s3.client(bucket)
-    obstore.put(store, f"{prefix}/warm-up", b"")  # the client and its runtime started before the clock does
+    obstore.put(store, f"{prefix}/warm-up", b"")  # the clients and their runtime started before the clock does
+    compose.client()
+
+    def put(path: Path, key: str) -> None:
+        data = path.read_bytes()
+        if parts and len(data) > PART_BYTES:
+            pieces = (data[k:k + PART_BYTES] for k in range(0, len(data), PART_BYTES))
+            compose.compose(bucket, key, pieces, url)  # TRANSFERS parts in flight
+        else:
+            obstore.put(store, key, data)
 
     def run() -> None:
         keys = [f"{prefix}/{p.relative_to(folder).as_posix()}" for p in files]
         pieces = [(key, start, min(path.stat().st_size, start + READ_PIECE)) for path, key in zip(files, keys)
                   for start in range(0, path.stat().st_size, READ_PIECE)]
         with ThreadPoolExecutor(TRANSFERS) as pool:  # as several workers would
-            list(pool.map(lambda pk: obstore.put(store, pk[1], pk[0].read_bytes()), zip(files, keys)))
+            list(pool.map(lambda pk: put(*pk), zip(files, keys)))
             list(pool.map(lambda piece: obstore.get_range(store, piece[0], start=piece[1], end=piece[2]), pieces))
     return run
 
@@ -164,7 +185,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.repeat < 1:
         parser.error("--repeat: one round at least")
-    kinds = ["folder", "floor", "bucket"] + (["other"] if args.other_dsc else [])
+    kinds = ["folder", "floor", "parts floor", "bucket"] + (["other"] if args.other_dsc else [])
     runs: dict[str, list[dict]] = {kind: [] for kind in kinds}
     uploaded: dict[str, int] = {}
     with tempfile.TemporaryDirectory(prefix="dsc-compile-s3-") as tmp:
@@ -176,20 +197,23 @@ def main() -> None:
             os.environ.update(server.env)
             server.create_bucket(BUCKET)
             env = {**os.environ, "DSC_CACHE_DIR": str(work / "cache")}
-            envs = {"folder": env, "floor": env, "bucket": env, "other": with_dsc(env, args.other_dsc)}
+            envs = {"folder": env, "floor": env, "parts floor": env, "bucket": env,
+                    "other": with_dsc(env, args.other_dsc)}
             for k in range(args.repeat):
                 for kind in kinds:
-                    out = str(work / f"{kind}{k}") if kind in ("folder", "floor") else \
+                    floor = kind in FLOORS
+                    out = str(work / f"{kind}{k}".replace(" ", "-")) if floor or kind == "folder" else \
                         f"s3://{BUCKET}/{kind}-{k}-{time.time_ns()}"
-                    beside = transfer(work / "folder0", f"s3://{BUCKET}/floor-{k}-{time.time_ns()}") \
-                        if kind == "floor" else None
-                    done = timed_compile(src, out, args.size, args.workers, envs[kind], server, beside)
+                    beside = transfer(work / "folder0", f"s3://{BUCKET}/floor-{k}-{time.time_ns()}",
+                                      parts=kind == "parts floor") if floor else None
+                    done = timed_compile(src, out, args.size, args.workers, envs[kind], server, beside,
+                                         FLOORS.get(kind, "started"))
                     runs[kind].append(done)
                     if kind == "bucket" and k == 0:
                         n, url = done["kept"], out
             differ = same_bytes(work / "folder0", url)
             relay = CountingRelay(server.endpoint)  # untimed runs: what each client sent, counted outside it
-            for kind in kinds[2:]:
+            for kind in kinds[3:]:
                 relay.uploaded = 0
                 timed_compile(src, f"s3://{BUCKET}/counted-{kind}-{time.time_ns()}", args.size, args.workers,
                               {**envs[kind], "AWS_ENDPOINT_URL": relay.endpoint})
@@ -201,7 +225,8 @@ def main() -> None:
     record = args.size * args.size * 3
     print(f"{n} images of {args.corpus} at {args.size}x{args.size}, {args.workers} workers, S3 server: {server.kind}, "
           f"{args.repeat} round(s), load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
-    names = {"folder": "into a folder", "floor": "floor", "bucket": "into a bucket",
+    names = {"folder": "into a folder", "floor": "floor, one PUT a file from the call on",
+             "parts floor": "floor, parts from decoding on", "bucket": "into a bucket",
              "other": f"bucket, {args.other_dsc}"}
     fastest = {kind: min(runs[kind], key=lambda r: r["seconds"]) for kind in kinds}  # its CPU times with it
     for kind in kinds:
@@ -209,9 +234,8 @@ def main() -> None:
         rounds = " ".join(f"{r['seconds']:.2f}" for r in runs[kind])
         line = f"{names[kind]}: best {best:6.2f} s ({n / best:6.0f} images/s); rounds: {rounds}; CPU {cpu:.2f} s"
         line += f", the server's {served:.2f} s" if served is not None else ""
-        if kind == "floor":
-            line += (f"; folder / floor {fastest['folder']['seconds'] / best:.2f}x: about the most a compile into a "
-                     "bucket reaches here")
+        if kind in FLOORS:
+            line += f"; folder / floor {fastest['folder']['seconds'] / best:.2f}x"
         elif kind != "folder":
             line += (f"; bucket / folder speed {fastest['folder']['seconds'] / best:.2f}x (target >= 0.8x), CPU "
                      f"{cpu / fastest['folder']['cpu']:.2f}x the folder compile's; uploaded "

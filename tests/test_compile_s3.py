@@ -25,7 +25,7 @@ from dsc import format as fmt
 from dsc.compiler import bucket_build, bucket_versions, pipeline, write
 from dsc.compiler.engines import local as local_engine
 from dsc.compiler.engines.local import LocalEngine
-from dsc.compiler.jobs import WriteJob
+from dsc.compiler.jobs import SlotResult, WriteJob
 from dsc.errors import CompileError, DatasetError
 from dsc.storage import open_dataset
 from dsc.storage.bucket import Bucket
@@ -202,6 +202,42 @@ def test_the_worker_host_is_forked_after_the_check_of_the_bucket_not_spawned(src
         assert expected in done.stdout + done.stderr
 
 
+class _SessionProbe:
+    """A job whose workers say, for each slot, whether botocore's session was made before they were forked."""
+
+    def writer(self) -> _SessionProbe:
+        return self
+
+    def write(self, tasks, on_result=None) -> list[SlotResult]:
+        from dsc.storage import compose
+
+        results = [SlotResult(slot, reason=f"made before: {compose._session is not None}") for slot, _ in tasks]
+        for result in results:
+            if on_result is not None:
+                on_result(result)
+        return results
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("into_bucket", [True, False])
+def test_the_worker_host_of_a_bucket_build_makes_the_s3_client_before_it_forks_the_workers(env, monkeypatch,
+                                                                                           into_bucket: bool) -> None:
+    """The shard assembly's workers, forked after all decoding, would each import botocore and read the S3 models
+    (~0.2 s) while the compile waits; the host does that while the driver discovers, once, for a bucket build."""
+    from dsc.storage import compose
+
+    monkeypatch.setattr(compose, "_session", None)  # (this process may have made one: its fork would inherit it)
+    monkeypatch.setattr(compose, "_clients", {})
+    said: list[str] = []
+    with LocalEngine(2, into_bucket=into_bucket) as engine:
+        engine.ready()
+        engine.fill(_SessionProbe(), [[(0, "a")], [(1, "b")]], lambda results: said.extend(r.reason for r in results))
+    assert said == [f"made before: {into_bucket}"] * 2
+    assert compose._session is None  # this process made none
+
+
 class _TwiceEngine(LocalEngine):
     """Decodes in this process and runs every chunk twice (a task that Ray ran again). With `split`, a chunk
     runs as two tasks (a stalled worker's rest handed to another) before its second, whole run; with
@@ -238,7 +274,7 @@ def test_tasks_run_twice_split_or_lost_give_the_same_bytes(src: Path, reference:
     monkeypatch.setattr(_TwiceEngine, "lose", lose)
     monkeypatch.setattr(_TwiceEngine, "fills", [])
     monkeypatch.setattr(_TwiceEngine, "largest", [])
-    monkeypatch.setattr(pipeline, "make_engine", lambda name, workers, address, stall: _TwiceEngine(1))
+    monkeypatch.setattr(pipeline, "make_engine", lambda *arguments: _TwiceEngine(1))
     monkeypatch.setattr(bucket_build, "CHUNK_BYTES", 7 * 24 * 24 * 3 if split else bucket_build.CHUNK_BYTES)
     compile_folder(src, url, workers=1, on_skip=lambda s, r: None, **OPTIONS)
     assert_same_as(reference, url)

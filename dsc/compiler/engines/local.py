@@ -53,10 +53,11 @@ class LocalEngine:
     """`workers` processes here, their host started on entry (`with LocalEngine(n) as engine:`);
     one worker decodes in this process."""
 
-    def __init__(self, workers: int, address: str | None = None, stall_seconds: float | None = None) -> None:
+    def __init__(self, workers: int, address: str | None = None, stall_seconds: float | None = None,
+                 into_bucket: bool = False) -> None:
         if address is not None:
             raise CompileError("an address is only for --engine ray")
-        self.workers = workers
+        self.workers, self.into_bucket = workers, into_bucket
         self.stall_s = DEFAULT_STALL_S if stall_seconds is None else stall_seconds
         self._host: multiprocessing.Process | None = None
         self._conn = None
@@ -69,7 +70,7 @@ class LocalEngine:
         elif self.workers > 1:
             context = multiprocessing.get_context(_host_start_method())
             self._conn, child = context.Pipe()
-            self._host = context.Process(target=_host_main, args=(child,), name="dsc-host",
+            self._host = context.Process(target=_host_main, args=(child, self.into_bucket), name="dsc-host",
                                          daemon=False)  # not a daemon: it starts the workers
             # A Ctrl-C between the fork and the host's own SIG_IGN would end it with a traceback: it is
             # forked with SIGINT and SIGTERM blocked; this process gets them once the fork is done, raised
@@ -182,8 +183,9 @@ def _ignore_stop_signals() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
-def _host_main(conn) -> None:
-    """The host: import the decoders, say so, then run the workers for the driver's chunks until it says "end"."""
+def _host_main(conn, into_bucket: bool) -> None:
+    """The host: import the decoders (and, `into_bucket`, make the shard assembly's S3 client: its workers, forked
+    later, make theirs at once), say so, then run the workers for the driver's chunks until it says "end"."""
     _die_with_parent()
     _ignore_stop_signals()
     try:
@@ -191,6 +193,10 @@ def _host_main(conn) -> None:
     except BaseException as e:
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
+    if into_bucket:
+        from dsc.storage import compose
+
+        compose.warm()
     conn.send(("ready", None))
     try:
         message = conn.recv()
