@@ -17,13 +17,18 @@ round, the bytes each bucket compile's client uploaded per record (an untimed ru
 relay: independent of the machine's load), and checks that every object holds the bytes of the folder's
 file of the same name.
 
-The floor is a folder compile run while this process uploads the first folder compile's files once
-and reads them back once (obstore, 4 requests in flight, from the moment the compile starts; its time
-lasts until both end):
-the least any compile into a bucket adds to a compile into a folder (each record must go up once, and a
-shard's SHA-256 is over all its bytes in order, which no one worker holds, so they come back once),
-perfectly overlapped. folder / floor is about the most a bucket compile can reach on this machine (its
-CPU column is the compile's alone; the transfer's server work is in the server's). Tiny runs are
+The floors are folder compiles run while this process uploads the first folder compile's files once
+and reads them back once (4 requests in flight; a floor's time lasts until both end): the least any
+compile into a bucket adds to a compile into a folder (each record must go up once, and a shard's SHA-256
+is over all its bytes in order, which no one worker holds, so they come back once), perfectly overlapped.
+- "floor, one PUT a file from the call on": each file PUT whole (obstore), from the moment the compile is
+  called: a bound even on bytes no compile has yet.
+- "floor, parts from decoding on": from the moment the compile starts decoding (no record exists before),
+  each shard sent as a multipart upload of PART_BYTES parts, as it must be where several workers decoded
+  its records (no worker holds a whole shard), then completed (the server joins the parts). Still a bound:
+  it sends bytes before the compile has decoded them. folder / this floor is the most any compile into a
+  bucket reaches on this machine.
+Their CPU column is the compile's alone; the transfer's server work is in the server's. Tiny runs are
 dominated by fixed costs, where a round's noise can put either side ahead.
 
 On a machine whose cores the server shares, the bucket compile's time is also the server's work
