@@ -93,11 +93,13 @@ def timed_compile(src: Path, out: str, size: int, workers: int, env: dict[str, s
         run = subprocess.Popen([sys.executable, "-c", RUN, str(src), out, str(size), str(workers)], env=env,
                                cwd=src.parent, stdout=subprocess.PIPE, stderr=log, text=True)
         lines: list[str] = []
-        ended: list[float] = []  # how long `beside` took, once it has ended
+        ended: list[float] = []  # when `beside` ended (this process's clock)
         for line in run.stdout:
             lines.append(line)
+            if line.strip() == "started":
+                called = time.perf_counter()  # (the compile's own clock starts just before it says so)
             if line.strip() == beside_from and beside is not None:
-                thread = threading.Thread(target=_timed, args=(beside, ended))
+                thread = threading.Thread(target=_ended, args=(beside, ended))
                 thread.start()
         if run.wait() != 0:
             log.seek(0)
@@ -105,15 +107,15 @@ def timed_compile(src: Path, out: str, size: int, workers: int, env: dict[str, s
     done = json.loads(lines[-1])
     if beside is not None:
         thread.join()
-        done["seconds"] = max(done["seconds"], *ended)  # (no time: the transfer failed, and its error is printed)
+        done["seconds"] = max(done["seconds"], *(end - called for end in ended))  # (none: the transfer failed, and
+        # its error is printed)
     done["server_cpu"] = None if server_before is None else server.cpu_seconds() - server_before
     return done
 
 
-def _timed(work: Callable[[], None], took: list[float]) -> None:
-    began = time.perf_counter()
+def _ended(work: Callable[[], None], ended: list[float]) -> None:
     work()
-    took.append(time.perf_counter() - began)
+    ended.append(time.perf_counter())
 
 
 def transfer(folder: Path, url: str, parts: bool = False) -> Callable[[], None]:
@@ -137,7 +139,7 @@ def transfer(folder: Path, url: str, parts: bool = False) -> Callable[[], None]:
         data = path.read_bytes()
         if parts and len(data) > PART_BYTES:
             pieces = (data[k:k + PART_BYTES] for k in range(0, len(data), PART_BYTES))
-            compose.compose(bucket, key, pieces, url)  # TRANSFERS parts in flight
+            compose.compose(bucket, key, pieces, url)  # compose.IN_FLIGHT parts at a time
         else:
             obstore.put(store, key, data)
 

@@ -25,7 +25,7 @@ from dsc import format as fmt
 from dsc.compiler import bucket_build, bucket_versions, pipeline, write
 from dsc.compiler.engines import local as local_engine
 from dsc.compiler.engines.local import LocalEngine
-from dsc.compiler.jobs import SlotResult, WriteJob
+from dsc.compiler.jobs import WriteJob
 from dsc.errors import CompileError, DatasetError
 from dsc.storage import open_dataset
 from dsc.storage.bucket import Bucket
@@ -186,56 +186,37 @@ def test_a_compile_into_an_existing_dataset_is_refused_before_any_decoder_is_imp
         done.stdout + done.stderr
 
 
-def test_the_worker_host_is_forked_after_the_check_of_the_bucket_not_spawned(src: Path, url: str, env) -> None:
+def test_the_worker_host_is_forked_before_the_bucket_is_checked_which_still_refuses_before_discovery(
+        src: Path, url: str, env) -> None:
     """The check that refuses an existing dataset uses the S3 client, whose runtime a forked process cannot use:
     run before the local engine's host starts, it would make that host spawned, importing numpy, torch and the
-    decoders anew. It runs after the fork, and still refuses an existing dataset."""
-    code = ("import sys; from dsc import compile_folder; from dsc.compiler.engines import local; "
-            "chosen = local._host_start_method; "
+    decoders anew. It runs once the host is forked, and still refuses before the sources are even listed."""
+    code = ("import sys; from dsc import compile_folder; from dsc.compiler import pipeline; "
+            "from dsc.compiler.engines import local; chosen, listing = local._host_start_method, pipeline._discover; "
             "local._host_start_method = lambda: print('host:', chosen()) or chosen(); "
+            "pipeline._discover = lambda *a: print('discovering') or listing(*a); "
             f"compile_folder({str(src)!r}, sys.argv[1], workers=2, on_skip=lambda s, r: None, **{OPTIONS!r}); "
             "print('compiled')")
-    for expected in ("compiled", "already exists"):
+    for expected in (["discovering", "compiled"], []):
         done = subprocess.run([sys.executable, "-c", code, url], capture_output=True, text=True, timeout=RUN_S,
                               env={**os.environ, **env})
-        assert done.stdout.startswith(f"host: {local_engine.START_METHOD}\n"), done.stdout + done.stderr
-        assert expected in done.stdout + done.stderr
+        assert done.stdout.split() == ["host:", local_engine.START_METHOD, *expected], done.stdout + done.stderr
+    assert done.stderr.splitlines()[-1].startswith(f"dsc.errors.CompileError: output {url} already exists; pass "
+                                                   "--force"), done.stderr
 
 
-class _SessionProbe:
-    """A job whose workers say, for each slot, whether botocore's session was made before they were forked."""
+def test_a_ray_compile_into_an_existing_dataset_is_refused_before_it_joins_the_cluster(src: Path, url: str,
+                                                                                         monkeypatch) -> None:
+    """Ray's workers are not forked from the driver: its check comes first, not after a cluster starts (seconds)."""
+    from dsc.compiler.engines import ray_cluster
 
-    def writer(self) -> _SessionProbe:
-        return self
+    compile_folder(src, url, workers=1, on_skip=lambda s, r: None, **OPTIONS)
 
-    def write(self, tasks, on_result=None) -> list[SlotResult]:
-        from dsc.storage import compose
-
-        results = [SlotResult(slot, reason=f"made before: {compose._session is not None}") for slot, _ in tasks]
-        for result in results:
-            if on_result is not None:
-                on_result(result)
-        return results
-
-    def close(self) -> None:
-        pass
-
-
-@pytest.mark.parametrize("into_bucket", [True, False])
-def test_the_worker_host_of_a_bucket_build_makes_the_s3_client_before_it_forks_the_workers(env, monkeypatch,
-                                                                                           into_bucket: bool) -> None:
-    """The shard assembly's workers, forked after all decoding, would each import botocore and read the S3 models
-    (~0.2 s) while the compile waits; the host does that while the driver discovers, once, for a bucket build."""
-    from dsc.storage import compose
-
-    monkeypatch.setattr(compose, "_session", None)  # (this process may have made one: its fork would inherit it)
-    monkeypatch.setattr(compose, "_clients", {})
-    said: list[str] = []
-    with LocalEngine(2, into_bucket=into_bucket) as engine:
-        engine.ready()
-        engine.fill(_SessionProbe(), [[(0, "a")], [(1, "b")]], lambda results: said.extend(r.reason for r in results))
-    assert said == [f"made before: {into_bucket}"] * 2
-    assert compose._session is None  # this process made none
+    def joined(*arguments):
+        raise AssertionError("the cluster was joined before the output was checked")
+    monkeypatch.setattr(ray_cluster, "_connect", joined)
+    with pytest.raises(CompileError, match=r"already exists; pass --force"):
+        compile_folder(src, url, engine="ray", workers=2, on_skip=lambda s, r: None, **OPTIONS)
 
 
 class _TwiceEngine(LocalEngine):

@@ -65,6 +65,8 @@ class Engine(Protocol):
     context: its workers start on entry, before discovery (their imports overlap it), and stop on exit."""
 
     workers: int  # how many chunks it decodes at once (the chunk size is picked for it)
+    forks_here: bool  # whether entering it forks worker processes from this one (nothing here may use the S3
+    # client before: its runtime does not survive a fork)
 
     def __enter__(self) -> Engine: ...
 

@@ -195,12 +195,17 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
                                       or not 1 <= stall_seconds <= MAX_STALL_S):
         raise CompileError(f"stall_seconds must be a number of seconds from 1 to {MAX_STALL_S:g}, "
                            f"got {stall_seconds!r}")
-    if not resume and isinstance(out, Path):  # refused at once, not after discovery and the workers' start
-        _refuse_folder(out, force)
-    # the engine's workers start now: their imports overlap discovery
-    with make_engine(engine, workers, address, stall_seconds, isinstance(out, str)) as runner:
-        if not resume and isinstance(out, str):
-            _refuse_prefix(out, force)
+    runner = make_engine(engine, workers, address, stall_seconds)
+    # OUT refused at once, not after discovery and the workers' start-up (a second or two); checked again where it
+    # counts. A bucket's check uses the S3 client, whose runtime does not survive a fork: where the engine forks its
+    # workers from this process, only once it has (forked after it, they would be spawned, importing numpy, torch
+    # and the decoders anew)
+    refuse_first = not resume and (isinstance(out, Path) or not runner.forks_here)
+    if refuse_first:
+        _refuse_out(out, force)
+    with runner:  # the engine's workers start now: their imports overlap discovery
+        if not resume and not refuse_first:
+            _refuse_out(out, force)
         found = _discover(src, out, classes, skip_unknown_classes, labels, columns, (label_key, image_column),
                           on_found)
         _report(found, strict, on_skip, on_total)
@@ -227,23 +232,18 @@ def compile_folder(src: str | os.PathLike, out: str | os.PathLike, *, size: int 
                           found.ignored, reused, len(plan.sources))
 
 
-def _refuse_folder(out: Path, force: bool) -> None:
-    """What the build's own check of OUT under its lock would refuse without --resume (checked there again): a
-    link or another tool's files (even with --force), a dataset without --force. Before the workers start, so
-    that a refusal takes no second or two."""
-    # (a missing OUT's folders are made later, mkdir -p; a finished build waiting to be published is said there)
-    if (out.is_symlink() or out.exists()) and publish.pending_publish(out) is None:
-        publish.check_out(out, force)
-
-
-def _refuse_prefix(url: str, force: bool) -> None:
-    """The same for a bucket prefix, before its build (which checks again). Once the engine has started, not
-    before: this uses the S3 client, whose runtime does not survive a fork, and the local engine's worker host,
-    started after it, would be spawned instead of forked (importing numpy, torch and the decoders anew)."""
+def _refuse_out(out: Path | str, force: bool) -> None:
+    """What the build's own check of OUT (under its lock, or before its bucket build) would refuse without
+    --resume: a link or another tool's files (even with --force), a dataset without --force."""
+    if isinstance(out, Path):
+        # (a missing OUT's folders are made later, mkdir -p; a finished build waiting to be published is said there)
+        if (out.is_symlink() or out.exists()) and publish.pending_publish(out) is None:
+            publish.check_out(out, force)
+        return
     from dsc.compiler import bucket_publish
     from dsc.storage.bucket import Bucket
 
-    dataset = Bucket(url)
+    dataset = Bucket(out)
     state = bucket_publish.survey(dataset)
     bucket_publish.tidy(dataset, state)  # what a kill after a commit left, as every compile into it does
     bucket_publish.check_target(dataset, state, force)

@@ -15,7 +15,6 @@ these requests go through botocore, configured from the same settings as obstore
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -29,44 +28,28 @@ PART_MIN = 5 << 20  # S3's smallest part, but the last
 IN_FLIGHT = 4  # parts sent at a time: a copy of a 64 MiB range takes a real server a while
 Part = tuple[str, int, int] | bytes  # (source key, start, stop): a copied range; bytes: uploaded as they are
 _clients: dict[tuple, Any] = {}
-_session: Any = None  # botocore's session: the models it loaded serve every client made from it, here or in a fork
-_making = threading.Lock()  # (a botocore session is not thread-safe)
 
 
 def client() -> Any:
     """This process's botocore S3 client, for the environment's settings."""
-    global _session
     config, options = s3._client_options()
     key = (os.getpid(), repr(sorted(config.items())), repr(sorted(options.items())))
-    with _making:
-        if key not in _clients:
-            try:
-                import botocore.config
-                import botocore.session
-            except ImportError as e:
-                raise StorageError(f"compiling into a bucket needs botocore, which is not installed: {s3.EXTRA}") \
-                    from e
-            settings = botocore.config.Config(
-                connect_timeout=5, read_timeout=s3._request_timeout(), retries={"max_attempts": s3.ATTEMPTS,
-                                                                             "mode": "standard"},
-                request_checksum_calculation="when_required", response_checksum_validation="when_required",
-                s3={"addressing_style": "path"} if config.get("endpoint") else None)
-            _session = _session or botocore.session.get_session()
-            _clients[key] = _session.create_client(
-                "s3", region_name=config.get("region") or "us-east-1", endpoint_url=config.get("endpoint"),
-                aws_access_key_id=config.get("access_key_id"), aws_secret_access_key=config.get("secret_access_key"),
-                aws_session_token=config.get("session_token"), config=settings)
+    if key not in _clients:
+        try:
+            import botocore.config
+            import botocore.session
+        except ImportError as e:
+            raise StorageError(f"compiling into a bucket needs botocore, which is not installed: {s3.EXTRA}") from e
+        settings = botocore.config.Config(
+            connect_timeout=5, read_timeout=s3._request_timeout(), retries={"max_attempts": s3.ATTEMPTS,
+                                                                         "mode": "standard"},
+            request_checksum_calculation="when_required", response_checksum_validation="when_required",
+            s3={"addressing_style": "path"} if config.get("endpoint") else None)
+        _clients[key] = botocore.session.get_session().create_client(
+            "s3", region_name=config.get("region") or "us-east-1", endpoint_url=config.get("endpoint"),
+            aws_access_key_id=config.get("access_key_id"), aws_secret_access_key=config.get("secret_access_key"),
+            aws_session_token=config.get("session_token"), config=settings)
     return _clients[key]
-
-
-def warm() -> None:
-    """Make this process's client, sending nothing: a process forked from this one afterwards (the local engine's
-    worker host does this before forking its workers) makes its own in ~15 ms, not ~0.2 s (importing botocore,
-    reading the S3 models), which a bucket build's shard assembly, after all decoding, would wait for."""
-    try:
-        client()
-    except Exception:  # (botocore missing, settings refused): said where a client is needed, never here
-        pass
 
 
 def compose(bucket: str, key: str, parts: Iterable[Part], where: str) -> str:

@@ -16,13 +16,11 @@ ENGINES = {"local": LocalEngine, "ray": RayEngine}
 MAX_WORKERS = 1024  # worker processes (or Ray tasks in flight) a compile asks for; more is a typo, or a fork bomb
 
 
-def make_engine(name: str, workers: int, address: str | None, stall_seconds: float | None = None,
-                into_bucket: bool = False) -> Engine:
-    """The engine called `name`; it checks its own options (a Ray address is reached before any build exists).
-    `into_bucket`: its workers will write into object storage (an engine may make ready for that meanwhile)."""
+def make_engine(name: str, workers: int, address: str | None, stall_seconds: float | None = None) -> Engine:
+    """The engine called `name`; it checks its own options (a Ray address is reached before any build exists)."""
     if name not in ENGINES:
         raise CompileError(f"unknown engine {name!r}; choose one of {', '.join(ENGINES)}")
-    return ENGINES[name](workers, address, stall_seconds, into_bucket)
+    return ENGINES[name](workers, address, stall_seconds)
 
 
 def available_cores() -> int:

@@ -53,24 +53,29 @@ class LocalEngine:
     """`workers` processes here, their host started on entry (`with LocalEngine(n) as engine:`);
     one worker decodes in this process."""
 
-    def __init__(self, workers: int, address: str | None = None, stall_seconds: float | None = None,
-                 into_bucket: bool = False) -> None:
+    def __init__(self, workers: int, address: str | None = None, stall_seconds: float | None = None) -> None:
         if address is not None:
             raise CompileError("an address is only for --engine ray")
-        self.workers, self.into_bucket = workers, into_bucket
+        self.workers = workers
         self.stall_s = DEFAULT_STALL_S if stall_seconds is None else stall_seconds
         self._host: multiprocessing.Process | None = None
         self._conn = None
         self._ready = False
 
+    @property
+    def forks_here(self) -> bool:
+        """Whether entering starts the workers' host from this process (forked, where the platform allows); with
+        one worker, or in a daemon process, the chunks are decoded here."""
+        return self.workers > 1 and not multiprocessing.current_process().daemon
+
     def __enter__(self) -> LocalEngine:
         if self.workers > 1 and multiprocessing.current_process().daemon:
             logger.warning("this process is a daemon (a multiprocessing.Pool task?), which may not start worker "
                            "processes: decoding here, in one process")
-        elif self.workers > 1:
+        elif self.forks_here:
             context = multiprocessing.get_context(_host_start_method())
             self._conn, child = context.Pipe()
-            self._host = context.Process(target=_host_main, args=(child, self.into_bucket), name="dsc-host",
+            self._host = context.Process(target=_host_main, args=(child,), name="dsc-host",
                                          daemon=False)  # not a daemon: it starts the workers
             # A Ctrl-C between the fork and the host's own SIG_IGN would end it with a traceback: it is
             # forked with SIGINT and SIGTERM blocked; this process gets them once the fork is done, raised
@@ -183,9 +188,8 @@ def _ignore_stop_signals() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
-def _host_main(conn, into_bucket: bool) -> None:
-    """The host: import the decoders (and, `into_bucket`, make the shard assembly's S3 client: its workers, forked
-    later, make theirs at once), say so, then run the workers for the driver's chunks until it says "end"."""
+def _host_main(conn) -> None:
+    """The host: import the decoders, say so, then run the workers for the driver's chunks until it says "end"."""
     _die_with_parent()
     _ignore_stop_signals()
     try:
@@ -193,10 +197,6 @@ def _host_main(conn, into_bucket: bool) -> None:
     except BaseException as e:
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
-    if into_bucket:
-        from dsc.storage import compose
-
-        compose.warm()
     conn.send(("ready", None))
     try:
         message = conn.recv()

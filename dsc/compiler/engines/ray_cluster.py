@@ -37,9 +37,9 @@ logger = logging.getLogger("dsc")  # a stalled task is reported here (see dsc.co
 class RayEngine:
     """Tasks on the Ray cluster at `address`, or on a local one of `workers` CPUs."""
 
-    def __init__(self, workers: int, address: str | None = None, stall_seconds: float | None = None,
-                 into_bucket: bool = False) -> None:
-        """(`into_bucket` changes nothing: each task imports what it uses, on its node.)"""
+    forks_here = False  # its workers are Ray's processes, started by Ray
+
+    def __init__(self, workers: int, address: str | None = None, stall_seconds: float | None = None) -> None:
         check_address(address)  # before any partial build exists
         self.workers, self.address = workers, address
         self.stall_s = DEFAULT_STALL_S if stall_seconds is None else stall_seconds
