@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,7 @@ from dsc.compiler import bucket_build, bucket_versions, pipeline, write
 from dsc.compiler.engines import local as local_engine
 from dsc.compiler.engines.local import LocalEngine
 from dsc.compiler.jobs import WriteJob
-from dsc.errors import CompileError, DatasetError
+from dsc.errors import CompileError, DatasetError, Interrupted
 from dsc.storage import open_dataset
 from dsc.storage.bucket import Bucket
 
@@ -445,6 +446,35 @@ def test_kill_9_of_the_driver_at_random_moments_and_inside_the_commit(src: Path,
         proxy.kill()
     assert kills >= KILLS
     assert seen.count(None) and seen.count(0) and seen.count(1), seen  # each state was seen between kills
+
+
+@pytest.mark.parametrize("replacing", [False, True])
+def test_a_resume_whose_own_commit_lands_late_meanwhile_takes_it_for_its_own(src: Path, reference: Path, url: str,
+                                                                             monkeypatch, replacing: bool) -> None:
+    """A driver killed with its create-only PUT of the version in flight: the PUT may land after the --resume has
+    looked (a loaded server, a slow network). That version is this very build's: the resume finishes with it,
+    neither refusing the dataset as one that "appeared meanwhile" nor committing the same build again."""
+    if replacing:
+        compile_folder(src, url, workers=1, on_skip=lambda s, r: None, **{**OPTIONS, "seed": 4})
+    options = {**OPTIONS, "force": replacing}
+    commit = bucket_build.bp.commit
+
+    def killed(dataset, manifest, force):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(bucket_build.bp, "commit", killed)
+    with pytest.raises(Interrupted, match="interrupted while committing"):
+        compile_folder(src, url, workers=1, on_skip=lambda s, r: None, **options)
+
+    def landed_late(dataset, manifest, force):  # the killed driver's PUT arrives now, just before this commit's
+        number = 1 + replacing
+        dataset.create(fmt.version_file(number), replace(manifest, dataset_version=number).to_json().encode())
+        return commit(dataset, manifest, force)
+    monkeypatch.setattr(bucket_build.bp, "commit", landed_late)
+    summary = compile_folder(src, url, workers=1, on_skip=lambda s, r: None, resume=True, **options)
+    assert summary.kept == 26
+    assert [i.name for i in Bucket(url).list(fmt.VERSIONS_DIR)] == [fmt.version_file(n) for n in
+                                                                      range(1, 2 + replacing)]
+    assert_same_as(reference, url)
 
 
 def test_a_resume_after_the_commit_only_finishes_it_and_reports_its_skips(src: Path, reference: Path, url: str,

@@ -267,7 +267,8 @@ def swap_manifest(dataset: Bucket, text: bytes, version: int) -> bool:
 
 def commit(dataset: Bucket, manifest: fmt.Manifest, force: bool) -> fmt.Manifest:
     """Commit `manifest` as the next version (version 1 of an empty prefix): create-only, then refresh
-    `manifest.json`. Another writer's commit of the same number meanwhile fails this one, adding nothing."""
+    `manifest.json`. Another writer's commit of the same number meanwhile fails this one, adding nothing; a
+    latest version that is `manifest` itself (an earlier run's commit of the same build) is taken as it is."""
     state = survey(dataset)
     if fmt.MANIFEST_FILE in state.foreign:
         raise NotReplaceableError(f"{dataset.at(fmt.MANIFEST_FILE)}, another tool's (not a dsc manifest), appeared "
@@ -277,6 +278,12 @@ def commit(dataset: Bucket, manifest: fmt.Manifest, force: bool) -> fmt.Manifest
         raise CompileError(f"{dataset.at(gone[0])}{f' and {len(gone) - 1} more' if len(gone) > 1 else ''}: written "
                            "by this compile, now missing or of another size in the bucket; nothing was committed: "
                            "run the same command with --resume to write it again")
+    if state.versions:  # this very manifest, committed by an earlier run of the build: a driver killed with its
+        # create-only PUT in flight, which landed after this run (its --resume) had looked
+        ours = replace(manifest, dataset_version=state.latest)
+        if state.versions[state.latest] == ours.to_json().encode("ascii"):
+            refresh_manifest(dataset, state.versions[state.latest], state.latest)
+            return ours
     if state.latest and not force:
         raise CompileError(f"{dataset.root} appeared while the dataset was compiled; it was left untouched, and the "
                            "finished build waits: pass --force --resume to make it the next version")
