@@ -195,6 +195,7 @@ def test_append_merge_prune(places: dict[str, str], bounded_memory, data: st.Dat
     (["info", "{long}"], "does not exist"),
     (["info", "{longer}"], "cannot be opened: File name too long"),
     (["compile", "{longer}", "{root}/x", "--column", "label:none"], "source .*: File name too long"),  # (was: OSError)
+    (["compile", "{src}", "{longer}", "-j", "1"], "cannot write in .* File name too long"),  # (was: OSError)
     (["show", "{ds}", "-o", "{root}/" + LONG_NAME + ".png"], "cannot write .*: File name too long"),
 ])
 @pytest.mark.timeout(120)

@@ -237,7 +237,11 @@ def _refuse_out(out: Path | str, force: bool) -> None:
     --resume: a link or another tool's files (even with --force), a dataset without --force."""
     if isinstance(out, Path):
         # (a missing OUT's folders are made later, mkdir -p; a finished build waiting to be published is said there)
-        if (out.is_symlink() or out.exists()) and publish.pending_publish(out) is None:
+        try:
+            there = (out.is_symlink() or out.exists()) and publish.pending_publish(out) is None
+        except OSError:  # a name too long, a folder that cannot be searched: said by the build's own check
+            return
+        if there:
             publish.check_out(out, force)
         return
     from dsc.compiler import bucket_publish
