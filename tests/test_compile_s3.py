@@ -5,6 +5,7 @@ one, whole), a worker killed, tasks run twice, --force while a reader keeps read
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import multiprocessing
@@ -15,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -70,6 +72,17 @@ def env(server: S3Server, monkeypatch, tmp_path: Path) -> dict[str, str]:
 @pytest.fixture
 def url(env) -> str:
     return f"s3://{BUCKET}/sets/c{next(_prefixes)}"
+
+
+@contextlib.contextmanager
+def _through(proxy: FaultProxy, env: dict[str, str], monkeypatch) -> Iterator[None]:
+    """This process's requests go through `proxy` (a relay on 127.0.0.1 that counts them and injects faults)."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    try:
+        yield
+    finally:
+        proxy.kill()
+        monkeypatch.setenv("AWS_ENDPOINT_URL", env["AWS_ENDPOINT_URL"])
 
 
 def assert_same_as(reference: Path, url: str) -> fmt.Manifest:
@@ -275,12 +288,8 @@ def test_each_record_is_uploaded_once_the_shards_are_copied_by_the_server(server
     plan, manifests) is small next to the records."""
     clean = make_folder(tmp_path / "clean", classes=3, per_class=9, seed=7)
     proxy = FaultProxy(server.endpoint)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
-    try:
+    with _through(proxy, env, monkeypatch):
         summary = compile_folder(clean, url, workers=1, on_skip=lambda s, r: None, **{**OPTIONS, "size": 64})
-    finally:
-        proxy.kill()
-        monkeypatch.setenv("AWS_ENDPOINT_URL", env["AWS_ENDPOINT_URL"])
     records = summary.kept * 64 * 64 * fmt.CHANNELS
     assert (summary.kept, len(summary.skipped)) == (27, 0)
     chunks, total = proxy.sent(contains="/work/chunks/"), proxy.sent()
@@ -303,12 +312,8 @@ def test_a_worker_reusing_its_buffer_writes_each_chunk_object_once_and_whole(ser
     options = {**OPTIONS, "size": 64}
     monkeypatch.setattr(bucket_build, "CHUNK_BYTES", 4 * 64 * 64 * fmt.CHANNELS)  # chunks of 4 sources: 7 of them
     proxy = FaultProxy(server.endpoint)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
-    try:
+    with _through(proxy, env, monkeypatch):
         compile_folder(folder, url, workers=2, on_skip=lambda s, r: None, **options)
-    finally:
-        proxy.kill()
-        monkeypatch.setenv("AWS_ENDPOINT_URL", env["AWS_ENDPOINT_URL"])
     assert proxy.count("PUT", "/work/chunks/") == 7
     compile_folder(folder, tmp_path / "reference", workers=1, on_skip=lambda s, r: None, **options)
     assert_same_as(tmp_path / "reference", url)
@@ -324,12 +329,8 @@ def test_a_run_shorter_than_s3s_smallest_part_is_topped_up_and_sent_once_more(se
     clean = make_folder(tmp_path / "big", classes=2, per_class=40, seed=5)
     options = {"size": 224, "records_per_shard": 40, "workers": 2}
     proxy = FaultProxy(server.endpoint)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
-    try:
+    with _through(proxy, env, monkeypatch):
         compile_folder(clean, url, on_skip=lambda s, r: None, **options)
-    finally:
-        proxy.kill()
-        monkeypatch.setenv("AWS_ENDPOINT_URL", env["AWS_ENDPOINT_URL"])
     to_shards = [seen for seen in proxy.seen if f"/{fmt.SHARD_DIR}/" in seen.path and "/work/" not in seen.path]
     assert sum(seen.sent for seen in to_shards if seen.method == "PUT") == 35 * 224 * 224 * fmt.CHANNELS
     compile_folder(clean, tmp_path / "reference", on_skip=lambda s, r: None, **options)
@@ -342,12 +343,8 @@ def test_a_part_copy_answered_slow_down_is_retried(src: Path, reference: Path, s
     on one is retried as theirs are, and the build is the folder compile's."""
     proxy = FaultProxy(server.endpoint)
     proxy.slow_down(2, match="partNumber=", method="PUT")
-    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
-    try:
+    with _through(proxy, env, monkeypatch):
         compile_folder(src, url, workers=1, on_skip=lambda s, r: None, **OPTIONS)
-    finally:
-        proxy.kill()
-        monkeypatch.setenv("AWS_ENDPOINT_URL", env["AWS_ENDPOINT_URL"])
     assert proxy.count("PUT", "partNumber=", action="slow_down") == 2
     assert_same_as(reference, url)
 

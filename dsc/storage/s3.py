@@ -644,7 +644,8 @@ class S3Dataset:
         naming it)."""
         if not self._given_bytes:
             return
-        folder, free = self.local_folder(), free_bytes(self.local_folder())
+        folder = self.local_folder()
+        free = free_bytes(folder)
         wanted = min(self.budget(), self.base_bytes() + sum(e.bytes for e in self._manifest.shards))
         room = free + _held_bytes(folder) if wanted > free else free  # (others change what it holds meanwhile)
         if wanted > room:

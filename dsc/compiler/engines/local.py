@@ -69,7 +69,7 @@ class LocalEngine:
         return self.workers > 1 and not multiprocessing.current_process().daemon
 
     def __enter__(self) -> LocalEngine:
-        if self.workers > 1 and multiprocessing.current_process().daemon:
+        if self.workers > 1 and not self.forks_here:
             logger.warning("this process is a daemon (a multiprocessing.Pool task?), which may not start worker "
                            "processes: decoding here, in one process")
         elif self.forks_here:
