@@ -492,6 +492,41 @@ def test_ranks_of_a_node_download_each_byte_once(env: Path, url: str, local: Mem
     assert sum(fetched for _, fetched in got) == COUNT * RECORD_BYTES  # every record once, by one of them
 
 
+def test_a_batch_asking_for_records_another_rank_placed_meanwhile_takes_them(env: Path, url: str,
+                                                                             local: MemmapDataset,
+                                                                             monkeypatch) -> None:
+    """The race CI met: this process looks which records it lacks, another rank places them all (and lets its
+    reservation go) before this one takes the node's lock; the room it then asks for must be for what is still
+    missing, not for what it saw missing (which does not fit next to what is now held, with nothing reserved
+    to wait for: it was refused at once)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    start, answers = context.Barrier(2), context.Queue()
+    budget = index_bytes(local) + COUNT * COST
+    remote = MemmapDataset(url, cache_dir=env, cache_bytes=budget)
+    files = remote.opened.records.files
+    looked = files.present_of
+
+    def then_the_other_rank_reads_everything(units: np.ndarray) -> np.ndarray:
+        monkeypatch.setattr(files, "present_of", looked)  # once
+        seen = looked(units)
+        start.wait(timeout=60)
+        answers.get(timeout=120)  # it has read (and placed) every record
+        return seen
+
+    monkeypatch.setattr(files, "present_of", then_the_other_rank_reads_everything)
+    rank = context.Process(target=_read_everything, args=(url, str(env), budget, start, answers))
+    rank.start()
+    try:
+        images = remote.__getitems__(list(range(COUNT))).images
+    finally:
+        rank.join(timeout=60)
+    assert rank.exitcode == 0
+    assert torch.equal(images, local.__getitems__(list(range(COUNT))).images)
+    assert remote.opened.records.stats.fetched_bytes == 0  # all of it was the other rank's
+
+
 def test_loader_stats_count_what_the_network_did(env: Path, url: str, local: MemmapDataset) -> None:
     remote = MemmapDataset(url, cache_dir=env, cache_bytes=index_bytes(local) + COUNT * COST)
     loader = remote.loader(BATCH, order="block", seed=1)

@@ -388,13 +388,16 @@ class RecordCache:
         missing = units[~(self.files.present_of(units) | self._fetching[units])]
         if len(missing) == 0:
             return True
-        need = int(self.files.sizes(missing).sum())
         if self._full:
             self.ledger.refresh()  # the others' plans, read before the node's lock is taken (`_make_room`)
         with self.ledger.locked():
             if self.ledger.reap():  # a process gone left bytes nothing counts: freed
                 self._executor().submit(self.files.reclaim)
-            present = self.files.present_mask()  # now: under the lock, no process lets units go
+            present = self.files.present_mask()  # now: under the lock, no process places or lets units go
+            missing = missing[~present[missing]]  # looked at again: what another placed since is held, not needed
+            if len(missing) == 0:
+                return True
+            need = int(self.files.sizes(missing).sum())
             used = self._make_room(need, horizon, pinned if pinned is not None else units, present)
             if used is None:
                 self._others_reserved = self.ledger.reserved_by_others()  # (`_room`: worth waiting for?)
