@@ -15,7 +15,7 @@ producer's idle time per batch).
 What it showed (2026-11-28): a lower interval lets a pure-Python loop's producer keep up (5 ms busy,
 batch 256, 16 cores: 0.61x ideal at 5 ms, 0.74x at 1 ms, 0.85x at 0.2 ms), but on an H200 training
 resnet18 at 160 px it changed nothing (benchmarks/train_bench.py: 0.36-0.52x synthetic at every
-interval), so dsc leaves the interval alone. See README, "On a GPU".
+interval), so dsc leaves the interval alone. See docs/benchmarks.md, "On a GPU".
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Every `python benchmarks/...` and `python examples/...` command the README shows runs as
+"""Every `python benchmarks/...` and `python examples/...` command the README (or a page of docs/) shows runs as
 written, from a clone alone: each is run here with the README's own arguments, its paths pointed
 into a temporary folder and a few arguments added that make it tiny (argparse lets a later
 option override an earlier one). The corpus they read is the one the README tells users to build
@@ -14,7 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-README = (ROOT / "README.md").read_text()
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]  # the documentation
+DOCUMENTATION = "\n".join(page.read_text() for page in PAGES)
 SHOWN = re.compile(r"`(python (?:benchmarks|examples)/[^`]+)`")
 
 # script -> the arguments that make a run tiny (added after the README's own)
@@ -59,7 +60,7 @@ PATHS = {"/tmp/corpus": "{tmp}/corpus", "/tmp/scale_ds": "{tmp}/scale_ds", "out/
 
 def shown_commands() -> list[str]:
     """Each distinct command in backticks, its line breaks undone."""
-    return list(dict.fromkeys(" ".join(m.split()) for m in SHOWN.findall(README)))
+    return list(dict.fromkeys(" ".join(m.split()) for m in SHOWN.findall(DOCUMENTATION)))
 
 
 def runnable(command: str, tmp: Path) -> list[str]:
@@ -108,5 +109,5 @@ def test_every_shown_command_runs_as_written(tmp_path: Path) -> None:
 def test_nothing_points_outside_the_clone() -> None:
     """A user's clone has no `../shared` folder: no benchmark, example or README line may need one."""
     texts = {p.relative_to(ROOT).as_posix(): p.read_text() for p in
-             [ROOT / "README.md", *ROOT.glob("benchmarks/*.py"), *ROOT.glob("examples/**/*.py")]}
+             [*PAGES, *ROOT.glob("benchmarks/*.py"), *ROOT.glob("examples/**/*.py")]}
     assert [name for name, text in texts.items() if "../shared" in text] == []
