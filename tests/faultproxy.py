@@ -62,6 +62,7 @@ class Seen:
     sent: int = 0  # bytes of the request's body: what the client uploaded
     served: int = 0  # bytes of the answer's body sent back: what the client downloaded (a cut answer: what went)
     answered: int = 0  # the status of the answer once it was sent whole (0: none, or cut)
+    over: bool = False  # the proxy is done with it (forwarded and answered, or given up): nothing of it is in flight
 
 
 class FaultProxy:
@@ -182,6 +183,17 @@ class FaultProxy:
         with self.lock:
             return sum(s.served for s in self.seen if (method is None or s.method == method) and contains in s.path)
 
+    def settle(self, timeout: float = UPSTREAM_TIMEOUT_S + HOLD_LIMIT_S) -> None:
+        """Wait until no request the proxy received is still on its way (a held or delayed one forwarded and
+        answered by the server): what a killed client had in flight has landed, or never will."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                if all(s.over for s in self.seen):
+                    return
+            time.sleep(0.01)
+        raise TimeoutError(f"requests still in flight through the proxy after {timeout} s")
+
     def _add(self, fault: Fault) -> None:
         if fault.count < 1:
             raise ValueError("a fault hits at least one request")
@@ -242,6 +254,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     do_HEAD = do_PUT = do_POST = do_DELETE = do_GET
 
     def _serve(self) -> None:
+        self.recorded = None
+        try:
+            self._handle()
+        finally:
+            if self.recorded is not None:
+                with self.owner.lock:
+                    self.recorded.over = True
+
+    def _handle(self) -> None:
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         if self.owner.bare_etags and self.command == "PUT" and self.headers.get("If-Match", "").startswith('"'):
             with self.owner.lock:

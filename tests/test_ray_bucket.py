@@ -138,7 +138,7 @@ def test_a_ray_worker_killed_during_a_bucket_build_is_retried_and_nothing_partia
     finally:
         stop.set()
         killer.join(timeout=10)
-        time.sleep(HOLD_S + 0.3)  # the held PUT lands now, as one in flight at a kill does
+        proxy.settle()  # the held PUT lands now, as one in flight at a kill does
     assert killed, "no task was running to be killed: the test proved nothing"
     assert len(seen) == 1 and "no manifest.json" in seen[0], seen
     assert summary.kept == 48
