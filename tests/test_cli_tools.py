@@ -70,6 +70,8 @@ def test_verify_passes_and_re_decodes_identically(compiled) -> None:
     result = invoke("verify", compiled[1], "--decode", "6")
     assert result.exit_code == 0, result.stderr
     assert "ok: manifest, 4 shard(s) and index files match" in result.stdout
+    size = invoke("info", compiled[1]).stdout.splitlines()[0].split(", ")[-1].removesuffix(" on disk")
+    assert f"match ({size});" in result.stdout  # the dataset's size, as info gives it
     assert "decoded 6 record(s) again: worst difference record" in result.stdout
     assert ": max 0, mean 0.000" in result.stdout
 

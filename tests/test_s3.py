@@ -352,6 +352,8 @@ def test_info_and_verify_on_an_s3_url(env: Path, url: str, local: MemmapDataset)
     verify = runner.invoke(app, ["verify", url])
     assert verify.exit_code == 0, verify.output
     assert verify.stdout.startswith("ok: manifest, 5 shard(s)")
+    size = info.stdout.splitlines()[0].split(", ")[-1].removesuffix(" in the bucket")
+    assert f"match ({size});" in verify.stdout  # the dataset's size, as info gives it
 
 
 def test_verify_reads_the_bucket_and_names_a_damaged_record(server: S3Server, env: Path, url: str,
