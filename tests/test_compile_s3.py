@@ -401,10 +401,10 @@ def test_kill_9_of_the_driver_at_random_moments_and_inside_the_commit(src: Path,
         if hold is not None:
             proxy.delay(HOLD_S, 1, match=hold[1], method=hold[0])
         child = children.Process(target=_compile_child, args=(child_env, str(src), url, {**options, "workers": 2}))
-        started, killed = time.monotonic(), False
+        started, killed, earlier = time.monotonic(), False, proxy.count(*hold) if hold else 0  # (earlier runs')
         child.start()
         while kill_after is not None and child.is_alive() and time.monotonic() - started < RUN_S:
-            if proxy.count(*hold) if hold else time.monotonic() - started >= kill_after:
+            if proxy.count(*hold) > earlier if hold else time.monotonic() - started >= kill_after:
                 child.kill()
                 killed = True
                 break

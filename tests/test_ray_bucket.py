@@ -98,9 +98,9 @@ def _kill_workers_holding_a_put(stop: threading.Event, proxy: FaultProxy, match:
     """Once the proxy holds a task's PUT whose path has `match`, kill -9 every Ray worker of this cluster that
     runs a dsc task (one of them sent it: it dies with its work in hand); then note what a reader opening
     `url` sees at that moment."""
-    deadline = time.monotonic() + KILL_WAIT_S
+    deadline, earlier = time.monotonic() + KILL_WAIT_S, proxy.count("PUT", match)  # (the module's earlier tests')
     while not stop.is_set() and not killed and time.monotonic() < deadline:
-        workers = chunk_task_workers(os.getpid()) if proxy.count("PUT", match) else []
+        workers = chunk_task_workers(os.getpid()) if proxy.count("PUT", match) > earlier else []
         for pid in workers:
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
