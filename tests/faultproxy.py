@@ -17,6 +17,8 @@ path when empty):
   at a chosen request while another one goes on;
 - `refuse(n)`: answer the next n with 412 Precondition Failed, as to a conditional PUT whose object another
   writer changed meanwhile.
+`settle()` waits until no request received is still on its way to the server (a held or delayed one, sent by a
+client since killed, has landed): what a test looks at next is what that client left.
 `bare_etags = True` makes the proxy a server that takes only a bare ETag in a PUT's `If-Match` and answers
 412 to a quoted one, as Ceph's radosgw 16.2 does (HTTP and S3 quote it).
 Standard library only; every loop is bounded (the handler's keep-alive loop by a socket timeout).
