@@ -553,14 +553,13 @@ def verify_command(
         with tqdm(total=total, unit="B", unit_scale=True, desc="checksums", disable=None, file=sys.stderr) as bar:
             verify_checksums(dataset, manifest, progress=bar.update)
         check_skip_list(opened)
-        size = total + (opened.local_root / MANIFEST_FILE).stat().st_size  # as `dsc info` counts the dataset
     except DscError as e:
         _fail_dataset(dataset, e)
     fields = f", {len(manifest.fields)} field file(s)" if manifest.fields else ""
     unsealed = "" if minor_version(manifest.version) >= 2 else f" (format {manifest.version}: no checksum of its own)"
     which = f" of version {manifest.dataset_version}" if manifest.dataset_version > 1 or version else ""
     typer.echo(f"ok: manifest{which}{unsealed}, {len(manifest.shards)} shard(s){fields} and index files match "
-               f"({_human_bytes(size)}); the skip list names no stored source")
+               f"({_human_bytes(opened.stored_bytes)}); the skip list names no stored source")
     if decode:
         from dsc.tools.recheck import check_against_sources  # the decoders and torch: only for --decode
 

@@ -17,8 +17,8 @@ path when empty):
   at a chosen request while another one goes on;
 - `refuse(n)`: answer the next n with 412 Precondition Failed, as to a conditional PUT whose object another
   writer changed meanwhile.
-`settle()` waits until no request received is still on its way to the server (a held or delayed one, sent by a
-client since killed, has landed): what a test looks at next is what that client left.
+`settle()` waits until no request the proxy has read is still on its way to the server (a held or delayed one,
+sent by a client since killed, has landed): what a test looks at next is what that client left.
 `bare_etags = True` makes the proxy a server that takes only a bare ETag in a PUT's `If-Match` and answers
 412 to a quoted one, as Ceph's radosgw 16.2 does (HTTP and S3 quote it).
 Standard library only; every loop is bounded (the handler's keep-alive loop by a socket timeout).
@@ -186,8 +186,10 @@ class FaultProxy:
             return sum(s.served for s in self.seen if (method is None or s.method == method) and contains in s.path)
 
     def settle(self, timeout: float = UPSTREAM_TIMEOUT_S + HOLD_LIMIT_S) -> None:
-        """Wait until no request the proxy received is still on its way (a held or delayed one forwarded and
-        answered by the server): what a killed client had in flight has landed, or never will."""
+        """Wait until no request the proxy has read (recorded in `seen`) is still on its way: a held or delayed
+        one forwarded and answered by the server, or given up. (Bytes a client sent that no handler thread has
+        read yet are not waited for: a test settles once the client is gone and the proxy has counted what it
+        waits on.)"""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self.lock:

@@ -426,7 +426,7 @@ def test_kill_9_of_the_driver_at_random_moments_and_inside_the_commit(src: Path,
         whole_s = time.monotonic() - started
         for info in Bucket(url).list():
             Bucket(url).delete(info.name)
-        kills, seen, runs = 0, [], []  # runs: (stage, request held, how it ended, what a reader saw) each
+        kills, runs = 0, []  # runs: (stage, request held, how it ended, what a reader saw) each
         for stage, options in enumerate([{**OPTIONS, "resume": True}, {**OPTIONS, "seed": 4, "force": True,
                                                                        "resume": True}]):
             for k in range(3 * KILLS):  # a kill that came too late lets the compile finish: a --force one goes on
@@ -435,15 +435,15 @@ def test_kill_9_of_the_driver_at_random_moments_and_inside_the_commit(src: Path,
                 hold = HOLDS[k] if k < len(HOLDS) else None
                 killed = not run(options, rng.uniform(0.05, 0.95) * whole_s, hold)
                 kills += killed
-                seen.append(_reader_sees(url, [old, new]))
-                runs.append((stage, hold, "killed" if killed else "finished", seen[-1]))
-                assert seen[-1] in ((None, 0) if stage == 0 else (0, 1))
+                runs.append((stage, hold, "killed" if killed else "finished", _reader_sees(url, [old, new])))
+                assert runs[-1][-1] in ((None, 0) if stage == 0 else (0, 1))
             assert (stage == 0 and finished()) or run(options)
             assert _reader_sees(url, [old, new]) == stage
         assert_same_as(tmp_path / "seed4", url)
     finally:
         proxy.kill()
     assert kills >= KILLS
+    seen = [reader_saw for *_, reader_saw in runs]
     assert seen.count(None) and seen.count(0) and seen.count(1), runs  # each state was seen between kills
 
 

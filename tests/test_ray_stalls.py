@@ -29,11 +29,12 @@ from dsc.testing import make_image_folder
 pytest.importorskip("ray")
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for the worker processes")
 
-STALL_S = 20  # the compile's stall limit here (the default is 300): an image takes ~1 s here (2026-11-29), and a
-# task redoing the stopped one's work must not stall on it: at 8 s one did once, in CI (scripts/test.sh runs two
+STALL_S = 20  # the compile's stall limit here (the default is 300): an image takes ~1 s (SIDE), and a task
+# redoing the stopped one's work must not stall on it: at 8 s one did once, in CI (scripts/test.sh runs two
 # tests beside each other on 2 cores, this one's Ray instance among them)
 IMAGES = 6  # one chunk (at most MIN_CHUNK): with one CPU, one task at a time works on it
-SIDE = 5000  # a noise PNG this large takes ~3 s to decode here: a task is stopped in the middle of one image
+SIDE = 5000  # a noise PNG this large takes ~1 s to decode and fit here (0.6 s decoding; 2026-11-29), one after
+# another: a task stopped while it works is inside one image
 SETTLE_S = 1.0  # a task is stopped this long after it shows up: it has said it started (under load that took
 # over 0.2 s: unheard, the task counts as not started and no image is blamed), its image is not done
 TIMEOUT_S = 240

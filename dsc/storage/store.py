@@ -215,6 +215,11 @@ class OpenedDataset:
         """The local folder of the mapped files (what code that maps them by path again uses)."""
         return self.local if self.local is not None else Path(self.root)
 
+    @property
+    def stored_bytes(self) -> int:
+        """The dataset's size: the files its manifest lists and the manifest (what `dsc info` and `dsc verify` say)."""
+        return sum(e.bytes for e in self.manifest.files) + (self.local_root / fmt.MANIFEST_FILE).stat().st_size
+
     def source(self, i: int) -> str:
         """Record `i`'s source path, relative to the compiled SRC folder."""
         offsets = self._values["source_offsets"]

@@ -60,7 +60,7 @@ def summary(path: str | os.PathLike, every_skip: bool = True, version: int | Non
         # a warnings file is written only when some record of its segment has a decoder warning
         "has_warnings": any(s.warnings is not None for s in m.index_segments),
         "shards": len(m.shards), "records_per_shard": m.records_per_shard,
-        "bytes_on_disk": sum(f.bytes for f in m.files) + (d.local_root / fmt.MANIFEST_FILE).stat().st_size,
+        "bytes_on_disk": d.stored_bytes,
         "jpeg_decoder": m.compile.get("jpeg_decoder"), "compile": m.compile,
         "fields": [field_summary(f, d.fields[f.name] if counted else None) for f in m.fields],
         "version": m.dataset_version,  # format 1.3: the version shown, and every one kept
